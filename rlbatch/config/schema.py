@@ -1,0 +1,226 @@
+"""The configuration schema: every field, its type, its default and what it means.
+
+Plain dataclasses (no Hydra import here, so the placement code can read field names without
+pulling Hydra in). ``rlbatch.config.store`` registers them in Hydra's ConfigStore; the YAML under
+``conf/`` only composes and overrides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
+"""Roles that always hold a model on GPUs. ``reward`` may be a GPU model or a CPU rule; any other
+role name is a CPU role (e.g. ``code_sandbox``)."""
+INHERIT_BACKEND = ("reference", "critic")
+"""Roles whose empty backend inherits actor_train's (AReaL's rule)."""
+
+
+@dataclass
+class RoleConfig:
+    """Where one role runs and with which engine."""
+
+    enabled: bool = True
+    """False switches the role off (GRPO has no critic)."""
+    device_mapping: Any = None
+    """Global GPU ranks: a list of ints, or a string such as 'list(range(0,8))' or '[0,1]+range(4,6)'.
+    Parsed by a small grammar, never evaluated. Absent for CPU roles."""
+    backend: str = ""
+    """'<engine>:<dims>' such as 'fsdp:d4t2', 'vllm:d2t4', 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'.
+    Empty for CPU roles; reference and critic inherit actor_train's when empty."""
+    num_gpus_per_worker: Optional[int] = None
+    """GPUs per engine instance: 1 for training engines, t*p for inference. Derived when absent."""
+    world_size: Optional[int] = None
+    """Number of workers. GPU roles: len(device_mapping) / num_gpus_per_worker (derived when absent).
+    CPU roles: required."""
+    offload: bool = True
+    """Move this role's device state to pinned host memory while a colocated role has the GPU."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the engine (e.g. vLLM's gpu_memory_utilization)."""
+
+
+def default_roles() -> dict[str, RoleConfig]:
+    """The default placement: actor_train, actor_infer and reference colocated on 2 GPU ranks."""
+    return {
+        "actor_train": RoleConfig(device_mapping=[0, 1], backend="fsdp:d2"),
+        "actor_infer": RoleConfig(device_mapping=[0, 1], backend="hf:d2"),
+        "reference": RoleConfig(device_mapping=[0, 1]),
+        "critic": RoleConfig(enabled=False),
+        "reward": RoleConfig(world_size=1),
+    }
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs: this machine (mpiexec) or a Slurm allocation (submitit + srun)."""
+
+    name: str = "local"
+    """'local' starts every rank here with mpiexec; 'slurm' submits one sbatch job."""
+    gpus_per_node: int = 8
+    """GPUs on each node. GPU rank r lives on node r // gpus_per_node."""
+    nodes: Optional[int] = None
+    """Nodes to use. Derived from the placement when absent."""
+    cpus_per_task: int = 1
+    """CPU cores for each process (GPU ranks, CPU workers and the controller)."""
+    mem_gb: Optional[int] = None
+    """Memory per node in GB (sbatch --mem). Slurm's default when absent."""
+    partition: Optional[str] = None
+    """Slurm partition (sbatch --partition)."""
+    time_min: int = 60
+    """Slurm time limit in minutes (sbatch --time)."""
+    account: Optional[str] = None
+    """Slurm account (sbatch --account)."""
+    qos: Optional[str] = None
+    """Slurm QOS (sbatch --qos)."""
+    constraint: Optional[str] = None
+    """Slurm node features (sbatch --constraint)."""
+    job_name: str = "rlbatch"
+    """Slurm job name."""
+    sbatch_args: dict[str, Any] = field(default_factory=dict)
+    """Any other '#SBATCH --key=value' lines, e.g. {exclusive: true, reservation: r1}."""
+    srun_args: list[str] = field(default_factory=list)
+    """Extra srun arguments, e.g. ['--cpu-bind=none']."""
+    mpi: str = "pmi2"
+    """srun --mpi plugin. pmi2 works with the mpich wheel; use pmix with an OpenMPI build."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run in the sbatch script before srun (module load ..., source venv)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set for every rank."""
+    container_image: Optional[str] = None
+    """Container image for every rank (pyxis: srun --container-image)."""
+    container_mounts: Optional[str] = None
+    """Container mounts (pyxis: srun --container-mounts=src:dst,...)."""
+    mpiexec: str = ""
+    """Local launcher: path of mpiexec. Empty uses the one installed beside this Python
+    (the mpich wheel's); set it to use a system MPI."""
+    mpiexec_args: list[str] = field(default_factory=list)
+    """Extra arguments for the local mpiexec."""
+    port_range: list[int] = field(default_factory=lambda: [20000, 40000])
+    """[low, high): torch.distributed rendezvous ports are derived from the job id in this range."""
+    timeout_s: float = 600.0
+    """Limit for every collective and control-plane wait; on expiry the error names the role,
+    the ranks and the operation."""
+    device: str = "auto"
+    """'cuda', 'cpu', or 'auto' (cuda when available). On 'cpu', GPU ranks are logical."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. A local HF directory, or a small random-initialised architecture."""
+
+    path: Optional[str] = None
+    """Local Hugging Face model directory (weights, config, tokenizer). Nothing is downloaded."""
+    arch: str = "qwen2"
+    """Architecture of a random-initialised model when no path is given: 'qwen2' or 'llama'."""
+    hidden_size: int = 64
+    """Random-init model: hidden size."""
+    intermediate_size: int = 256
+    """Random-init model: MLP size."""
+    num_layers: int = 2
+    """Random-init model: transformer layers."""
+    num_heads: int = 4
+    """Random-init model: attention heads."""
+    num_kv_heads: int = 2
+    """Random-init model: key/value heads (grouped-query attention)."""
+    max_position_embeddings: int = 128
+    """Random-init model: longest sequence."""
+    tie_word_embeddings: bool = True
+    """Share input embedding and output projection."""
+    dtype: str = "auto"
+    """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp16' or 'fp32'."""
+
+
+@dataclass
+class AlgoConfig:
+    """The RL algorithm: GRPO by default (group-normalised advantages, PPO-clip, KL to reference)."""
+
+    name: str = "grpo"
+    """'grpo' (no critic) or 'ppo' (needs the critic role)."""
+    prompts_per_step: int = 16
+    """Prompts drawn per step."""
+    samples_per_prompt: int = 8
+    """Responses generated per prompt (the GRPO group size)."""
+    max_new_tokens: int = 8
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature for generation."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    grad_clip: float = 1.0
+    """Clip the gradient norm to this (0 disables)."""
+    mini_batches: int = 2
+    """Optimizer steps per batch (the batch is split into this many mini-batches)."""
+    epochs: int = 1
+    """Passes over each batch."""
+    grad_accum: int = 1
+    """Micro-batches per mini-batch (gradient accumulation)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (1 - clip_low)."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1 (1 + clip_high)."""
+    kl_coef: float = 0.01
+    """Weight of the KL to the reference (0 disables the reference role's work)."""
+    kl_estimator: str = "k3"
+    """'k1' or 'k3'."""
+    kl_in_reward: bool = False
+    """Subtract the KL from the reward instead of adding it to the loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    loss_agg: str = "token"
+    """'token' (mean over all tokens) or 'seq' (mean over sequences of per-sequence means)."""
+    adv_eps: float = 1e-6
+    """Added to the group std when normalising advantages."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from: the built-in synthetic task, or a jsonl/parquet file."""
+
+    name: str = "synthetic"
+    """'synthetic' (built-in arithmetic task) or 'file'."""
+    path: Optional[str] = None
+    """jsonl or parquet file for name=file."""
+    prompt_key: str = "question"
+    """Field of each record that holds the question."""
+    answer_key: str = "answer"
+    """Field of each record that holds the reference answer."""
+    template: str = "{question}"
+    """Prompt template; '{question}' is replaced by the record's question."""
+    reward_fn: str = "rlbatch.rewards.rules:exact_match"
+    """Dotted path 'module:function' of the reward function (completion, answer) -> float."""
+
+
+@dataclass
+class RLBatchConfig:
+    """One rlbatch run."""
+
+    run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"
+    """Where logs, metrics and checkpoints go. Stays the same across Slurm requeues."""
+    seed: int = 1
+    """Seed for every rank (each rank derives its own stream from it)."""
+    steps: int = 60
+    """RL steps to run."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end and on preemption)."""
+    resume: str = "auto"
+    """'auto' (newest complete checkpoint in run_dir), 'never', or a checkpoint path."""
+    dry_run: bool = False
+    """Print the placement and the sbatch script, start nothing."""
+    wait: bool = False
+    """cluster=slurm: follow the job to the end and exit with its code."""
+    experiment: str = "default"
+    """Name of the experiment preset (set by conf/experiment/*.yaml)."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    roles: dict[str, RoleConfig] = field(default_factory=default_roles)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)

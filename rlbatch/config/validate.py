@@ -1,0 +1,139 @@
+"""``check(cfg) -> Placement``: the whole configuration validated in one pass.
+
+``plan()`` checks the roles and the cluster; this adds the rest of the schema (algorithm, data,
+model, run options) and the rules that tie them to the placement, and reports every problem of
+both in one ConfigError. Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rlbatch.config.plain import to_plain
+from rlbatch.errors import ConfigError
+from rlbatch.placement import Placement, plan
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "cluster.name": ("local", "slurm"),
+    "cluster.device": ("auto", "cuda", "cpu"),
+    "model.arch": ("qwen2", "llama"),
+    "model.dtype": ("auto", "bf16", "fp16", "fp32"),
+    "algo.name": ("grpo", "ppo"),
+    "algo.kl_estimator": ("k1", "k3"),
+    "algo.loss_agg": ("token", "seq"),
+    "data.name": ("synthetic", "file"),
+}
+MINIMUMS: dict[str, float] = {
+    "steps": 1, "save_every": 0, "cluster.time_min": 1, "cluster.timeout_s": 1e-3,
+    "algo.prompts_per_step": 1, "algo.samples_per_prompt": 1, "algo.max_new_tokens": 1,
+    "algo.temperature": 0.0, "algo.lr": 0.0, "algo.mini_batches": 1, "algo.epochs": 1,
+    "algo.grad_accum": 1, "algo.clip_low": 0.0, "algo.clip_high": 0.0, "algo.kl_coef": 0.0,
+    "algo.grad_clip": 0.0, "algo.warmup_steps": 0,
+}
+
+
+def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = cfg
+    for key in dotted.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
+    rc = _get(cfg, f"roles.{role}")
+    return isinstance(rc, Mapping) and rc.get("enabled", True) is not False
+
+
+def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for key, allowed in CHOICES.items():
+        v = _get(cfg, key)
+        if v is not None and v not in allowed:
+            problems.append(f"{key}: {v!r} is not one of {list(allowed)}")
+    for key, low in MINIMUMS.items():
+        v = _get(cfg, key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            problems.append(f"{key}: expected a number, got {v!r}")
+        elif v < low:
+            problems.append(f"{key}: must be >= {low:g}, got {v}")
+    top_p = _get(cfg, "algo.top_p")
+    if isinstance(top_p, (int, float)) and not 0 < top_p <= 1:
+        problems.append(f"algo.top_p: must be in (0, 1], got {top_p}")
+    resume = _get(cfg, "resume")
+    if not isinstance(resume, str) or not resume:
+        problems.append(f"resume: expected 'auto', 'never' or a checkpoint path, got {resume!r}")
+    ports = _get(cfg, "cluster.port_range")
+    if ports is not None and not (
+        isinstance(ports, list) and len(ports) == 2 and all(isinstance(p, int) for p in ports)
+        and 1024 <= ports[0] < ports[1] <= 65536
+    ):
+        problems.append(f"cluster.port_range: expected [low, high) with 1024 <= low < high <= 65536, got {ports!r}")
+    return problems
+
+
+def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) -> list[str]:
+    problems = []
+    algo = _get(cfg, "algo") or {}
+    if algo.get("name") == "grpo" and (algo.get("samples_per_prompt") or 0) < 2:
+        problems.append(
+            f"algo.samples_per_prompt: GRPO normalises rewards within each prompt's group, so it "
+            f"needs at least 2 samples per prompt, got {algo.get('samples_per_prompt')}"
+        )
+    if algo.get("name") == "ppo" and not _enabled(cfg, "critic"):
+        problems.append("roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping")
+    if (algo.get("kl_coef") or 0) > 0 and not _enabled(cfg, "reference"):
+        problems.append(
+            f"roles.reference: algo.kl_coef={algo.get('kl_coef')} needs the reference role; "
+            f"enable it or set algo.kl_coef=0"
+        )
+    if _get(cfg, "data.name") == "file":
+        if not _get(cfg, "data.path"):
+            problems.append("data.path: data.name=file needs a jsonl or parquet path")
+        if not _get(cfg, "model.path"):
+            problems.append("model.path: data.name=file needs a real model and tokenizer; set model.path=<local HF directory>")
+    if placement is not None and "actor_train" in placement.roles:
+        train = placement.roles["actor_train"]
+        dp = dict(train.mesh).get("dp", 1) * dict(train.mesh).get("cp", 1) if train.mesh else train.world_size
+        samples = int(algo.get("prompts_per_step") or 0) * int(algo.get("samples_per_prompt") or 0)
+        parts = dp * int(algo.get("mini_batches") or 1) * int(algo.get("grad_accum") or 1)
+        if samples and parts and samples % parts:
+            problems.append(
+                f"algo: a batch of prompts_per_step*samples_per_prompt = {samples} samples cannot be "
+                f"split evenly into actor_train dp={dp} x mini_batches={algo.get('mini_batches')} x "
+                f"grad_accum={algo.get('grad_accum')} = {parts} parts"
+            )
+    return problems
+
+
+def _missing_values(cfg: Any) -> list[str]:
+    if not type(cfg).__module__.startswith("omegaconf"):
+        return []
+    from omegaconf import OmegaConf
+
+    return sorted(OmegaConf.missing_keys(cfg))
+
+
+def check(cfg: Any) -> Placement:
+    """Validate everything in ``cfg``; return the Placement or raise one ConfigError listing all problems."""
+    missing = _missing_values(cfg)
+    if missing:
+        raise ConfigError([f"{k}: required but not set ('???' in conf/); give it as an override, e.g. {k}=..." for k in missing])
+    plain = to_plain(cfg)
+    if not isinstance(plain, Mapping):
+        raise ConfigError(f"config: expected a mapping, got {type(plain).__name__}")
+    problems = _check_fields(plain)
+    placement: Placement | None = None
+    try:
+        placement = plan(plain)
+    except ConfigError as e:
+        problems.extend(e.problems)
+    problems.extend(_check_algo_vs_roles(plain, placement))
+    if problems:
+        raise ConfigError(problems)
+    assert placement is not None
+    return placement

@@ -1,0 +1,47 @@
+"""Start an rlbatch run: ``python -m rlbatch.launch [hydra overrides]``.
+
+    python -m rlbatch.launch                              # the default experiment, on this machine
+    python -m rlbatch.launch dry_run=true cluster=slurm   # print placement + sbatch script, start nothing
+    python -m rlbatch.launch cluster=slurm cluster.partition=gpu roles=areal_16gpu
+    python -m rlbatch.launch -m cluster=slurm algo.lr=1e-6,3e-6   # one Slurm job per point
+
+Exit codes: 0 success, 2 bad configuration (problems printed, nothing started), other: the run's.
+Heavy libraries are imported only after the config is valid, so errors and dry runs are instant.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rlbatch.errors import ConfigError
+
+
+def report_config_error(e: ConfigError) -> int:
+    print("rlbatch: the configuration cannot run:", file=sys.stderr)
+    for p in e.problems:
+        print(f"  - {p}", file=sys.stderr)
+    print("nothing was started.", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from rlbatch.launch.compose import compose, needs_hydra_cli
+
+    if needs_hydra_cli(argv):
+        from rlbatch.launch.sweep import hydra_cli
+
+        return hydra_cli(argv)
+    from rlbatch.config.validate import check
+    from rlbatch.launch.run import launch
+
+    try:
+        cfg = compose(argv)
+        placement = check(cfg)
+    except ConfigError as e:
+        return report_config_error(e)
+    return launch(cfg, placement)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

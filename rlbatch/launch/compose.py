@@ -1,0 +1,57 @@
+"""Compose the Hydra config from ``conf/`` and overrides, reporting errors as ConfigError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlbatch.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The repository's conf/ (rlbatch is installed editable, next to it)."""
+CONFIG_NAME = "config"
+
+# Flags that need Hydra's own command line (sweeps, help, printing the config).
+_HYDRA_FLAGS = {
+    "-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info",
+    "-sc", "--shell-completion", "--resolve", "-p", "--package", "--version",
+    "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir",
+}
+
+
+def needs_hydra_cli(argv: list[str]) -> bool:
+    """True when argv uses Hydra's command-line features (sweeps, --help, --cfg, hydra.* keys)."""
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if arg.split("=", 1)[0] in _HYDRA_FLAGS or key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            return True
+    return False
+
+
+def _first_lines(text: str, n: int = 4) -> str:
+    lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
+    return "\n    ".join(lines[:n])
+
+
+def compose(overrides: list[str]) -> Any:
+    """The composed, resolved DictConfig for ``overrides`` (Hydra override syntax)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rlbatch.config.store import register
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else None
+        detail = _first_lines(str(e)) + (f"\n    {_first_lines(str(cause), 2)}" if cause else "")
+        raise ConfigError(f"overrides: {detail}") from None
+    return cfg

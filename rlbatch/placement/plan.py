@@ -1,0 +1,343 @@
+"""``plan(cfg) -> Placement``: validate the roles and cluster of a config and place them.
+
+Pure: no torch, no engines, no GPUs, no I/O. Every problem found is collected and raised as one
+ConfigError, each naming role, field and numbers, so a user fixes a config in one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from rlbatch.config.plain import to_plain
+from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND, ClusterConfig, RoleConfig
+from rlbatch.errors import ConfigError
+from rlbatch.placement.backend import BackendSpec, EngineKind, parse_backend
+from rlbatch.placement.device_mapping import MAX_GPUS, parse_device_mapping
+from rlbatch.placement.placement import (
+    Placement,
+    ProcessKind,
+    ProcessSlot,
+    RolePlacement,
+    SlurmRequest,
+)
+
+ROLE_FIELDS = frozenset(f.name for f in dataclasses.fields(RoleConfig))
+CLUSTER_FIELDS = frozenset(f.name for f in dataclasses.fields(ClusterConfig))
+REQUIRED_ROLES = ("actor_train", "actor_infer")
+MAX_CPU_WORKERS = 4096
+_ROLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def _int_field(value: Any, field: str, problems: list[str], minimum: int = 1, maximum: int | None = None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(f"{field}: expected an integer, got {type(value).__name__} {value!r}"[:200])
+        return None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        problems.append(f"{field}: must be {bound}, got {value}")
+        return None
+    return value
+
+
+@dataclasses.dataclass
+class _GpuRole:
+    name: str
+    backend: BackendSpec
+    ranks: list[int]
+    ngpw: int
+    world: int
+    offload: bool
+    engine_args: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _CpuRole:
+    name: str
+    world: int
+    offload: bool
+    engine_args: dict[str, Any]
+
+
+def _check_gpu_role(
+    name: str, rc: Mapping[str, Any], backend_str: Any, inherited: bool, problems: list[str]
+) -> _GpuRole | None:
+    f = f"roles.{name}"
+    n0 = len(problems)
+    backend = ranks = None
+    if backend_str in (None, ""):
+        hint = " (and actor_train has none to inherit)" if name in INHERIT_BACKEND else ""
+        problems.append(f"{f}.backend: a GPU role needs a backend such as 'fsdp:d2'{hint}")
+    else:
+        try:
+            label = f"{f}.backend (inherited from actor_train)" if inherited else f"{f}.backend"
+            backend = parse_backend(backend_str, label)
+        except ConfigError as e:
+            problems.extend(e.problems)
+    try:
+        ranks = parse_device_mapping(rc["device_mapping"], f"{f}.device_mapping")
+    except ConfigError as e:
+        problems.extend(e.problems)
+    ngpw = _int_field(rc.get("num_gpus_per_worker"), f"{f}.num_gpus_per_worker", problems)
+    world = _int_field(rc.get("world_size"), f"{f}.world_size", problems, maximum=MAX_GPUS)
+    if backend is None or ranks is None or len(problems) > n0:
+        return None
+
+    n = len(ranks)
+    expected = backend.num_gpus_per_worker
+    kind = "training" if backend.kind is EngineKind.TRAIN else "inference"
+    if ngpw is not None and ngpw != expected:
+        why = "training engines use 1 GPU per worker" if backend.kind is EngineKind.TRAIN else f"t*p = {backend.t}*{backend.p}"
+        problems.append(f"{f}.num_gpus_per_worker: is {ngpw} but backend '{backend}' ({kind}) needs {expected} ({why})")
+    elif ngpw is None and world is not None:
+        if n % world:
+            problems.append(f"{f}.world_size: device_mapping has {n} GPUs, not divisible by world_size={world}")
+        elif n // world != expected:
+            problems.append(
+                f"{f}.world_size: {n} GPUs / world_size={world} gives {n // world} GPUs per worker, "
+                f"but backend '{backend}' ({kind}) needs {expected}"
+            )
+    ngpw = expected
+    if n % ngpw:
+        problems.append(f"{f}: device_mapping has {n} GPUs, not divisible by num_gpus_per_worker={ngpw}")
+    elif world is not None and world != n // ngpw:
+        problems.append(f"{f}.world_size: is {world} but device_mapping has {n} GPUs / {ngpw} per worker = {n // ngpw} workers")
+    if n != backend.world_size:
+        d = backend.dims
+        problems.append(
+            f"{f}: device_mapping has {n} GPUs but backend '{backend}' needs "
+            f"d*t*p*c = {d.d}*{d.t}*{d.p}*{d.c} = {backend.world_size}"
+        )
+    if len(problems) > n0:
+        return None
+    return _GpuRole(name, backend, ranks, ngpw, n // ngpw, bool(rc.get("offload", True)), dict(rc.get("engine_args") or {}))
+
+
+def _groups_within_nodes(role: _GpuRole, gpn: int, problems: list[str]) -> None:
+    """Tensor- and expert-parallel groups need NVLink: each must sit inside one node."""
+    b, ranks, f = role.backend, role.ranks, f"roles.{role.name}"
+
+    def check(groups: list[list[int]], what: str) -> None:
+        for g in groups:
+            nodes = sorted({r // gpn for r in g})
+            if len(nodes) > 1:
+                problems.append(
+                    f"{f}: {what} group of GPU ranks {g} spans nodes {nodes} "
+                    f"(gpus_per_node={gpn}); keep it inside one node"
+                )
+                return
+
+    if b.t > 1:
+        check([ranks[i : i + b.t] for i in range(0, len(ranks), b.t)], f"tensor-parallel (t={b.t})")
+    if b.ffn is not None:
+        ffn = b.ffn
+        if ffn.e > 1:
+            block = ffn.e * ffn.t  # mesh (pp, dp, ep, tp): an EP group strides tp inside a block
+            groups = [ranks[i + j : i + block : ffn.t] for i in range(0, len(ranks), block) for j in range(ffn.t)]
+            check(groups, f"expert-parallel (e={ffn.e})")
+        if ffn.t > 1 and ffn.t != b.t:
+            check([ranks[i : i + ffn.t] for i in range(0, len(ranks), ffn.t)], f"ffn tensor-parallel (t={ffn.t})")
+    elif b.e > 1:
+        per_stage = b.d * b.t * b.c
+        if per_stage % b.e:
+            problems.append(
+                f"{f}.backend: expert parallel e={b.e} must divide the GPUs of one pipeline stage "
+                f"d*t*c = {b.d}*{b.t}*{b.c} = {per_stage} in '{b}'"
+            )
+        else:
+            check([ranks[i : i + b.e] for i in range(0, len(ranks), b.e)], f"expert-parallel (e={b.e})")
+
+
+def _mesh(b: BackendSpec) -> tuple[tuple[str, int], ...]:
+    if b.kind is EngineKind.TRAIN:
+        return (("pp", b.p), ("dp", b.d), ("cp", b.c), ("tp", b.t))
+    return (("dp", b.d), ("pp", b.p), ("tp", b.t))
+
+
+def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], list[_CpuRole]]:
+    if not isinstance(roles_raw, Mapping) or not roles_raw:
+        problems.append("roles: expected a mapping of role name to role config, e.g. roles.actor_train.device_mapping=[0,1]")
+        return [], []
+    enabled: dict[str, Mapping[str, Any]] = {}
+    for name, rc in roles_raw.items():
+        if not isinstance(name, str) or not _ROLE_NAME.fullmatch(name):
+            problems.append(f"roles: role name {name!r} must be lower_snake_case (letters, digits, '_'), at most 64 characters"[:200])
+            continue
+        if rc is None:
+            continue
+        if not isinstance(rc, Mapping):
+            problems.append(f"roles.{name}: expected a mapping of fields, got {type(rc).__name__}")
+            continue
+        unknown = sorted(str(k) for k in rc if k not in ROLE_FIELDS)
+        if unknown:
+            problems.append(f"roles.{name}: unknown field(s) {unknown}; known fields: {sorted(ROLE_FIELDS)}")
+            continue
+        if rc.get("enabled", True) is not False:
+            enabled[name] = rc
+    for name in REQUIRED_ROLES:
+        if name not in enabled:
+            problems.append(f"roles.{name}: required for RL training but missing or disabled")
+
+    train_backend = (enabled.get("actor_train") or {}).get("backend")
+    gpu: list[_GpuRole] = []
+    cpu: list[_CpuRole] = []
+    for name, rc in enabled.items():
+        f = f"roles.{name}"
+        backend_str = rc.get("backend")
+        inherited = name in INHERIT_BACKEND and backend_str in (None, "")
+        if inherited:
+            backend_str = train_backend
+        has_dm = rc.get("device_mapping") is not None
+        wants_gpu = name in GPU_ROLES or (name == "reward" and (has_dm or backend_str))
+        if wants_gpu:
+            if not has_dm and rc.get("world_size") is None:
+                problems.append(f"{f}: has neither device_mapping nor world_size; a GPU role needs device_mapping")
+            elif not has_dm:
+                problems.append(f"{f}.device_mapping: missing; world_size alone describes a CPU role, but {name} runs a model on GPUs")
+            elif (r := _check_gpu_role(name, rc, backend_str, inherited, problems)) is not None:
+                gpu.append(r)
+            continue
+        asks = [k for k in ("device_mapping", "backend") if rc.get(k) not in (None, "")]
+        if rc.get("num_gpus_per_worker") not in (None, 0):
+            asks.append(f"num_gpus_per_worker={rc.get('num_gpus_per_worker')}")
+        if asks:
+            problems.append(f"{f}: is a CPU role but asks for GPUs ({', '.join(asks)}); give it only world_size")
+            continue
+        if rc.get("world_size") is None:
+            problems.append(f"{f}: has neither device_mapping nor world_size; a CPU role needs world_size")
+            continue
+        world = _int_field(rc.get("world_size"), f"{f}.world_size", problems, maximum=MAX_CPU_WORKERS)
+        if world is not None:
+            cpu.append(_CpuRole(name, world, bool(rc.get("offload", True)), dict(rc.get("engine_args") or {})))
+    return gpu, cpu
+
+
+def _colocated_sets(gpu: list[_GpuRole]) -> list[tuple[str, ...]]:
+    parent = {r.name: r.name for r in gpu}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    owner: dict[int, str] = {}
+    for r in gpu:
+        for g in r.ranks:
+            if g in owner:
+                parent[find(r.name)] = find(owner[g])
+            else:
+                owner[g] = r.name
+    sets: dict[str, list[str]] = {}
+    for r in gpu:
+        sets.setdefault(find(r.name), []).append(r.name)
+    return [tuple(s) for s in sets.values() if len(s) > 1]
+
+
+def plan(cfg: Any) -> Placement:
+    """Validate ``cfg.roles`` and ``cfg.cluster`` and place every role. Raises ConfigError."""
+    cfg = to_plain(cfg)
+    problems: list[str] = []
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"config: expected a mapping with 'roles' and 'cluster', got {type(cfg).__name__}")
+    cluster = cfg.get("cluster") or {}
+    if not isinstance(cluster, Mapping):
+        problems.append(f"cluster: expected a mapping, got {type(cluster).__name__}")
+        cluster = {}
+    unknown = sorted(str(k) for k in cluster if k not in CLUSTER_FIELDS)
+    if unknown:
+        problems.append(f"cluster: unknown field(s) {unknown}; known fields: {sorted(CLUSTER_FIELDS)}")
+    gpn = _int_field(cluster.get("gpus_per_node", ClusterConfig.gpus_per_node), "cluster.gpus_per_node", problems, maximum=1024)
+    nodes_cfg = _int_field(cluster.get("nodes"), "cluster.nodes", problems, maximum=MAX_GPUS)
+    cpus = _int_field(cluster.get("cpus_per_task", 1), "cluster.cpus_per_task", problems, maximum=1024)
+
+    gpu, cpu = _read_roles(cfg.get("roles"), problems)
+    if gpn is None:
+        raise ConfigError(problems)
+
+    used = sorted({g for r in gpu for g in r.ranks})
+    num_gpus = used[-1] + 1 if used else 0
+    if num_gpus and len(used) != num_gpus:
+        missing = sorted(set(range(num_gpus)) - set(used))
+        problems.append(
+            f"roles: GPU ranks {missing[:16]} are in no role's device_mapping, yet ranks up to "
+            f"{num_gpus - 1} are used; every GPU rank in [0, {num_gpus}) needs a role"
+        )
+    num_nodes = max(1, -(-num_gpus // gpn))
+    if nodes_cfg is not None:
+        for r in gpu:
+            beyond = [g for g in r.ranks if g >= nodes_cfg * gpn]
+            if beyond:
+                problems.append(
+                    f"roles.{r.name}.device_mapping: GPU ranks {beyond[:8]} are beyond the cluster: "
+                    f"nodes={nodes_cfg} x gpus_per_node={gpn} = {nodes_cfg * gpn} GPUs (ranks 0..{nodes_cfg * gpn - 1})"
+                )
+        num_nodes = nodes_cfg
+    for r in gpu:
+        _groups_within_nodes(r, gpn, problems)
+    if problems:
+        raise ConfigError(problems)
+    return _build(gpu, cpu, gpn, num_nodes, num_gpus, cpus or 1)
+
+
+def _build(gpu: list[_GpuRole], cpu: list[_CpuRole], gpn: int, num_nodes: int, num_gpus: int, cpus: int) -> Placement:
+    on_gpu: dict[int, list[tuple[str, int]]] = {g: [] for g in range(num_gpus)}
+    for r in gpu:
+        for w in range(r.world):
+            for g in r.ranks[w * r.ngpw : (w + 1) * r.ngpw]:
+                on_gpu[g].append((r.name, w))
+
+    # CPU processes (workers, then the controller) go to the node with the fewest so far, so
+    # their memory spreads across nodes; the controller counts against node 0 from the start.
+    cpu_load = [0] * num_nodes
+    cpu_load[0] = 1
+    cpu_nodes: dict[str, list[int]] = {}
+    for r in cpu:
+        for _ in range(r.world):
+            node = min(range(num_nodes), key=lambda n: (cpu_load[n], n))
+            cpu_load[node] += 1
+            cpu_nodes.setdefault(r.name, []).append(node)
+
+    local_next = [0] * num_nodes
+    procs: list[ProcessSlot] = []
+    for g in range(num_gpus):
+        node = g // gpn
+        procs.append(ProcessSlot(g, ProcessKind.GPU, node, local_next[node], g, g % gpn, tuple(on_gpu[g])))
+        local_next[node] += 1
+    cpu_worker_ranks: dict[str, list[int]] = {}
+    for r in cpu:
+        for w, node in enumerate(cpu_nodes.get(r.name, [])):
+            rank = len(procs)
+            procs.append(ProcessSlot(rank, ProcessKind.CPU, node, local_next[node], None, None, ((r.name, w),)))
+            local_next[node] += 1
+            cpu_worker_ranks.setdefault(r.name, []).append(rank)
+    procs.append(ProcessSlot(len(procs), ProcessKind.CONTROLLER, 0, local_next[0], None, None, ()))
+    local_next[0] += 1
+
+    sets = _colocated_sets(gpu)
+    share = {name: tuple(n for s in sets if name in s for n in s if n != name) for s in sets for name in s}
+    roles: dict[str, RolePlacement] = {}
+    for r in gpu:
+        workers = tuple(tuple(r.ranks[w * r.ngpw : (w + 1) * r.ngpw]) for w in range(r.world))
+        roles[r.name] = RolePlacement(
+            name=r.name, backend=r.backend, gpu_ranks=tuple(r.ranks), num_gpus_per_worker=r.ngpw,
+            world_size=r.world, workers=workers, nodes=tuple(w[0] // gpn for w in workers),
+            mesh=_mesh(r.backend), colocated_with=share.get(r.name, ()), offload=r.offload,
+            engine_args=r.engine_args,
+        )
+    for c in cpu:
+        ranks = cpu_worker_ranks.get(c.name, [])
+        roles[c.name] = RolePlacement(
+            name=c.name, backend=None, gpu_ranks=(), num_gpus_per_worker=0, world_size=c.world,
+            workers=tuple((x,) for x in ranks), nodes=tuple(cpu_nodes.get(c.name, [])), mesh=(),
+            colocated_with=(), offload=c.offload, engine_args=c.engine_args,
+        )
+    gres = max((sum(1 for g in range(num_gpus) if g // gpn == n) for n in range(num_nodes)), default=0)
+    slurm = SlurmRequest(nodes=num_nodes, ntasks_per_node=max(local_next), gpus_per_node=gres, cpus_per_task=cpus)
+    return Placement(
+        gpus_per_node=gpn, num_nodes=num_nodes, num_gpus=num_gpus, roles=roles,
+        processes=tuple(procs), colocated_sets=tuple(sets), slurm=slurm,
+    )
