@@ -7,7 +7,7 @@ pulling Hydra in). ``rlbatch.config.store`` registers them in Hydra's ConfigStor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
@@ -40,15 +40,21 @@ class RoleConfig:
     """Extra keyword arguments for the engine (e.g. vLLM's gpu_memory_utilization)."""
 
 
-def default_roles() -> dict[str, RoleConfig]:
-    """The default placement: actor_train, actor_infer and reference colocated on 2 GPU ranks."""
-    return {
+def default_roles() -> dict[str, Any]:
+    """The default placement: actor_train, actor_infer and reference colocated on 2 GPU ranks.
+
+    Roles are plain mappings in the Hydra config (each with RoleConfig's fields), so a CPU role
+    can be added from the command line (``+roles.code_sandbox.world_size=8``); ``plan()``
+    checks every role's fields and types.
+    """
+    roles = {
         "actor_train": RoleConfig(device_mapping=[0, 1], backend="fsdp:d2"),
         "actor_infer": RoleConfig(device_mapping=[0, 1], backend="hf:d2"),
         "reference": RoleConfig(device_mapping=[0, 1]),
         "critic": RoleConfig(enabled=False),
         "reward": RoleConfig(world_size=1),
     }
+    return {name: asdict(rc) for name, rc in roles.items()}
 
 
 @dataclass
@@ -213,6 +219,8 @@ class RLBatchConfig:
     """Checkpoint every N steps (0: only at the end and on preemption)."""
     resume: str = "auto"
     """'auto' (newest complete checkpoint in run_dir), 'never', or a checkpoint path."""
+    program: str = "train"
+    """'train' runs RL; 'selftest' checks the placement on real processes (identity and collectives)."""
     dry_run: bool = False
     """Print the placement and the sbatch script, start nothing."""
     wait: bool = False
@@ -220,7 +228,8 @@ class RLBatchConfig:
     experiment: str = "default"
     """Name of the experiment preset (set by conf/experiment/*.yaml)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    roles: dict[str, RoleConfig] = field(default_factory=default_roles)
+    roles: dict[str, Any] = field(default_factory=default_roles)
+    """Role name -> RoleConfig fields. See RoleConfig."""
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -7,14 +7,17 @@ both in one ConfigError. Pure: no torch, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from rlbatch.config.plain import to_plain
+from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RLBatchConfig
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, plan
 
 CHOICES: dict[str, tuple[str, ...]] = {
+    "program": ("train", "selftest"),
     "cluster.name": ("local", "slurm"),
     "cluster.device": ("auto", "cuda", "cpu"),
     "model.arch": ("qwen2", "llama"),
@@ -47,8 +50,17 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
     return isinstance(rc, Mapping) and rc.get("enabled", True) is not False
 
 
+SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig}
+"""Sections whose keys must be schema fields (roles and cluster are checked by plan())."""
+
+
 def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
     problems = []
+    for key, schema in SECTIONS.items():
+        node = cfg if key == "config" else _get(cfg, key)
+        known = {f.name for f in dataclasses.fields(schema)}
+        if isinstance(node, Mapping) and (unknown := sorted(str(k) for k in node if k not in known)):
+            problems.append(f"{key}: unknown field(s) {unknown}; known fields: {sorted(known)}"[:400])
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)
         if v is not None and v not in allowed:
@@ -76,17 +88,27 @@ def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _int(v: Any) -> int | None:
+    """An integer field's value; None when it is not an integer (_check_fields reports that)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) -> list[str]:
     problems = []
-    algo = _get(cfg, "algo") or {}
-    if algo.get("name") == "grpo" and (algo.get("samples_per_prompt") or 0) < 2:
+    algo = _get(cfg, "algo")
+    if algo is not None and not isinstance(algo, Mapping):
+        problems.append(f"algo: expected a mapping of algorithm settings, got {type(algo).__name__} {algo!r}"[:200])
+    algo = algo if isinstance(algo, Mapping) else {}
+    spp = algo.get("samples_per_prompt")
+    if algo.get("name") == "grpo" and (spp is None or (_int(spp) is not None and spp < 2)):
         problems.append(
             f"algo.samples_per_prompt: GRPO normalises rewards within each prompt's group, so it "
             f"needs at least 2 samples per prompt, got {algo.get('samples_per_prompt')}"
         )
     if algo.get("name") == "ppo" and not _enabled(cfg, "critic"):
         problems.append("roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping")
-    if (algo.get("kl_coef") or 0) > 0 and not _enabled(cfg, "reference"):
+    kl = algo.get("kl_coef")
+    if isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl > 0 and not _enabled(cfg, "reference"):
         problems.append(
             f"roles.reference: algo.kl_coef={algo.get('kl_coef')} needs the reference role; "
             f"enable it or set algo.kl_coef=0"
@@ -99,8 +121,8 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
     if placement is not None and "actor_train" in placement.roles:
         train = placement.roles["actor_train"]
         dp = dict(train.mesh).get("dp", 1) * dict(train.mesh).get("cp", 1) if train.mesh else train.world_size
-        samples = int(algo.get("prompts_per_step") or 0) * int(algo.get("samples_per_prompt") or 0)
-        parts = dp * int(algo.get("mini_batches") or 1) * int(algo.get("grad_accum") or 1)
+        samples = (_int(algo.get("prompts_per_step")) or 0) * (_int(spp) or 0)
+        parts = dp * (_int(algo.get("mini_batches")) or 1) * (_int(algo.get("grad_accum")) or 1)
         if samples and parts and samples % parts:
             problems.append(
                 f"algo: a batch of prompts_per_step*samples_per_prompt = {samples} samples cannot be "

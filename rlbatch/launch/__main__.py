@@ -11,6 +11,7 @@ Heavy libraries are imported only after the config is valid, so errors and dry r
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from rlbatch.errors import ConfigError
@@ -26,6 +27,7 @@ def report_config_error(e: ConfigError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `... | head` ends quietly, like any CLI
     from rlbatch.launch.compose import compose, needs_hydra_cli
 
     if needs_hydra_cli(argv):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
 from typing import Any
 
 from rlbatch.launch.dry_run import placement_table
@@ -10,9 +12,21 @@ from rlbatch.placement import Placement
 
 def launch(cfg: Any, placement: Placement) -> int:
     """Run ``cfg`` as placed; returns the process exit code."""
+    print(placement_table(placement), flush=True)
+    run_dir = Path(str(cfg.run_dir)).expanduser().resolve()
+    if cfg.cluster.name == "slurm":
+        if cfg.dry_run:
+            from rlbatch.launch.slurm import sbatch_script
+
+            print(f"\nsbatch script (run_dir {run_dir}):\n")
+            print(sbatch_script(cfg, placement, run_dir))
+            return 0
+        from rlbatch.launch.slurm import submit
+
+        return submit(cfg, placement)
+    from rlbatch.launch.local import mpiexec_command, run_local
+
     if cfg.dry_run:
-        print(placement_table(placement))
+        print("\ncommand: " + shlex.join(mpiexec_command(cfg, placement, run_dir)))
         return 0
-    print(placement_table(placement))
-    print(f"\ncluster={cfg.cluster.name}: starting ranks is not available yet in this build.")
-    return 1
+    return run_local(cfg, placement)

@@ -161,7 +161,7 @@ def parse_device_mapping(spec: object, field: str = "device_mapping") -> list[in
     elif isinstance(spec, (list, tuple)):
         ranks = _parse_sequence(spec, field)
     elif hasattr(spec, "__iter__") and hasattr(spec, "__len__") and not isinstance(spec, (bytes, dict)):
-        ranks = _parse_sequence(list(spec), field)  # omegaconf ListConfig
+        ranks = _parse_sequence(spec, field)  # type: ignore[arg-type]  # omegaconf ListConfig; length checked before copying
     else:
         raise ConfigError(
             f"{field}: expected a list of GPU ranks or a string like 'list(range(0,8))', "

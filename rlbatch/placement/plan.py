@@ -7,6 +7,8 @@ ConfigError, each naming role, field and numbers, so a user fixes a config in on
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +31,15 @@ CLUSTER_FIELDS = frozenset(f.name for f in dataclasses.fields(ClusterConfig))
 REQUIRED_ROLES = ("actor_train", "actor_infer")
 MAX_CPU_WORKERS = 4096
 _ROLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def _engine_args(value: Any, field: str, problems: list[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        problems.append(f"{field}: expected a mapping of engine keyword arguments, got {type(value).__name__} {value!r}"[:200])
+        return {}
+    return dict(value)
 
 
 def _int_field(value: Any, field: str, problems: list[str], minimum: int = 1, maximum: int | None = None) -> int | None:
@@ -84,6 +95,7 @@ def _check_gpu_role(
         problems.extend(e.problems)
     ngpw = _int_field(rc.get("num_gpus_per_worker"), f"{f}.num_gpus_per_worker", problems)
     world = _int_field(rc.get("world_size"), f"{f}.world_size", problems, maximum=MAX_GPUS)
+    engine_args = _engine_args(rc.get("engine_args"), f"{f}.engine_args", problems)
     if backend is None or ranks is None or len(problems) > n0:
         return None
 
@@ -114,7 +126,7 @@ def _check_gpu_role(
         )
     if len(problems) > n0:
         return None
-    return _GpuRole(name, backend, ranks, ngpw, n // ngpw, bool(rc.get("offload", True)), dict(rc.get("engine_args") or {}))
+    return _GpuRole(name, backend, ranks, ngpw, n // ngpw, bool(rc.get("offload", True)), engine_args)
 
 
 def _groups_within_nodes(role: _GpuRole, gpn: int, problems: list[str]) -> None:
@@ -175,7 +187,6 @@ def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], li
         unknown = sorted(str(k) for k in rc if k not in ROLE_FIELDS)
         if unknown:
             problems.append(f"roles.{name}: unknown field(s) {unknown}; known fields: {sorted(ROLE_FIELDS)}")
-            continue
         if rc.get("enabled", True) is not False:
             enabled[name] = rc
     for name in REQUIRED_ROLES:
@@ -211,8 +222,9 @@ def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], li
             problems.append(f"{f}: has neither device_mapping nor world_size; a CPU role needs world_size")
             continue
         world = _int_field(rc.get("world_size"), f"{f}.world_size", problems, maximum=MAX_CPU_WORKERS)
+        engine_args = _engine_args(rc.get("engine_args"), f"{f}.engine_args", problems)
         if world is not None:
-            cpu.append(_CpuRole(name, world, bool(rc.get("offload", True)), dict(rc.get("engine_args") or {})))
+            cpu.append(_CpuRole(name, world, bool(rc.get("offload", True)), engine_args))
     return gpu, cpu
 
 
@@ -250,6 +262,8 @@ def plan(cfg: Any) -> Placement:
     unknown = sorted(str(k) for k in cluster if k not in CLUSTER_FIELDS)
     if unknown:
         problems.append(f"cluster: unknown field(s) {unknown}; known fields: {sorted(CLUSTER_FIELDS)}")
+    if cluster.get("gpus_per_node", ClusterConfig.gpus_per_node) is None:
+        problems.append("cluster.gpus_per_node: expected an integer, got None")
     gpn = _int_field(cluster.get("gpus_per_node", ClusterConfig.gpus_per_node), "cluster.gpus_per_node", problems, maximum=1024)
     nodes_cfg = _int_field(cluster.get("nodes"), "cluster.nodes", problems, maximum=MAX_GPUS)
     cpus = _int_field(cluster.get("cpus_per_task", 1), "cluster.cpus_per_task", problems, maximum=1024)
@@ -261,7 +275,8 @@ def plan(cfg: Any) -> Placement:
     used = sorted({g for r in gpu for g in r.ranks})
     num_gpus = used[-1] + 1 if used else 0
     if num_gpus and len(used) != num_gpus:
-        missing = sorted(set(range(num_gpus)) - set(used))
+        used_set = set(used)  # ranks may be sparse and huge: never materialise range(num_gpus)
+        missing = list(itertools.islice((g for g in range(num_gpus) if g not in used_set), 16))
         problems.append(
             f"roles: GPU ranks {missing[:16]} are in no role's device_mapping, yet ranks up to "
             f"{num_gpus - 1} are used; every GPU rank in [0, {num_gpus}) needs a role"
@@ -292,13 +307,14 @@ def _build(gpu: list[_GpuRole], cpu: list[_CpuRole], gpn: int, num_nodes: int, n
 
     # CPU processes (workers, then the controller) go to the node with the fewest so far, so
     # their memory spreads across nodes; the controller counts against node 0 from the start.
-    cpu_load = [0] * num_nodes
-    cpu_load[0] = 1
+    cpu_load = [(1 if n == 0 else 0, n) for n in range(num_nodes)]  # a heap of (load, node)
+    heapq.heapify(cpu_load)
+    heapq.heapify(cpu_load)
     cpu_nodes: dict[str, list[int]] = {}
     for r in cpu:
         for _ in range(r.world):
-            node = min(range(num_nodes), key=lambda n: (cpu_load[n], n))
-            cpu_load[node] += 1
+            load, node = heapq.heappop(cpu_load)
+            heapq.heappush(cpu_load, (load + 1, node))
             cpu_nodes.setdefault(r.name, []).append(node)
 
     local_next = [0] * num_nodes
@@ -335,7 +351,7 @@ def _build(gpu: list[_GpuRole], cpu: list[_CpuRole], gpn: int, num_nodes: int, n
             workers=tuple((x,) for x in ranks), nodes=tuple(cpu_nodes.get(c.name, [])), mesh=(),
             colocated_with=(), offload=c.offload, engine_args=c.engine_args,
         )
-    gres = max((sum(1 for g in range(num_gpus) if g // gpn == n) for n in range(num_nodes)), default=0)
+    gres = min(gpn, num_gpus)  # GPU ranks fill nodes from node 0, so no node has more
     slurm = SlurmRequest(nodes=num_nodes, ntasks_per_node=max(local_next), gpus_per_node=gres, cpus_per_task=cpus)
     return Placement(
         gpus_per_node=gpn, num_nodes=num_nodes, num_gpus=num_gpus, roles=roles,

@@ -1,0 +1,166 @@
+"""Pure tensor functions for policy-gradient RL on token sequences (GRPO / PPO).
+
+Nothing here holds state or touches globals: every function maps tensors to tensors, so the
+trainer, the tests and any other backend can share them. Shapes use ``B`` for sequences,
+``T`` for completion tokens and ``V`` for the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KLKind = Literal["k1", "k2", "k3", "abs"]
+LossAgg = Literal["token", "seq"]
+
+# exp() of a log-ratio above this overflows float32 long before it carries information; clamping
+# keeps one badly off-policy token from turning the whole loss into inf/nan.
+_MAX_LOG_RATIO = 20.0
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``values`` over positions where ``mask`` is true (or nonzero).
+
+    With ``dim=None`` the mean is over every masked element; otherwise along ``dim``. A slice
+    with no masked element yields 0, not nan, so an all-padding row cannot poison a batch.
+    """
+    mask = mask.to(values.dtype)
+    total = (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return total / count.clamp(min=1.0)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, agg: LossAgg = "token") -> Tensor:
+    """Reduce a ``[B, T]`` per-token loss to a scalar.
+
+    ``"token"`` averages over all valid tokens of the batch, so long completions weigh more
+    (DAPO style). ``"seq"`` averages inside each sequence first and then over the sequences
+    that have at least one valid token, so every sequence weighs the same (original GRPO).
+    """
+    if agg == "token":
+        return masked_mean(per_token, mask)
+    if agg == "seq":
+        per_seq = masked_mean(per_token, mask, dim=-1)
+        has_tokens = (mask.sum(-1) > 0).to(per_token.dtype)
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    raise ValueError(f"unknown loss aggregation {agg!r}; expected 'token' or 'seq'")
+
+
+def grpo_advantages(
+    rewards: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True
+) -> Tensor:
+    """Group-relative advantages: each reward minus its group's mean, optionally over its std.
+
+    ``rewards`` is ``[N]`` with the ``group_size`` samples of one prompt adjacent. The std is
+    the unbiased one (as in DeepSeekMath and TRL). A group whose rewards are all equal gets
+    zero advantage: it carries no signal about which sample was better.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if std_normalize and group_size > 1:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    return centered.view(-1)
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled-token log-probs.
+
+    ``k1`` is ``logp - ref_logp`` (unbiased, can be negative); ``k2`` is half its square;
+    ``k3`` is ``exp(r) - r - 1`` with ``r = ref_logp - logp`` (unbiased and never negative,
+    Schulman's estimator used by GRPO); ``abs`` is ``|logp - ref_logp|``.
+    """
+    diff = logp - ref_logp
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind == "k3":
+        r = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return torch.exp(r) - r - 1.0
+    if kind == "abs":
+        return diff.abs()
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of k1, k2, k3, abs")
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """Diagnostics of one clipped policy-gradient loss; 0-d detached tensors (no host sync).
+
+    ``clip_frac`` is the share of valid tokens whose gradient the clip removed, split into
+    ``clip_frac_low`` (ratio below ``1 - clip_low`` with negative advantage) and
+    ``clip_frac_high`` (ratio above ``1 + clip_high`` with positive advantage).
+    ``approx_kl`` is the k3 estimate of KL(old || new) over valid tokens.
+    """
+
+    clip_frac: Tensor
+    clip_frac_low: Tensor
+    clip_frac_high: Tensor
+    approx_kl: Tensor
+    ratio_mean: Tensor
+
+
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: LossAgg = "token",
+) -> tuple[Tensor, ClipStats]:
+    """PPO clipped surrogate loss (to minimise) with separate lower/upper clip ranges.
+
+    ``logp``/``old_logp``/``mask`` are ``[B, T]``; ``advantages`` is ``[B]`` (one per
+    sequence, broadcast over its tokens) or ``[B, T]``. Per token the loss is
+    ``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; a larger
+    ``clip_high`` lets rare good tokens grow faster (DAPO's clip-higher).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = aggregate(torch.maximum(unclipped, clipped), mask, agg)
+
+    with torch.no_grad():
+        was_clipped = (clipped > unclipped).to(logp.dtype)
+        low = was_clipped * (ratio < 1.0 - clip_low).to(logp.dtype)
+        high = was_clipped * (ratio > 1.0 + clip_high).to(logp.dtype)
+        stats = ClipStats(
+            clip_frac=masked_mean(was_clipped, mask),
+            clip_frac_low=masked_mean(low, mask),
+            clip_frac_high=masked_mean(high, mask),
+            approx_kl=masked_mean(kl_penalty(old_logp, logp, "k3"), mask),
+            ratio_mean=masked_mean(ratio, mask),
+        )
+    return loss, stats
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """Log-probability of each target token: ``logits[..., target] - logsumexp(logits)``.
+
+    ``logits`` is ``[..., V]`` and ``targets`` ``[...]``. Gathering one logit and subtracting
+    the log-normaliser never materialises a second ``[..., V]`` tensor the way
+    ``log_softmax(...).gather(...)`` does, which matters at real vocabulary sizes. Low
+    precision logits are upcast because logsumexp in bf16 loses the small differences that
+    PPO ratios are made of.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distribution at each position of ``[..., V]`` logits."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)

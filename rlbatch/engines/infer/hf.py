@@ -1,0 +1,70 @@
+"""``hf`` inference engine: transformers ``generate`` with a KV cache, on CPU or GPU.
+
+Shaped like an in-process vLLM engine (generate / load_weights / offloadable state), so the
+scheduler treats both the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from rlbatch.engines.base import SamplingParams
+from rlbatch.engines.model import load_model, model_dtype
+from rlbatch.scheduler.offload import TensorStash
+
+
+class HFInferenceEngine:
+    def __init__(self, *, model_cfg: Any, tokenizer: Any, device: torch.device, seed: int,
+                 engine_args: dict[str, Any], **_: Any) -> None:
+        self.device = device
+        self.tokenizer = tokenizer
+        self.max_batch = int(engine_args.get("max_batch", 256))
+        self.model = load_model(model_cfg, tokenizer, seed, model_dtype(model_cfg.dtype, device)).to(device).eval()
+        self.params = dict(self.model.named_parameters())
+        self.stashes = {"params": TensorStash("params", self.model.parameters)}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        torch.manual_seed(params.seed)
+        out: list[list[int]] = []
+        for i in range(0, len(prompts), self.max_batch):
+            out += self._generate(prompts[i : i + self.max_batch], params)
+        return out
+
+    def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[b, width - len(p) :] = torch.tensor(p)
+            attn[b, width - len(p) :] = 1
+        kwargs: dict[str, Any] = {}
+        if sp.stop_strings:
+            kwargs |= {"stop_strings": list(sp.stop_strings), "tokenizer": self.tokenizer}
+        seqs = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=attn.to(self.device), max_new_tokens=sp.max_new_tokens,
+            do_sample=sp.temperature > 0, temperature=sp.temperature if sp.temperature > 0 else None,
+            top_p=sp.top_p, top_k=None, pad_token_id=pad, eos_token_id=eos, use_cache=True, **kwargs,
+        )
+        responses = []
+        for row in seqs[:, width:].tolist():
+            if eos in row:
+                row = row[: row.index(eos) + 1]
+            else:
+                while row and row[-1] == pad:  # finished early through a stop string
+                    row.pop()
+            responses.append(row)
+        return responses
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        nbytes = 0
+        for name, tensor in named:
+            p = self.params[name]
+            p.copy_(tensor.to(device=p.device, dtype=p.dtype, non_blocking=True))
+            nbytes += tensor.numel() * tensor.element_size()
+        return nbytes

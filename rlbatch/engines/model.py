@@ -1,0 +1,52 @@
+"""Load the policy model and its tokenizer: a local HF directory, or a random-init tiny model.
+
+Every rank builds the same random initialisation from ``cfg.seed``, so actor_train, actor_infer
+and reference start identical without any transfer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on GPU and fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_tokenizer(model_cfg: Any) -> Any:
+    if model_cfg.path:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_cfg.path)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    from rlbatch.data.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = torch.float32) -> Any:
+    """A transformers causal LM in ``dtype`` on the CPU (engines move it to their device)."""
+    if model_cfg.path:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype)
+    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
+
+    tiny = TinyModelConfig(
+        arch=model_cfg.arch, vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.intermediate_size, num_layers=model_cfg.num_layers,
+        num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        tie_word_embeddings=model_cfg.tie_word_embeddings, seed=seed,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return build_tiny_model(tiny).to(dtype)

@@ -1,0 +1,125 @@
+"""``fsdp`` training engine: FSDP2 (``fully_shard``) over the role's DeviceMesh.
+
+Also serves forward-only roles (reference, critic forwards): without an optimizer it only
+computes log-probs. AdamW, gradient clipping, linear warm-up, gradient accumulation and
+activation checkpointing; bf16 compute with fp32 master weights on GPU, fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from rlbatch import algos
+from rlbatch.engines.batch import pack, unpack
+from rlbatch.engines.model import load_model
+from rlbatch.scheduler.offload import TensorStash, grad_tensors, optimizer_tensors
+
+
+class FSDPEngine:
+    def __init__(self, *, model_cfg: Any, tokenizer: Any, device: torch.device, seed: int, mesh: Any,
+                 algo: Any, trainable: bool, engine_args: dict[str, Any], **_: Any) -> None:
+        dims = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
+        if any(dims.get(k, 1) > 1 for k in ("tp", "cp", "pp")):
+            raise NotImplementedError(f"fsdp engine: only data parallelism (d) is implemented, got mesh {dims}")
+        self.device, self.algo, self.tokenizer = device, algo, tokenizer
+        self.micro_batch = int(engine_args.get("micro_batch", 0))
+        self.dp_group = mesh.get_group("dp")
+        model = load_model(model_cfg, tokenizer, seed, torch.float32)
+        if trainable and algo.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+        dp_mesh = mesh["dp"]
+        kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
+        for layer in model.model.layers:
+            fully_shard(layer, **kwargs)
+        self.model = fully_shard(model.to(device), **kwargs)
+        self.stashes = {"params": TensorStash("params", self.model.parameters)}
+        self.optimizer: torch.optim.Optimizer | None = None
+        if trainable:
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
+            warmup = int(algo.warmup_steps)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+            )
+            opt = self.optimizer
+            self.stashes |= {
+                "grads": TensorStash("grads", lambda: grad_tensors(self.model)),
+                "optimizer": TensorStash("optimizer", lambda: optimizer_tensors(opt)),
+            }
+        else:
+            self.model.eval()
+
+    def _chunks(self, samples: list[dict[str, torch.Tensor]]) -> list[list[dict[str, torch.Tensor]]]:
+        size = self.micro_batch or len(samples)
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for chunk in self._chunks(samples):
+            b = pack(chunk, self.tokenizer.pad_token_id, self.device)
+            logits = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+            out += unpack(algos.token_logprobs(logits.float(), b.input_ids[:, 1:]), b.spans)
+        return out
+
+    def _loss(self, chunk: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, float]]:
+        a = self.algo
+        b = pack(chunk, self.tokenizer.pad_token_id, self.device)
+        logits = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+        logp = algos.token_logprobs(logits, b.input_ids[:, 1:])
+        old = b.fields.get("old_logprobs", logp.detach())
+        assert b.advantages is not None
+        adv = b.advantages[:, None].expand_as(logp)
+        loss, clip = algos.ppo_clip_loss(logp, old, adv, b.mask, a.clip_low, a.clip_high, a.loss_agg)
+        stats = {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "approx_kl_old": clip.approx_kl.item()}
+        if a.kl_coef > 0 and not a.kl_in_reward and "ref_logprobs" in b.fields:
+            kl = algos.aggregate(algos.kl_penalty(logp, b.fields["ref_logprobs"], a.kl_estimator), b.mask, a.loss_agg)
+            loss = loss + a.kl_coef * kl
+            stats["kl_ref"] = kl.item()
+        if a.entropy_coef > 0:
+            ent = algos.aggregate(algos.entropy_from_logits(logits), b.mask, a.loss_agg)
+            loss = loss - a.entropy_coef * ent
+            stats["entropy"] = ent.item()
+        return loss, stats
+
+    def train(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Mini-batches x epochs of PPO-clip updates over this rank's share of the batch."""
+        assert self.optimizer is not None, "train() on a forward-only engine"
+        a = self.algo
+        per_mb = len(samples) // a.mini_batches
+        totals: dict[str, float] = {}
+        updates = 0
+        for _ in range(a.epochs):
+            for m in range(a.mini_batches):
+                mb = samples[m * per_mb : (m + 1) * per_mb]
+                micro = math.ceil(len(mb) / a.grad_accum)
+                self.optimizer.zero_grad(set_to_none=False)
+                for k in range(0, len(mb), micro):
+                    loss, stats = self._loss(mb[k : k + micro])
+                    (loss / a.grad_accum).backward()
+                    for key, v in stats.items():
+                        totals[key] = totals.get(key, 0.0) + v / a.grad_accum
+                if a.grad_clip > 0:
+                    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                updates += 1
+        out = {k: v / updates for k, v in totals.items()}
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    @torch.no_grad()
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.named_parameters():
+            yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.dp_group)

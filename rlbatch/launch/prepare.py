@@ -1,0 +1,51 @@
+"""Prepare a run directory inside an allocation you made yourself (no submitit):
+
+    RUN_DIR=$(python -m rlbatch.launch.prepare cluster=slurm run_dir=$PWD/runs/$SLURM_JOB_ID [overrides])
+    srun --mpi=pmi2 --kill-on-bad-exit=1 python -u -m rlbatch.worker "$RUN_DIR"
+
+Validates the config, writes config.yaml and placement.json, checks that the allocation has the
+nodes and tasks the placement needs, and prints the run directory (only that, on stdout).
+Exit code 2 on a bad config or an allocation that does not fit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rlbatch.errors import ConfigError
+
+
+def check_allocation(nodes: int | None, ntasks: int | None, need_nodes: int, need_tasks: int) -> None:
+    problems = []
+    if nodes is not None and nodes != need_nodes:
+        problems.append(f"allocation: the job has {nodes} node(s), the placement needs exactly {need_nodes}")
+    if ntasks is not None and ntasks != need_tasks:
+        problems.append(f"allocation: the job has {ntasks} task(s), the placement needs {need_tasks} (ntasks-per-node x nodes)")
+    if problems:
+        raise ConfigError(problems)
+
+
+def main(argv: list[str]) -> int:
+    import os
+
+    from rlbatch.config.validate import check
+    from rlbatch.launch.__main__ import report_config_error
+    from rlbatch.launch.compose import compose
+    from rlbatch.launch.rundir import prepare_run_dir
+
+    try:
+        cfg = compose(argv)
+        placement = check(cfg)
+        env_nodes = os.environ.get("SLURM_JOB_NUM_NODES")
+        env_tasks = os.environ.get("SLURM_NTASKS")
+        check_allocation(int(env_nodes) if env_nodes else None, int(env_tasks) if env_tasks else None,
+                         placement.slurm.nodes, placement.slurm.ntasks)
+    except ConfigError as e:
+        return report_config_error(e)
+    run = prepare_run_dir(cfg, placement)
+    print(run.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

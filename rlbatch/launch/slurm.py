@@ -1,0 +1,111 @@
+"""cluster=slurm: one sbatch job through submitit; srun starts every rank.
+
+The request comes from the Placement (nodes, tasks per node, gres, cpus per task); every other
+cluster option passes through. The submitter prints the job id and the log paths and returns;
+``wait=true`` follows the job to its end and returns its exit code.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlbatch.placement import Placement
+from rlbatch.runtime.postmortem import culprits
+from rlbatch.runtime.rundir import RunDir
+
+SUBMITIT_DIR = "slurm"
+"""Sub-directory of the run directory for submitit's pickles and the per-task Slurm logs."""
+
+
+def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str, Any]:
+    """submitit's SlurmExecutor parameters for this run (also what the dry run renders)."""
+    c, s = cfg.cluster, placement.slurm
+    python = shlex.quote(sys.executable)
+    srun_args = [f"--mpi={c.mpi}", "--kill-on-bad-exit=1"]
+    if c.container_image:
+        srun_args.append(f"--container-image={c.container_image}")
+    if c.container_mounts:
+        srun_args.append(f"--container-mounts={c.container_mounts}")
+    srun_args += [str(a) for a in c.srun_args]
+    env = {str(k): str(v) for k, v in c.env.items()} | {"RLBATCH_RUN_DIR": str(run_dir)}
+    setup = [str(line) for line in c.setup] + [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    params: dict[str, Any] = {
+        "job_name": c.job_name,
+        "partition": c.partition,
+        "time": int(c.time_min),
+        "nodes": s.nodes,
+        "ntasks_per_node": s.ntasks_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        "gres": f"gpu:{s.gpus_per_node}" if s.gpus_per_node else None,
+        "account": c.account,
+        "qos": c.qos,
+        "constraint": c.constraint,
+        "mem": f"{c.mem_gb}GB" if c.mem_gb else None,
+        "setup": setup,
+        "srun_args": srun_args,
+        "stderr_to_stdout": True,
+        "teardown": [f"{python} -m rlbatch.runtime.postmortem {shlex.quote(str(run_dir))}"],
+        "additional_parameters": dict(c.sbatch_args) or None,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def submitit_command(run_dir: Path) -> str:
+    """The command srun runs in every task (submitit's own entry point)."""
+    return f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(run_dir / SUBMITIT_DIR))}"
+
+
+def sbatch_script(cfg: Any, placement: Placement, run_dir: Path) -> str:
+    """The exact sbatch script ``submit`` hands to sbatch."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = sbatch_parameters(cfg, placement, run_dir)
+    return _make_sbatch_string(command=submitit_command(run_dir), folder=run_dir / SUBMITIT_DIR, **params)
+
+
+def submit(cfg: Any, placement: Placement) -> int:
+    import submitit
+
+    from rlbatch.launch.rundir import prepare_run_dir
+    from rlbatch.worker import main as worker_main
+
+    run = prepare_run_dir(cfg, placement)
+    executor = submitit.SlurmExecutor(folder=run.path / SUBMITIT_DIR)
+    executor.update_parameters(**sbatch_parameters(cfg, placement, run.path))
+    job = executor.submit(worker_main, str(run.path))
+    log = run.path / SUBMITIT_DIR / f"{job.job_id}_0_log.out"
+    print(f"submitted Slurm job {job.job_id}: {placement.world_size} processes on {placement.num_nodes} node(s)")
+    print(f"  run_dir:  {run.path}")
+    print(f"  job log:  {log}")
+    print(f"  rank logs: {run.logs}/rank<r>.log")
+    if not cfg.wait:
+        return 0
+    return follow(str(job.job_id), run, placement)
+
+
+def _squeue_state(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) -> int:
+    """Wait for the job to leave the queue; 0 when every rank exited cleanly."""
+    last = None
+    while state := _squeue_state(job_id):
+        if state != last:
+            print(f"job {job_id}: {state}", flush=True)
+            last = state
+        time.sleep(poll_s)
+    states = [run.read_status(r) for r in range(placement.world_size)]
+    if all(st is not None and st["state"] == "exited" for st in states):
+        print(f"job {job_id}: completed")
+        return 0
+    print(f"job {job_id}: failed", file=sys.stderr)
+    for line in culprits(placement, run):
+        print(f"  {line}", file=sys.stderr)
+    return 1

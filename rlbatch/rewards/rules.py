@@ -1,0 +1,108 @@
+"""Rule-based rewards: ``fn(completion: str, answer: str) -> float``, and a loader by name.
+
+A completion is the decoded generated text *with* special tokens kept, e.g. ``"7<eos><pad>"``:
+only then can a reward tell "stopped after 7" from "ran out of tokens after 7". Everything
+from the first stop marker on is ignored.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Sequence
+
+RewardFn = Callable[[str, str], float]
+
+STOP_MARKERS: tuple[str, ...] = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
+_NUMBER = re.compile(r"-?\d+")
+_LEADING_NUMBER = re.compile(r"\s*(-?\d+)")
+
+
+def split_at_stop(completion: str, stops: Sequence[str] = STOP_MARKERS) -> tuple[str, bool]:
+    """Text before the earliest stop marker, and whether a stop marker was found at all."""
+    cut = len(completion)
+    for stop in stops:
+        at = completion.find(stop)
+        if 0 <= at < cut:
+            cut = at
+    return completion[:cut], cut < len(completion)
+
+
+def extract_answer(completion: str) -> str:
+    """The answer a completion gives: its text before the first stop marker, stripped."""
+    return split_at_stop(completion)[0].strip()
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 when the text before the stop is exactly the answer (ignoring outer whitespace).
+
+    Strict on purpose: "7" followed by more tokens is wrong, so the policy must also learn
+    to stop. Running out of tokens right after the answer still counts.
+    """
+    return 1.0 if extract_answer(completion) == answer.strip() else 0.0
+
+
+def leading_number_match(completion: str, answer: str) -> float:
+    """1.0 when the first number the completion starts with equals the answer numerically.
+
+    Lenient: "7=3" and "7<eos>" both answer 7; "x7" answers nothing.
+    """
+    match = _LEADING_NUMBER.match(extract_answer(completion))
+    if match is None:
+        return 0.0
+    try:
+        return 1.0 if int(match.group(1)) == int(answer.strip()) else 0.0
+    except ValueError:
+        return 0.0
+
+
+def format_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion is a bare integer followed by a stop marker; ignores ``answer``."""
+    text, stopped = split_at_stop(completion)
+    return 1.0 if stopped and _NUMBER.fullmatch(text.strip()) else 0.0
+
+
+def exact_match_with_format(completion: str, answer: str) -> float:
+    """Exact match, plus a 0.1 bonus for a well-formed but wrong answer (max 1.0).
+
+    The bonus gives the random policy some signal before it hits any right answer; it stays
+    small so a mean reward of 0.8 still means most answers are right.
+    """
+    if exact_match(completion, answer):
+        return 1.0
+    return 0.1 * format_reward(completion, answer)
+
+
+def load_reward_fn(path: str) -> RewardFn:
+    """Import a reward function named ``"package.module:function"`` or ``"package.module.function"``.
+
+    Only importlib and getattr are used, never eval. Any failure (bad syntax, missing module,
+    missing attribute, not callable) raises ``ValueError`` naming ``path`` and the reason.
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"reward function path must be a non-empty string, got {path!r}")
+    path = path.strip()
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(
+            f"reward function path {path!r} must look like 'package.module:function' "
+            "or 'package.module.function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r}: {exc}") from exc
+    obj: object = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(
+                f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
+    if not callable(obj):
+        raise ValueError(f"reward function {path!r} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[return-value]

@@ -1,0 +1,140 @@
+"""The control plane: small pickled messages over MPI, every wait bounded by a timeout.
+
+MPI's blocking calls spin a core while they wait; on a node where ranks share cores that steals
+time from the rank doing the work. Every wait here polls with a short sleep instead, and gives
+up after ``timeout_s`` with an error that names what it waited for and who did not answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mpi4py import MPI
+
+CMD_TAG = 11
+REPLY_TAG = 12
+
+
+class ControlTimeout(TimeoutError):
+    """A control-plane wait expired."""
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
+    """Poll ``done`` with a backoff from 50 us to 5 ms; raise ControlTimeout after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    pause = 5e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise ControlTimeout(f"timed out after {timeout_s:.0f}s waiting for {what()}")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+
+
+def timed_bcast(comm: Any, obj: Any, root: int, timeout_s: float, what: str) -> Any:
+    """``comm.bcast`` that gives up after timeout_s (non-blocking barrier first, then the bcast)."""
+    req = comm.Ibarrier()
+    wait_until(lambda: bool(req.Test()), timeout_s, lambda: f"{what}: not every rank reached the broadcast")
+    return comm.bcast(obj, root=root)
+
+
+def timed_barrier(comm: Any, timeout_s: float, what: str) -> None:
+    req = comm.Ibarrier()
+    wait_until(lambda: bool(req.Test()), timeout_s, lambda: f"{what}: barrier")
+
+
+def recv_obj(comm: Any, source: int, tag: int, timeout_s: float | None, what: str) -> Any:
+    """Receive one pickled message; ``timeout_s=None`` waits for ever (still without spinning)."""
+    status = MPI.Status()
+    box: list[Any] = []
+
+    def arrived() -> bool:
+        msg = comm.improbe(source=source, tag=tag, status=status)
+        if msg is None:
+            return False
+        box.append(msg.recv())
+        return True
+
+    wait_until(arrived, float("inf") if timeout_s is None else timeout_s, lambda: what)
+    return box[0]
+
+
+def send_obj(comm: Any, obj: Any, dest: int, tag: int) -> None:
+    comm.send(obj, dest=dest, tag=tag)
+
+
+def gather_replies(comm: Any, ranks: list[int], timeout_s: float, what: str,
+                   describe: Callable[[int], str] = str) -> dict[int, Any]:
+    """Collect one reply from each of ``ranks``; on timeout name the ranks still silent."""
+    pending = set(ranks)
+    replies: dict[int, Any] = {}
+
+    def progress() -> bool:
+        for r in list(pending):
+            msg = comm.improbe(source=r, tag=REPLY_TAG)
+            if msg is not None:
+                replies[r] = msg.recv()
+                pending.discard(r)
+        return not pending
+
+    wait_until(progress, timeout_s, lambda: f"{what}: no reply from " + "; ".join(describe(r) for r in sorted(pending)))
+    return replies
+
+
+class Controller:
+    """The controller's end of the control plane: send a command to ranks, gather their replies.
+
+    Every call is bounded by a timeout; a rank that does not answer in time is named (rank,
+    roles, node) in the error. That bound is the watchdog for ranks that hang instead of dying.
+    """
+
+    def __init__(self, comm: Any, timeout_s: float, describe: Callable[[int], str] = str) -> None:
+        self.comm, self.timeout_s, self.describe = comm, timeout_s, describe
+
+    def call(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
+             per_rank: dict[int, dict[str, Any]] | None = None, **kwargs: Any) -> dict[int, Any]:
+        """Run ``cmd(**kwargs)`` (plus ``per_rank[r]``) on each rank; return {rank: result}."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        reqs = [self.comm.isend((cmd, kwargs | (per_rank or {}).get(r, {})), dest=r, tag=CMD_TAG) for r in ranks]
+        replies = gather_replies(self.comm, list(ranks), timeout, f"'{cmd}'", self.describe)
+        for req in reqs:
+            req.wait()
+        failed = {r: v for r, v in replies.items() if isinstance(v, RemoteError)}
+        if failed:
+            r, err = next(iter(sorted(failed.items())))
+            raise RuntimeError(f"'{cmd}' failed on {self.describe(r)}:\n{err.traceback}")
+        return replies
+
+    def shutdown(self, ranks: list[int] | tuple[int, ...]) -> None:
+        self.call(ranks, "shutdown")
+
+
+class RemoteError:
+    """A worker's exception, sent back to the controller as its reply."""
+
+    def __init__(self, traceback: str) -> None:
+        self.traceback = traceback
+
+
+def serve(comm: Any, controller_rank: int, handlers: dict[str, Callable[..., Any]]) -> None:
+    """A worker's loop: run each command from the controller until 'shutdown'.
+
+    An exception in a handler goes back to the controller as the reply (so the controller names
+    the rank and stops the run) and is then re-raised here.
+    """
+    import traceback
+
+    while True:
+        cmd, kwargs = recv_obj(comm, controller_rank, CMD_TAG, None, "the next command")
+        if cmd == "shutdown":
+            send_obj(comm, None, controller_rank, REPLY_TAG)
+            return
+        try:
+            if cmd not in handlers:
+                raise KeyError(f"unknown command {cmd!r}; this rank handles {sorted(handlers)}")
+            result = handlers[cmd](**kwargs)
+        except Exception:
+            send_obj(comm, RemoteError(traceback.format_exc()), controller_rank, REPLY_TAG)
+            raise
+        send_obj(comm, result, controller_rank, REPLY_TAG)

@@ -1,0 +1,112 @@
+"""The one place that reads the scheduler's environment.
+
+Every variable rlbatch reads from Slurm, PMI/MPI or its own local launcher is named in ``VARS``;
+no other module touches ``os.environ`` for these. Pure: no torch, no MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+VARS: dict[str, tuple[str, ...]] = {
+    # field                 variables, first one set wins
+    "job_id": ("SLURM_JOB_ID", "RLBATCH_JOB_ID"),
+    "slurm_procid": ("SLURM_PROCID",),
+    "slurm_localid": ("SLURM_LOCALID",),
+    "slurm_nodeid": ("SLURM_NODEID",),
+    "slurm_ntasks": ("SLURM_NTASKS",),
+    "slurm_nodelist": ("SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+    "slurm_restart_count": ("SLURM_RESTART_COUNT",),
+    "slurm_job_start": ("SLURM_JOB_START_TIME",),
+    "slurm_job_end": ("SLURM_JOB_END_TIME",),
+    "mpi_rank": ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID"),
+    "mpi_size": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"),
+    "run_dir": ("RLBATCH_RUN_DIR",),
+    "master_addr": ("RLBATCH_MASTER_ADDR",),
+    "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
+    "fault": ("RLBATCH_FAULT",),  # program=selftest only: '<kill|raise|hang>:<world rank>'
+}
+
+
+def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    for n in names:
+        v = environ.get(n)
+        if v not in (None, ""):
+            return v
+    return None
+
+
+def _int(v: str | None) -> int | None:
+    return int(v) if v is not None and v.lstrip("-").isdigit() else None
+
+
+@dataclass(frozen=True)
+class SchedulerEnv:
+    """What the scheduler told this process."""
+
+    job_id: str | None
+    slurm_procid: int | None
+    slurm_localid: int | None
+    slurm_nodeid: int | None
+    slurm_ntasks: int | None
+    slurm_nodelist: str | None
+    slurm_restart_count: int
+    slurm_job_start: int | None
+    slurm_job_end: int | None
+    mpi_rank: int | None
+    mpi_size: int | None
+    run_dir: str | None
+    master_addr: str | None
+    cuda_visible_devices: str | None
+    fault: str | None
+
+    @property
+    def under_slurm(self) -> bool:
+        """Started by srun (a Slurm task), not just inside an allocation."""
+        return self.slurm_procid is not None and self.slurm_nodeid is not None
+
+    @property
+    def first_node(self) -> str | None:
+        """Host name of the allocation's first node, where world rank 0 runs."""
+        return expand_hostlist(self.slurm_nodelist)[0] if self.slurm_nodelist else None
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> SchedulerEnv:
+    e = os.environ if environ is None else environ
+    raw = {k: _first(e, names) for k, names in VARS.items()}
+    ints = {"slurm_procid", "slurm_localid", "slurm_nodeid", "slurm_ntasks", "slurm_job_start",
+            "slurm_job_end", "mpi_rank", "mpi_size"}
+    values: dict[str, object] = {k: (_int(v) if k in ints else v) for k, v in raw.items()}
+    values["slurm_restart_count"] = _int(raw["slurm_restart_count"]) or 0
+    return SchedulerEnv(**values)  # type: ignore[arg-type]
+
+
+_HOST_RE = re.compile(r"([^,\[]+)(?:\[([^\]]+)\])?")
+
+
+def expand_hostlist(spec: str) -> list[str]:
+    """Expand a Slurm host list: 'n[1-3,7],gpu[01-02]' -> ['n1','n2','n3','n7','gpu01','gpu02']."""
+    hosts: list[str] = []
+    pos = 0
+    while pos < len(spec):
+        m = _HOST_RE.match(spec, pos)
+        if m is None:
+            raise ValueError(f"cannot parse Slurm host list {spec!r} at {pos}")
+        prefix, body = m.group(1), m.group(2)
+        if body is None:
+            hosts.append(prefix)
+        else:
+            for part in body.split(","):
+                lo, _, hi = part.partition("-")
+                if not hi:
+                    hosts.append(prefix + lo)
+                    continue
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+        pos = m.end()
+        if pos < len(spec) and spec[pos] == ",":
+            pos += 1
+    return hosts

@@ -1,0 +1,71 @@
+"""Name the ranks that brought a run down, from the status files every rank keeps.
+
+    python -m rlbatch.runtime.postmortem <run_dir>   # run by the sbatch script after srun
+
+When one rank dies, the others fail too: their collectives lose a peer, the controller stops
+hearing from them, the launcher tears them down. Those are consequences. The report names the
+cause first: a rank that failed with its own error, else the rank the launcher saw vanish first
+(killed by a signal or the OOM killer), else the ranks whose collectives or waits failed.
+"""
+
+from __future__ import annotations
+
+from rlbatch.placement import Placement
+from rlbatch.runtime.rundir import RunDir
+
+SECONDARY = ("CollectiveError", "ControlTimeout", "DistBackendError", "DistNetworkError")
+"""Errors a rank gets because some other rank failed."""
+
+
+def describe_rank(p: Placement, rank: int) -> str:
+    slot = p.processes[rank]
+    roles = ", ".join(f"{r}[{w}]" for r, w in slot.roles) or slot.kind.value
+    where = f"GPU rank {slot.gpu_rank}, " if slot.gpu_rank is not None else ""
+    return f"rank {rank} ({roles}; {where}node {slot.node})"
+
+
+def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) -> list[str]:
+    """Lines naming the ranks that caused a failure, cause first. ``first_exits``: the ranks
+    whose processes the launcher saw end first (they may have exited cleanly)."""
+    primary, secondary, silent, never = [], [], [], []
+    for rank in range(p.world_size):
+        st = run.read_status(rank)
+        who = describe_rank(p, rank)
+        if st is None:
+            never.append(f"{who} never started (no status file)")
+        elif st["state"] == "failed":
+            line = f"{who} failed on {st.get('host')}: {st.get('error', '?')}"
+            (secondary if str(st.get("error", "")).split(":")[0].split(".")[-1] in SECONDARY else primary).append(line)
+        elif st["state"] == "running":
+            silent.append(rank)
+    if primary:
+        return primary
+    first = [r for r in (first_exits or []) if r in silent]
+    if first:
+        return [f"{describe_rank(p, r)} died first, without a word, on {(run.read_status(r) or {}).get('host')}: "
+                f"killed by a signal or the OOM killer?" for r in first]
+    died = [f"{describe_rank(p, r)} died without a word on {(run.read_status(r) or {}).get('host')}" for r in silent]
+    if len(died) > 1:
+        died.append("(one of these was killed by a signal or the OOM killer; the launcher stopped the others)")
+    return secondary + died + never
+
+
+def main(argv: list[str]) -> int:
+    """Print the ranks that brought a run down (nothing when every rank exited cleanly)."""
+    from pathlib import Path
+
+    from rlbatch.placement.io import load_placement
+
+    run = RunDir(Path(argv[0]))
+    p = load_placement(run.placement)
+    if all((run.read_status(r) or {}).get("state") == "exited" for r in range(p.world_size)):
+        return 0
+    for line in culprits(p, run):
+        print(f"rlbatch: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

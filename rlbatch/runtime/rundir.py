@@ -1,0 +1,65 @@
+"""The run directory's layout, shared by the launcher (writes) and the ranks (read).
+
+    <run_dir>/config.yaml        the resolved config the run was started with
+    <run_dir>/placement.json     the Placement, computed once by the launcher
+    <run_dir>/logs/rank<r>.log   each rank's output
+    <run_dir>/logs/rank<r>.status  JSON: running / exited / failed / terminated, pid, host, roles
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIG = "config.yaml"
+PLACEMENT = "placement.json"
+LOGS = "logs"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def placement(self) -> Path:
+        return self.path / PLACEMENT
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def rank_status(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.status"
+
+    def write_status(self, rank: int, state: str, **extra: Any) -> None:
+        """Record a rank's state; written atomically so a reader never sees half a file."""
+        rec = {"rank": rank, "state": state, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()} | extra
+        tmp = self.rank_status(rank).with_suffix(".status.tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, self.rank_status(rank))
+
+    def read_status(self, rank: int) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.rank_status(rank).read_text())
+        except (OSError, ValueError):
+            return None
+
+
+    def status_by_pid(self, pid: int, world_size: int) -> dict[str, Any] | None:
+        for rank in range(world_size):
+            st = self.read_status(rank)
+            if st and st.get("pid") == pid:
+                return st
+        return None

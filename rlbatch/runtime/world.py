@@ -1,0 +1,190 @@
+"""Build the world once: MPI communicators, torch process groups and DeviceMeshes per role.
+
+Every process calls ``build_world`` with the same Placement, so every collective creation
+happens in the same order everywhere. Spare Slurm slots get ``None`` and exit.
+
+    control plane  MPI: ``comm`` (all processes, renumbered to world ranks) + one per role
+    data plane     torch.distributed: the global group, one group per role, a DeviceMesh per GPU
+                   role with named axes, and the actor_train -> actor_infer weight-sync group
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlbatch.placement import Placement, ProcessKind, ProcessSlot, RolePlacement
+from rlbatch.placement.backend import EngineKind
+from rlbatch.runtime.control import timed_bcast
+from rlbatch.runtime.env import SchedulerEnv
+from rlbatch.runtime.rendezvous import choose_port
+
+log = logging.getLogger(__name__)
+SYNC = "sync"
+"""Name of the weight-sync group in ``World.groups``: actor_train's first rank + actor_infer's ranks."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the role, the ranks and the operation."""
+
+
+@dataclass
+class World:
+    placement: Placement
+    slot: ProcessSlot
+    comm: Any
+    """MPI communicator of all processes; rank == world rank."""
+    role_comms: dict[str, Any]
+    """MPI communicator of each role this process belongs to."""
+    groups: dict[str, Any]
+    """torch ProcessGroup of every role (and SYNC); only meaningful on members."""
+    meshes: dict[str, DeviceMesh]
+    """DeviceMesh of every GPU role this process belongs to (hybrid MoE adds '<role>.ffn')."""
+    device: torch.device
+    timeout_s: float
+    members: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """World ranks of every role (and SYNC)."""
+
+    @property
+    def rank(self) -> int:
+        return self.slot.world_rank
+
+    @property
+    def size(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def is_controller(self) -> bool:
+        return self.slot.kind is ProcessKind.CONTROLLER
+
+    @property
+    def roles(self) -> dict[str, int]:
+        """Role -> worker index, for every role this process serves."""
+        return dict(self.slot.roles)
+
+    def role_ranks(self, role: str) -> tuple[int, ...]:
+        return self.members[role]
+
+    def check(self, op: str, role: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a collective; on failure or timeout raise an error naming role, ranks and op."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses on timeout
+            ranks = self.members.get(role, ())
+            raise CollectiveError(
+                f"{op} in group '{role}' (world ranks {list(ranks)}) failed on rank {self.rank} "
+                f"after at most {self.timeout_s:.0f}s: {e}"
+            ) from e
+
+
+def role_world_ranks(p: Placement, role: RolePlacement) -> tuple[int, ...]:
+    """World ranks of a role: its GPU ranks, or the ranks of its CPU workers."""
+    return role.gpu_ranks if role.is_gpu else tuple(w[0] for w in role.workers)
+
+
+def identify(p: Placement, env: SchedulerEnv, mpi_rank: int) -> ProcessSlot | None:
+    """This process's slot: by (node, local id) under srun, by MPI rank under mpiexec."""
+    if env.under_slurm:
+        assert env.slurm_nodeid is not None and env.slurm_localid is not None
+        return p.slot_at(env.slurm_nodeid, env.slurm_localid)
+    if mpi_rank >= p.world_size:
+        return None
+    return p.processes[mpi_rank]
+
+
+def pick_device(p: Placement, slot: ProcessSlot, device: str) -> torch.device:
+    if slot.kind is not ProcessKind.GPU:
+        return torch.device("cpu")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    assert slot.local_gpu is not None
+    torch.cuda.set_device(slot.local_gpu)
+    return torch.device("cuda", slot.local_gpu)
+
+
+def _mesh_tensor(role: RolePlacement) -> tuple[torch.Tensor, tuple[str, ...]]:
+    names = tuple(n for n, _ in role.mesh)
+    shape = tuple(s for _, s in role.mesh)
+    return torch.tensor(role.gpu_ranks, dtype=torch.int64).reshape(shape), names
+
+
+def _ffn_mesh(role: RolePlacement) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+    b = role.backend
+    if b is None or b.ffn is None:
+        return None
+    f = b.ffn
+    return torch.tensor(role.gpu_ranks, dtype=torch.int64).reshape(f.p, f.d, f.e, f.t), ("pp", "dp", "ep", "tp")
+
+
+def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s: float = 600.0,
+                port_range: tuple[int, int] = (20000, 40000)) -> World | None:
+    """Create every communicator, group and mesh. Collective over all processes (spares included)."""
+    world = MPI.COMM_WORLD
+    slot = identify(p, env, world.Get_rank())
+    comm = world.Split(color=0 if slot else MPI.UNDEFINED, key=slot.world_rank if slot else 0)
+    if slot is None:
+        return None
+    if comm.Get_size() != p.world_size:
+        raise RuntimeError(
+            f"the job has {comm.Get_size()} processes with a slot, but the placement needs {p.world_size}; "
+            f"was it started with the sbatch request the dry run printed?"
+        )
+    role_comms: dict[str, Any] = {}
+    members: dict[str, tuple[int, ...]] = {}
+    for name, role in p.roles.items():  # same order on every rank
+        members[name] = role_world_ranks(p, role)
+        c = comm.Split(color=0 if slot.world_rank in members[name] else MPI.UNDEFINED, key=slot.world_rank)
+        if c != MPI.COMM_NULL:
+            role_comms[name] = c
+
+    dev = pick_device(p, slot, device)
+    any_cuda = comm.allreduce(1 if dev.type == "cuda" else 0, op=MPI.SUM) > 0
+    backend = "cpu:gloo,cuda:nccl" if any_cuda else "gloo"
+    addr, port = None, None
+    if slot.world_rank == 0:
+        addr = env.master_addr or env.first_node or "127.0.0.1"
+        port = choose_port(env.job_id, port_range)
+    addr, port = timed_bcast(comm, (addr, port), root=0, timeout_s=timeout_s, what="rendezvous address")
+    log.info("rank %d: init_process_group(%s) at %s:%d, world %d", slot.world_rank, backend, addr, port, p.world_size)
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://{addr}:{port}", rank=slot.world_rank,
+        world_size=p.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    groups: dict[str, Any] = {}
+    meshes: dict[str, DeviceMesh] = {}
+    mesh_device = "cuda" if any_cuda else "cpu"
+    for name, role in p.roles.items():
+        groups[name] = dist.new_group(list(members[name]))
+        if not role.is_gpu:
+            continue
+        t, names = _mesh_tensor(role)
+        mesh = DeviceMesh(mesh_device, t, mesh_dim_names=names)
+        if name in slot_roles(slot):
+            meshes[name] = mesh
+        if (ffn := _ffn_mesh(role)) is not None:
+            fmesh = DeviceMesh(mesh_device, ffn[0], mesh_dim_names=ffn[1])
+            if name in slot_roles(slot):
+                meshes[f"{name}.ffn"] = fmesh
+    train, infer = p.roles.get("actor_train"), p.roles.get("actor_infer")
+    if train is not None and infer is not None and infer.backend and infer.backend.kind is EngineKind.INFER:
+        # The first actor_train rank broadcasts full weights to every actor_infer rank.
+        members[SYNC] = tuple(sorted({train.gpu_ranks[0], *infer.gpu_ranks}))
+        groups[SYNC] = dist.new_group(list(members[SYNC]))
+    return World(p, slot, comm, role_comms, groups, meshes, dev, timeout_s, members)
+
+
+def slot_roles(slot: ProcessSlot) -> set[str]:
+    return {name for name, _ in slot.roles}
+
+
+def shutdown(world: World) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

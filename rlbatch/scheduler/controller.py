@@ -1,0 +1,212 @@
+"""The controller's view of the pipeline: role handles whose methods are phases.
+
+The controller holds references, not data: for every (sample, field) it knows which ranks hold
+it and how long it is. A phase assigns samples to the ranks that work on them, preferring the
+rank that already holds a sample (colocated roles hand over in memory), and sends each rank one
+command with the moves it takes part in and its work. Replies carry small results (lengths,
+rewards, stats) and a per-rank PhaseRecord for the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlbatch.runtime.control import Controller
+from rlbatch.runtime.dataplane import Move
+from rlbatch.runtime.postmortem import describe_rank
+from rlbatch.runtime.world import World
+
+
+@dataclass
+class Rollouts:
+    """A step's samples: ids in group order (samples_per_prompt consecutive ids per prompt)."""
+
+    ids: list[int]
+    answers: list[str]
+    group_size: int
+    prompt_len: dict[int, int]
+    response_len: dict[int, int]
+
+
+def split_even(items: list[int], parts: int) -> list[list[int]]:
+    """Contiguous, sizes differing by at most one."""
+    q, r = divmod(len(items), parts)
+    out, pos = [], 0
+    for k in range(parts):
+        n = q + (1 if k < r else 0)
+        out.append(items[pos : pos + n])
+        pos += n
+    return out
+
+
+def assign_local_first(ids: list[int], ranks: tuple[int, ...], holder: dict[int, int]) -> dict[int, list[int]]:
+    """Even split over ``ranks``, keeping each sample on the rank that holds it where possible."""
+    quota = [len(x) for x in split_even(ids, len(ranks))]
+    out: dict[int, list[int]] = {r: [] for r in ranks}
+    left = []
+    for sid in ids:
+        r = holder.get(sid)
+        k = ranks.index(r) if r in ranks else -1
+        if k >= 0 and len(out[r]) < quota[k]:
+            out[r].append(sid)
+        else:
+            left.append(sid)
+    for k, r in enumerate(ranks):
+        while len(out[r]) < quota[k]:
+            out[r].append(left.pop(0))
+    return out
+
+
+class Pipeline:
+    def __init__(self, world: World, cfg: Any) -> None:
+        self.world, self.cfg, self.p = world, cfg, world.placement
+        self.ctl = Controller(world.comm, world.timeout_s, lambda r: describe_rank(self.p, r))
+        self.where: dict[tuple[int, str], set[int]] = {}
+        self.length: dict[tuple[int, str], int] = {}
+        self.pending_drop: dict[int, list[int]] = defaultdict(list)
+        self.records: list[dict[str, Any]] = []
+        self.phase_seconds: dict[str, float] = {}
+
+    def workers(self) -> list[int]:
+        return [r for r in range(self.p.world_size) if r != self.world.rank]
+
+    def _moves(self, need: dict[int, tuple[list[int], list[str]]]) -> list[Move]:
+        grouped: dict[tuple[int, int, tuple[str, ...]], list[int]] = defaultdict(list)
+        for dst, (ids, fields) in need.items():
+            for sid in ids:
+                by_src: dict[int, list[str]] = defaultdict(list)
+                for f in fields:
+                    held = self.where.get((sid, f))
+                    if held and dst not in held:
+                        by_src[min(held)].append(f)
+                for src, fs in by_src.items():
+                    grouped[(src, dst, tuple(fs))].append(sid)
+        return [Move(src, dst, ids, list(fs), [[self.length[(i, f)] for f in fs] for i in ids])
+                for (src, dst, fs), ids in grouped.items()]
+
+    def run(self, phase: str, roles: tuple[str, ...], work: dict[int, dict[str, Any]],
+            need: dict[int, tuple[list[int], list[str]]] | None = None) -> dict[int, Any]:
+        """One phase: move what ``need`` says, run ``work`` on its ranks; return {rank: output}."""
+        start = time.perf_counter()
+        moves = self._moves(need or {})
+        ranks = sorted(set(work) | {m.src for m in moves} | {m.dst for m in moves})
+        per_rank = {
+            r: {"phase": phase, "roles": roles, "work": work.get(r), "drop": self.pending_drop.pop(r, None),
+                "moves": [m for m in moves if r in (m.src, m.dst)]}
+            for r in ranks
+        }
+        replies = self.ctl.call(ranks, "phase", per_rank=per_rank)
+        for m in moves:
+            for sid in m.ids:
+                for f in m.fields:
+                    self.where[(sid, f)].add(m.dst)
+        for r, rep in replies.items():
+            if "rec" in rep:
+                self.records.append(rep["rec"] | {"rank": r})
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
+        return {r: rep["out"] for r, rep in replies.items() if "out" in rep}
+
+    def produced(self, rank: int, sid: int, field: str, length: int) -> None:
+        self.where[(sid, field)] = {rank}
+        self.length[(sid, field)] = length
+
+    def forget(self, ids: list[int]) -> None:
+        """Samples of a finished step: every rank holding one drops it with its next command."""
+        holders: dict[int, set[int]] = defaultdict(set)
+        for (sid, f) in list(self.where):
+            if sid in ids:
+                for r in self.where.pop((sid, f)):
+                    holders[r].add(sid)
+                self.length.pop((sid, f), None)
+        for r, sids in holders.items():
+            self.pending_drop[r].extend(sorted(sids))
+
+    def holder(self, ids: list[int], field: str = "response") -> dict[int, int]:
+        return {sid: min(self.where[(sid, field)]) for sid in ids if (sid, field) in self.where}
+
+    def begin_step(self) -> None:
+        self.records, self.phase_seconds = [], {}
+
+
+class Role:
+    """A role as the controller's loop sees it: each method is one phase on its workers."""
+
+    def __init__(self, pipe: Pipeline, name: str) -> None:
+        self.pipe, self.name = pipe, name
+        self.placement = pipe.p.roles[name]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.pipe.world.members[self.name]
+
+    def generate(self, prompts: list[Any], n: int, first_id: int, seed: int) -> Rollouts:
+        a = self.pipe.cfg.algo
+        groups = split_even(list(range(len(prompts))), self.placement.world_size)
+        work, ids_of = {}, {}
+        for w, prompt_idx in enumerate(groups):
+            ids = [first_id + i * n + k for i in prompt_idx for k in range(n)]
+            leader = self.placement.workers[w][0]
+            ids_of[leader] = ids
+            sampling = {"max_new_tokens": int(a.max_new_tokens), "temperature": float(a.temperature),
+                        "top_p": float(a.top_p), "seed": seed * 1_000_003 + w}
+            for r in self.placement.workers[w]:
+                work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)], "sampling": sampling}
+        out = self.pipe.run("generate", (self.name,), work)
+        plen, rlen = {}, {}
+        for leader, ids in ids_of.items():
+            for sid in ids:
+                p, r = out[leader][sid]
+                plen[sid], rlen[sid] = p, r
+                self.pipe.produced(leader, sid, "prompt", p)
+                self.pipe.produced(leader, sid, "response", r)
+        all_ids = [first_id + i for i in range(len(prompts) * n)]
+        return Rollouts(all_ids, [prompts[i // n].answer for i in range(len(prompts) * n)], n, plen, rlen)
+
+    def score(self, ro: Rollouts) -> torch.Tensor:
+        answer = dict(zip(ro.ids, ro.answers, strict=True))
+        parts = split_even(ro.ids, len(self.ranks))
+        work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} for r, ids in zip(self.ranks, parts, strict=True)}
+        need = {r: (ids, ["prompt", "response"]) for r, ids in zip(self.ranks, parts, strict=True)}
+        out = self.pipe.run("score", (self.name,), work, need)
+        merged = {k: v for o in out.values() for k, v in o.items()}
+        return torch.tensor([merged[i] for i in ro.ids])
+
+    def _assign(self, ro: Rollouts) -> dict[int, list[int]]:
+        return assign_local_first(ro.ids, self.ranks, self.pipe.holder(ro.ids))
+
+    def logprobs(self, ro: Rollouts, kl_estimator: str | None = None) -> dict[int, float] | None:
+        """reference: ref_logprobs; actor_train: old_logprobs (optionally with per-sample KL to ref)."""
+        phase = "ref_logprobs" if self.name == "reference" else "old_logprobs"
+        field = phase
+        assign = self._assign(ro)
+        fields = ["prompt", "response"] + (["ref_logprobs"] if kl_estimator else [])
+        work = {r: {"ids": ids} | ({"kl_estimator": kl_estimator} if phase == "old_logprobs" else {}) for r, ids in assign.items()}
+        out = self.pipe.run(phase, (self.name,), work, {r: (ids, fields) for r, ids in assign.items()})
+        for r, ids in assign.items():
+            for sid in ids:
+                self.pipe.produced(r, sid, field, ro.response_len[sid])
+        if phase == "old_logprobs":
+            return {k: v for o in out.values() for k, v in o.items()}
+        return None
+
+    def train(self, ro: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
+        adv = dict(zip(ro.ids, advantages.tolist(), strict=True))
+        assign = self._assign(ro)
+        fields = ["prompt", "response", "old_logprobs", "ref_logprobs"]
+        work = {r: {"ids": ids, "advantages": [adv[i] for i in ids]} for r, ids in assign.items()}
+        out = self.pipe.run("train", (self.name,), work, {r: (ids, fields) for r, ids in assign.items()})
+        keys = set().union(*(o.keys() for o in out.values()))
+        return {k: sum(o.get(k, 0.0) for o in out.values()) / len(out) for k in keys}
+
+    def sync_weights(self, infer: Role) -> None:
+        train_ranks, infer_ranks = set(self.ranks), set(infer.ranks)
+        local = infer_ranks <= train_ranks
+        bucket = int(self.placement.engine_args.get("sync_bucket_mb", 256)) << 20
+        work = {r: {"src": min(self.ranks), "local": local, "bucket_bytes": bucket} for r in train_ranks | infer_ranks}
+        self.pipe.run("sync", (self.name, infer.name), work)
+

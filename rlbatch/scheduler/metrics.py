@@ -1,0 +1,119 @@
+"""A step's metrics: metrics.jsonl (one JSON object per step), TensorBoard, progress bar, plot.
+
+Per-phase records from every rank are reduced here: times and bytes as the maximum over ranks
+(the slowest rank sets the pace), device memory as the peak per role, host RSS as the maximum.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rlbatch.runtime.rundir import RunDir
+
+log = logging.getLogger(__name__)
+METRICS = "metrics.jsonl"
+CURVE = "reward_curve.png"
+
+
+def reduce_records(records: list[dict[str, Any]]) -> dict[str, float]:
+    per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    out: dict[str, float] = {}
+    for rec in records:
+        acc = per_rank[rec["rank"]]
+        acc["offload/bytes"] += rec["offload"]["bytes"]
+        acc["reload/bytes"] += rec["reload"]["bytes"]
+        acc["time/offload"] += rec["offload"]["seconds"]
+        acc["time/reload"] += rec["reload"]["seconds"]
+        for role in rec["roles"]:
+            key = f"mem/{role}/peak_allocated"
+            out[key] = max(out.get(key, 0.0), float(rec["peak_allocated"]))
+        out["mem/reserved"] = max(out.get("mem/reserved", 0.0), float(rec["mem_reserved_after"]))
+        out["host/rss"] = max(out.get("host/rss", 0.0), float(rec["rss_after"]))
+    for key in ("offload/bytes", "reload/bytes", "time/offload", "time/reload"):
+        out[key] = max((acc[key] for acc in per_rank.values()), default=0.0)
+    return out
+
+
+class Metrics:
+    def __init__(self, run: RunDir, steps: int, start: int = 0) -> None:
+        self.run = run
+        self.path = run.path / METRICS
+        self.history: list[dict[str, Any]] = []
+        self.tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run.path / "tensorboard"))
+        except ImportError:  # tensorboard is a core dependency; a broken install still trains
+            log.warning("tensorboard is not importable: no event files will be written")
+        self.steps, self.start = steps, start
+        self.bar: Any = None
+
+    def progress(self, steps: Iterable[int]) -> Iterator[int]:
+        from tqdm import tqdm
+
+        self.bar = tqdm(steps, total=self.steps - self.start, desc="rlbatch", unit="step", dynamic_ncols=True)
+        yield from self.bar
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["step"])
+        if self.bar is not None:
+            phases = " ".join(f"{k[5:]}={row[k]:.2f}s" for k in row if k.startswith("time/") and k not in ("time/offload", "time/reload"))
+            self.bar.set_postfix_str(f"reward={row['reward_mean']:.3f} {phases}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.history:
+            plot_reward(self.history, self.run.path / CURVE)
+
+
+def plot_reward(history: list[dict[str, Any]], path: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, [r["reward_mean"] for r in history], marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward_mean")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title("rlbatch: mean reward per step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, float],
+             phase_seconds: dict[str, float], records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    rlen = [rollouts.response_len[i] for i in rollouts.ids]
+    row: dict[str, Any] = {
+        "step": step,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "response_len_mean": sum(rlen) / len(rlen),
+        "tokens/generated": sum(rlen),
+        "tokens/total": sum(rlen) + sum(rollouts.prompt_len[i] for i in rollouts.ids),
+        "time/step": seconds,
+    }
+    row |= {f"time/{k}": v for k, v in phase_seconds.items()}
+    row |= reduce_records(records)
+    row |= {f"train/{k}": v for k, v in stats.items()}
+    return row

@@ -1,0 +1,65 @@
+"""``program=train``: the RL pipeline. The controller's loop reads like the algorithm.
+
+    python -m rlbatch.launch                       # the default experiment (GRPO, synthetic task)
+    python -m rlbatch.launch roles=disaggregated steps=20
+
+The scheduler behind the role handles knows from the Placement which roles share a GPU and
+offloads/reloads at each phase boundary by itself; a new algorithm edits this loop and a loss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rlbatch import algos
+from rlbatch.data.source import make_stream
+from rlbatch.runtime.rundir import RunDir
+from rlbatch.runtime.world import World
+from rlbatch.scheduler.controller import Pipeline, Role
+from rlbatch.scheduler.metrics import Metrics, step_row
+from rlbatch.scheduler.rank import RankRuntime
+
+
+def handlers(world: World, cfg: Any, run: RunDir) -> dict[str, Any]:
+    return RankRuntime(world, cfg).handlers()
+
+
+def controller(world: World, cfg: Any, run: RunDir) -> None:
+    a = cfg.algo
+    if a.name != "grpo":
+        raise NotImplementedError(f"algo.name={a.name}: only grpo is implemented in this build")
+    pipe = Pipeline(world, cfg)
+    actor_infer, actor_train, reward = Role(pipe, "actor_infer"), Role(pipe, "actor_train"), Role(pipe, "reward")
+    reference = Role(pipe, "reference") if "reference" in world.placement.roles else None
+    data = make_stream(cfg.data, int(cfg.seed))
+    metrics = Metrics(run, int(cfg.steps))
+    n, per_step = int(a.samples_per_prompt), int(a.prompts_per_step) * int(a.samples_per_prompt)
+    reuse_batch = a.mini_batches > 1 or a.epochs > 1
+
+    for step in metrics.progress(range(int(cfg.steps))):
+        pipe.begin_step()
+        start = time.perf_counter()
+        prompts = data.next_batch(int(a.prompts_per_step))
+        rollouts = actor_infer.generate(prompts, n, first_id=step * per_step, seed=int(cfg.seed) * 100_003 + step)
+        rewards = reward.score(rollouts)
+        if reference is not None and a.kl_coef > 0:
+            reference.logprobs(rollouts)
+        shaped = rewards
+        if reuse_batch or a.kl_in_reward:  # the policy before this step's updates
+            kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if a.kl_in_reward else None)
+            if a.kl_in_reward and kl is not None:
+                shaped = rewards - a.kl_coef * torch.tensor([kl[i] for i in rollouts.ids])
+        advantages = algos.grpo_advantages(shaped, n, a.adv_eps)
+        stats = actor_train.train(rollouts, advantages)
+        actor_train.sync_weights(actor_infer)
+        pipe.forget(rollouts.ids)
+        metrics.log(step_row(step, rewards, rollouts, stats, pipe.phase_seconds, pipe.records, time.perf_counter() - start))
+
+    pipe.ctl.shutdown(pipe.workers())
+    metrics.close()
+    last = metrics.history[-1] if metrics.history else {}
+    print(f"done: {len(metrics.history)} steps, final reward_mean {last.get('reward_mean', float('nan')):.3f}; "
+          f"metrics in {metrics.path}", flush=True)

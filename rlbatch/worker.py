@@ -1,0 +1,95 @@
+"""Every process of a run: ``python -m rlbatch.worker <run_dir>``.
+
+Started by mpiexec (cluster=local), by srun through submitit (cluster=slurm), or by srun from a
+hand-written sbatch file (slurm/rlbatch.sbatch). Reads the config and Placement the launcher
+wrote into the run directory, finds its own slot, builds the world, and runs its part of the
+program: the controller loop on the controller, the command server everywhere else.
+
+Any failure is recorded in logs/rank<r>.status, printed on the console with the rank and its
+roles, and ends the whole job (MPI_Abort): no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+PROGRAMS = {
+    "train": "rlbatch.scheduler.program",
+    "selftest": "rlbatch.runtime.selftest",
+}
+"""cfg.program -> module with controller(world, cfg, run) and handlers(world, cfg, run)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(run_dir: str) -> int:
+    from mpi4py import MPI
+    from omegaconf import OmegaConf
+
+    from rlbatch.placement.io import load_placement
+    from rlbatch.runtime.env import read_env
+    from rlbatch.runtime.logs import RankLog
+    from rlbatch.runtime.postmortem import describe_rank
+    from rlbatch.runtime.rundir import RunDir
+    from rlbatch.runtime.world import build_world, identify, shutdown
+
+    run = RunDir(Path(run_dir).resolve())
+    placement = load_placement(run.placement)
+    cfg = OmegaConf.load(run.config)
+    env = read_env()
+    slot = identify(placement, env, MPI.COMM_WORLD.Get_rank())
+    if slot is None:  # a spare Slurm slot: take part in the communicator split, then leave
+        MPI.COMM_WORLD.Split(MPI.UNDEFINED, 0)
+        return 0
+    rank = slot.world_rank
+    who = describe_rank(placement, rank)
+    logs = RankLog(run.rank_log(rank), rank, who, console=slot.kind.value == "controller")
+    run.write_status(rank, "running", roles=[r for r, _ in slot.roles])
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    log = logging.getLogger("rlbatch.worker")
+    try:
+        c = cfg.cluster
+        torch_threads = int(os.environ.get("OMP_NUM_THREADS", c.cpus_per_task))
+        import torch
+
+        torch.set_num_threads(max(1, torch_threads))
+        world = build_world(placement, env, device=c.device, timeout_s=float(c.timeout_s),
+                            port_range=(int(c.port_range[0]), int(c.port_range[1])))
+        assert world is not None
+        log.info("%s up: device %s, job %s", who, world.device, env.job_id)
+        program = importlib.import_module(PROGRAMS[str(cfg.program)])
+        if world.is_controller:
+            program.controller(world, cfg, run)
+        else:
+            from rlbatch.runtime.control import serve
+
+            serve(world.comm, placement.controller_rank, program.handlers(world, cfg, run))
+        shutdown(world)
+        run.write_status(rank, "exited", code=0)
+    except BaseException as e:
+        code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+        if isinstance(e, SystemExit) and code == 128 + signal.SIGTERM:
+            run.write_status(rank, "terminated", signal="SIGTERM")
+        else:
+            last = traceback.format_exception_only(type(e), e)[-1].strip()
+            run.write_status(rank, "failed", error=last)
+            log.error("failed:\n%s", traceback.format_exc())
+            logs.fatal(f"failed: {last} (traceback in {run.rank_log(rank)})")
+        sys.stdout.flush()
+        MPI.COMM_WORLD.Abort(code or 1)
+        os._exit(code or 1)  # MPI_Abort may return before the launcher acts
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m rlbatch.worker <run_dir>")
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,48 @@
+"""Shared test setup: the repository is importable here and in the subprocesses tests start."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    """Environment for ``sys.executable -m rlbatch.launch`` run from another directory."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+RUNS_ROOT = REPO_ROOT / ".test-runs"
+"""Run directories of tests that start real processes. Not under /tmp: the Slurm test cluster
+gives each node a private /tmp, so job files there would not be shared."""
+
+
+@pytest.fixture
+def run_root(request: pytest.FixtureRequest) -> Path:
+    """A fresh, shared-filesystem directory for this test's runs."""
+    import shutil
+
+    path = RUNS_ROOT / request.node.name.replace("/", "_").replace("[", "-").replace("]", "")
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300):
+    """Run ``python -m rlbatch.launch <args>``; returns the CompletedProcess (text output)."""
+    import subprocess
+
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [full_env.get("PYTHONPATH")])])
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "rlbatch.launch", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,24 @@
+#!/bin/bash
+
+# Parameters
+#SBATCH --cpus-per-task=4
+#SBATCH --gres=gpu:2
+#SBATCH --job-name=rlbatch
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=4
+#SBATCH --open-mode=append
+#SBATCH --output=/shared/runs/example/slurm/%j_0_log.out
+#SBATCH --signal=USR2@90
+#SBATCH --time=240
+#SBATCH --wckey=submitit
+
+# setup
+export RLBATCH_RUN_DIR=/shared/runs/example
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+srun --unbuffered --output /shared/runs/example/slurm/%j_%t_log.out --mpi=pmi2 --kill-on-bad-exit=1 PYTHON -u -m submitit.core._submit /shared/runs/example/slurm
+
+
+# teardown
+PYTHON -m rlbatch.runtime.postmortem /shared/runs/example
