@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -24,6 +25,9 @@ PROGRAMS = {
     "selftest": "rlbatch.runtime.selftest",
 }
 """cfg.program -> module with controller(world, cfg, run) and handlers(world, cfg, run)."""
+
+
+SECONDARY_GRACE_S = 3.0
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
@@ -37,7 +41,7 @@ def main(run_dir: str) -> int:
     from rlbatch.placement.io import load_placement
     from rlbatch.runtime.env import read_env
     from rlbatch.runtime.logs import RankLog
-    from rlbatch.runtime.postmortem import describe_rank
+    from rlbatch.runtime.postmortem import SECONDARY, describe_rank
     from rlbatch.runtime.rundir import RunDir
     from rlbatch.runtime.world import build_world, identify, shutdown
 
@@ -83,6 +87,11 @@ def main(run_dir: str) -> int:
             run.write_status(rank, "failed", error=last)
             log.error("failed:\n%s", traceback.format_exc())
             logs.fatal(f"failed: {last} (traceback in {run.rank_log(rank)})")
+            if type(e).__name__ in SECONDARY:
+                # This failure is a consequence of another rank's. Under srun, --kill-on-bad-exit
+                # sends every rank SIGTERM within a moment: wait for it, so that ranks record
+                # "terminated" and the rank that died stands out, instead of aborting first.
+                time.sleep(SECONDARY_GRACE_S)
         sys.stdout.flush()
         MPI.COMM_WORLD.Abort(code or 1)
         os._exit(code or 1)  # MPI_Abort may return before the launcher acts

@@ -133,6 +133,8 @@ class ModelConfig:
     """Random-init model: longest sequence."""
     tie_word_embeddings: bool = True
     """Share input embedding and output projection."""
+    initializer_range: float = 0.02
+    """Random-init model: std of the initial weights."""
     dtype: str = "auto"
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp16' or 'fp32'."""
 

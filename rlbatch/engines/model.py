@@ -46,7 +46,7 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
         intermediate_size=model_cfg.intermediate_size, num_layers=model_cfg.num_layers,
         num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
         max_position_embeddings=model_cfg.max_position_embeddings,
-        tie_word_embeddings=model_cfg.tie_word_embeddings, seed=seed,
+        tie_word_embeddings=model_cfg.tie_word_embeddings, initializer_range=model_cfg.initializer_range, seed=seed,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     return build_tiny_model(tiny).to(dtype)

@@ -21,15 +21,24 @@ class ControlTimeout(TimeoutError):
     """A control-plane wait expired."""
 
 
+SPIN_S = 2e-4
+"""Poll without sleeping this long first: a reply to a short command usually comes within it."""
+
+
 def wait_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
-    """Poll ``done`` with a backoff from 50 us to 5 ms; raise ControlTimeout after timeout_s."""
+    """Poll ``done``: spin for SPIN_S, then back off from 50 us to 1 ms; raise ControlTimeout
+    after timeout_s."""
+    spin_until = time.perf_counter() + SPIN_S
+    while time.perf_counter() < spin_until:
+        if done():
+            return
     deadline = time.monotonic() + timeout_s
     pause = 5e-5
     while not done():
         if time.monotonic() > deadline:
             raise ControlTimeout(f"timed out after {timeout_s:.0f}s waiting for {what()}")
         time.sleep(pause)
-        pause = min(pause * 2, 5e-3)
+        pause = min(pause * 2, 1e-3)
 
 
 def timed_bcast(comm: Any, obj: Any, root: int, timeout_s: float, what: str) -> Any:

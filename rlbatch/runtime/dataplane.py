@@ -2,9 +2,9 @@
 
 Each rank keeps a ``SampleStore`` of the samples it produced or received. The controller never
 sees tokens; it knows only where each (sample, field) lives and how long it is, and tells the
-ranks which fields to ``exchange``. Every (source, destination) pair sends one packed float64
-message (token ids are exact in float64), posted non-blocking on both sides so the order of
-pairs cannot deadlock. The receiver allocates from the lengths the controller sent along.
+ranks which fields to ``exchange``. Every (source, destination) pair sends one message per
+dtype (token ids as int64, per-token values as float32), posted non-blocking on both sides so
+the order of pairs cannot deadlock. The receiver allocates from the lengths the controller sent.
 """
 
 from __future__ import annotations
@@ -52,18 +52,32 @@ class SampleStore:
             self.samples.pop(i, None)
 
 
-def _pack(store: SampleStore, m: Move) -> torch.Tensor:
-    parts = [store.samples[i][f].to(torch.float64).reshape(-1) for i in m.ids for f in m.fields]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+def _parts(m: Move) -> list[tuple[torch.dtype, list[str]]]:
+    """A move sends up to two buffers: token ids as int64, per-token values as float32."""
+    ints = [f for f in m.fields if f in INT_FIELDS]
+    floats = [f for f in m.fields if f not in INT_FIELDS]
+    return [(dt, fs) for dt, fs in ((torch.long, ints), (torch.float32, floats)) if fs]
 
 
-def _unpack(store: SampleStore, m: Move, flat: torch.Tensor) -> None:
+def _size(m: Move, fields: list[str]) -> int:
+    idx = [m.fields.index(f) for f in fields]
+    return sum(lens[j] for lens in m.lengths for j in idx)
+
+
+def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str]) -> torch.Tensor:
+    parts = [store.samples[i][f].reshape(-1).to(dtype) for i in m.ids for f in fields]
+    if len(parts) == 1:
+        return parts[0].contiguous()  # one tensor: send it as it is, no copy
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+
+
+def _unpack(store: SampleStore, m: Move, fields: list[str], flat: torch.Tensor) -> None:
+    idx = [m.fields.index(f) for f in fields]
     pos = 0
     for i, lens in zip(m.ids, m.lengths, strict=True):
-        for f, n in zip(m.fields, lens, strict=True):
-            t = flat[pos : pos + n]
-            store.put(i, f, t.to(torch.long) if f in INT_FIELDS else t.to(torch.float32))
-            pos += n
+        for f, j in zip(fields, idx, strict=True):
+            store.put(i, f, flat[pos : pos + lens[j]])  # a view into the received buffer
+            pos += lens[j]
 
 
 def exchange(store: SampleStore, rank: int, moves: list[Move], device: torch.device | None = None) -> dict[str, float]:
@@ -76,17 +90,20 @@ def exchange(store: SampleStore, rank: int, moves: list[Move], device: torch.dev
     reqs, inbox = [], []
     sent = received = 0
     for m in moves:
-        if m.src == rank and m.dst != rank and m.numel:
-            buf = _pack(store, m).to(dev)
-            reqs.append(dist.isend(buf, dst=m.dst))
-            sent += buf.numel() * 8
-        elif m.dst == rank and m.src != rank and m.numel:
-            buf = torch.empty(m.numel, dtype=torch.float64, device=dev)
-            reqs.append(dist.irecv(buf, src=m.src))
-            inbox.append((m, buf))
+        if rank not in (m.src, m.dst) or m.src == m.dst:
+            continue
+        for dtype, fields in _parts(m):
+            if m.src == rank:
+                buf = _pack(store, m, dtype, fields).to(dev)
+                reqs.append(dist.isend(buf, dst=m.dst))
+                sent += buf.numel() * buf.element_size()
+            else:
+                buf = torch.empty(_size(m, fields), dtype=dtype, device=dev)
+                reqs.append(dist.irecv(buf, src=m.src))
+                inbox.append((m, fields, buf))
     for r in reqs:
         r.wait()
-    for m, buf in inbox:
-        _unpack(store, m, buf.cpu())
-        received += buf.numel() * 8
+    for m, fields, buf in inbox:
+        _unpack(store, m, fields, buf.cpu())
+        received += buf.numel() * buf.element_size()
     return {"bytes_sent": float(sent), "bytes_received": float(received), "seconds": time.perf_counter() - start}

@@ -47,7 +47,7 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
     died = [f"{describe_rank(p, r)} died without a word on {(run.read_status(r) or {}).get('host')}" for r in silent]
     if len(died) > 1:
         died.append("(one of these was killed by a signal or the OOM killer; the launcher stopped the others)")
-    return secondary + died + never
+    return died + secondary + never
 
 
 def main(argv: list[str]) -> int:

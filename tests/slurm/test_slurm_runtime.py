@@ -1,0 +1,110 @@
+"""The runtime on the real two-node Slurm test cluster (slurm/dev-cluster.sh; `make test` starts it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, launch
+from tests.dist.test_local_runtime import TWO_NODES
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> None:
+    status = subprocess.run(["bash", str(REPO_ROOT / "slurm" / "dev-cluster.sh"), "status"], capture_output=True, text=True)
+    assert status.returncode == 0, f"the Slurm test cluster is not up; start it with slurm/dev-cluster.sh start\n{status.stdout}"
+
+
+def wait_gone(job_ids: list[str], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i"], capture_output=True, text=True).stdout
+        if not out.strip():
+            return
+        time.sleep(1)
+    raise AssertionError(f"jobs {job_ids} still queued after {timeout}s")
+
+
+def selftest_on_slurm(run_dir: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return launch(["program=selftest", "cluster=slurm", "cluster.cpus_per_task=1", "wait=true", f"run_dir={run_dir}", *extra],
+                  run_dir.parent, timeout=timeout)
+
+
+def test_two_nodes_identity_groups_and_sums(run_root: Path) -> None:
+    out = selftest_on_slurm(run_root / "run", *TWO_NODES)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"submitted Slurm job \d+", out.stdout)
+    result = json.loads((run_root / "run" / "selftest.json").read_text())
+    placed = json.loads((run_root / "run" / "placement.json").read_text())
+    assert result["ok"], result["problems"]
+    hosts = {int(r): rep["host"] for r, rep in result["reports"].items()}
+    for rank, rep in result["reports"].items():
+        slot = placed["processes"][int(rank)]
+        assert (rep["slurm_nodeid"], rep["slurm_localid"]) == (slot["node"], slot["local_rank"])
+        assert rep["roles"] == slot["roles"] and rep["local_gpu"] == slot["local_gpu"]
+    assert {hosts[r] for r in range(4)} == {"n1"} and {hosts[r] for r in range(4, 8)} == {"n2"}
+    assert {hosts[8], hosts[9]} == {"n1", "n2"}, "the two CPU reward workers are spread across nodes"
+    assert result["sums"]["0"]["actor_train/tp"] == 3.0 and result["sums"]["4"]["sync"] == 27.0
+
+
+def test_sweep_submits_one_job_per_point(run_root: Path) -> None:
+    out = launch(["-m", "program=selftest", "cluster=slurm", "cluster.cpus_per_task=1", f"run_dir={run_root}/sweep",
+                  "seed=1,2,3"], run_root, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    jobs = re.findall(r"submitted Slurm job (\d+)", out.stdout)
+    assert len(set(jobs)) == 3, out.stdout
+    wait_gone(jobs)
+    for k in range(3):
+        run = run_root / "sweep" / str(k)
+        assert json.loads((run / "selftest.json").read_text())["ok"]
+    seeds = sorted(int(re.search(r"^seed: (\d+)$", (run_root / "sweep" / str(k) / "config.yaml").read_text(), re.M).group(1)) for k in range(3))
+    assert seeds == [1, 2, 3]
+
+
+def test_kill_9_ends_the_job_fast_and_names_the_rank(run_root: Path) -> None:
+    start = time.monotonic()
+    out = selftest_on_slurm(run_root / "run", *TWO_NODES, "cluster.timeout_s=20", "+cluster.env.RLBATCH_FAULT=kill:5")
+    assert out.returncode != 0
+    culprits = [ln for ln in (out.stderr + out.stdout).splitlines() if ln.startswith("  rank ")]
+    assert culprits and culprits[0].startswith("  rank 5 (actor_infer[0]"), out.stderr[-3000:]
+    states = {r: json.loads((run_root / "run" / "logs" / f"rank{r}.status").read_text())["state"] for r in range(11)}
+    assert states[5] == "running", states  # the killed rank never wrote another word
+    others = {s for r, s in states.items() if r != 5}
+    assert others <= {"terminated", "failed"}, states  # every other rank knew it was stopped
+    assert time.monotonic() - start < 120  # submission, scheduling and start included
+    ended = max(json.loads((run_root / "run" / "logs" / f"rank{r}.status").read_text())["time"] for r in range(11))
+    killed_at = json.loads((run_root / "run" / "logs" / "rank5.status").read_text())["time"]
+    assert ended - killed_at < 30, "every rank stopped within 30 s of the kill"
+
+
+def test_two_jobs_on_one_node_both_start(run_root: Path) -> None:
+    procs = [subprocess.Popen([sys.executable, "-m", "rlbatch.launch", "program=selftest", "cluster=slurm", "cluster.cpus_per_task=1",
+                               "wait=true", f"run_dir={run_root}/{n}", "+cluster.sbatch_args.nodelist=n1"],
+                              cwd=run_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in ("a", "b")]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    ports = set()
+    for n in ("a", "b"):
+        log = (run_root / n / "logs" / "rank0.log").read_text()
+        ports.add(re.search(r"init_process_group\(gloo\) at n1:(\d+)", log).group(1))
+        assert json.loads((run_root / n / "selftest.json").read_text())["reports"]["0"]["host"] == "n1"
+    assert len(ports) == 2
+
+
+def test_plain_sbatch_template(run_root: Path) -> None:
+    run = run_root / "plain"
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={run_root}", f"--export=ALL,PYTHON={sys.executable},RUN_DIR={run}",
+                          str(REPO_ROOT / "slurm" / "rlbatch.sbatch"), "program=selftest"], capture_output=True, text=True)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    wait_gone([job])
+    output = (run_root / f"rlbatch-{job}.out").read_text()
+    assert "selftest ok" in output, output[-3000:]
