@@ -229,6 +229,8 @@ class RLBatchConfig:
     """cluster=slurm: follow the job to the end and exit with its code."""
     experiment: str = "default"
     """Name of the experiment preset (set by conf/experiment/*.yaml)."""
+    hardware: Optional[dict[str, Any]] = None
+    """Hardware profile for the planner (conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     roles: dict[str, Any] = field(default_factory=default_roles)
     """Role name -> RoleConfig fields. See RoleConfig."""

@@ -110,6 +110,7 @@ def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, f
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "response_len_mean": sum(rlen) / len(rlen),
         "tokens/generated": sum(rlen),
+        "tokens/response_max": max(rlen),
         "tokens/total": sum(rlen) + sum(rollouts.prompt_len[i] for i in rollouts.ids),
         "time/step": seconds,
     }

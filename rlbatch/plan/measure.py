@@ -1,0 +1,121 @@
+"""Measure this machine for the ``cpu`` hardware profile (the one planner module that imports torch).
+
+    .venv/bin/python -m rlbatch.plan.measure            # prints YAML lines for conf/hardware/cpu.yaml
+
+On a CPU-only run every "GPU rank" is a process with ``cluster.cpus_per_task`` torch threads,
+so the profile needs what one such thread achieves: fp32 matmul FLOP/s, the cost of one small
+torch op (dispatcher + Python: what dominates a tiny model), memcpy bandwidth (offload, reload
+and in-process weight sync are host-to-host copies here), and gloo's all-reduce latency and
+bandwidth between two local processes. Numbers are the best of a few repeats (timing noise only
+makes things slower).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+
+def _best(fn: Any, repeats: int = 5, inner: int = 1) -> float:
+    """Best wall time of ``inner`` calls of ``fn``, divided by ``inner``."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def matmul_flops(threads: int) -> dict[int, float]:
+    """fp32 FLOP/s of square matmuls of several sizes with ``threads`` torch threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {}
+    for n in (64, 256, 1024, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        inner = max(1, int(2e8 // (2 * n**3)))
+        out[n] = 2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b), inner=inner)
+    return out
+
+
+def op_overhead() -> float:
+    """Seconds for one tiny elementwise op: the per-op floor every kernel of a tiny model pays."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(64), torch.randn(64)
+    return _best(lambda: torch.add(a, b), inner=20000)
+
+
+def memcpy_bw(threads: int, nbytes: int = 256 << 20) -> float:
+    """Bytes per second of one large tensor copy (bytes copied / time)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.copy_(src)
+    return nbytes / _best(lambda: dst.copy_(src))
+
+
+def _gloo_worker(rank: int, port: int, q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    res = {}
+    for n in (1, 16 << 20):  # 4 bytes and 64 MiB of fp32
+        x = torch.ones(n)
+        dist.all_reduce(x)
+        dist.barrier()
+        res[n * 4] = _best(lambda x=x: dist.all_reduce(x), repeats=5, inner=20 if n == 1 else 1)
+    if rank == 0:
+        q.put(res)
+    dist.destroy_process_group()
+
+
+def gloo_allreduce() -> tuple[float, float]:
+    """(alpha seconds, link bytes/s) of a 2-process gloo ring all-reduce, from t = 2(n-1)a + 2(n-1)/n S/B."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=_gloo_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    small, big = res[4], res[64 << 20]
+    alpha = small / 2  # n = 2: 2(n-1) = 2 latency terms
+    bw = (64 << 20) / max(big - 2 * alpha, 1e-9)  # 2(n-1)/n = 1 for n = 2
+    return alpha, bw
+
+
+def main() -> None:
+    import torch
+
+    mm1, mm2 = matmul_flops(1), matmul_flops(2)
+    ovh = op_overhead()
+    cp1, cp2 = memcpy_bw(1), memcpy_bw(2)
+    alpha, bw = gloo_allreduce()
+    print(f"# measured by: .venv/bin/python -m rlbatch.plan.measure  (torch {torch.__version__}, {os.cpu_count()} cores)")
+    print("# fp32 matmul FLOP/s, 1 thread, by size: " + ", ".join(f"{n}: {v:.3g}" for n, v in mm1.items()))
+    print("# fp32 matmul FLOP/s, 2 threads, by size: " + ", ".join(f"{n}: {v:.3g}" for n, v in mm2.items()))
+    print(f"peak_flops: {max(mm1.values()):.4g}")
+    print(f"op_overhead_s: {ovh:.3g}")
+    print(f"# memcpy 1 thread {cp1:.3g} B/s, 2 threads {cp2:.3g} B/s")
+    print(f"hbm_bw: {cp1:.4g}")
+    print(f"pcie_bw: {cp1:.4g}")
+    print(f"host_mem_bw: {max(cp1, cp2):.4g}")
+    print(f"intra_alpha_s: {alpha:.3g}")
+    print(f"intra_bw: {bw:.4g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""``predict(...) -> Prediction``: memory per GPU and phase, time per phase, the step, the verdict.
+
+Pure arithmetic on a Layout, a ModelShape, a Workload and a Hardware profile: no torch, no I/O,
+milliseconds even for thousands of GPUs (GPUs holding the same roles are computed once).
+
+Step time is the critical path through the step's phases. rlbatch's controller runs its loop one
+phase at a time, so by default a phase starts when the previous one ends (the sum). With
+``overlap=True`` a phase starts as soon as the phases whose outputs it needs have finished and
+the previous phase on any of its GPUs has released them: what a controller that dispatches
+independent phases together would reach (on a disaggregated placement the reference's
+log-probs run beside the CPU reward; a colocated placement is still the sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlbatch.placement import EngineKind
+from rlbatch.plan import timing
+from rlbatch.plan.coefficients import Coefficients
+from rlbatch.plan.hardware import Hardware
+from rlbatch.plan.layout import Layout
+from rlbatch.plan.memory import RoleMemory, compute_bytes, role_memory
+from rlbatch.plan.model import ModelShape
+from rlbatch.plan.schedule import GpuKind, Phase, simulate, step_phases
+from rlbatch.plan.workload import Workload
+
+GiB = float(1 << 30)
+
+
+@dataclass
+class PhaseTime:
+    """One phase of the steady-state step."""
+
+    name: str
+    kind: str
+    roles: tuple[str, ...]
+    features: dict[str, float]
+    seconds: float
+    """Work only, calibrated."""
+    reload_s: float = 0.0
+    """Reloading its roles' state at its start (slowest GPU kind)."""
+    offload_s: float = 0.0
+    """Offloading the other roles of its GPUs at its start (slowest GPU kind)."""
+
+    @property
+    def total_s(self) -> float:
+        """What the controller measures as time/<phase>: the residency switch and the work."""
+        return self.offload_s + self.reload_s + self.seconds
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class Prediction:
+    hardware: Hardware
+    shape: ModelShape
+    workload: Workload
+    layout: Layout
+    dtype_bytes: int
+    roles: dict[str, RoleMemory]
+    gpus: list[GpuKind]
+    phases: list[PhaseTime]
+    transitions: dict[str, dict[str, float]]
+    """'offload' / 'reload' -> features summed over the step (slowest GPU kind)."""
+    offload_s: float
+    reload_s: float
+    step_s: float
+    problems: list[str] = field(default_factory=list)
+    """Why it does not fit (empty when it does)."""
+    notes: list[str] = field(default_factory=list)
+    host_bytes: float = 0.0
+    """Host RAM the busiest node needs."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def phase(self, name: str) -> PhaseTime | None:
+        return next((p for p in self.phases if p.name == name), None)
+
+    def measured_keys(self) -> dict[str, float]:
+        """Predictions under the names a run's metrics.jsonl uses (time/<phase>, time/step)."""
+        out = {f"time/{p.name}": p.total_s for p in self.phases}
+        out |= {"time/offload": self.offload_s, "time/reload": self.reload_s, "time/step": self.step_s}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        gpus = []
+        for g in self.gpus:
+            phase, peak = g.peak()
+            role, term, big = g.dominant(phase)
+            gpus.append({
+                "roles": list(g.roles), "ranks": [g.ranks[0], g.ranks[-1]], "count": len(g.ranks),
+                "peak_bytes": peak, "peak_phase": phase, "dominant": {"role": role, "term": term, "bytes": big},
+                "phases": g.memory, "host_bytes": g.host_bytes,
+            })
+        return {
+            "hardware": self.hardware.name, "model": self.shape.to_dict(), "workload": self.workload.to_dict(),
+            "dtype_bytes": self.dtype_bytes, "fits": self.fits, "problems": self.problems, "notes": self.notes,
+            "usable_bytes_per_gpu": self.hardware.usable_bytes, "host_bytes_per_node": self.host_bytes,
+            "gpus": gpus,
+            "roles": {r: {"state": m.state, "transient": m.transient, "kv_needed": m.kv_needed,
+                          "concurrency": m.concurrency} for r, m in self.roles.items()},
+            "phases": [{"name": p.name, "kind": p.kind, "roles": list(p.roles), "seconds": p.seconds,
+                        "reload_s": p.reload_s, "offload_s": p.offload_s, "start": p.start, "end": p.end,
+                        "features": p.features} for p in self.phases],
+            "offload_s": self.offload_s, "reload_s": self.reload_s, "step_s": self.step_s,
+        }
+
+
+def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelShape, w: Workload, e: int,
+          hw: Hardware) -> dict[str, float]:
+    """Features of a phase's work on its busiest GPU; several roles add up when they share GPUs."""
+    roles = layout.roles
+    if ph.kind == "generate":
+        return timing.generate(roles["actor_infer"], mems["actor_infer"], shape, w, e, hw, layout)
+    if ph.kind == "sync":
+        return timing.sync(roles["actor_train"], roles["actor_infer"], shape, e, hw, layout, mems["actor_train"].tensors)
+    if ph.kind == "reward" and not ph.active:
+        return timing.reward(roles.get("reward"), w, hw)
+    parts: list[tuple[str, dict[str, float]]] = []
+    for name in ph.active:
+        r, m = roles[name], mems[name]
+        opt = sum(m.state.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+        parts.append((name, timing.forward_pass(r, shape, w, e, hw, layout, ph.kind == "train", m.tensors, opt)))
+    out = dict(parts[0][1])
+    for name, f in parts[1:]:
+        shared = any(layout.colocated(name, other) for other, _ in parts if other != name)
+        for k, v in f.items():
+            out[k] = out.get(k, 0.0) + v if shared or k == "fixed" else max(out.get(k, 0.0), v)
+    return out
+
+
+def _concurrent(layout: Layout, g: GpuKind) -> int:
+    return layout.ranks_per_node(g.ranks)
+
+
+def _transitions(layout: Layout, gpus: list[GpuKind], mems: dict[str, RoleMemory], hw: Hardware,
+                 coef: Coefficients, phases: list[Phase]) -> tuple[dict[str, dict[str, float]], dict[str, tuple[float, float]]]:
+    """Per phase (reload, offload) seconds at its start on the slowest GPU kind, and the step's
+    summed features per direction (what time/offload and time/reload measure)."""
+    per_phase = {ph.name: (0.0, 0.0) for ph in phases}
+    totals: dict[str, dict[str, float]] = {"offload": {}, "reload": {}}
+    worst = {"offload": -1.0, "reload": -1.0}
+    for g in gpus:
+        tensors = max((mems[r].tensors for r in g.roles), default=0)
+        conc = _concurrent(layout, g)
+        sums: dict[str, dict[str, float]] = {"offload": {}, "reload": {}}
+        for ph in phases:
+            rel = timing.transition(g.reload_bytes.get(ph.name, 0.0), g.reload_count.get(ph.name, 0), tensors, hw, layout, conc)
+            off = timing.transition(g.offload_bytes.get(ph.name, 0.0), g.offload_count.get(ph.name, 0), tensors, hw, layout, conc)
+            r0, o0 = per_phase[ph.name]
+            per_phase[ph.name] = (max(r0, coef.seconds("reload", rel)), max(o0, coef.seconds("offload", off)))
+            for d, f in (("reload", rel), ("offload", off)):
+                for k, v in f.items():
+                    sums[d][k] = sums[d].get(k, 0.0) + v
+        for d in ("offload", "reload"):
+            s = coef.seconds(d, sums[d])
+            if s > worst[d]:
+                worst[d], totals[d] = s, sums[d]
+    return totals, per_phase
+
+
+def _conflict(a: Phase, b: Phase, layout: Layout) -> bool:
+    if not a.active or not b.active:
+        return a.name == b.name
+    return any(x == y or layout.colocated(x, y) for x in a.active for y in b.active)
+
+
+def _memory_problems(p: Prediction, mem_limit: float | None) -> None:
+    hw, layout = p.hardware, p.layout
+    node_sum: dict[str, float] = {}
+    for g in p.gpus:
+        phase, peak = g.peak()
+        role, term, big = g.dominant(phase)
+        where = f"GPU ranks {g.ranks[0]}-{g.ranks[-1]}" if len(g.ranks) > 1 else f"GPU rank {g.ranks[0]}"
+        if not hw.is_cpu and peak > hw.usable_bytes:
+            p.problems.append(
+                f"OOM on {where} ({', '.join(g.roles)}): phase {phase} needs {peak / GiB:.1f} GiB > "
+                f"{hw.usable_bytes / GiB:.1f} GiB usable ({hw.hbm_bytes / GiB:.1f} GiB {hw.name} minus "
+                f"{hw.reserved_bytes / GiB:.1f} GiB reserved); largest term: {role} {term} {big / GiB:.1f} GiB")
+        per_node = _concurrent(layout, g)
+        for ph in g.memory:  # CPU ranks share the node's RAM: sum every rank, phase by phase
+            node_sum[ph] = node_sum.get(ph, 0.0) + per_node * g.phase_total(ph)
+    per_node_procs = min(layout.num_gpus, layout.gpus_per_node) + 1
+    host = sum(_concurrent(layout, g) * g.host_bytes for g in p.gpus) + per_node_procs * hw.process_host_bytes
+    if hw.is_cpu:
+        host += max(node_sum.values(), default=0.0)
+    p.host_bytes = host
+    limit = hw.host_ram_bytes if mem_limit is None else min(hw.host_ram_bytes, mem_limit)
+    if host > limit:
+        what = "device state, offloaded state and" if hw.is_cpu else "offloaded (pinned) state and"
+        p.problems.append(
+            f"host RAM: the busiest node needs {host / GiB:.1f} GiB ({what} {per_node_procs} processes at "
+            f"{hw.process_host_bytes / GiB:.1f} GiB) > {limit / GiB:.1f} GiB per node")
+    for r, m in p.roles.items():
+        if "kv_cache" in m.state and m.state["kv_cache"] <= 0 and layout.roles[r].engine in ("vllm", "sglang"):
+            p.problems.append(f"roles.{r}: {'; '.join(m.notes)}")
+
+
+def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_dtype: str = "auto",
+            coef: Coefficients | None = None, mem_limit: float | None = None, overlap: bool = False) -> Prediction:
+    """Everything the planner knows about one placement. ``overlap``: see the module docstring."""
+    coef = coef or Coefficients()
+    e = compute_bytes(model_dtype, hw)
+    mems = {r.name: role_memory(r, shape, w, e, hw) for r in layout.gpu_roles()}
+    phases = step_phases(layout, w)
+    gpus = simulate(layout, mems, phases)
+    totals, per_phase = _transitions(layout, gpus, mems, hw, coef, phases)
+    times: list[PhaseTime] = []
+    for ph in phases:
+        f = _work(ph, layout, mems, shape, w, e, hw)
+        rel, off = per_phase[ph.name]
+        times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or ("reward",), f, coef.seconds(ph.kind, f), rel, off))
+    for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
+        if overlap:
+            ready = [times[j].end for j, q in enumerate(phases[:i]) if q.name in ph.after or _conflict(q, ph, layout)]
+        else:
+            ready = [times[i - 1].end] if i else []
+        t.start = max(ready, default=0.0)
+        t.end = t.start + t.total_s
+    step = max((t.end for t in times), default=0.0) + coef.seconds("step", {"fixed": 1.0})
+    pred = Prediction(hw, shape, w, layout, e, mems, gpus, times, totals,
+                      coef.seconds("offload", totals["offload"]), coef.seconds("reload", totals["reload"]), step)
+    pred.notes = [n for m in mems.values() for n in m.notes]
+    if w.prompt_len_assumed:
+        pred.notes.append(f"prompt length assumed {w.prompt_len:g} tokens (set --prompt-len)")
+    if w.response_assumed:
+        pred.notes.append(f"mean response assumed {w.response_mean:g} of {w.max_new_tokens} tokens (set --response-mean)")
+    _memory_problems(pred, mem_limit)
+    if any(r.backend is not None and r.backend.kind is EngineKind.INFER and r.backend.p > 1 for r in layout.gpu_roles()):
+        pred.notes.append("pipeline-parallel inference assumed to keep every stage busy")
+    return pred

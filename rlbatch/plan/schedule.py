@@ -1,0 +1,128 @@
+"""The phases of one step, and what each GPU holds during each of them.
+
+The scheduler (rlbatch/scheduler/residency.py) switches residency at the start of every phase a
+rank works in: it offloads every other offloadable role on that rank (all its state kinds) and
+reloads the kinds the acting roles need; a rank with a single GPU role never offloads.
+``simulate`` replays that rule over two steps for every kind of GPU (a signature: the set of
+roles on it) and keeps the second, steady-state step: which kinds are resident in each phase,
+the bytes each switch moves, and the peak memory with the term that dominates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlbatch.plan.layout import Layout
+from rlbatch.plan.memory import COPIED, RoleMemory
+from rlbatch.plan.workload import Workload
+
+TRAIN_KINDS: tuple[str, ...] = ("params", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One unit of work. ``active`` maps each GPU role that works in it to the state kinds it needs."""
+
+    name: str
+    kind: str
+    """Calibration groups phases by kind: generate, reward, logprobs, train, sync."""
+    active: dict[str, tuple[str, ...]]
+    after: tuple[str, ...] = ()
+    """Phases of the same step whose outputs it needs (what an overlapping controller must wait for)."""
+
+
+def step_phases(layout: Layout, w: Workload) -> list[Phase]:
+    """The phases of one step, in the controller's order (rlbatch/scheduler/program.py)."""
+    roles = layout.roles
+    gpu_reward = "reward" in roles and roles["reward"].is_gpu
+    out = [
+        Phase("generate", "generate", {"actor_infer": ("params", "kv_cache")}),
+        Phase("reward", "reward", {"reward": ("params",)} if gpu_reward else {}, ("generate",)),
+    ]
+    if w.kl and "reference" in roles:
+        out.append(Phase("ref_logprobs", "logprobs", {"reference": ("params",)}, ("generate",)))
+    if w.critic and "critic" in roles:
+        out.append(Phase("values", "logprobs", {"critic": ("params",)}, ("generate",)))
+    if w.optimizer_steps > 1 or w.kl_in_reward:  # otherwise the policy before the update is the current one
+        after = ("generate", "ref_logprobs") if w.kl_in_reward else ("generate",)
+        out.append(Phase("old_logprobs", "logprobs", {"actor_train": ("params",)}, after))
+    scored = tuple(p.name for p in out if p.name != "generate")
+    train = {"actor_train": TRAIN_KINDS} | ({"critic": TRAIN_KINDS} if w.critic and "critic" in roles else {})
+    out.append(Phase("train", "train", train, scored))
+    out.append(Phase("sync", "sync", {"actor_train": ("params",), "actor_infer": ("params",)}, ("train",)))
+    return out
+
+
+TRANSIENT_KEY = {"generate": "generate", "reward": "logprobs", "logprobs": "logprobs", "train": "train", "sync": "sync"}
+
+
+@dataclass
+class GpuKind:
+    """Every GPU that holds the same set of roles."""
+
+    roles: tuple[str, ...]
+    ranks: list[int]
+    memory: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """phase -> role -> term -> bytes (state kinds by name, transients by term)."""
+    reload_bytes: dict[str, float] = field(default_factory=dict)
+    """phase -> bytes copied back to the device at its start."""
+    offload_bytes: dict[str, float] = field(default_factory=dict)
+    """phase -> bytes of other roles copied to host at its start."""
+    reload_count: dict[str, int] = field(default_factory=dict)
+    """phase -> role state kinds brought back (copied or re-allocated) at its start."""
+    offload_count: dict[str, int] = field(default_factory=dict)
+    host_bytes: float = 0.0
+    """Pinned host buffers this GPU's offloads keep (they persist across steps)."""
+
+    def phase_total(self, phase: str) -> float:
+        return sum(sum(t.values()) for t in self.memory.get(phase, {}).values())
+
+    def peak(self) -> tuple[str, float]:
+        """(phase, bytes) of the fullest phase."""
+        return max(((p, self.phase_total(p)) for p in self.memory), key=lambda x: x[1], default=("-", 0.0))
+
+    def dominant(self, phase: str) -> tuple[str, str, float]:
+        """(role, term, bytes) of the largest single term in ``phase``."""
+        terms = [(r, k, v) for r, ts in self.memory.get(phase, {}).items() for k, v in ts.items()]
+        return max(terms, key=lambda x: x[2], default=("-", "-", 0.0))
+
+
+def simulate(layout: Layout, mems: dict[str, RoleMemory], phases: list[Phase]) -> list[GpuKind]:
+    """Replay two steps of switch / work on every kind of GPU; keep the second."""
+    kinds = []
+    for sig, ranks in layout.signatures().items():
+        g = GpuKind(sig, ranks)
+        resident = {r: set(mems[r].state) for r in sig}
+        offloadable = {r for r in sig if len(sig) > 1 and layout.roles[r].offload}
+        offloaded: set[str] = set()
+        for step in range(2):
+            for ph in phases:
+                here = [r for r in ph.active if r in sig]
+                out_b = in_b = 0.0
+                out_n = in_n = 0
+                if here:  # the rank works in this phase: the switch runs
+                    for r in offloadable - set(here):
+                        out_b += sum(mems[r].state[k] for k in resident[r] if k in COPIED)
+                        out_n += len(resident[r])
+                        if resident[r]:
+                            offloaded.add(r)
+                        resident[r] = set()
+                    for r in here:
+                        missing = (set(ph.active[r]) & set(mems[r].state)) - resident[r]
+                        in_b += sum(mems[r].state[k] for k in missing if k in COPIED)
+                        in_n += len(missing)
+                        resident[r] |= missing
+                if step == 1:
+                    g.offload_bytes[ph.name], g.offload_count[ph.name] = out_b, out_n
+                    g.reload_bytes[ph.name], g.reload_count[ph.name] = in_b, in_n
+                    mem: dict[str, dict[str, float]] = {}
+                    for r in sig:
+                        terms = {k: mems[r].state[k] for k in resident[r]}
+                        if r in here:
+                            terms |= mems[r].transient.get(TRANSIENT_KEY[ph.kind], {})
+                        if terms:
+                            mem[r] = terms
+                    g.memory[ph.name] = mem
+        g.host_bytes = sum(mems[r].state.get(k, 0.0) for r in offloaded for k in COPIED)
+        kinds.append(g)
+    return kinds

@@ -1,0 +1,201 @@
+"""Placement search: enumerate placements for a GPU count, drop what does not fit, rank by step time.
+
+ROLL's AutoDeviceMapping idea with the planner as the cost model. Candidates:
+
+- colocated: every GPU role on all GPUs, taking turns (offload on or off);
+- disaggregated: actor_train (with reference / critic) on the first GPUs, actor_infer on the
+  rest, split at node boundaries (any split on one or two nodes);
+
+and for each, the training engine's dims (tensor parallel within a node, pipeline stages that
+divide the layers, data parallel for the rest) and the inference engine's (tensor parallel
+within a node, engines for the rest), keeping the engines the config names. Only the winners
+are validated with ``rlbatch.config.validate.check`` (candidates that fail are skipped and
+counted), and each is printed as Hydra overrides ready to paste.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlbatch.errors import ConfigError
+from rlbatch.placement import parse_backend
+from rlbatch.plan.coefficients import Coefficients
+from rlbatch.plan.hardware import Hardware
+from rlbatch.plan.layout import Layout, RoleLayout
+from rlbatch.plan.model import ModelShape
+from rlbatch.plan.predict import Prediction, predict
+from rlbatch.plan.workload import Workload
+
+WITH_TRAIN = ("reference", "critic")
+"""Roles the search places on actor_train's GPUs with actor_train's backend."""
+
+
+@dataclass
+class Candidate:
+    label: str
+    mode: str
+    """'colocated' or 'disaggregated'."""
+    layout: Layout
+    prediction: Prediction | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def _pow2_upto(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
+
+
+def train_dims(engine: str, n: int, gpn: int, shape: ModelShape, w: Workload) -> list[str]:
+    """Backend strings for a training engine on ``n`` GPUs whose batch splits evenly."""
+    out = []
+    for t in _pow2_upto(gpn) if engine != "deepspeed" else [1]:
+        if n % t or shape.heads % t or shape.kv_heads % t:
+            continue
+        for p in (_pow2_upto(16) if engine == "megatron" else [1]):
+            if (n // t) % p or shape.layers % p:
+                continue
+            d = n // (t * p)
+            if w.sequences % (d * w.mini_batches * w.grad_accum):
+                continue
+            es = [1]
+            if engine == "megatron" and shape.experts:
+                es = [e for e in _pow2_upto(min(shape.experts, gpn)) if shape.experts % e == 0 and (d * t) % e == 0]
+            for e in es:
+                dims = "".join(f"{k}{v}" for k, v in (("d", d), ("p", p), ("t", t), ("e", e)) if v > 1 or k == "d")
+                out.append(f"{engine}:{dims}")
+    return out
+
+
+def infer_dims(engine: str, n: int, gpn: int, shape: ModelShape) -> list[str]:
+    """Backend strings for an inference engine on ``n`` GPUs: TP within a node, PP only across full nodes."""
+    if engine == "hf":
+        return [f"hf:d{n}"]
+    out = []
+    for t in _pow2_upto(gpn):
+        if n % t or shape.heads % t:
+            continue
+        for p in ([1, 2, 4, 8] if engine == "vllm" and t == gpn else [1]):
+            if n % (t * p) or shape.layers % p:
+                continue
+            dims = "".join(f"{k}{v}" for k, v in (("d", n // (t * p)), ("p", p), ("t", t)) if v > 1 or k == "d")
+            out.append(f"{engine}:{dims}")
+    return out
+
+
+def splits(gpus: int, gpn: int) -> list[int]:
+    """GPUs for actor_infer in disaggregated candidates: any split on <= 2 nodes, else whole nodes
+    (every count up to 16 nodes, then a geometric ladder so 1000-GPU searches stay small)."""
+    if gpus <= 2 * gpn:
+        return list(range(1, gpus))
+    nodes = gpus // gpn
+    counts = sorted({k for k in range(1, min(nodes, 17))} | {int(round(nodes * f)) for f in (
+        0.125, 0.1875, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5625, 0.625, 0.6875, 0.75, 0.8125, 0.875)})
+    return [k * gpn for k in counts if 0 < k < nodes]
+
+
+def _role(name: str, spec: str, ranks: range, offload: bool, base: Mapping[str, Any]) -> RoleLayout:
+    b = parse_backend(spec)
+    return RoleLayout(name, b, ranks, offload, dict(base.get("engine_args") or {}), len(ranks) // b.num_gpus_per_worker)
+
+
+def candidates(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Workload, cpus: int = 1) -> Iterator[Candidate]:
+    """Every placement the search considers for ``gpus`` GPUs."""
+    roles: Mapping[str, Any] = cfg["roles"]
+    train_engine = parse_backend(roles["actor_train"]["backend"]).engine
+    infer_engine = parse_backend(roles["actor_infer"]["backend"]).engine
+    extra = {n: rc for n, rc in roles.items() if rc and rc.get("enabled", True) is not False
+             and n not in ("actor_train", "actor_infer", *WITH_TRAIN)}
+    with_train = [n for n in WITH_TRAIN if roles.get(n) and roles[n].get("enabled", True) is not False]
+    cpu_roles = {n: RoleLayout(n, None, (), True, {}, int(rc.get("world_size") or 1))
+                 for n, rc in extra.items() if rc.get("device_mapping") is None}
+
+    def build(mode: str, tr: range, ir: range, ts: str, ispec: str, off: bool) -> Candidate:
+        rl = {"actor_train": _role("actor_train", ts, tr, off, roles["actor_train"]),
+              "actor_infer": _role("actor_infer", ispec, ir, off, roles["actor_infer"])}
+        for n in with_train:
+            rl[n] = _role(n, ts, tr, off, roles[n])
+        rl |= cpu_roles
+        label = f"{mode}: actor_train {ts} on {tr.start}-{tr.stop - 1}, actor_infer {ispec} on {ir.start}-{ir.stop - 1}, offload={'on' if off else 'off'}"
+        return Candidate(label, mode, Layout(rl, gpn, gpus, cpus))
+
+    everything = range(gpus)
+    for ts, ispec, off in itertools.product(train_dims(train_engine, gpus, gpn, shape, w),
+                                            infer_dims(infer_engine, gpus, gpn, shape), (True, False)):
+        yield build("colocated", everything, everything, ts, ispec, off)
+    for n_inf in splits(gpus, gpn):
+        n_tr = gpus - n_inf
+        tr, ir = range(0, n_tr), range(n_tr, gpus)
+        for ts in train_dims(train_engine, n_tr, gpn, shape, w):
+            for ispec in infer_dims(infer_engine, n_inf, gpn, shape):
+                if n_tr % parse_backend(ispec).t:
+                    continue  # an inference TP group would straddle a node boundary
+                for off in ((True, False) if with_train else (True,)):
+                    yield build("disaggregated", tr, ir, ts, ispec, off)
+
+
+def _mapping(r: range) -> str:
+    return f"list(range({r.start},{r.stop}))"
+
+
+def _value(v: str) -> str:
+    """A Hydra override value: bare when the grammar allows, quoted otherwise."""
+    return v if all(ch.isalnum() or ch in ":_.-" for ch in v) else f"'{v}'"
+
+
+def to_overrides(c: Candidate, cfg: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Hydra override lines for a candidate, and the plain config they produce."""
+    plain = copy.deepcopy(dict(cfg))
+    lines = []
+    for name, r in c.layout.roles.items():
+        if not r.is_gpu:
+            continue
+        assert isinstance(r.ranks, range)
+        rc = plain["roles"].setdefault(name, {})
+        lines.append(f"'roles.{name}.device_mapping=\"{_mapping(r.ranks)}\"'")
+        lines.append(f"roles.{name}.backend={_value(str(r.backend))}")
+        lines.append(f"roles.{name}.offload={'true' if r.offload else 'false'}")
+        rc |= {"device_mapping": _mapping(r.ranks), "backend": str(r.backend), "offload": r.offload, "enabled": True}
+        for k in ("num_gpus_per_worker", "world_size"):
+            if rc.get(k) is not None:
+                lines.append(f"roles.{name}.{k}=null")
+                rc[k] = None
+    cluster = plain.setdefault("cluster", {})
+    nodes = cluster.get("nodes")
+    if nodes is not None and nodes * c.layout.gpus_per_node < c.layout.num_gpus:
+        cluster["nodes"] = c.layout.num_nodes
+        lines.append(f"cluster.nodes={c.layout.num_nodes}")
+    return lines, plain
+
+
+def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Workload, hw: Hardware,
+           coef: Coefficients, model_dtype: str, top: int = 5, cpus: int = 1,
+           mem_limit: float | None = None, overlap: bool = False) -> tuple[list[Candidate], dict[str, int]]:
+    """Rank every candidate; return the ``top`` valid fitting ones and counts of what was dropped."""
+    from rlbatch.config.validate import check
+
+    scored, stats = [], {"candidates": 0, "fit": 0, "oom": 0, "invalid": 0}
+    for c in candidates(cfg, gpus, gpn, shape, w, cpus):
+        stats["candidates"] += 1
+        c.prediction = predict(c.layout, shape, w, hw, model_dtype, coef, mem_limit, overlap)
+        if c.prediction.fits:
+            stats["fit"] += 1
+            scored.append(c)
+        else:
+            stats["oom"] += 1
+    scored.sort(key=lambda c: (c.prediction.step_s if c.prediction else math.inf, c.label))
+    best: list[Candidate] = []
+    for c in scored:
+        if len(best) >= top:
+            break
+        c.overrides, plain = to_overrides(c, cfg)
+        try:
+            check(plain)
+        except ConfigError:
+            stats["invalid"] += 1
+            continue
+        best.append(c)
+    return best, stats

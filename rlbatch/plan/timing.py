@@ -1,0 +1,262 @@
+"""Seconds per phase, as features that calibration weighs.
+
+Every phase's time is a sum of features, each already in seconds at the profile's priors:
+
+- ``roofline``: each kernel group takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth);
+  decode steps are summed one by one, so a long-tail batch pays for its last sequence;
+- ``overhead``: ops dispatched times ``op_overhead_s`` (what a tiny model or a CPU run is made of);
+- ``comm``: exposed collective time from the alpha-beta formulas of ``comm.py``;
+- ``transfer``: offload / reload / weight-copy bytes over the copy bandwidth;
+- ``fixed`` (1 per phase) and ``transitions`` (state kinds moved): counts whose seconds only
+  calibration knows.
+
+``Coefficients`` (calibrate.py) multiply each feature per phase kind; with none, the priors hold.
+Training FLOPs are 3x the forward (the usual 6 * params * tokens), 4x with recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlbatch.placement import BackendSpec
+from rlbatch.plan import comm
+from rlbatch.plan.activations import traffic_per_token
+from rlbatch.plan.hardware import Hardware
+from rlbatch.plan.layout import Layout, RoleLayout
+from rlbatch.plan.memory import RoleMemory, logprob_micro_batch, train_micro_batch
+from rlbatch.plan.model import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
+from rlbatch.plan.workload import Workload
+
+Features = dict[str, float]
+
+SAMPLING_OPS = 220
+"""Op-equivalents per HF generate step outside the model: logits processors, softmax,
+multinomial, stopping criteria, bookkeeping (a decode step costs 2.05 ms + 1.2 ms per layer on
+the cpu profile; the model's share is OPS_PER_MODEL_FWD + OPS_PER_LAYER_DECODE per layer)."""
+GENERATE_SETUP_OPS = 170
+"""Op-equivalents of one HF generate call's setup (generation config, processors, cache)."""
+VLLM_STEP_S = 0.5e-3
+"""Assumed CPU-side cost of one vLLM engine step (scheduler, CUDA-graph replay, sampler launch)."""
+LOSS_OPS = 60
+"""Ops of the loss per micro-batch (log-probs, ratio, clip, KL, aggregation) and its backward."""
+OPT_OPS_PER_TENSOR = 12
+"""AdamW + grad-norm clipping ops per parameter tensor (foreach kernels loop over tensors)."""
+SYNC_OPS_PER_TENSOR = 6
+"""Weight sync per tensor: gather to full, cast, copy into the engine, bookkeeping."""
+COPY_OPS_PER_TENSOR = 2
+"""Offload / reload per tensor: one copy and one free or allocation."""
+REWARD_OPS_PER_SAMPLE = 20
+"""A rule reward per sample: decode, parse, compare (a few Python-level op equivalents)."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one rank achieves while ``active`` ranks of its node work at once."""
+
+    flops: float
+    bw: float
+    slow: float
+    """Multiplier on per-op overhead: >1 when more Python threads than cores."""
+
+
+def rates(hw: Hardware, layout: Layout, active: int) -> Rates:
+    """Achieved FLOP/s and bandwidth of one rank. On CPU profiles the node's cores are shared."""
+    if not hw.is_cpu:
+        return Rates(hw.peak_flops * hw.mfu, hw.hbm_bw * hw.mbu, 1.0)
+    threads = max(1, layout.cpus_per_task)
+    cores = max(1, hw.cores_per_node)
+    share = min(float(threads), cores / max(1, active))
+    bw = min(hw.hbm_bw * share, hw.host_mem_bw / max(1, active))
+    return Rates(hw.peak_flops * hw.mfu * share, bw * hw.mbu, max(1.0, active / cores))
+
+
+def _fwd_ops(shape: ModelShape, p: int) -> int:
+    return math.ceil(shape.layers / p) * OPS_PER_LAYER_FWD + OPS_PER_MODEL_FWD
+
+
+def _dp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> tuple[int, comm.Link]:
+    """Size and link of the role's data-parallel (FSDP sharding) group: stride t, d*c ranks."""
+    b = r.backend
+    assert b is not None
+    n = b.d * b.c
+    return n, comm.link(hw, layout.group_spans_nodes(r.name, b.t, n))
+
+
+def _tp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> comm.Link:
+    assert r.backend is not None
+    return comm.link(hw, layout.group_spans_nodes(r.name, 1, r.backend.t))
+
+
+def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
+             layout: Layout) -> Features:
+    """Prefill, then decode step by step; the busiest engine sets the phase time."""
+    b = r.backend
+    assert b is not None
+    tp, pp = b.t, b.p
+    seqs = math.ceil(w.sequences / max(1, b.d))
+    rt = rates(hw, layout, layout.ranks_per_node(r.ranks))
+    weights = e * shape.params / (tp * pp)
+    kv_tok = mem.kv_needed / max(1e-9, seqs * w.seq_len)
+    split = tp * pp
+    # Prefill: every prompt token once, weights read once.
+    tokens = seqs * w.prompt_len
+    traffic = traffic_per_token(shape, e, tp) / pp
+    roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
+               (weights + tokens * traffic) / rt.bw)
+    lk = _tp_link(layout, r, hw)
+    comm_s = 2 * shape.layers / pp * comm.all_reduce(tokens * shape.hidden * e, tp, lk)
+    # Decode: the batch shrinks as sequences finish (vLLM) or stays whole until the last one
+    # finishes (HF generate keeps finished rows in the batch).
+    conc = max(1, mem.concurrency or seqs)
+    waves = math.ceil(seqs / conc)
+    surv = w.survival()
+    batch = conc * (surv if b.engine in ("vllm", "sglang") else np.ones_like(surv))
+    ctx = w.prompt_len + np.arange(len(surv), dtype=float)
+    a0 = shape.fwd_flops_per_token(0.0)
+    a1 = 4.0 * shape.layers * shape.heads * shape.head_dim
+    flops = batch * (a0 + a1 * ctx) / split
+    byts = weights + batch * (kv_tok * ctx + traffic + shape.vocab * 4.0 * 3)
+    step_s = np.maximum(flops / rt.flops, byts / rt.bw)
+    if pp > 1:  # fewer running sequences than stages leaves stages idle (the tail of the batch)
+        step_s *= np.maximum(1.0, pp / np.maximum(batch, 1e-9))
+    roof += waves * float(step_s.sum())
+    steps = waves * len(surv)
+    if b.engine in ("vllm", "sglang"):
+        overhead = (steps + waves) * VLLM_STEP_S
+    else:
+        layers = math.ceil(shape.layers / pp)
+        per_step = OPS_PER_MODEL_FWD + layers * OPS_PER_LAYER_DECODE + SAMPLING_OPS
+        ops = waves * GENERATE_SETUP_OPS + (steps + waves) * per_step
+        overhead = ops * hw.op_overhead_s * rt.slow
+    if tp > 1:  # two all-reduces per layer per step; linear in size, so sum the batch once
+        hop = comm.all_reduce(0.0, tp, lk)
+        per_byte = comm.all_reduce(1.0, tp, lk) - hop
+        comm_s += waves * 2 * shape.layers / pp * (len(batch) * hop + per_byte * float(batch.sum()) * shape.hidden * e)
+    return {"roofline": roof, "overhead": overhead, "comm": comm_s, "fixed": 1.0}
+
+
+def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout, mb: int, s: float,
+                 train: bool) -> tuple[float, float]:
+    """(per micro-batch sharding comm that overlaps compute, per micro-batch TP/EP comm that does not)."""
+    b = r.backend
+    assert b is not None
+    n, dl = _dp_link(layout, r, hw)
+    P = shape.params
+    overlapped, exposed = 0.0, 0.0
+    if b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3):
+        # One all-gather per sharded unit (each decoder layer and the root), forward and again in
+        # backward (reshard_after_forward), and one fp32 reduce-scatter per unit: latency per unit.
+        units = shape.layers + 1
+        gathers = 2 if train else 1
+        overlapped = gathers * units * comm.all_gather(e * P / b.t / units, n, dl)
+        if train:
+            overlapped += units * comm.reduce_scatter(4 * P / b.t / units, n, dl)
+    if b.t > 1:
+        per = (4 if train else 2) * math.ceil(shape.layers / b.p)
+        exposed += per * comm.all_reduce(mb * s * shape.hidden * e, b.t, _tp_link(layout, r, hw))
+    ep = b.ffn.e if b.ffn is not None else b.e
+    if shape.experts and ep > 1:
+        per = (4 if train else 2) * math.ceil(shape.layers / b.p)
+        tok = mb * s * max(1, shape.experts_per_token) * shape.hidden * e
+        exposed += per * comm.all_to_all(tok, ep, comm.link(hw, layout.group_spans_nodes(r.name, b.t, ep)))
+    if b.p > 1:
+        exposed += (4 if train else 2) * comm.broadcast(mb * s * shape.hidden * e / b.t, 2, comm.link(hw, False))
+    return overlapped, exposed
+
+
+def _bubble(b: BackendSpec, micro: int) -> float:
+    """1F1B pipeline: (m + p - 1) / m stage-times for m micro-batches."""
+    return (micro + b.p - 1) / micro if b.p > 1 else 1.0
+
+
+def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout,
+                 train: bool, tensors: int = 0, opt_bytes: float = 0.0) -> Features:
+    """A log-prob pass (train=False) or the training of one role (train=True) on its busiest rank."""
+    b = r.backend
+    assert b is not None
+    d, t, p, c = b.d, b.t, b.p, b.c
+    rt = rates(hw, layout, layout.ranks_per_node(r.ranks))
+    mb = train_micro_batch(w, d) if train else logprob_micro_batch(r, w)
+    seqs = math.ceil(w.sequences / d)
+    s = w.seq_len / c
+    repeats = w.epochs if train else 1
+    calls = repeats * math.ceil(seqs / mb)
+    mult = (4.0 if w.recompute else 3.0) if train else 1.0
+    flops = calls * mb * s * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
+    vocab = 1 if r.name == "critic" else shape.vocab
+    rows = calls * mb * s  # logits at every position of the padded batch
+    # Weights are read once per pass (and again in backward); activations stream through
+    # elementwise ops (traffic_per_token) forward and about as much again backward.
+    passes = 2 if train else 1
+    byts = calls * passes * (e * shape.params / (t * p) + mb * s * traffic_per_token(shape, e, t) / p)
+    byts += rows * vocab / t * (e + 8 + (4 + e if train else 0))
+    roof = max(flops / rt.flops, byts / rt.bw)
+    micro = w.grad_accum if train else math.ceil(seqs / mb)
+    roof *= _bubble(b, micro)
+    # Backward runs in autograd's C++ engine: about as much host work as the Python forward.
+    ops = calls * (_fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
+    overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
+    n, dl = _dp_link(layout, r, hw)
+    comm_s = calls * exposed + max(calls * overlapped - roof, 0.0) + calls * overlapped / max(1, shape.layers)
+    if train:
+        steps = w.optimizer_steps
+        roof += steps * 2 * opt_bytes / rt.bw  # Adam reads and writes every state byte once
+        ops += steps * OPT_OPS_PER_TENSOR * tensors
+        comm_s += steps * comm.all_reduce(8, n * t * p, dl)  # gradient-norm scalar
+        if b.engine == "megatron" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) < 3):
+            # Once per optimizer step: reduce-scatter grads and all-gather updated params over dp,
+            # overlapped with the last backward (Megatron's overlap_grad_reduce).
+            P = shape.params / (t * p)
+            dpc = comm.reduce_scatter(4 * P, n, dl) + comm.all_gather(e * P, n, dl)
+            comm_s += steps * max(0.0, dpc - roof / max(1, steps * w.grad_accum))
+    return {"roofline": roof, "overhead": ops * hw.op_overhead_s * rt.slow, "comm": comm_s, "fixed": 1.0}
+
+
+def reward(r: RoleLayout | None, w: Workload, hw: Hardware) -> Features:
+    """Rule rewards on CPU workers: a few op-equivalents of Python per sample, spread over workers."""
+    workers = r.world_size if r is not None else 1
+    per = math.ceil(w.sequences / max(1, workers))
+    return {"overhead": per * REWARD_OPS_PER_SAMPLE * hw.op_overhead_s, "fixed": 1.0}
+
+
+def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout,
+         tensors: int) -> Features:
+    """Ship actor_train's weights to actor_infer: gather full tensors, then copy in-process
+    (colocated: same GPUs) or broadcast to the inference GPUs (disaggregated)."""
+    bt, bi = train.backend, infer.backend
+    assert bt is not None and bi is not None
+    size = e * shape.params
+    rt = rates(hw, layout, layout.ranks_per_node(train.ranks))
+    n, dl = _dp_link(layout, train, hw)
+    # Full tensors are gathered one parameter at a time: a collective latency per tensor.
+    per = max(1, tensors)
+    comm_s = per * (comm.all_gather(size / bt.t / per, n, dl) + comm.all_gather(size / per, bt.t * bt.p, _tp_link(layout, train, hw)))
+    load = size / (bi.t * bi.p)
+    if layout.colocated(train.name, infer.name):
+        transfer = 2 * load / rt.bw  # read the gathered tensor, write the engine's copy
+    else:
+        group = list(train.ranks[:1]) + list(infer.ranks)
+        comm_s += comm.broadcast(size, len(group), comm.link(hw, layout.nodes_of(group) > 1))
+        transfer = 2 * load / rt.bw
+    ops = SYNC_OPS_PER_TENSOR * tensors
+    return {"comm": comm_s, "transfer": transfer, "overhead": ops * hw.op_overhead_s * rt.slow, "fixed": 1.0}
+
+
+def copy_bw(hw: Hardware, layout: Layout, concurrent: int) -> float:
+    """Host<->device copy bandwidth of one GPU while ``concurrent`` GPUs of its node copy too."""
+    if hw.is_cpu:
+        return rates(hw, layout, concurrent).bw
+    return min(hw.pcie_bw, hw.host_mem_bw / max(1, concurrent)) * hw.link_eff
+
+
+def transition(nbytes: float, count: int, tensors: int, hw: Hardware, layout: Layout, concurrent: int) -> Features:
+    """One offload or reload on one GPU: bytes over the copy bandwidth, per-tensor ops, per-kind fixed cost."""
+    if not count:
+        return {}
+    ops = COPY_OPS_PER_TENSOR * tensors * count
+    slow = rates(hw, layout, concurrent).slow
+    return {"transfer": nbytes / copy_bw(hw, layout, concurrent), "overhead": ops * hw.op_overhead_s * slow,
+            "transitions": float(count)}

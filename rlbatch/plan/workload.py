@@ -1,0 +1,142 @@
+"""One RL step's work: how many sequences, how long, split how.
+
+Everything here comes from ``cfg.algo`` and ``cfg.data`` plus the few numbers a config does not
+hold (prompt length of a file dataset, the policy's mean response length), which the CLI takes
+as options and a run's metrics supply when reporting on it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+SYNTHETIC_PROMPT_LEN = 5
+"""The built-in task's prompts: '<bos>a+b=' is 5 tokens (rlbatch/data/synthetic.py, tokenizer.py)."""
+DEFAULT_PROMPT_LEN = 512
+"""Assumed prompt length for file datasets when --prompt-len is not given."""
+DEFAULT_RESPONSE_MEAN_FRAC = 0.6
+"""Assumed mean response length as a fraction of max_new_tokens when --response-mean is not given:
+RL responses run long-tailed, with the longest at the cap and the mean well below it."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The batch of one step."""
+
+    sequences: int
+    """prompts_per_step * samples_per_prompt."""
+    prompt_len: float
+    """Mean prompt tokens."""
+    response_mean: float
+    """Mean generated tokens per sequence."""
+    response_max: int
+    """Longest response: the number of decode steps of the batch (the long tail)."""
+    max_new_tokens: int
+    mini_batches: int = 1
+    epochs: int = 1
+    grad_accum: int = 1
+    kl: bool = True
+    """The reference role's log-probs are needed (kl_coef > 0)."""
+    critic: bool = False
+    """PPO: the critic computes values and trains."""
+    kl_in_reward: bool = False
+    """The KL is subtracted from the reward: old log-probs are needed even with one update."""
+    entropy: bool = False
+    """The loss needs the entropy of the full distribution (entropy_coef > 0)."""
+    recompute: bool = False
+    """Activation checkpointing in training."""
+    prompt_len_assumed: bool = False
+    response_assumed: bool = False
+
+    @property
+    def seq_len(self) -> float:
+        """Padded length of a training sequence: prompt plus the longest response."""
+        return self.prompt_len + self.response_max
+
+    @property
+    def generated_tokens(self) -> float:
+        return self.sequences * self.response_mean
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.mini_batches * self.epochs
+
+    def with_measured(self, generated: float | None, total: float | None, response_max: float | None) -> Workload:
+        """This workload with a run's measured token counts (what one step of that run really did)."""
+        w = self
+        if generated is not None and generated > 0:
+            w = replace(w, response_mean=float(generated) / w.sequences, response_assumed=False)
+        if total is not None and generated is not None and total > generated:
+            w = replace(w, prompt_len=(float(total) - float(generated)) / w.sequences, prompt_len_assumed=False)
+        if response_max is not None and response_max > 0:
+            w = replace(w, response_max=int(round(response_max)))
+        elif generated is not None:
+            w = replace(w, response_max=max(int(np.ceil(w.response_mean)), w.response_max))
+        return w
+
+    def survival(self) -> np.ndarray:
+        """Fraction of sequences still generating at each decode step 0..response_max-1.
+
+        (1 - i/M)^k with k chosen so the steps sum to the mean length: everyone starts, the
+        last survivor reaches M (the long tail of RL responses). A policy whose responses all
+        hit the cap gives all ones.
+        """
+        return _survival(max(1, self.response_max), float(self.response_mean))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sequences": self.sequences, "prompt_len": self.prompt_len, "response_mean": self.response_mean,
+            "response_max": self.response_max, "max_new_tokens": self.max_new_tokens,
+            "mini_batches": self.mini_batches, "epochs": self.epochs, "grad_accum": self.grad_accum,
+            "prompt_len_assumed": self.prompt_len_assumed, "response_assumed": self.response_assumed,
+        }
+
+
+@functools.lru_cache(maxsize=256)
+def _survival(m: int, mean: float) -> np.ndarray:
+    mean = min(max(mean, 1.0), float(m))
+    base = 1.0 - np.arange(m, dtype=float) / m
+    lo, hi = 0.0, 1.0
+    while (base**hi).sum() > mean and hi < 1e6:  # the sum falls from m (k=0) towards 1 as k grows
+        hi *= 2
+    for _ in range(60):
+        k = (lo + hi) / 2
+        lo, hi = (k, hi) if (base**k).sum() > mean else (lo, k)
+    out = base ** ((lo + hi) / 2)
+    out.flags.writeable = False  # shared through the cache
+    return out
+
+
+def workload_from_config(
+    cfg: Mapping[str, Any], prompt_len: float | None = None, response_mean: float | None = None,
+) -> Workload:
+    """The step of ``cfg`` (plain mapping). ``response_mean`` <= 1 is read as a fraction of the cap."""
+    algo: Mapping[str, Any] = cfg.get("algo") or {}
+    data: Mapping[str, Any] = cfg.get("data") or {}
+    roles: Mapping[str, Any] = cfg.get("roles") or {}
+    cap = int(algo.get("max_new_tokens", 8))
+    synthetic = data.get("name", "synthetic") == "synthetic"
+    p = prompt_len if prompt_len is not None else (SYNTHETIC_PROMPT_LEN if synthetic else DEFAULT_PROMPT_LEN)
+    if response_mean is None:
+        mean = DEFAULT_RESPONSE_MEAN_FRAC * cap
+    else:
+        mean = response_mean * cap if response_mean <= 1 else response_mean
+    ref = roles.get("reference") or {}
+    critic = roles.get("critic") or {}
+    return Workload(
+        sequences=int(algo.get("prompts_per_step", 16)) * int(algo.get("samples_per_prompt", 8)),
+        prompt_len=float(p), response_mean=max(1.0, min(float(mean), cap)), response_max=cap,
+        max_new_tokens=cap, mini_batches=int(algo.get("mini_batches", 1)), epochs=int(algo.get("epochs", 1)),
+        grad_accum=int(algo.get("grad_accum", 1)),
+        kl=float(algo.get("kl_coef", 0.0)) > 0 and ref.get("enabled", True) is not False,
+        critic=algo.get("name") == "ppo" and critic.get("enabled", False) is not False,
+        kl_in_reward=bool(algo.get("kl_in_reward", False)) and float(algo.get("kl_coef", 0.0)) > 0,
+        entropy=float(algo.get("entropy_coef", 0.0)) > 0,
+        recompute=bool(algo.get("activation_checkpointing", False)),
+        prompt_len_assumed=prompt_len is None and not synthetic,
+        response_assumed=response_mean is None,
+    )

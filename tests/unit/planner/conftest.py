@@ -1,0 +1,59 @@
+"""Helpers for the planner tests: configs as plain dicts, placed by plan() (no Hydra, no torch)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlbatch.config.schema import RLBatchConfig
+from rlbatch.placement import plan
+from rlbatch.plan.hardware import Hardware, load_hardware
+from rlbatch.plan.layout import Layout, from_placement
+
+MODELS = Path(__file__).parent / "models"
+"""config.json files of published models (copied from their Hugging Face repositories)."""
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def make_config(**over: Any) -> dict[str, Any]:
+    """The schema's defaults (the default experiment) with nested overrides."""
+    return merge(dataclasses.asdict(RLBatchConfig()), over)
+
+
+def make_layout(cfg: dict[str, Any]) -> Layout:
+    return from_placement(plan(cfg), int(cfg["cluster"].get("cpus_per_task") or 1))
+
+
+def roles(train: str, infer: str, train_ranks: list[int] | str, infer_ranks: list[int] | str,
+          micro_batch: int = 0, **extra: Any) -> dict[str, Any]:
+    """A roles mapping: reference on actor_train's ranks with its backend. ``micro_batch`` bounds
+    the sequences of one log-prob forward (rlbatch's fsdp engine otherwise takes a rank's whole share)."""
+    args = {"engine_args": {"micro_batch": micro_batch}} if micro_batch else {}
+    out = {
+        "actor_train": {"device_mapping": train_ranks, "backend": train, **args},
+        "actor_infer": {"device_mapping": infer_ranks, "backend": infer},
+        "reference": {"device_mapping": train_ranks, "backend": "", **args},
+        "critic": {"enabled": False},
+        "reward": {"world_size": 1},
+    }
+    return merge(out, extra)
+
+
+@pytest.fixture
+def h100() -> Hardware:
+    return load_hardware("h100_sxm")
+
+
+@pytest.fixture
+def cpu_hw() -> Hardware:
+    return load_hardware("cpu")

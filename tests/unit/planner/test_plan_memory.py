@@ -1,0 +1,102 @@
+"""Memory per role, per phase and per GPU: sharding, vLLM's reservation, offload, the OOM verdict."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import MODELS, make_config, make_layout, roles
+
+from rlbatch.plan.hardware import load_hardware
+from rlbatch.plan.memory import VLLM_GPU_MEMORY_UTILIZATION, role_memory
+from rlbatch.plan.model import shape_from_config
+from rlbatch.plan.predict import predict
+from rlbatch.plan.workload import workload_from_config
+
+Q7B = shape_from_config({"path": str(MODELS / "qwen2_5_7b")})
+COLOCATED_8 = roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", micro_batch=4)
+ALGO = {"max_new_tokens": 1024, "prompts_per_step": 64, "grad_accum": 8}
+
+
+def _predict(hw_name: str = "h100_sxm", **over):  # type: ignore[no-untyped-def]
+    cfg = make_config(**over)
+    hw = load_hardware(hw_name, over.pop("hw", None))
+    shape = shape_from_config(cfg["model"])
+    return predict(make_layout(cfg), shape, workload_from_config(cfg, 512), hw)
+
+
+@pytest.mark.parametrize("d", [1, 2, 8])
+def test_fsdp_model_states_are_16_bytes_per_param_over_the_shards(d: int, h100) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(roles=roles(f"fsdp:d{d}", f"vllm:d{d}", f"list(range(0,{d}))", f"list(range(0,{d}))"))
+    m = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg), 2, h100)
+    assert sum(m.state.values()) == pytest.approx(16 * Q7B.params / d)
+    ref = role_memory(make_layout(cfg).roles["reference"], Q7B, workload_from_config(cfg), 2, h100)
+    # rlbatch's fsdp engine keeps fp32 shards even for the forward-only reference.
+    assert ref.state == {"params": pytest.approx(4 * Q7B.params / d)}
+
+
+def test_tensor_parallel_divides_weights_and_activations(h100) -> None:  # type: ignore[no-untyped-def]
+    base = make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    tp = make_config(algo=ALGO, roles=roles("fsdp:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    w = workload_from_config(base, 512)
+    a = role_memory(make_layout(base).roles["actor_train"], Q7B, w, 2, h100)
+    b = role_memory(make_layout(tp).roles["actor_train"], Q7B, w, 2, h100)
+    assert sum(b.state.values()) == pytest.approx(sum(a.state.values()))  # d*t shards either way
+    # Half the data-parallel ranks: twice the micro-batch; TP halves it back, so activations match.
+    assert b.transient["train"]["activations"] == pytest.approx(a.transient["train"]["activations"])
+
+
+def test_vllm_reserves_its_share_of_the_gpu(h100) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(roles=COLOCATED_8)
+    m = role_memory(make_layout(cfg).roles["actor_infer"], Q7B, workload_from_config(cfg), 2, h100)
+    reserved = m.state["params"] + m.state["kv_cache"] + m.transient["generate"]["activations"]
+    assert reserved == pytest.approx(VLLM_GPU_MEMORY_UTILIZATION * h100.hbm_bytes)
+    assert m.state["params"] == pytest.approx(2 * Q7B.params)
+
+
+def test_colocated_peak_follows_what_is_offloaded() -> None:
+    on = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO, roles=COLOCATED_8)
+    assert on.fits, on.problems
+    g = on.gpus[0]
+    # While vLLM generates, actor_train's weights and optimizer are in host memory.
+    assert "actor_train" not in g.memory["generate"]
+    # Weight sync runs with both actor roles resident; the reference waits in host memory.
+    assert set(g.memory["sync"]) == {"actor_train", "actor_infer"}
+    assert g.host_bytes >= 16 * Q7B.params / 8
+
+    off = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO,
+                   roles={k: v | {"offload": False} for k, v in COLOCATED_8.items()})
+    assert not off.fits
+    problem = off.problems[0]
+    assert "OOM on GPU ranks 0-7" in problem and "phase train needs" in problem
+    assert "largest term: actor_infer kv_cache" in problem and "GiB" in problem
+
+
+def test_activations_dominate_an_oom_without_gradient_accumulation() -> None:
+    p = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO | {"grad_accum": 1},
+                 roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", micro_batch=4))
+    assert any("phase train" in x and "actor_train activations" in x for x in p.problems), p.problems
+    with_recompute = _predict(model={"path": str(MODELS / "qwen2_5_7b")},
+                              algo=ALGO | {"grad_accum": 1, "activation_checkpointing": True},
+                              roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", micro_batch=4))
+    peak = lambda pr: max(g.peak()[1] for g in pr.gpus)  # noqa: E731
+    assert peak(with_recompute) < peak(p) / 2
+
+
+def test_host_ram_check_counts_pinned_offload_buffers() -> None:
+    p = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO, roles=COLOCATED_8,
+                 hw={"host_ram_bytes": 64e9})
+    assert any(x.startswith("host RAM") and "> 59.6 GiB per node" in x for x in p.problems), p.problems
+
+
+def test_cpu_ranks_share_the_nodes_ram() -> None:
+    small = _predict("cpu")
+    assert small.fits
+    big = _predict("cpu", model={"path": str(MODELS / "qwen2_5_7b")})
+    assert any(x.startswith("host RAM") for x in big.problems), big.problems
+
+
+def test_whole_share_log_prob_passes_blow_up_on_big_vocabularies() -> None:
+    # Without engine_args.micro_batch, rlbatch's fsdp engine computes log-probs for a rank's whole
+    # share at once: 64 sequences x 1536 positions x 152064 vocab of logits.
+    p = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO,
+                 roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    assert any("largest term: actor_train logits" in x or "largest term: reference logits" in x for x in p.problems)

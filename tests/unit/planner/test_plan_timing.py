@@ -1,0 +1,90 @@
+"""Collective formulas, roofline times and the long tail, by hand."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import MODELS, make_config, make_layout, roles
+
+from rlbatch.plan import comm
+from rlbatch.plan.hardware import load_hardware
+from rlbatch.plan.model import shape_from_config
+from rlbatch.plan.predict import predict
+from rlbatch.plan.workload import workload_from_config
+
+LINK = comm.Link(bw=100e9, alpha=2e-6)
+
+
+def test_ring_collectives_by_hand() -> None:
+    S = 1e9
+    assert comm.all_reduce(S, 8, LINK) == pytest.approx(2 * 7 * 2e-6 + 2 * 7 / 8 * S / 100e9)
+    assert comm.all_gather(S, 8, LINK) == pytest.approx(7 * 2e-6 + 7 / 8 * S / 100e9)
+    assert comm.reduce_scatter(S, 8, LINK) == comm.all_gather(S, 8, LINK)
+    assert comm.broadcast(S, 8, LINK) == pytest.approx(7 * 2e-6 + S / 100e9)
+    assert comm.all_reduce(S, 1, LINK) == comm.all_gather(S, 1, LINK) == comm.broadcast(S, 1, LINK) == 0.0
+
+
+def test_groups_across_nodes_use_the_nic() -> None:
+    hw = load_hardware("h100_sxm")
+    assert comm.link(hw, False).bw == pytest.approx(450e9 * hw.link_eff)
+    assert comm.link(hw, True).bw == pytest.approx(50e9 * hw.link_eff)
+    one_node = make_layout(make_config(roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))")))
+    two = make_layout(make_config(roles=roles("fsdp:d16", "vllm:d16", "list(range(0,16))", "list(range(0,16))")))
+    assert not one_node.group_spans_nodes("actor_train", 1, 8)
+    assert two.group_spans_nodes("actor_train", 1, 16)
+    tp = make_layout(make_config(roles=roles("fsdp:d2t8", "vllm:d16", "list(range(0,16))", "list(range(0,16))")))
+    assert not tp.group_spans_nodes("actor_train", 1, 8)   # TP groups stay in a node
+    assert tp.group_spans_nodes("actor_train", 8, 2)       # the FSDP group strides across both
+
+
+def _pred(hw: str = "h100_sxm", response: float | None = None, **over):  # type: ignore[no-untyped-def]
+    cfg = make_config(**over)
+    return predict(make_layout(cfg), shape_from_config(cfg["model"]), workload_from_config(cfg, 512, response),
+                   load_hardware(hw))
+
+
+def test_training_is_six_flops_per_parameter_token_when_compute_bound() -> None:
+    # A 72B model on 8 GPUs trains compute-bound: the roofline equals 6 * N * tokens / achieved FLOP/s
+    # (plus the attention term, 12 * L * a * d * ctx per token, and the optimizer's memory pass).
+    hw = load_hardware("h100_sxm")
+    algo = {"max_new_tokens": 512, "prompts_per_step": 8, "samples_per_prompt": 4, "mini_batches": 1, "grad_accum": 32}
+    p = _pred(response=1.0, model={"path": str(MODELS / "qwen2_5_72b")}, algo=algo,
+              roles=roles("fsdp:d1t8", "vllm:d1t8", "list(range(0,8))", "list(range(0,8))"))
+    shape, w = p.shape, p.workload
+    tokens = w.sequences * w.seq_len
+    flops = 3 * tokens * shape.fwd_flops_per_token(w.seq_len / 2) / 8
+    expected = flops / (hw.peak_flops * hw.mfu)
+    roof = p.phase("train").features["roofline"]  # type: ignore[union-attr]
+    opt = 2 * 16 * shape.params / 8 / (hw.hbm_bw * hw.mbu)
+    assert roof == pytest.approx(expected + opt, rel=0.01)
+    assert flops * 8 == pytest.approx(6 * shape.active_params * tokens, rel=0.1)
+
+
+def test_the_long_tail_sets_the_decode_steps() -> None:
+    algo = {"max_new_tokens": 2048, "prompts_per_step": 64}
+    model = {"path": str(MODELS / "qwen2_5_7b")}
+    rl = roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))")
+    short = _pred(response=256, model=model, algo=algo, roles=rl).phase("generate")
+    long = _pred(response=1024, model=model, algo=algo, roles=rl).phase("generate")
+    assert short is not None and long is not None
+    # Memory-bound decode re-reads the weights every step: same 2048 steps, so the shorter mean
+    # costs more than mean_ratio suggests (the tail keeps the GPU busy).
+    assert short.features["roofline"] > long.features["roofline"] / 4 * 1.5
+
+
+def test_hf_generation_keeps_finished_rows_vllm_drops_them() -> None:
+    algo = {"max_new_tokens": 512, "prompts_per_step": 64}
+    model = {"path": str(MODELS / "qwen2_5_7b")}
+    hf = _pred(response=64, model=model, algo=algo, roles=roles("fsdp:d8", "hf:d8", "list(range(0,8))", "list(range(0,8))"))
+    vl = _pred(response=64, model=model, algo=algo, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    assert hf.phase("generate").features["roofline"] > vl.phase("generate").features["roofline"]  # type: ignore[union-attr]
+
+
+def test_cpu_ranks_beyond_the_cores_slow_each_other() -> None:
+    two = _pred("cpu")
+    four = _pred("cpu", roles=roles("fsdp:d4", "hf:d4", [0, 1, 2, 3], [0, 1, 2, 3]))
+    g2, g4 = two.phase("generate"), four.phase("generate")
+    assert g2 is not None and g4 is not None
+    # Each of 4 ranks gets half of the 2 cores: host overhead per decode step doubles, and half the
+    # sequences per rank at half the bandwidth stream as long as before.
+    assert g4.features["overhead"] == pytest.approx(2 * g2.features["overhead"])
+    assert g4.features["roofline"] == pytest.approx(g2.features["roofline"], rel=0.05)
