@@ -38,7 +38,11 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
     if model_cfg.path:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype)
+        for t in [*model.parameters(), *model.buffers()]:
+            if not t.untyped_storage().resizable():  # memory-mapped from safetensors: own a copy,
+                t.data = t.data.clone()               # so offload can free and re-grow it
+        return model
     from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
 
     tiny = TinyModelConfig(

@@ -95,6 +95,9 @@ class TensorStash:
             if storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue  # freed already, or shared with a tensor stashed before
             seen.add(storage.data_ptr())
+            if not storage.resizable():
+                raise RuntimeError(f"offload {self.name}: a tensor of shape {tuple(lt.shape)} has storage that cannot be "
+                                   f"freed (memory-mapped?); give the engine tensors that own their memory")
             i = len(moved)
             self._buffer(i, storage.nbytes(), lt.device).copy_(_bytes_view(storage, lt.device), non_blocking=True)
             moved.append((storage, lt.device, i))

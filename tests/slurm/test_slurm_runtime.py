@@ -108,3 +108,13 @@ def test_plain_sbatch_template(run_root: Path) -> None:
     wait_gone([job])
     output = (run_root / f"rlbatch-{job}.out").read_text()
     assert "selftest ok" in output, output[-3000:]
+
+
+def test_default_experiment_on_slurm(run_root: Path) -> None:
+    run = run_root / "run"
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=3", f"run_dir={run}",
+                  "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert (run / "reward_curve.png").exists()
