@@ -58,6 +58,9 @@ def main(run_dir: str) -> int:
     logs = RankLog(run.rank_log(rank), rank, who, console=slot.kind.value == "controller")
     run.write_status(rank, "running", roles=[r for r, _ in slot.roles])
     signal.signal(signal.SIGTERM, _on_sigterm)
+    from rlbatch.scheduler.preemption import install_handler
+
+    install_handler(str(cfg.cluster.preempt_signal))
     log = logging.getLogger("rlbatch.worker")
     try:
         c = cfg.cluster

@@ -109,6 +109,14 @@ class ClusterConfig:
     the ranks and the operation."""
     device: str = "auto"
     """'cuda', 'cpu', or 'auto' (cuda when available). On 'cpu', GPU ranks are logical."""
+    preempt_signal: str = "USR2"
+    """Signal that means 'save and requeue' (Slurm sends it signal_delay_s before the time limit:
+    sbatch --signal). Not USR1, which NCCL uses."""
+    signal_delay_s: int = 120
+    """Seconds before the time limit at which Slurm sends preempt_signal."""
+    deadline_margin_s: float = 60.0
+    """Save and requeue when the next step plus a checkpoint would end closer than this to the
+    job's time limit, even if no signal comes."""
 
 
 @dataclass
@@ -219,6 +227,8 @@ class RLBatchConfig:
     """RL steps to run."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end and on preemption)."""
+    keep_checkpoints: int = 3
+    """Keep the newest N complete checkpoints in <run_dir>/checkpoints."""
     resume: str = "auto"
     """'auto' (newest complete checkpoint in run_dir), 'never', or a checkpoint path."""
     program: str = "train"

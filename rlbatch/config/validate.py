@@ -20,6 +20,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "program": ("train", "selftest"),
     "cluster.name": ("local", "slurm"),
     "cluster.device": ("auto", "cuda", "cpu"),
+    "cluster.preempt_signal": ("USR2", "TERM", "INT", "HUP", "URG", "XCPU"),
     "model.arch": ("qwen2", "llama"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
     "algo.name": ("grpo", "ppo"),
@@ -28,7 +29,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.name": ("synthetic", "file"),
 }
 MINIMUMS: dict[str, float] = {
-    "steps": 1, "save_every": 0, "cluster.time_min": 1, "cluster.timeout_s": 1e-3,
+    "steps": 1, "save_every": 0, "keep_checkpoints": 1, "cluster.signal_delay_s": 0, "cluster.deadline_margin_s": 0, "cluster.time_min": 1, "cluster.timeout_s": 1e-3,
     "algo.prompts_per_step": 1, "algo.samples_per_prompt": 1, "algo.max_new_tokens": 1,
     "algo.temperature": 0.0, "algo.lr": 0.0, "algo.mini_batches": 1, "algo.epochs": 1,
     "algo.grad_accum": 1, "algo.clip_low": 0.0, "algo.clip_high": 0.0, "algo.kl_coef": 0.0,

@@ -5,6 +5,7 @@ Both become a ``PromptStream``: seeded, shuffled epochs, resumable from its posi
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,18 @@ def file_problems(data_cfg: Any) -> tuple[Sample, ...]:
     )
 
 
-def make_stream(data_cfg: Any, seed: int) -> PromptStream:
+def fingerprint(problems: tuple[Sample, ...]) -> str:
+    """A digest of the dataset's content and order, stored in checkpoints to catch a changed dataset."""
+    h = hashlib.sha256()
+    for s in problems:
+        h.update(s.prompt.encode())
+        h.update(b"\0")
+        h.update(s.answer.encode())
+        h.update(b"\1")
+    return f"{len(problems)}:{h.hexdigest()[:16]}"
+
+
+def make_stream(data_cfg: Any, seed: int) -> tuple[PromptStream, str]:
+    """The prompt stream and the dataset's fingerprint."""
     problems = arithmetic_problems() if data_cfg.name == "synthetic" else file_problems(data_cfg)
-    return PromptStream(problems, seed=seed)
+    return PromptStream(problems, seed=seed), fingerprint(problems)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.placement import Placement
+from rlbatch.runtime.env import MPI_ENV
 from rlbatch.runtime.postmortem import culprits
 from rlbatch.runtime.rundir import RunDir
 
@@ -32,7 +33,7 @@ def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str
     if c.container_mounts:
         srun_args.append(f"--container-mounts={c.container_mounts}")
     srun_args += [str(a) for a in c.srun_args]
-    env = {str(k): str(v) for k, v in c.env.items()} | {"RLBATCH_RUN_DIR": str(run_dir)}
+    env = MPI_ENV | {str(k): str(v) for k, v in c.env.items()} | {"RLBATCH_RUN_DIR": str(run_dir)}
     setup = [str(line) for line in c.setup] + [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     params: dict[str, Any] = {
         "job_name": c.job_name,
@@ -50,7 +51,10 @@ def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str
         "srun_args": srun_args,
         "stderr_to_stdout": True,
         "teardown": [f"{python} -m rlbatch.runtime.postmortem {shlex.quote(str(run_dir))}"],
-        "additional_parameters": dict(c.sbatch_args) or None,
+        # Slurm sends preempt_signal to every task signal_delay_s before the time limit; the run
+        # saves, requeues itself, and resumes in the same run_dir.
+        "additional_parameters": {"signal": f"{c.preempt_signal}@{int(c.signal_delay_s)}", "requeue": True}
+        | dict(c.sbatch_args),
     }
     return {k: v for k, v in params.items() if v is not None}
 

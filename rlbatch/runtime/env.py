@@ -27,7 +27,7 @@ VARS: dict[str, tuple[str, ...]] = {
     "run_dir": ("RLBATCH_RUN_DIR",),
     "master_addr": ("RLBATCH_MASTER_ADDR",),
     "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
-    "fault": ("RLBATCH_FAULT",),  # program=selftest only: '<kill|raise|hang>:<world rank>'
+    "fault": ("RLBATCH_FAULT",),  # tests only: '<kill|raise|hang>:<rank>[:<where>]' (runtime/faults.py)
 }
 
 
@@ -110,3 +110,10 @@ def expand_hostlist(spec: str) -> list[str]:
         if pos < len(spec) and spec[pos] == ",":
             pos += 1
     return hosts
+
+
+MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1"}
+"""Environment every rank gets from the launchers. MPICH names its shared-memory segments after
+the job and step ids, which a requeued Slurm job reuses: after an aborted attempt the stale
+segment makes the next attempt's MPI_Init spin for ever (and aborted runs leak segments into
+/dev/shm). MPI carries only the control plane's small messages, so it runs without shared memory."""

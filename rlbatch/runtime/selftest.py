@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
-import time
 from typing import Any
 
 import torch
@@ -24,6 +22,7 @@ import torch.distributed as dist
 
 from rlbatch.runtime.control import Controller
 from rlbatch.runtime.env import read_env
+from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.postmortem import describe_rank
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.runtime.world import World
@@ -61,27 +60,9 @@ def _sums(world: World) -> dict[str, float]:
     return out
 
 
-def _inject_fault(world: World) -> None:
-    """RLBATCH_FAULT='kill:3' (or raise:3, hang:3): rank 3 fails that way during the collectives,
-    so the fail-fast paths can be tested on real processes."""
-    fault = read_env().fault
-    if not fault:
-        return
-    kind, _, rank = fault.partition(":")
-    if int(rank) != world.rank:
-        return
-    log.warning("injecting fault %r", fault)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "raise":
-        raise RuntimeError(f"injected fault on rank {world.rank}")
-    elif kind == "hang":
-        time.sleep(10**6)
-
-
 def handlers(world: World, cfg: Any, run: RunDir) -> dict[str, Any]:
     def sums() -> dict[str, float]:
-        _inject_fault(world)
+        maybe_fault("selftest", world.rank)
         return _sums(world)
 
     return {"report": lambda: _report(world), "sums": sums}

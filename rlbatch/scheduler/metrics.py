@@ -54,6 +54,10 @@ class Metrics:
             log.warning("tensorboard is not importable: no event files will be written")
         self.steps, self.start = steps, start
         self.bar: Any = None
+        if self.path.exists():  # resuming: keep the rows before the checkpoint, drop any after it
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.history = [r for r in rows if r["step"] < start]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
 
     def progress(self, steps: Iterable[int]) -> Iterator[int]:
         from tqdm import tqdm

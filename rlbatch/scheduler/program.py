@@ -5,6 +5,8 @@
 
 The scheduler behind the role handles knows from the Placement which roles share a GPU and
 offloads/reloads at each phase boundary by itself; a new algorithm edits this loop and a loss.
+Checkpoints are taken at step boundaries (save_every, the end, preemption or walltime), and a
+run resumes from the newest complete one in its run_dir (resume=auto).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import torch
 
 from rlbatch import algos
 from rlbatch.data.source import make_stream
+from rlbatch.runtime.env import read_env
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.runtime.world import World
+from rlbatch.scheduler.checkpointing import Checkpointer
 from rlbatch.scheduler.controller import Pipeline, Role
 from rlbatch.scheduler.metrics import Metrics, step_row
+from rlbatch.scheduler.preemption import Preemption
 from rlbatch.scheduler.rank import RankRuntime
 
 
@@ -34,14 +39,20 @@ def controller(world: World, cfg: Any, run: RunDir) -> None:
     pipe = Pipeline(world, cfg)
     actor_infer, actor_train, reward = Role(pipe, "actor_infer"), Role(pipe, "actor_train"), Role(pipe, "reward")
     reference = Role(pipe, "reference") if "reference" in world.placement.roles else None
-    data = make_stream(cfg.data, int(cfg.seed))
-    metrics = Metrics(run, int(cfg.steps))
+    data, fingerprint = make_stream(cfg.data, int(cfg.seed))
+    ckpt = Checkpointer(pipe, run, cfg, data, fingerprint)
+    start = ckpt.resume()
+    if start > 0:
+        actor_train.sync_weights(actor_infer)  # inference weights are not checkpointed
+    preemption = Preemption(cfg.cluster, read_env())
+    metrics = Metrics(run, int(cfg.steps), start)
     n, per_step = int(a.samples_per_prompt), int(a.prompts_per_step) * int(a.samples_per_prompt)
     reuse_batch = a.mini_batches > 1 or a.epochs > 1
+    stop = None
 
-    for step in metrics.progress(range(int(cfg.steps))):
+    for step in metrics.progress(range(start, int(cfg.steps))):
         pipe.begin_step()
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         prompts = data.next_batch(int(a.prompts_per_step))
         rollouts = actor_infer.generate(prompts, n, first_id=step * per_step, seed=int(cfg.seed) * 100_003 + step)
         rewards = reward.score(rollouts)
@@ -56,10 +67,23 @@ def controller(world: World, cfg: Any, run: RunDir) -> None:
         stats = actor_train.train(rollouts, advantages)
         actor_train.sync_weights(actor_infer)
         pipe.forget(rollouts.ids)
-        metrics.log(step_row(step, rewards, rollouts, stats, pipe.phase_seconds, pipe.records, time.perf_counter() - start))
+        step_s = time.perf_counter() - t0
+        metrics.log(step_row(step, rewards, rollouts, stats, pipe.phase_seconds, pipe.records, step_s))
+
+        last = step == int(cfg.steps) - 1
+        stop = None if last else preemption.reason_to_stop(step_s, ckpt.last_save_s)
+        if last or stop or (cfg.save_every and (step + 1) % int(cfg.save_every) == 0):
+            ckpt.save(step, stop or ("end of run" if last else "save_every"))
+        if stop:
+            break
 
     pipe.ctl.shutdown(pipe.workers())
     metrics.close()
-    last = metrics.history[-1] if metrics.history else {}
-    print(f"done: {len(metrics.history)} steps, final reward_mean {last.get('reward_mean', float('nan')):.3f}; "
+    if stop:
+        print(f"stopping after step {step}: {stop}; checkpoint saved", flush=True)
+        if preemption.requeue():
+            print("requeued: the job restarts in this run_dir and resumes", flush=True)
+        return
+    last_row = metrics.history[-1] if metrics.history else {}
+    print(f"done: {len(metrics.history)} steps, final reward_mean {last_row.get('reward_mean', float('nan')):.3f}; "
           f"metrics in {metrics.path}", flush=True)

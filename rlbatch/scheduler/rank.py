@@ -8,6 +8,7 @@ the data plane), then the phase runs inside a residency switch that offloads col
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from rlbatch import algos
 from rlbatch.engines.base import SamplingParams, engine_class
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
+from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 from rlbatch.scheduler.residency import Residency
 
@@ -115,6 +117,16 @@ class RankRuntime:
             self.store.put(sid, "advantage", torch.tensor(adv))
         samples = self.store.get(ids, ["prompt", "response", "old_logprobs", "ref_logprobs", "advantage"])
         return self.engines[TRAIN].train(samples)
+
+    def _checkpoint(self, op: str, path: str) -> dict[str, float]:
+        """Write (op=save, into the staging dir) or read (op=load) this rank's part of a checkpoint."""
+        from rlbatch.checkpoint.rank import load_rank, save_rank
+
+        if op == "load":
+            return load_rank(Path(path), self.engines, self.world.rank)
+        out = save_rank(Path(path), self.engines, self.world.rank)
+        maybe_fault("checkpoint", self.world.rank)
+        return out
 
     def _sync(self, src: int, local: bool, bucket_bytes: int) -> dict[str, float]:
         """actor_train -> actor_infer. Colocated: in-process copy; otherwise bucketed broadcast."""

@@ -25,6 +25,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "old_logprobs": ("params",),
     "train": ("params", "grads", "optimizer"),
     "sync": ("params",),
+    "checkpoint": ("params", "optimizer"),
 }
 """Phase -> kinds of the acting roles' state that must be on the device."""
 

@@ -10,11 +10,13 @@
 #SBATCH --open-mode=append
 #SBATCH --output=/shared/runs/example/slurm/%j_0_log.out
 #SBATCH --partition=gpu
-#SBATCH --signal=USR2@90
+#SBATCH --requeue
+#SBATCH --signal=USR2@120
 #SBATCH --time=240
 #SBATCH --wckey=submitit
 
 # setup
+export MPIR_CVAR_NOLOCAL=1
 export RLBATCH_RUN_DIR=/shared/runs/example
 
 # command

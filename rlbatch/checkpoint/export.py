@@ -1,0 +1,114 @@
+"""A checkpoint's trained policy as a Hugging Face model directory (``python -m rlbatch.export``).
+
+Reads only the model tensors of the role's DCP shards, in one process without a process group
+(DCP stores global shapes and offsets, so the shards of any number of ranks reassemble), into
+the architecture the run's config.yaml describes, and writes it with ``save_pretrained``:
+safetensors weights, config.json, generation_config.json and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from rlbatch.checkpoint.layout import CONFIG, role_dir
+from rlbatch.checkpoint.store import Checkpoint, CheckpointError, open_checkpoint
+
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+"""Module-wrapper prefixes (torch.compile, activation checkpointing, FSDP1) that are not HF names."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    checkpoint: Checkpoint
+    out: Path
+    files: list[Path]
+
+
+def _hf_name(fqn: str) -> str:
+    for w in _WRAPPERS:
+        fqn = fqn.replace(w, "")
+    return fqn
+
+
+def find_config(ckpt: Checkpoint) -> Path:
+    """The run's config: the copy in the checkpoint, else the run dir in the meta, else ../../."""
+    candidates = [ckpt.path / CONFIG]
+    if ckpt.meta.get("run_dir"):
+        candidates.append(Path(ckpt.meta["run_dir"]) / CONFIG)
+    candidates.append(ckpt.path.parent.parent / CONFIG)
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise CheckpointError(f"{ckpt.path}: no {CONFIG} found (looked at {', '.join(map(str, candidates))})")
+
+
+def load_weights(dcp_dir: Path, model: torch.nn.Module) -> int:
+    """Load the ``model.*`` tensors of a DCP checkpoint into a plain (unsharded) model, strictly.
+
+    Tied parameters (one tensor under two names, e.g. embed_tokens and lm_head) are loaded once.
+    Raises CheckpointError listing missing, unexpected and mis-shaped tensors. Returns the count.
+    """
+    saved: dict[str, tuple[str, Any]] = {}
+    for key, md in FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata.items():
+        if key.startswith("model."):
+            saved[_hf_name(key[len("model."):])] = (key[len("model."):], md)
+    target = model.state_dict()
+    tied: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for name, t in target.items():
+        tied.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
+    problems = [f"unexpected tensor {k} (not in the model)" for k in saved if k not in target]
+    load: dict[str, torch.Tensor] = {}
+    for names in tied.values():
+        present = [n for n in names if n in saved]
+        if not present:
+            problems.append(f"missing tensor {' = '.join(names)}")
+            continue
+        orig, md = saved[present[0]]
+        t = target[present[0]]
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(t.shape):
+            problems.append(f"{present[0]}: saved shape {getattr(md, 'size', '?')}, model shape {tuple(t.shape)}")
+            continue
+        load[orig] = t
+    if problems:
+        raise CheckpointError([f"{dcp_dir}: the weights do not fit the model of the run's config:", *problems])
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load({"model": load}, checkpoint_id=str(dcp_dir), no_dist=True)
+    return len(load)
+
+
+def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp32", verify: bool = True) -> Exported:
+    """Write ``role``'s weights of the checkpoint ``src`` (or a run dir's newest) to ``out``."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from rlbatch.engines.model import DTYPES, load_model, load_tokenizer
+
+    ckpt = open_checkpoint(Path(src), verify)
+    d = role_dir(ckpt.path, role)
+    if not (d / ".metadata").is_file():
+        raise CheckpointError(f"{ckpt.path}: no {role} state in this checkpoint")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: output directory is not empty")
+    cfg = OmegaConf.load(find_config(ckpt))
+    if not isinstance(cfg, DictConfig) or "model" not in cfg:
+        raise CheckpointError(f"{find_config(ckpt)}: not an rlbatch config (no 'model' section)")
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, tokenizer, int(cfg.get("seed", 0)), torch.float32)
+    load_weights(d, model)
+    model.to(DTYPES[dtype])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "rlbatch_export.json").write_text(json.dumps(
+        {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "role": role, "dtype": dtype}, indent=1))
+    return Exported(ckpt, out, sorted(p for p in out.rglob("*") if p.is_file()))

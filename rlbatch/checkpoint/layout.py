@@ -1,0 +1,58 @@
+"""Names inside a checkpoint directory, in one place (writers and readers both use these).
+
+    <run_dir>/checkpoints/step_000012/
+        manifest.json            written last by CheckpointStore.commit: files, sizes, sha256, meta
+        controller.json          the controller's state (step, data position, ...)
+        config.yaml              copy of the run's config.yaml, so the checkpoint stands alone
+        actor_train/             torch.distributed.checkpoint (DCP) of model + optimizer:
+            .metadata  __0_0.distcp  __1_0.distcp ...     one shard file per rank of the role
+            scheduler.pt         LR scheduler state (written by the role's first rank)
+        rng/rank<r>.pt           torch / CUDA / numpy / python RNG states of world rank r
+    <run_dir>/checkpoints/step_000015.tmp-<nonce>/   a checkpoint being written (or abandoned)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+"""Sub-directory of the run dir that holds the checkpoints."""
+MANIFEST = "manifest.json"
+CONTROLLER = "controller.json"
+CONFIG = "config.yaml"
+RNG = "rng"
+SCHEDULER = "scheduler.pt"
+
+
+def role_dir(ckpt: Path, role: str) -> Path:
+    """The DCP directory of a trainable role (``actor_train``, ``critic``)."""
+    return ckpt / role
+
+
+def rng_dir(ckpt: Path) -> Path:
+    return ckpt / RNG
+
+
+def write_controller(ckpt: Path, state: dict[str, Any], config_file: Path | None = None) -> None:
+    """Write the controller's JSON state and a copy of the run's config into a staging dir."""
+    (ckpt / CONTROLLER).write_text(json.dumps(state, indent=1, sort_keys=True))
+    if config_file is not None and config_file.is_file():
+        shutil.copyfile(config_file, ckpt / CONFIG)
+
+
+def read_controller(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / CONTROLLER
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,61 @@
+"""The controller's side of checkpoints: resume before the loop, save at step boundaries.
+
+Every rank writes its own shards (DCP, staged through CPU) into a staging directory; when all
+have answered, the controller adds its own state and commits the checkpoint atomically (see
+rlbatch.checkpoint.store). Inference weights are not saved: after resume they are synced from
+actor_train like after any step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rlbatch.checkpoint.layout import read_controller, write_controller
+from rlbatch.checkpoint.store import CheckpointError, CheckpointStore
+from rlbatch.data.synthetic import PromptStream
+from rlbatch.runtime.rundir import RunDir
+from rlbatch.scheduler.controller import Pipeline
+
+log = logging.getLogger(__name__)
+TRAINABLE = ("actor_train", "critic")
+
+
+class Checkpointer:
+    def __init__(self, pipe: Pipeline, run: RunDir, cfg: Any, data: PromptStream, data_fingerprint: str) -> None:
+        self.pipe, self.run, self.cfg = pipe, run, cfg
+        self.data, self.fingerprint = data, data_fingerprint
+        self.store = CheckpointStore(run.path / "checkpoints", keep=int(cfg.keep_checkpoints))
+        self.last_save_s = 0.0
+        self.roles = tuple(r for r in TRAINABLE if r in pipe.p.roles)
+
+    def _all_ranks(self, op: str, path: str) -> None:
+        self.pipe.run("checkpoint", self.roles, {r: {"op": op, "path": path} for r in self.pipe.workers()})
+
+    def resume(self) -> int:
+        """Load the checkpoint ``cfg.resume`` names, if any; returns the first step to run."""
+        ckpt = self.store.resolve(str(self.cfg.resume))
+        if ckpt is None:
+            return 0
+        state = read_controller(ckpt.path)
+        if state.get("data_fingerprint") != self.fingerprint:
+            raise CheckpointError(
+                f"{ckpt.path}: the dataset changed since this checkpoint was written (fingerprint "
+                f"{state.get('data_fingerprint')} then, {self.fingerprint} now); resuming would not continue "
+                f"the same data stream. Restore the dataset, or start a new run_dir (or resume=never)."
+            )
+        print(f"resuming from {ckpt.path} (step {ckpt.step})", flush=True)
+        self._all_ranks("load", str(ckpt.path))
+        self.data.load_state_dict(state["data"])
+        return int(state["step"]) + 1
+
+    def save(self, step: int, reason: str) -> None:
+        start = time.perf_counter()
+        stage = self.store.begin(step)
+        self._all_ranks("save", str(stage))
+        write_controller(stage, {"step": step, "data": self.data.state_dict(), "data_fingerprint": self.fingerprint,
+                                 "reason": reason}, self.run.config)
+        path = self.store.commit(step, {"run_dir": str(self.run.path), "reason": reason})
+        self.last_save_s = time.perf_counter() - start
+        log.info("checkpoint %s (%s) in %.1fs", path, reason, self.last_save_s)

@@ -1,0 +1,68 @@
+"""Preemption and walltime: notice that the job must end, so the loop saves and requeues.
+
+Two triggers, checked at every step boundary:
+- the preemption signal (cluster.preempt_signal, USR2 by default; Slurm sends it signal_delay_s
+  before the time limit through ``sbatch --signal``, and to every task on preemption by
+  ``scancel --signal``). Every rank installs the handler so none dies of it; the controller acts.
+- a deadline from the job's end time: if the next step plus a checkpoint would end within
+  cluster.deadline_margin_s of it, save now, even if no signal comes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from datetime import datetime
+from typing import Any
+
+from rlbatch.runtime.env import SchedulerEnv
+
+log = logging.getLogger(__name__)
+_received: list[str] = []
+
+
+def install_handler(name: str) -> None:
+    """Record the preemption signal instead of dying of it (every rank calls this)."""
+    sig = getattr(signal, f"SIG{name}")
+    signal.signal(sig, lambda s, f: _received.append(signal.Signals(s).name))
+
+
+def job_end_time(env: SchedulerEnv) -> float | None:
+    """Epoch seconds at which Slurm ends this job, or None outside Slurm / without a limit."""
+    if env.slurm_job_end:
+        return float(env.slurm_job_end)
+    if env.job_id is None or not env.under_slurm:
+        return None
+    out = subprocess.run(["squeue", "-h", "-j", env.job_id, "-o", "%e"], capture_output=True, text=True)
+    try:
+        return datetime.fromisoformat(out.stdout.strip()).timestamp()
+    except ValueError:
+        return None  # no time limit (UNLIMITED) or squeue unavailable
+
+
+class Preemption:
+    def __init__(self, cluster: Any, env: SchedulerEnv) -> None:
+        self.env = env
+        self.margin = float(cluster.deadline_margin_s)
+        self.end = job_end_time(env)
+
+    def reason_to_stop(self, step_s: float, save_s: float) -> str | None:
+        if _received:
+            return f"signal {_received[0]}"
+        if self.end is not None:
+            left = self.end - time.time()
+            if left < step_s + save_s + self.margin:
+                return f"deadline: {left:.0f}s left before the time limit, a step takes {step_s:.0f}s"
+        return None
+
+    def requeue(self) -> bool:
+        """Put this Slurm job back in the queue (it restarts in the same run_dir and resumes)."""
+        if not self.env.under_slurm or self.env.job_id is None:
+            return False
+        out = subprocess.run(["scontrol", "requeue", self.env.job_id], capture_output=True, text=True)
+        if out.returncode != 0:
+            log.error("scontrol requeue %s failed: %s", self.env.job_id, out.stderr.strip())
+            return False
+        return True

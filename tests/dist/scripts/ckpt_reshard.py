@@ -1,0 +1,29 @@
+"""Under mpiexec -n <any>: load a committed checkpoint (written by another number of ranks) into
+this layout; the unsharded model and optimizer state equal the reference, and training goes on.
+
+    mpiexec -n 1 python tests/dist/scripts/ckpt_reshard.py <port> <run_or_ckpt_dir> <ref.pt> <step>
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from ckpt_common import assert_same, build, comm, full_state, init, train_step
+from omegaconf import OmegaConf
+
+from rlbatch.checkpoint import open_checkpoint
+from rlbatch.checkpoint.layout import CONFIG
+from rlbatch.checkpoint.rank import load_rank
+
+mesh = init()
+ck = open_checkpoint(Path(sys.argv[2]))
+assert ck.step == int(sys.argv[4]), (ck.path, ck.step)
+e = build(mesh, OmegaConf.load(ck.path / CONFIG), seed=777)
+load_rank(ck.path, {"actor_train": e}, comm.rank)
+state = full_state(e)
+if comm.rank == 0:
+    assert_same(torch.load(sys.argv[3], weights_only=True), state, f"{comm.size}-rank load of {ck.path.name}")
+train_step(e)
+print(f"rank {comm.rank}: reshard ok ({comm.size} ranks, {ck.path.name})", flush=True)
+dist.destroy_process_group()
