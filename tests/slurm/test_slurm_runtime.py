@@ -118,3 +118,33 @@ def test_default_experiment_on_slurm(run_root: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert (run / "reward_curve.png").exists()
+
+
+def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_root: Path) -> None:
+    args = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward", "steps=8"]
+    run = run_root / "preempted"
+    sub = launch(["cluster=slurm", "cluster.cpus_per_task=1", f"run_dir={run}", *args], run_root)
+    assert sub.returncode == 0, sub.stderr[-3000:]
+    job = re.search(r"submitted Slurm job (\d+)", sub.stdout).group(1)
+    deadline = time.monotonic() + 180
+    while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, "the job did not reach step 2"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what Slurm sends before preemption/walltime
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step_000007" / "manifest.json").exists():
+        assert time.monotonic() < deadline, "the requeued job did not finish"
+        time.sleep(1)
+    wait_gone([job])
+    restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    logs = "".join(p.read_text() for p in (run / "slurm").glob("*_log.out"))
+    assert "signal SIGUSR2; checkpoint saved" in logs and "requeued" in logs and "resuming from" in logs
+    assert "Restarts=1" in restarts or not restarts  # the record may already be purged (MinJobAge)
+    whole = run_root / "whole"
+    assert launch([f"run_dir={whole}", *args], run_root).returncode == 0
+    ex = [subprocess.run([sys.executable, "-m", "rlbatch.export", str(d), str(run_root / f"e{k}")], capture_output=True)
+          for k, d in enumerate((run, whole))]
+    assert all(e.returncode == 0 for e in ex)
+    assert (run_root / "e0" / "model.safetensors").read_bytes() == (run_root / "e1" / "model.safetensors").read_bytes()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(8)), "no step lost, none repeated"
