@@ -14,18 +14,34 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from rlbatch.algos import aggregate, entropy_from_logits, masked_mean, grpo_advantages, kl_penalty, ppo_clip_loss, token_logprobs
-from rlbatch.data import PromptStream, arithmetic_problems
-from rlbatch.data.tokenizer import build_char_tokenizer
-from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
-from rlbatch.rewards import load_reward_fn
+# Runnable as a plain script from a checkout, before the package is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlbatch.algos import (  # noqa: E402
+    aggregate,
+    completion_mask,
+    entropy_from_logits,
+    grpo_advantages,
+    kl_penalty,
+    masked_mean,
+    pad_to_length,
+    position_ids_from_mask,
+    ppo_clip_loss,
+    token_logprobs,
+)
+from rlbatch.data import PromptStream, arithmetic_problems  # noqa: E402
+from rlbatch.data.tokenizer import build_char_tokenizer  # noqa: E402
+from rlbatch.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
+from rlbatch.rewards import load_reward_fn  # noqa: E402
 
 
 @dataclass
@@ -54,23 +70,15 @@ def generate(model, tok, prompts: list[str], max_new_tokens: int) -> Rollout:
             use_cache=True,
         )
     prompt_len = enc["input_ids"].shape[1]
-    completion = out[:, prompt_len:]
-    if completion.shape[1] < max_new_tokens:  # generate stops early when every row hit EOS
-        pad = completion.new_full((completion.shape[0], max_new_tokens - completion.shape[1]), tok.pad_token_id)
-        completion = torch.cat([completion, pad], dim=1)
-    is_eos = completion == tok.eos_token_id
-    # Keep tokens up to and including the first EOS: the EOS is an action the policy chose.
-    eos_before = torch.cumsum(is_eos, dim=1) - is_eos.long()
-    completion_mask = (eos_before == 0).long()
-    attention_mask = torch.cat([enc["attention_mask"], completion_mask], dim=1)
-    # Same positions generate() used: count only real tokens, so left padding shifts nothing.
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    completion = pad_to_length(out[:, prompt_len:], max_new_tokens, tok.pad_token_id)
+    comp_mask = completion_mask(completion, tok.eos_token_id)
+    attention_mask = torch.cat([enc["attention_mask"], comp_mask], dim=1)
     texts = tok.batch_decode(completion, skip_special_tokens=False)
     return Rollout(
         input_ids=torch.cat([enc["input_ids"], completion], dim=1),
         attention_mask=attention_mask,
-        position_ids=position_ids,
-        completion_mask=completion_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        completion_mask=comp_mask,
         prompt_len=prompt_len,
         texts=texts,
     )
@@ -97,17 +105,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    p.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
+    p.add_argument("--n", type=int, default=32, help="samples per prompt (group size)")
     p.add_argument("--max-new-tokens", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--warmup", type=int, default=10, help="linear lr warm-up steps")
     p.add_argument("--minibatches", type=int, default=2)
     p.add_argument("--ppo-epochs", type=int, default=1)
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28)
-    p.add_argument("--kl-coef", type=float, default=0.001)
+    p.add_argument("--kl-coef", type=float, default=0.01)
     p.add_argument("--kl-kind", default="k3")
     p.add_argument("--agg", default="token", choices=["token", "seq"])
     p.add_argument("--no-std", action="store_true", help="advantages without std division")

@@ -19,6 +19,10 @@ LossAgg = Literal["token", "seq"]
 # exp() of a log-ratio above this overflows float32 long before it carries information; clamping
 # keeps one badly off-policy token from turning the whole loss into inf/nan.
 _MAX_LOG_RATIO = 20.0
+# k3 grows like exp(ref_logp - logp): one sampled token the policy has since made very unlikely
+# can outweigh the whole batch (seen in the prototype as a KL spike then a reward crash). Capping
+# it (as veRL's low_var_kl does) zeroes that token's gradient instead.
+_MAX_K3 = 10.0
 
 
 def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -74,7 +78,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
 
     ``k1`` is ``logp - ref_logp`` (unbiased, can be negative); ``k2`` is half its square;
     ``k3`` is ``exp(r) - r - 1`` with ``r = ref_logp - logp`` (unbiased and never negative,
-    Schulman's estimator used by GRPO); ``abs`` is ``|logp - ref_logp|``.
+    Schulman's estimator used by GRPO), capped at 10 per token; ``abs`` is ``|logp - ref_logp|``.
     """
     diff = logp - ref_logp
     if kind == "k1":
@@ -83,7 +87,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
         return 0.5 * diff.square()
     if kind == "k3":
         r = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return torch.exp(r) - r - 1.0
+        return (torch.exp(r) - r - 1.0).clamp(max=_MAX_K3)
     if kind == "abs":
         return diff.abs()
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of k1, k2, k3, abs")
