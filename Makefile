@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 run: venv
 	$(PY) -m rlbatch.launch $(ARGS)
 
-test: venv
+test: venv lint typecheck
 	bash slurm/dev-cluster.sh start
 	$(PY) -m pytest $(PYTEST_ARGS)
 

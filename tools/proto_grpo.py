@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         times["gen"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        rewards = torch.tensor([reward_fn(c, a) for c, a in zip(r.texts, answers)])
+        rewards = torch.tensor([reward_fn(c, a) for c, a in zip(r.texts, answers, strict=True)])
         adv = grpo_advantages(rewards, args.n, std_normalize=not args.no_std)
         with torch.no_grad():
             old_logp, _ = completion_logprobs(policy, r)

@@ -8,7 +8,7 @@ pulling Hydra in). ``rlbatch.config.store`` registers them in Hydra's ConfigStor
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
 """Roles that always hold a model on GPUs. ``reward`` may be a GPU model or a CPU rule; any other
@@ -29,9 +29,9 @@ class RoleConfig:
     backend: str = ""
     """'<engine>:<dims>' such as 'fsdp:d4t2', 'vllm:d2t4', 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'.
     Empty for CPU roles; reference and critic inherit actor_train's when empty."""
-    num_gpus_per_worker: Optional[int] = None
+    num_gpus_per_worker: int | None = None
     """GPUs per engine instance: 1 for training engines, t*p for inference. Derived when absent."""
-    world_size: Optional[int] = None
+    world_size: int | None = None
     """Number of workers. GPU roles: len(device_mapping) / num_gpus_per_worker (derived when absent).
     CPU roles: required."""
     offload: bool = True
@@ -65,21 +65,21 @@ class ClusterConfig:
     """'local' starts every rank here with mpiexec; 'slurm' submits one sbatch job."""
     gpus_per_node: int = 8
     """GPUs on each node. GPU rank r lives on node r // gpus_per_node."""
-    nodes: Optional[int] = None
+    nodes: int | None = None
     """Nodes to use. Derived from the placement when absent."""
     cpus_per_task: int = 1
     """CPU cores for each process (GPU ranks, CPU workers and the controller)."""
-    mem_gb: Optional[int] = None
+    mem_gb: int | None = None
     """Memory per node in GB (sbatch --mem). Slurm's default when absent."""
-    partition: Optional[str] = None
+    partition: str | None = None
     """Slurm partition (sbatch --partition)."""
     time_min: int = 60
     """Slurm time limit in minutes (sbatch --time)."""
-    account: Optional[str] = None
+    account: str | None = None
     """Slurm account (sbatch --account)."""
-    qos: Optional[str] = None
+    qos: str | None = None
     """Slurm QOS (sbatch --qos)."""
-    constraint: Optional[str] = None
+    constraint: str | None = None
     """Slurm node features (sbatch --constraint)."""
     job_name: str = "rlbatch"
     """Slurm job name."""
@@ -93,9 +93,9 @@ class ClusterConfig:
     """Shell lines run in the sbatch script before srun (module load ..., source venv)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set for every rank."""
-    container_image: Optional[str] = None
+    container_image: str | None = None
     """Container image for every rank (pyxis: srun --container-image)."""
-    container_mounts: Optional[str] = None
+    container_mounts: str | None = None
     """Container mounts (pyxis: srun --container-mounts=src:dst,...)."""
     mpiexec: str = ""
     """Local launcher: path of mpiexec. Empty uses the one installed beside this Python
@@ -123,7 +123,7 @@ class ClusterConfig:
 class ModelConfig:
     """The policy model. A local HF directory, or a small random-initialised architecture."""
 
-    path: Optional[str] = None
+    path: str | None = None
     """Local Hugging Face model directory (weights, config, tokenizer). Nothing is downloaded."""
     arch: str = "qwen2"
     """Architecture of a random-initialised model when no path is given: 'qwen2' or 'llama'."""
@@ -203,7 +203,7 @@ class DataConfig:
 
     name: str = "synthetic"
     """'synthetic' (built-in arithmetic task) or 'file'."""
-    path: Optional[str] = None
+    path: str | None = None
     """jsonl or parquet file for name=file."""
     prompt_key: str = "question"
     """Field of each record that holds the question."""
@@ -239,7 +239,7 @@ class RLBatchConfig:
     """cluster=slurm: follow the job to the end and exit with its code."""
     experiment: str = "default"
     """Name of the experiment preset (set by conf/experiment/*.yaml)."""
-    hardware: Optional[dict[str, Any]] = None
+    hardware: dict[str, Any] | None = None
     """Hardware profile for the planner (conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     roles: dict[str, Any] = field(default_factory=default_roles)

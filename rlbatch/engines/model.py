@@ -53,4 +53,5 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
         tie_word_embeddings=model_cfg.tie_word_embeddings, initializer_range=model_cfg.initializer_range, seed=seed,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    return build_tiny_model(tiny).to(dtype)
+    tiny_model: Any = build_tiny_model(tiny)
+    return tiny_model.to(dtype)

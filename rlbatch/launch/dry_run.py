@@ -31,7 +31,7 @@ def placement_table(p: Placement) -> str:
             str(r.num_gpus_per_worker) if r.is_gpu else "-", ", ".join(r.colocated_with) or "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     s = p.slurm
     summary = (

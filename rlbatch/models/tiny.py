@@ -7,7 +7,7 @@ real checkpoint (``generate``, ``save_pretrained``, state-dict weight sync) work
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import (
@@ -57,7 +57,7 @@ class TinyModelConfig:
 
 
 def _hf_config(cfg: TinyModelConfig) -> Qwen2Config | LlamaConfig:
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -96,7 +96,7 @@ def build_tiny_model(cfg: TinyModelConfig) -> PreTrainedModel:
     model_cls = Qwen2ForCausalLM if cfg.arch == "qwen2" else LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = model_cls(hf_cfg)
+        model = model_cls(hf_cfg)  # type: ignore[arg-type]  # the arch picks both
     model.generation_config = GenerationConfig(
         pad_token_id=cfg.pad_token_id,
         bos_token_id=cfg.bos_token_id,

@@ -309,13 +309,12 @@ def _build(gpu: list[_GpuRole], cpu: list[_CpuRole], gpn: int, num_nodes: int, n
     # their memory spreads across nodes; the controller counts against node 0 from the start.
     cpu_load = [(1 if n == 0 else 0, n) for n in range(num_nodes)]  # a heap of (load, node)
     heapq.heapify(cpu_load)
-    heapq.heapify(cpu_load)
     cpu_nodes: dict[str, list[int]] = {}
-    for r in cpu:
-        for _ in range(r.world):
+    for c in cpu:
+        for _ in range(c.world):
             load, node = heapq.heappop(cpu_load)
             heapq.heappush(cpu_load, (load + 1, node))
-            cpu_nodes.setdefault(r.name, []).append(node)
+            cpu_nodes.setdefault(c.name, []).append(node)
 
     local_next = [0] * num_nodes
     procs: list[ProcessSlot] = []
@@ -324,12 +323,12 @@ def _build(gpu: list[_GpuRole], cpu: list[_CpuRole], gpn: int, num_nodes: int, n
         procs.append(ProcessSlot(g, ProcessKind.GPU, node, local_next[node], g, g % gpn, tuple(on_gpu[g])))
         local_next[node] += 1
     cpu_worker_ranks: dict[str, list[int]] = {}
-    for r in cpu:
-        for w, node in enumerate(cpu_nodes.get(r.name, [])):
+    for c in cpu:
+        for w, node in enumerate(cpu_nodes.get(c.name, [])):
             rank = len(procs)
-            procs.append(ProcessSlot(rank, ProcessKind.CPU, node, local_next[node], None, None, ((r.name, w),)))
+            procs.append(ProcessSlot(rank, ProcessKind.CPU, node, local_next[node], None, None, ((c.name, w),)))
             local_next[node] += 1
-            cpu_worker_ranks.setdefault(r.name, []).append(rank)
+            cpu_worker_ranks.setdefault(c.name, []).append(rank)
     procs.append(ProcessSlot(len(procs), ProcessKind.CONTROLLER, 0, local_next[0], None, None, ()))
     local_next[0] += 1
 

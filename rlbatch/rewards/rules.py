@@ -105,4 +105,4 @@ def load_reward_fn(path: str) -> RewardFn:
             ) from None
     if not callable(obj):
         raise ValueError(f"reward function {path!r} is a {type(obj).__name__}, not a callable")
-    return obj  # type: ignore[return-value]
+    return obj

@@ -102,7 +102,8 @@ def exchange(store: SampleStore, rank: int, moves: list[Move], device: torch.dev
                 reqs.append(dist.irecv(buf, src=m.src))
                 inbox.append((m, fields, buf))
     for r in reqs:
-        r.wait()
+        if r is not None:
+            r.wait()
     for m, fields, buf in inbox:
         _unpack(store, m, fields, buf.cpu())
         received += buf.numel() * buf.element_size()

@@ -27,7 +27,10 @@ def describe_rank(p: Placement, rank: int) -> str:
 def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) -> list[str]:
     """Lines naming the ranks that caused a failure, cause first. ``first_exits``: the ranks
     whose processes the launcher saw end first (they may have exited cleanly)."""
-    primary, secondary, silent, never = [], [], [], []
+    primary: list[str] = []
+    secondary: list[str] = []
+    never: list[str] = []
+    silent: list[int] = []
     for rank in range(p.world_size):
         st = run.read_status(rank)
         who = describe_rank(p, rank)

@@ -51,8 +51,7 @@ def assign_local_first(ids: list[int], ranks: tuple[int, ...], holder: dict[int,
     left = []
     for sid in ids:
         r = holder.get(sid)
-        k = ranks.index(r) if r in ranks else -1
-        if k >= 0 and len(out[r]) < quota[k]:
+        if r is not None and r in out and len(out[r]) < quota[ranks.index(r)]:
             out[r].append(sid)
         else:
             left.append(sid)

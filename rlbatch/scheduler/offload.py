@@ -49,7 +49,7 @@ def _sync(device: torch.device) -> None:
 
 def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over a whole storage: padding and every view into it included."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 class TensorStash:

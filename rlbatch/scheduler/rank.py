@@ -109,7 +109,7 @@ class RankRuntime:
         out = {}
         for sid, logp in zip(ids, values, strict=True):
             ref = self.store.samples[sid]["ref_logprobs"]
-            out[sid] = float(algos.kl_penalty(logp, ref, kl_estimator).sum())
+            out[sid] = float(algos.kl_penalty(logp, ref, kl_estimator).sum())  # type: ignore[arg-type]
         return out
 
     def _train(self, ids: list[int], advantages: list[float]) -> dict[str, float]:

@@ -108,12 +108,13 @@ class FSDPEngine:
                         totals[key] = totals.get(key, 0.0) + v / a.grad_accum
                 if a.grad_clip > 0:
                     norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                    total_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(total_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 updates += 1
         out = {k: v / updates for k, v in totals.items()}
-        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
         return out
 
     @torch.no_grad()
