@@ -110,9 +110,10 @@ def test_plain_sbatch_template(run_root: Path) -> None:
     assert "selftest ok" in output, output[-3000:]
 
 
-def test_default_experiment_on_slurm(run_root: Path) -> None:
+@pytest.mark.parametrize("roles", ["colocated", "disaggregated"])
+def test_default_experiment_on_slurm(run_root: Path, roles: str) -> None:
     run = run_root / "run"
-    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=3", f"run_dir={run}",
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=3", f"run_dir={run}", f"roles={roles}",
                   "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
