@@ -53,9 +53,7 @@ def aggregate(per_token: Tensor, mask: Tensor, agg: LossAgg = "token") -> Tensor
     raise ValueError(f"unknown loss aggregation {agg!r}; expected 'token' or 'seq'")
 
 
-def grpo_advantages(
-    rewards: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True
-) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True) -> Tensor:
     """Group-relative advantages: each reward minus its group's mean, optionally over its std.
 
     ``rewards`` is ``[N]`` with the ``group_size`` samples of one prompt adjacent. The std is

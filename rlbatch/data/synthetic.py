@@ -24,9 +24,7 @@ class Sample:
     answer: str
 
 
-def arithmetic_problems(
-    op: Op = "+", max_operand: int = 9, modulo: int | None = 10
-) -> tuple[Sample, ...]:
+def arithmetic_problems(op: Op = "+", max_operand: int = 9, modulo: int | None = 10) -> tuple[Sample, ...]:
     """Every ``"a{op}b="`` prompt with ``0 <= a, b <= max_operand``, in a fixed order.
 
     With ``modulo`` the answer is reduced mod it, which keeps every answer a single token
@@ -105,8 +103,7 @@ class PromptStream:
         """Resume from :meth:`state_dict`; refuses a state from a different problem set size."""
         if int(state["num_problems"]) != len(self._problems):
             raise ValueError(
-                f"stream state is for {state['num_problems']} problems, this stream has "
-                f"{len(self._problems)}"
+                f"stream state is for {state['num_problems']} problems, this stream has {len(self._problems)}"
             )
         self._seed = int(state["seed"])
         self._position = int(state["position"])

@@ -88,8 +88,7 @@ def load_reward_fn(path: str) -> RewardFn:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr or ":" in attr:
         raise ValueError(
-            f"reward function path {path!r} must look like 'package.module:function' "
-            "or 'package.module.function'"
+            f"reward function path {path!r} must look like 'package.module:function' or 'package.module.function'"
         )
     try:
         module = importlib.import_module(module_name)
@@ -100,9 +99,7 @@ def load_reward_fn(path: str) -> RewardFn:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(
-                f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}"
-            ) from None
+            raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
         raise ValueError(f"reward function {path!r} is a {type(obj).__name__}, not a callable")
     return obj

@@ -42,13 +42,15 @@ class HFInferenceEngine:
         for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[b, width - len(p) :] = torch.tensor(p)
             attn[b, width - len(p) :] = 1
+        # top_k=0 samples from the whole distribution: the policy the PPO ratio assumes (the
+        # generation config may default to top-k 50).
         kwargs: dict[str, Any] = {}
         if sp.stop_strings:
             kwargs |= {"stop_strings": list(sp.stop_strings), "tokenizer": self.tokenizer}
         seqs = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=attn.to(self.device), max_new_tokens=sp.max_new_tokens,
             do_sample=sp.temperature > 0, temperature=sp.temperature if sp.temperature > 0 else None,
-            top_p=sp.top_p, top_k=None, pad_token_id=pad, eos_token_id=eos, use_cache=True, **kwargs,
+            top_p=sp.top_p, top_k=0, pad_token_id=pad, eos_token_id=eos, use_cache=True, **kwargs,
         )
         responses = []
         for row in seqs[:, width:].tolist():
