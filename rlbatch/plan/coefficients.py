@@ -1,8 +1,8 @@
 """Per phase kind, the weight of each time feature: priors, or what calibration fitted.
 
 A phase's predicted seconds are ``sum(coef[kind][f] * features[f])``. Seconds-valued features
-(roofline, overhead, comm, transfer) have prior weight 1: the hardware profile's numbers are
-taken at face value. Count-valued features (fixed: 1 per phase; transitions: state kinds moved)
+(roofline, overhead, comm, transfer, samples: host work per sample) have prior weight 1: the
+hardware profile's numbers are taken at face value. Count-valued features (fixed: 1 per phase; transitions: state kinds moved)
 have priors in seconds that are our guesses until a run is calibrated.
 
 Saved as YAML by ``python -m rlbatch.plan calibrate`` and read by ``--profile FILE``.
@@ -17,9 +17,9 @@ from typing import Any
 from rlbatch.errors import ConfigError
 
 KINDS = ("generate", "reward", "logprobs", "train", "sync", "offload", "reload", "step")
-FEATURES = ("roofline", "overhead", "comm", "transfer", "fixed", "transitions")
+FEATURES = ("roofline", "overhead", "comm", "transfer", "samples", "fixed", "transitions")
 PRIORS: dict[str, float] = {
-    "roofline": 1.0, "overhead": 1.0, "comm": 1.0, "transfer": 1.0,
+    "roofline": 1.0, "overhead": 1.0, "comm": 1.0, "transfer": 1.0, "samples": 1.0,
     "fixed": 2e-3,  # controller round trip of one phase: an MPI command out, a result back (guess)
     "transitions": 1e-3,  # allocating or freeing one kind of state on the device (guess)
 }

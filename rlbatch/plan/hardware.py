@@ -56,6 +56,10 @@ class Hardware:
     """Host RSS of one rank before it holds any model state."""
     cores_per_node: int = 0
     """CPU profiles: cores that all ranks of a node share (0 on GPU profiles: no sharing)."""
+    llc_bytes: float = 0.0
+    """CPU profiles: last-level cache of a node. A pass whose working set, summed over the node's
+    active ranks, fits in it streams at every rank's own rate; else the ranks share host_mem_bw.
+    0: unknown, always shared."""
     mfu: float = 0.5
     """Prior: achieved fraction of peak_flops by a large matmul."""
     mbu: float = 0.8

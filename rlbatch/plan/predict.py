@@ -124,7 +124,8 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
     for name in ph.active:
         r, m = roles[name], mems[name]
         opt = sum(m.state.get(k, 0.0) for k in ("params", "grads", "optimizer"))
-        parts.append((name, timing.forward_pass(r, shape, w, e, hw, layout, ph.kind == "train", m.tensors, opt)))
+        ws = sum(m.transient.get("train" if ph.kind == "train" else "logprobs", {}).values())
+        parts.append((name, timing.forward_pass(r, shape, w, e, hw, layout, ph.kind == "train", m.tensors, opt, ws)))
     out = dict(parts[0][1])
     for name, f in parts[1:]:
         shared = any(layout.colocated(name, other) for other, _ in parts if other != name)

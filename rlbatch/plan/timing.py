@@ -48,6 +48,12 @@ SYNC_OPS_PER_TENSOR = 6
 """Weight sync per tensor: gather to full, cast, copy into the engine, bookkeeping."""
 COPY_OPS_PER_TENSOR = 2
 """Offload / reload per tensor: one copy and one free or allocation."""
+SAMPLE_OPS_GENERATE = 27
+"""Host work per generated sample on its rank: tokenize the prompt, put prompt and response
+tensors into the sample store (measured on the cpu profile's VM: 64 us, 27 op-equivalents)."""
+SAMPLE_OPS_PASS = 13
+"""Host work per sample of a log-prob or training pass: ``engines.batch.pack`` writes it into the
+padded batch, ``unpack`` (or the advantage tensor) hands a tensor back (measured: 13 op-equivalents)."""
 REWARD_OPS_PER_SAMPLE = 20
 """A rule reward per sample: decode, parse, compare (a few Python-level op equivalents)."""
 
@@ -62,14 +68,22 @@ class Rates:
     """Multiplier on per-op overhead: >1 when more Python threads than cores."""
 
 
-def rates(hw: Hardware, layout: Layout, active: int) -> Rates:
-    """Achieved FLOP/s and bandwidth of one rank. On CPU profiles the node's cores are shared."""
+def rates(hw: Hardware, layout: Layout, active: int, working_set: float = math.inf) -> Rates:
+    """Achieved FLOP/s and bandwidth of one rank. On CPU profiles the node's cores are shared, and
+    its memory bandwidth too unless the ``active`` ranks' working sets fit in the last-level cache."""
     if not hw.is_cpu:
         return Rates(hw.peak_flops * hw.mfu, hw.hbm_bw * hw.mbu, 1.0)
     threads = max(1, layout.cpus_per_task)
     cores = max(1, hw.cores_per_node)
     share = min(float(threads), cores / max(1, active))
-    bw = min(hw.hbm_bw * share, hw.host_mem_bw / max(1, active))
+    # In cache, each rank streams at its cores' share of the per-thread bandwidth; beyond it the
+    # ranks split the node's memory bus (measured on the cpu profile's VM, 35.8 MiB L3: two
+    # processes copying 4-8 MiB each keep 90 % of one process's rate, 256 MiB copies halve it).
+    # The fraction of the working set that fits streams at the rank's own rate, the rest at its share.
+    cached = min(1.0, hw.llc_bytes / max(1e-9, max(1, active) * working_set))
+    own = hw.hbm_bw * share
+    shared = min(own, hw.host_mem_bw / max(1, active))
+    bw = 1.0 / (cached / own + (1.0 - cached) / shared)
     return Rates(hw.peak_flops * hw.mfu * share, bw * hw.mbu, max(1.0, active / cores))
 
 
@@ -97,7 +111,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     assert b is not None
     tp, pp = b.t, b.p
     seqs = math.ceil(w.sequences / max(1, b.d))
-    rt = rates(hw, layout, layout.ranks_per_node(r.ranks))
+    rt = rates(hw, layout, layout.ranks_per_node(r.ranks), sum(mem.transient.get("generate", {}).values()))
     weights = e * shape.params / (tp * pp)
     kv_tok = mem.kv_needed / max(1e-9, seqs * w.seq_len)
     split = tp * pp
@@ -135,7 +149,8 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
         hop = comm.all_reduce(0.0, tp, lk)
         per_byte = comm.all_reduce(1.0, tp, lk) - hop
         comm_s += waves * 2 * shape.layers / pp * (len(batch) * hop + per_byte * float(batch.sum()) * shape.hidden * e)
-    return {"roofline": roof, "overhead": overhead, "comm": comm_s, "fixed": 1.0}
+    samples = seqs * SAMPLE_OPS_GENERATE * hw.op_overhead_s * rt.slow
+    return {"roofline": roof, "overhead": overhead, "comm": comm_s, "samples": samples, "fixed": 1.0}
 
 
 def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout, mb: int, s: float,
@@ -173,12 +188,12 @@ def _bubble(b: BackendSpec, micro: int) -> float:
 
 
 def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout,
-                 train: bool, tensors: int = 0, opt_bytes: float = 0.0) -> Features:
+                 train: bool, tensors: int = 0, opt_bytes: float = 0.0, working_set: float = math.inf) -> Features:
     """A log-prob pass (train=False) or the training of one role (train=True) on its busiest rank."""
     b = r.backend
     assert b is not None
     d, t, p, c = b.d, b.t, b.p, b.c
-    rt = rates(hw, layout, layout.ranks_per_node(r.ranks))
+    rt = rates(hw, layout, layout.ranks_per_node(r.ranks), working_set)
     mb = train_micro_batch(w, d) if train else logprob_micro_batch(r, w)
     seqs = math.ceil(w.sequences / d)
     s = w.seq_len / c
@@ -198,6 +213,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     roof *= _bubble(b, micro)
     # Backward runs in autograd's C++ engine: about as much host work as the Python forward.
     ops = calls * (_fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
+    samples = repeats * seqs * SAMPLE_OPS_PASS * hw.op_overhead_s * rt.slow
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
     n, dl = _dp_link(layout, r, hw)
     comm_s = calls * exposed + max(calls * overlapped - roof, 0.0) + calls * overlapped / max(1, shape.layers)
@@ -212,7 +228,8 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
             P = shape.params / (t * p)
             dpc = comm.reduce_scatter(4 * P, n, dl) + comm.all_gather(e * P, n, dl)
             comm_s += steps * max(0.0, dpc - roof / max(1, steps * w.grad_accum))
-    return {"roofline": roof, "overhead": ops * hw.op_overhead_s * rt.slow, "comm": comm_s, "fixed": 1.0}
+    return {"roofline": roof, "overhead": ops * hw.op_overhead_s * rt.slow, "comm": comm_s, "samples": samples,
+            "fixed": 1.0}
 
 
 def reward(r: RoleLayout | None, w: Workload, hw: Hardware) -> Features:

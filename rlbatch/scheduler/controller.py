@@ -117,8 +117,9 @@ class Pipeline:
     def forget(self, ids: list[int]) -> None:
         """Samples of a finished step: every rank holding one drops it with its next command."""
         holders: dict[int, set[int]] = defaultdict(set)
+        gone = set(ids)
         for (sid, f) in list(self.where):
-            if sid in ids:
+            if sid in gone:
                 for r in self.where.pop((sid, f)):
                     holders[r].add(sid)
                 self.length.pop((sid, f), None)

@@ -47,6 +47,7 @@ def test_bad_configuration_exits_2_with_every_problem(capsys: pytest.CaptureFixt
 
 def test_search_prints_ranked_override_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["search", Q7B, "roles=roll_colocated_8gpu", "algo.max_new_tokens=1024", "algo.grad_accum=8",
+                 "algo.prompts_per_step=16", "algo.samples_per_prompt=8",
                  "--top", "2", "--prompt-len", "512"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("searched ") and "# 1:" in out and "# 2:" in out
