@@ -13,6 +13,8 @@ from typing import Any
 GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
 """Roles that always hold a model on GPUs. ``reward`` may be a GPU model or a CPU rule; any other
 role name is a CPU role (e.g. ``code_sandbox``)."""
+TRAINABLE_ROLES = ("actor_train", "critic")
+"""Roles with an optimizer: their state is trained and checkpointed."""
 INHERIT_BACKEND = ("reference", "critic")
 """Roles whose empty backend inherits actor_train's (AReaL's rule)."""
 

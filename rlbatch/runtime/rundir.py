@@ -55,11 +55,3 @@ class RunDir:
             return json.loads(self.rank_status(rank).read_text())
         except (OSError, ValueError):
             return None
-
-
-    def status_by_pid(self, pid: int, world_size: int) -> dict[str, Any] | None:
-        for rank in range(world_size):
-            st = self.read_status(rank)
-            if st and st.get("pid") == pid:
-                return st
-        return None

@@ -161,17 +161,18 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
     groups: dict[str, Any] = {}
     meshes: dict[str, DeviceMesh] = {}
     mesh_device = "cuda" if any_cuda else "cpu"
+    mine = slot_roles(slot)
     for name, role in p.roles.items():
         groups[name] = dist.new_group(list(members[name]))
         if not role.is_gpu:
             continue
         t, names = _mesh_tensor(role)
         mesh = DeviceMesh(mesh_device, t, mesh_dim_names=names)
-        if name in slot_roles(slot):
+        if name in mine:
             meshes[name] = mesh
         if (ffn := _ffn_mesh(role)) is not None:
             fmesh = DeviceMesh(mesh_device, ffn[0], mesh_dim_names=ffn[1])
-            if name in slot_roles(slot):
+            if name in mine:
                 meshes[f"{name}.ffn"] = fmesh
     train, infer = p.roles.get("actor_train"), p.roles.get("actor_infer")
     if train is not None and infer is not None and infer.backend and infer.backend.kind is EngineKind.INFER:

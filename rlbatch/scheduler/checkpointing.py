@@ -14,12 +14,12 @@ from typing import Any
 
 from rlbatch.checkpoint.layout import read_controller, write_controller
 from rlbatch.checkpoint.store import CheckpointError, CheckpointStore
+from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.data.synthetic import PromptStream
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.scheduler.controller import Pipeline
 
 log = logging.getLogger(__name__)
-TRAINABLE = ("actor_train", "critic")
 
 
 class Checkpointer:
@@ -28,7 +28,7 @@ class Checkpointer:
         self.data, self.fingerprint = data, data_fingerprint
         self.store = CheckpointStore(run.path / "checkpoints", keep=int(cfg.keep_checkpoints))
         self.last_save_s = 0.0
-        self.roles = tuple(r for r in TRAINABLE if r in pipe.p.roles)
+        self.roles = tuple(r for r in TRAINABLE_ROLES if r in pipe.p.roles)
 
     def _all_ranks(self, op: str, path: str) -> None:
         self.pipe.run("checkpoint", self.roles, {r: {"op": op, "path": path} for r in self.pipe.workers()})

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rlbatch import algos
+from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.engines.base import SamplingParams, engine_class
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
@@ -24,7 +25,6 @@ from rlbatch.scheduler.residency import Residency
 
 log = logging.getLogger(__name__)
 TRAIN, INFER, REFERENCE, REWARD = "actor_train", "actor_infer", "reference", "reward"
-TRAINABLE = {TRAIN, "critic"}
 
 
 class RankRuntime:
@@ -41,7 +41,7 @@ class RankRuntime:
             assert rp.backend is not None
             kwargs: dict[str, Any] = {
                 "model_cfg": cfg.model, "tokenizer": self.tokenizer, "device": world.device, "seed": int(cfg.seed),
-                "engine_args": dict(rp.engine_args), "algo": cfg.algo, "trainable": role in TRAINABLE,
+                "engine_args": dict(rp.engine_args), "algo": cfg.algo, "trainable": role in TRAINABLE_ROLES,
                 "mesh": world.meshes.get(role),
             }
             self.engines[role] = engine_class(rp.engine)(**kwargs)

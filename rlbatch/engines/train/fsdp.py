@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlbatch import algos
@@ -121,6 +120,3 @@ class FSDPEngine:
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
             yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.dp_group)
