@@ -87,7 +87,7 @@ def main(run_dir: str) -> int:
             run.write_status(rank, "terminated", signal="SIGTERM")
         else:
             last = traceback.format_exception_only(type(e), e)[-1].strip()
-            run.write_status(rank, "failed", error=last)
+            run.write_status(rank, "failed", error=last, peers=list(getattr(e, "peers", ())))
             log.error("failed:\n%s", traceback.format_exc())
             logs.fatal(f"failed: {last} (traceback in {run.rank_log(rank)})")
             if type(e).__name__ in SECONDARY:

@@ -64,43 +64,91 @@ def run_local(cfg: Any, placement: Placement) -> int:
     return rc
 
 
+FIRST_WINDOW_S = 0.25
+"""Processes that end this close after the first one are all candidates for the cause."""
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``, from /proc/<pid>/task/<tid>/children (empty when gone)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()}
+            except (OSError, ValueError):
+                continue
+            todo.extend(kids - found)
+            found |= kids
+    return found
+
+
 def tee_and_watch(proc: subprocess.Popen[bytes], run: RunDir, world_size: int) -> list[int]:
     """Pass mpiexec's output through unchanged (progress bars included) while watching every
-    rank's process through a pidfd; return the ranks whose process ended first.
+    process mpiexec starts through a pidfd; return the ranks whose process ended first.
 
     When a rank is killed, mpiexec kills all others within milliseconds, and afterwards they
-    all look alike. A pidfd becomes readable the moment its process exits, so the ranks seen
-    in the first round of exits are the ones to blame (usually exactly one).
+    all look alike. A pidfd becomes readable the moment its process exits, so the ranks that
+    end first are the ones to blame. Processes are
+    found in /proc while the ranks are still importing (seconds before any of them can fail),
+    and matched to ranks by the pid in their status files only when one ends.
+
+    The launcher can stop the others before the kernel reports the first one gone (it sees the
+    dead rank's sockets close a moment earlier), so every rank that ends within FIRST_WINDOW_S
+    of the first counts; the post-mortem narrows them with what the surviving ranks reported.
     """
     assert proc.stdout is not None
     out_fd, out = proc.stdout.fileno(), sys.stdout.buffer
     sel = selectors.DefaultSelector()
     sel.register(out_fd, selectors.EVENT_READ, None)
     watched: set[int] = set()
-    first: list[int] = []
-    next_scan = 0.0
+    first_pids: list[int] = []
+    first_at = 0.0
+    scan_until = time.monotonic() + 600.0
     while True:
-        if time.monotonic() >= next_scan and len(watched) < world_size:
-            next_scan = time.monotonic() + 0.2
-            for rank in set(range(world_size)) - watched:
-                st = run.read_status(rank)
-                if st is not None:
-                    watched.add(rank)
-                    try:
-                        sel.register(os.pidfd_open(int(st["pid"])), selectors.EVENT_READ, rank)
-                    except (ProcessLookupError, OSError):
-                        pass  # gone already, or no pidfd support (Linux < 5.3)
-        exited = []
-        for key, _ in sel.select(timeout=0.2):
+        exited: list[int] = []
+        if time.monotonic() < scan_until and not first_pids:  # until every rank is watched
+            for pid in descendants(proc.pid) - watched:
+                watched.add(pid)
+                try:
+                    sel.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
+                except ProcessLookupError:
+                    exited.append(pid)
+                except OSError:
+                    pass  # no pidfd support (Linux < 5.3): the report falls back to status files
+            if _all_ranks_watched(run, world_size, watched):
+                scan_until = 0.0
+        for key, _ in sel.select(timeout=0.05 if scan_until else 1.0):
             if key.data is None:
                 chunk = os.read(out_fd, 1 << 16)
                 if not chunk:
-                    return first
+                    return _ranks_of(run, world_size, first_pids)
                 out.write(chunk)
                 out.flush()
             else:
                 exited.append(key.data)
                 sel.unregister(key.fd)
                 os.close(key.fd)
-        if exited and not first:
-            first = sorted(exited)
+        now = time.monotonic()
+        if exited and (not first_pids or now <= first_at + FIRST_WINDOW_S):
+            first_at = first_at or now
+            first_pids += exited
+
+
+def _rank_pids(run: RunDir, world_size: int) -> dict[int, int]:
+    pids = {}
+    for rank in range(world_size):
+        st = run.read_status(rank)
+        if st is not None:
+            pids[int(st["pid"])] = rank
+    return pids
+
+
+def _all_ranks_watched(run: RunDir, world_size: int, watched: set[int]) -> bool:
+    pids = _rank_pids(run, world_size)
+    return len(pids) == world_size and set(pids) <= watched
+
+
+def _ranks_of(run: RunDir, world_size: int, pids: list[int]) -> list[int]:
+    by_pid = _rank_pids(run, world_size)
+    return [by_pid[pid] for pid in pids if pid in by_pid]  # in the order they ended

@@ -31,6 +31,7 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
     secondary: list[str] = []
     never: list[str] = []
     silent: list[int] = []
+    suspects: set[int] = set()  # peers named by the ranks whose collectives failed
     for rank in range(p.world_size):
         st = run.read_status(rank)
         who = describe_rank(p, rank)
@@ -38,16 +39,31 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
             never.append(f"{who} never started (no status file)")
         elif st["state"] == "failed":
             line = f"{who} failed on {st.get('host')}: {st.get('error', '?')}"
-            (secondary if str(st.get("error", "")).split(":")[0].split(".")[-1] in SECONDARY else primary).append(line)
+            if str(st.get("error", "")).split(":")[0].split(".")[-1] in SECONDARY:
+                secondary.append(line)
+                suspects.update(int(r) for r in st.get("peers", ()))
+            else:
+                primary.append(line)
         elif st["state"] == "running":
             silent.append(rank)
     if primary:
         return primary
+
+    def host(r: int) -> object:
+        return (run.read_status(r) or {}).get("host")
+
     first = [r for r in (first_exits or []) if r in silent]
+    first = [r for r in first if r in suspects] or first
     if first:
-        return [f"{describe_rank(p, r)} died first, without a word, on {(run.read_status(r) or {}).get('host')}: "
-                f"killed by a signal or the OOM killer?" for r in first]
-    died = [f"{describe_rank(p, r)} died without a word on {(run.read_status(r) or {}).get('host')}" for r in silent]
+        lines = [f"{describe_rank(p, first[0])} died first, without a word, on {host(first[0])}: "
+                 f"killed by a signal or the OOM killer?"]
+        if first[1:]:
+            lines += [f"then {describe_rank(p, r)}" for r in first[1:]]
+            lines.append("(the launcher stopped those within moments; one may be the cause if the kernel "
+                         "reported its end late)")
+        return lines
+    # no launcher's view (the Slurm post-mortem): every silent rank, suspects first
+    died = [f"{describe_rank(p, r)} died without a word on {host(r)}" for r in sorted(silent, key=lambda r: r not in suspects)]
     if len(died) > 1:
         died.append("(one of these was killed by a signal or the OOM killer; the launcher stopped the others)")
     return died + secondary + never

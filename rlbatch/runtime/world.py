@@ -32,7 +32,12 @@ SYNC = "sync"
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the role, the ranks and the operation."""
+    """A collective failed or timed out; the message names the role, the ranks and the operation.
+    ``peers``: the world ranks of the group, one of which (not this one) is likely the cause."""
+
+    def __init__(self, message: str, peers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.peers = peers
 
 
 @dataclass
@@ -80,7 +85,8 @@ class World:
             ranks = self.members.get(role, ())
             raise CollectiveError(
                 f"{op} in group '{role}' (world ranks {list(ranks)}) failed on rank {self.rank} "
-                f"after at most {self.timeout_s:.0f}s: {e}"
+                f"after at most {self.timeout_s:.0f}s: {e}",
+                peers=tuple(r for r in ranks if r != self.rank),
             ) from e
 
 
