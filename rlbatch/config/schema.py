@@ -109,6 +109,9 @@ class ClusterConfig:
     timeout_s: float = 600.0
     """Limit for every collective and control-plane wait; on expiry the error names the role,
     the ranks and the operation."""
+    startup_timeout_s: float = 1800.0
+    """How long the controller waits for every rank to load its models and build its engines
+    before the first step (a large checkpoint can take longer than one collective)."""
     device: str = "auto"
     """'cuda', 'cpu', or 'auto' (cuda when available). On 'cpu', GPU ranks are logical."""
     preempt_signal: str = "USR2"

@@ -25,24 +25,36 @@ class Packed:
     spans: list[tuple[int, int]]  # (start, length) of each response in shifted positions
 
 
+def _positions(lengths: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every element when row b holds lengths[b] values from column offsets[b]."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(starts - offsets, lengths)
+    return rows, cols
+
+
 def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.device) -> Packed:
-    lengths = [len(s["prompt"]) + len(s["response"]) for s in samples]
-    B, L = len(samples), max(lengths)
+    """One padded batch, built with a few vectorised writes (no per-sample tensor ops)."""
+    prompts, responses = [s["prompt"] for s in samples], [s["response"] for s in samples]
+    plen = torch.tensor([t.shape[0] for t in prompts])
+    rlen = torch.tensor([t.shape[0] for t in responses])
+    total = plen + rlen
+    B, L = len(samples), int(total.max())
     ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
+    ids[_positions(plen, torch.zeros_like(plen))] = torch.cat(prompts)
+    rows, cols = _positions(rlen, plen)
+    ids[rows, cols] = torch.cat(responses)
+    attn = (torch.arange(L)[None, :] < total[:, None]).long()
+    target = (rows, cols - 1)  # logits at position t score token t+1
     mask = torch.zeros((B, L - 1))
-    fields = {f: torch.zeros((B, L - 1)) for f in TOKEN_FIELDS if all(f in s for s in samples)}
-    spans = []
-    for b, s in enumerate(samples):
-        p, r = len(s["prompt"]), len(s["response"])
-        ids[b, :p] = s["prompt"]
-        ids[b, p : p + r] = s["response"]
-        attn[b, : p + r] = 1
-        mask[b, p - 1 : p - 1 + r] = 1
-        for f, t in fields.items():
-            t[b, p - 1 : p - 1 + r] = s[f]
-        spans.append((p - 1, r))
-    adv = torch.tensor([float(s["advantage"]) for s in samples]) if all("advantage" in s for s in samples) else None
+    mask[target] = 1.0
+    fields = {}
+    for f in TOKEN_FIELDS:
+        if all(f in s for s in samples):
+            fields[f] = torch.zeros((B, L - 1))
+            fields[f][target] = torch.cat([s[f] for s in samples]).float()
+    spans = list(zip((plen - 1).tolist(), rlen.tolist(), strict=True))
+    adv = torch.stack([s["advantage"].float().reshape(()) for s in samples]) if all("advantage" in s for s in samples) else None
     return Packed(
         ids.to(device), attn.to(device), mask.to(device), {f: t.to(device) for f, t in fields.items()},
         adv.to(device) if adv is not None else None, spans,
@@ -50,6 +62,9 @@ def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.devi
 
 
 def unpack(per_token: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Per-sample response-token values from a [B, L-1] tensor."""
+    """Per-sample response-token values from a [B, L-1] tensor (views of one new tensor)."""
     out = per_token.detach().float().cpu()
-    return [out[b, start : start + n].clone() for b, (start, n) in enumerate(spans)]
+    starts = torch.tensor([s for s, _ in spans])
+    lengths = torch.tensor([n for _, n in spans])
+    flat = out[_positions(lengths, starts)]
+    return list(flat.split(lengths.tolist()))

@@ -35,7 +35,7 @@ SGLANG_MEM_FRACTION = 0.88
 COPIED = ("params", "grads", "optimizer")
 """Kinds an offload copies to host memory (rlbatch's fsdp engine zeroes gradients without freeing
 them, so they persist and move); a KV cache is freed and re-allocated instead."""
-HF_MAX_BATCH = 256
+HF_MAX_BATCH = 1024
 """rlbatch's hf engine generates at most this many sequences per call (engine_args.max_batch)."""
 
 

@@ -74,6 +74,13 @@ class Pipeline:
     def workers(self) -> list[int]:
         return [r for r in range(self.p.world_size) if r != self.world.rank]
 
+    def wait_ready(self) -> float:
+        """Wait until every rank has built its engines (models loaded); return the seconds waited.
+        Keeps start-up out of the first step's time."""
+        start = time.perf_counter()
+        self.ctl.call(self.workers(), "ready", timeout_s=float(self.cfg.cluster.startup_timeout_s))
+        return time.perf_counter() - start
+
     def _moves(self, need: dict[int, tuple[list[int], list[str]]]) -> list[Move]:
         grouped: dict[tuple[int, int, tuple[str, ...]], list[int]] = defaultdict(list)
         for dst, (ids, fields) in need.items():
@@ -179,11 +186,19 @@ class Role:
     def _assign(self, ro: Rollouts) -> dict[int, list[int]]:
         return assign_local_first(ro.ids, self.ranks, self.pipe.holder(ro.ids))
 
-    def logprobs(self, ro: Rollouts, kl_estimator: str | None = None) -> dict[int, float] | None:
-        """reference: ref_logprobs; actor_train: old_logprobs (optionally with per-sample KL to ref)."""
+    def logprobs(self, ro: Rollouts, kl_estimator: str | None = None, skip_first_mini_batch: bool = False,
+                 ) -> dict[int, float] | None:
+        """reference: ref_logprobs; actor_train: old_logprobs (optionally with per-sample KL to ref).
+
+        ``skip_first_mini_batch``: leave out the samples each rank will train on first. The first
+        mini-batch of a single epoch is trained before any update, so its old log-probs are the
+        current ones, which the training forward computes anyway (same result, less work)."""
         phase = "ref_logprobs" if self.name == "reference" else "old_logprobs"
         field = phase
         assign = self._assign(ro)
+        if skip_first_mini_batch:
+            mbs = int(self.pipe.cfg.algo.mini_batches)
+            assign = {r: ids[len(ids) // mbs :] for r, ids in assign.items()}
         fields = ["prompt", "response"] + (["ref_logprobs"] if kl_estimator else [])
         work = {r: {"ids": ids} | ({"kl_estimator": kl_estimator} if phase == "old_logprobs" else {}) for r, ids in assign.items()}
         out = self.pipe.run(phase, (self.name,), work, {r: (ids, fields) for r, ids in assign.items()})

@@ -37,6 +37,7 @@ def controller(world: World, cfg: Any, run: RunDir) -> None:
     if a.name != "grpo":
         raise NotImplementedError(f"algo.name={a.name}: only grpo is implemented in this build")
     pipe = Pipeline(world, cfg)
+    print(f"engines ready on every rank in {pipe.wait_ready():.1f}s", flush=True)
     actor_infer, actor_train, reward = Role(pipe, "actor_infer"), Role(pipe, "actor_train"), Role(pipe, "reward")
     reference = Role(pipe, "reference") if "reference" in world.placement.roles else None
     data, fingerprint = make_stream(cfg.data, int(cfg.seed))
@@ -60,7 +61,8 @@ def controller(world: World, cfg: Any, run: RunDir) -> None:
             reference.logprobs(rollouts)
         shaped = rewards
         if reuse_batch or a.kl_in_reward:  # the policy before this step's updates
-            kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if a.kl_in_reward else None)
+            kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if a.kl_in_reward else None,
+                                      skip_first_mini_batch=a.epochs == 1 and not a.kl_in_reward)
             if a.kl_in_reward and kl is not None:
                 shaped = rewards - a.kl_coef * torch.tensor([kl[i] for i in rollouts.ids])
         advantages = algos.grpo_advantages(shaped, n, a.adv_eps)

@@ -55,7 +55,7 @@ class RankRuntime:
         self.residency = Residency(self.engines, offload, world.device)
 
     def handlers(self) -> dict[str, Any]:
-        return {"phase": self.phase}
+        return {"phase": self.phase, "ready": lambda: None}
 
     def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: dict[str, Any] | None,
               drop: list[int] | None = None) -> dict[str, Any]:

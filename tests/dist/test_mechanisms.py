@@ -34,3 +34,9 @@ def test_dataplane_moves_samples_exactly() -> None:
     out = mpirun("dataplane.py", 3)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("dataplane ok") == 3
+
+
+def test_first_mini_batch_without_old_logprobs_trains_the_same() -> None:
+    out = mpirun("first_mini_batch.py", 2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("first mini-batch ok") == 2

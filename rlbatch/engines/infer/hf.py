@@ -15,13 +15,17 @@ from rlbatch.engines.base import SamplingParams
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.scheduler.offload import TensorStash
 
+DEFAULT_MAX_BATCH = 1024
+"""Sequences per generate call unless engine_args.max_batch says otherwise (the planner's
+HF_MAX_BATCH models the same number)."""
+
 
 class HFInferenceEngine:
     def __init__(self, *, model_cfg: Any, tokenizer: Any, device: torch.device, seed: int,
                  engine_args: dict[str, Any], **_: Any) -> None:
         self.device = device
         self.tokenizer = tokenizer
-        self.max_batch = int(engine_args.get("max_batch", 256))
+        self.max_batch = int(engine_args.get("max_batch", DEFAULT_MAX_BATCH))
         self.model = load_model(model_cfg, tokenizer, seed, model_dtype(model_cfg.dtype, device)).to(device).eval()
         self.params = dict(self.model.named_parameters())
         self.stashes = {"params": TensorStash("params", self.model.parameters)}

@@ -89,15 +89,23 @@ class FSDPEngine:
         return loss, stats
 
     def train(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Mini-batches x epochs of PPO-clip updates over this rank's share of the batch."""
+        """Mini-batches x epochs of PPO-clip updates over this rank's share of the batch.
+
+        Samples without old log-probs are trained on-policy (old = current, detached): right
+        only before the first update, so only the first mini-batch of the first epoch may
+        leave them out."""
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
         per_mb = len(samples) // a.mini_batches
         totals: dict[str, float] = {}
         updates = 0
-        for _ in range(a.epochs):
+        for epoch in range(a.epochs):
             for m in range(a.mini_batches):
                 mb = samples[m * per_mb : (m + 1) * per_mb]
+                missing = sum("old_logprobs" not in s for s in mb)
+                if missing and (epoch, m) != (0, 0):
+                    raise ValueError(f"train: {missing} samples of mini-batch {m} (epoch {epoch}) have no old "
+                                     f"log-probs; only the first mini-batch of the first epoch may leave them out")
                 micro = math.ceil(len(mb) / a.grad_accum)
                 self.optimizer.zero_grad(set_to_none=False)
                 for k in range(0, len(mb), micro):

@@ -1,0 +1,321 @@
+"""rlbatch against TRL's GRPOTrainer: the same GRPO workload, one after the other, one machine.
+
+    python tools/bench/vs_trl.py [--steps 80] [--ranks 1,2] [--out .bench-runs/vs_trl]
+
+Needs the `bench` extra (`pip install -e ".[bench]"`: trl, matplotlib). Both frameworks get
+the same random-initialised Qwen2 weights and character tokenizer (saved once as an ordinary
+Hugging Face directory), the same prompts in the same order, samples per prompt,
+max_new_tokens, batch and mini-batch sizes, optimiser, learning-rate schedule, clip range, KL
+coefficient, reward function and number of steps. The workload is rlbatch's default
+experiment (single-digit addition mod 10, learned from scratch) unless overridden.
+
+Each framework runs in its own process; start-up (imports, model load, process launch) is
+reported but kept out of the throughput: samples/s = samples generated and trained on ÷
+the time of the training steps. Prints each framework's samples/s, generated tokens/s and
+median seconds per phase, the reward at the start and the end (both must learn), the exact
+settings, writes results.json and reward_curves.png (with matplotlib) under --out, and ends
+with one line: `speedup vs TRL: N.NNx` (rlbatch's best samples/s over TRL's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # runnable from a checkout
+
+PHASES = ("generate", "score", "logprobs", "train", "other")
+"""Common phase names. rlbatch's ref_logprobs + old_logprobs are 'logprobs'; its weight sync,
+offload/reload and control plane are 'other'. TRL computes reference and old log-probs inside
+its generation step: they are timed on their own and reported as 'logprobs'."""
+
+ONE_RANK = ["roles.actor_train.device_mapping=[0]", "roles.actor_train.backend=fsdp:d1",
+            "roles.actor_infer.device_mapping=[0]", "roles.actor_infer.backend=hf:d1",
+            "roles.reference.device_mapping=[0]"]
+"""The default colocated placement on one GPU rank instead of two."""
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def workload_overrides(args: argparse.Namespace) -> list[str]:
+    """The Hydra overrides that define the workload (both frameworks read the composed config)."""
+    return [f"seed={args.seed}", f"steps={args.steps}", f"algo.prompts_per_step={args.prompts}",
+            f"algo.samples_per_prompt={args.samples}", f"algo.max_new_tokens={args.max_new_tokens}",
+            *args.override]
+
+
+def settings(cfg: Any) -> dict[str, Any]:
+    """The workload as one flat dict, printed and handed to the TRL process."""
+    a = cfg.algo
+    return {
+        "seed": int(cfg.seed), "steps": int(cfg.steps), "prompts_per_step": int(a.prompts_per_step),
+        "samples_per_prompt": int(a.samples_per_prompt), "max_new_tokens": int(a.max_new_tokens),
+        "temperature": float(a.temperature), "top_p": float(a.top_p), "lr": float(a.lr),
+        "warmup_optimizer_steps": int(a.warmup_steps), "weight_decay": float(a.weight_decay),
+        "grad_clip": float(a.grad_clip), "mini_batches": int(a.mini_batches), "epochs": int(a.epochs),
+        "clip_low": float(a.clip_low), "clip_high": float(a.clip_high), "kl_coef": float(a.kl_coef),
+        "reward_fn": str(cfg.data.reward_fn), "model": f"qwen2 random-init, hidden {cfg.model.hidden_size}, "
+        f"{cfg.model.num_layers} layers, initializer_range {cfg.model.initializer_range}",
+    }
+
+
+def prepare(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], Path, Path]:
+    """Compose the config, save the initial weights and tokenizer, and write the prompt order."""
+    from rlbatch.data.source import make_stream
+    from rlbatch.engines.model import load_model, load_tokenizer
+    from rlbatch.launch.compose import compose
+
+    cfg = compose(workload_overrides(args))
+    s = settings(cfg)
+    if s["epochs"] != 1 or int(cfg.algo.grad_accum) != 1 or cfg.algo.loss_agg != "token" or cfg.algo.kl_estimator != "k3":
+        sys.exit("vs_trl: the TRL mapping covers epochs=1, grad_accum=1, loss_agg=token and kl_estimator=k3 only")
+    model_dir = out / "model"
+    tok = load_tokenizer(cfg.model)
+    load_model(cfg.model, tok, seed=int(cfg.seed)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    stream, _ = make_stream(cfg.data, seed=int(cfg.seed))
+    prompts = [{"prompt": x.prompt, "answer": x.answer} for x in stream.next_batch(s["steps"] * s["prompts_per_step"])]
+    prompt_file = out / "prompts.json"
+    prompt_file.write_text(json.dumps(prompts))
+    return s, model_dir, prompt_file
+
+
+# ----------------------------------------------------------------------------- rlbatch
+
+
+def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int) -> dict[str, Any]:
+    run_dir = out / f"rlbatch-{ranks}rank"
+    placement = ONE_RANK if ranks == 1 else [] if ranks == 2 else None
+    if placement is None:
+        sys.exit(f"--ranks: 1 or 2 GPU ranks, got {ranks}")
+    threads = max(1, args.threads // ranks)
+    cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), *placement,
+           "model=hf_local", f"model.path={model_dir}", f"run_dir={run_dir}", "resume=never",
+           f"cluster.cpus_per_task={threads}"]
+    print(f"\n== rlbatch, {ranks} GPU rank(s), {threads} thread(s) each\n$ {' '.join(cmd[1:])}", flush=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = []
+    for r in rows:
+        known = {"generate": r["time/generate"], "score": r["time/score"],
+                 "logprobs": r.get("time/ref_logprobs", 0.0) + r.get("time/old_logprobs", 0.0), "train": r["time/train"]}
+        known["other"] = max(0.0, r["time/step"] - sum(known.values()))
+        steps.append({"seconds": r["time/step"], "reward": r["reward_mean"], "gen_tokens": r["tokens/generated"],
+                      "phases": known})
+    return {"name": f"rlbatch {ranks} rank{'s' if ranks > 1 else ''}", "wall": wall, "steps": steps}
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def trl_worker(spec_path: Path) -> None:
+    """Train with TRL's GRPOTrainer (runs in its own process); write per-step records."""
+    spec = json.loads(spec_path.read_text())
+    s, out = spec["settings"], Path(spec["out"])
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlbatch.rewards import load_reward_fn
+
+    score_one = load_reward_fn(s["reward_fn"])
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    batch = s["prompts_per_step"] * s["samples_per_prompt"]
+    log: dict[str, Any] = {"rewards": [], "gen_tokens": [], "t": defaultdict(float), "steps": []}
+
+    def reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str],
+               **_: Any) -> list[float]:
+        # Decoded as rlbatch decodes for its reward (special tokens kept, the rule cuts at <eos>).
+        texts = [tok.decode(ids, skip_special_tokens=False) for ids in completion_ids]
+        values = [score_one(t, a) for t, a in zip(texts, answer, strict=True)]
+        log["rewards"].append(sum(values) / len(values))
+        log["gen_tokens"].append(sum(len(ids) for ids in completion_ids))
+        return values
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                log["t"][name] += time.perf_counter() - t0
+        return wrapper
+
+    class Timed(GRPOTrainer):
+        """GRPOTrainer with its generation, scoring and whole generation step timed."""
+
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self._generate = timed("generate", self._generate)  # type: ignore[method-assign]
+            self._calculate_rewards = timed("score", self._calculate_rewards)  # type: ignore[method-assign]
+            self._generate_and_score_completions = timed("gen_step", self._generate_and_score_completions)  # type: ignore[method-assign]
+
+    class StepClock(TrainerCallback):
+        """One record per RL step (mini_batches optimizer steps), from the clock and the timers."""
+
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_step_end(self, a: Any, state: Any, *_: Any, **__: Any) -> None:
+            if state.global_step % s["mini_batches"]:
+                return
+            now, t = time.perf_counter(), dict(log["t"])
+            log["t"].clear()
+            gen_step = t.get("gen_step", 0.0)
+            phases = {"generate": t.get("generate", 0.0), "score": t.get("score", 0.0),
+                      "logprobs": max(0.0, gen_step - t.get("generate", 0.0) - t.get("score", 0.0))}
+            phases["train"] = max(0.0, (now - self.start) - gen_step)
+            phases["other"] = 0.0
+            log["steps"].append({"seconds": now - self.start, "reward": log["rewards"][-1],
+                                 "gen_tokens": log["gen_tokens"][-1], "phases": phases})
+            self.start = now
+
+    config = GRPOConfig(
+        output_dir=str(out / "trl"), seed=s["seed"], use_cpu=True, bf16=False, report_to=[],
+        save_strategy="no", logging_steps=1, disable_tqdm=False, dataloader_num_workers=0,
+        max_steps=s["steps"] * s["mini_batches"],
+        per_device_train_batch_size=batch // s["mini_batches"], gradient_accumulation_steps=1,
+        steps_per_generation=s["mini_batches"], num_iterations=s["epochs"],
+        num_generations=s["samples_per_prompt"], max_completion_length=s["max_new_tokens"],
+        temperature=s["temperature"], top_p=s["top_p"], top_k=0, shuffle_dataset=False,
+        learning_rate=s["lr"], lr_scheduler_type="constant_with_warmup", warmup_steps=s["warmup_optimizer_steps"],
+        weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"] or 1e9,
+        beta=s["kl_coef"], epsilon=s["clip_low"], epsilon_high=s["clip_high"],
+        loss_type="dapo", scale_rewards="group", mask_truncated_completions=False,
+    )
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    trainer = Timed(model=model, reward_funcs=reward, args=config, processing_class=tok,
+                    train_dataset=Dataset.from_list(prompts), callbacks=[StepClock()])
+    trainer.train()
+    Path(spec["result"]).write_text(json.dumps(log["steps"]))
+
+
+def run_trl(args: argparse.Namespace, out: Path, s: dict[str, Any], model_dir: Path, prompts: Path) -> dict[str, Any]:
+    spec = out / "trl_spec.json"
+    result = out / "trl_steps.json"
+    spec.write_text(json.dumps({"settings": s, "out": str(out), "model_dir": str(model_dir), "prompts": str(prompts),
+                                "threads": args.threads, "result": str(result)}))
+    print(f"\n== TRL GRPOTrainer, 1 process, {args.threads} thread(s)", flush=True)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--trl-worker", str(spec)], check=True, cwd=ROOT,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads)))
+    wall = time.perf_counter() - start
+    return {"name": "TRL GRPOTrainer", "wall": wall, "steps": json.loads(result.read_text())}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarise(run: dict[str, Any], batch: int) -> dict[str, Any]:
+    steps = run["steps"]
+    seconds = sum(x["seconds"] for x in steps)
+    k = max(1, min(5, len(steps) // 4))
+    rewards = [x["reward"] for x in steps]
+    return {
+        "name": run["name"], "steps": len(steps), "train_seconds": seconds, "startup_seconds": run["wall"] - seconds,
+        "samples_per_s": len(steps) * batch / seconds,
+        "gen_tokens_per_s": sum(x["gen_tokens"] for x in steps) / seconds,
+        "phase_median_s": {p: statistics.median(x["phases"][p] for x in steps) for p in PHASES},
+        "step_median_s": statistics.median(x["seconds"] for x in steps),
+        "reward_start": statistics.fmean(rewards[:k]), "reward_end": statistics.fmean(rewards[-k:]),
+        "rewards": rewards,
+    }
+
+
+def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path) -> float:
+    print("\n== settings (identical for every framework)")
+    for key, value in s.items():
+        print(f"  {key:24} {value}")
+    print(f"  {'samples per step':24} {s['prompts_per_step'] * s['samples_per_prompt']}")
+    head = f"{'':18} {'samples/s':>10} {'gen tok/s':>10} {'step s':>7} " + " ".join(f"{p:>8}" for p in PHASES)
+    print("\n== throughput (training steps only; median seconds per step and phase)\n" + head)
+    for r in results:
+        ph = " ".join(f"{r['phase_median_s'][p]:8.3f}" for p in PHASES)
+        print(f"{r['name']:18} {r['samples_per_s']:10.1f} {r['gen_tokens_per_s']:10.1f} {r['step_median_s']:7.3f} {ph}")
+    print("\n== learning (mean reward over the first and last steps) and start-up")
+    for r in results:
+        learned = r["reward_end"] > r["reward_start"] + 0.5
+        print(f"{r['name']:18} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f} "
+              f"({'learns' if learned else 'DOES NOT LEARN'}); start-up and teardown {r['startup_seconds']:.1f}s, "
+              f"{r['steps']} steps in {r['train_seconds']:.1f}s")
+    (out / "results.json").write_text(json.dumps({"settings": s, "results": results}, indent=1))
+    plot(results, out / "reward_curves.png")
+    trl = next(r for r in results if r["name"].startswith("TRL"))
+    best = max((r for r in results if r["name"].startswith("rlbatch")), key=lambda r: r["samples_per_s"])
+    speedup = best["samples_per_s"] / trl["samples_per_s"]
+    print(f"\nresults: {out / 'results.json'}")
+    print(f"speedup vs TRL: {speedup:.2f}x")
+    return speedup
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no reward_curves.png)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in results:
+        ax.plot(range(len(r["rewards"])), r["rewards"], label=f"{r['name']} ({r['samples_per_s']:.0f} samples/s)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("GRPO on the same workload")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--samples", type=int, default=32, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ranks", default="1,2", help="rlbatch GPU-rank counts to run (comma-separated: 1, 2)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU threads per framework (split between rlbatch's GPU ranks)")
+    p.add_argument("--out", type=Path, default=ROOT / ".bench-runs" / "vs_trl")
+    p.add_argument("--override", action="append", default=[], help="extra Hydra override for the workload")
+    p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.trl_worker:
+        trl_worker(args.trl_worker)
+        return 0
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("vs_trl: TRL is not installed; pip install -e '.[bench]'", file=sys.stderr)
+        return 2
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    s, model_dir, prompts = prepare(args, out)
+    batch = s["prompts_per_step"] * s["samples_per_prompt"]
+    runs = [run_trl(args, out, s, model_dir, prompts)]
+    runs += [run_rlbatch(args, out, model_dir, int(n)) for n in args.ranks.split(",")]
+    report(s, [summarise(r, batch) for r in runs], out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
