@@ -83,6 +83,20 @@ class Hardware:
 FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
 
 
+DEVICE_PROFILES = {
+    "NVIDIA H100 80GB HBM3": "h100_sxm",
+    "NVIDIA H200": "h200",
+    "NVIDIA A100-SXM4-80GB": "a100_80g",
+}
+"""``torch.cuda.get_device_name()`` -> profile. Exact names only: the PCIe and NVL variants of
+the same chips have lower clocks or bandwidth, so a near match would overstate the peak."""
+
+
+def profile_for_device(device_name: str) -> str | None:
+    """The profile of a CUDA device by its name, or None when no profile describes it."""
+    return DEVICE_PROFILES.get(device_name.strip())
+
+
 def available() -> list[str]:
     """Names of the profiles in conf/hardware/."""
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))

@@ -115,12 +115,32 @@ class ModelShape:
         return self.layers * (attn + mlp + 2) + 2 + (0 if self.tied else 1)
 
     # -- compute and KV cache ---------------------------------------------------------------
+    @property
+    def matmul_params(self) -> int:
+        """N of the FLOP counts: the active weights a token is multiplied by. The lm head counts
+        (even when tied to the input embedding, it is a vocab x hidden matmul); the input
+        embedding (a lookup) and the norms do not; q/k/v biases do (a few thousand)."""
+        norms = self.layers * 2 * self.hidden + self.hidden
+        return self.active_params - (0 if self.tied else self.embedding_params) - norms
+
     def fwd_flops_per_token(self, ctx: float) -> float:
-        """Forward FLOPs of one token attending to ``ctx`` earlier tokens: 2 per active matmul
-        weight (lm head included even when tied) plus 4*a*d*ctx per layer for QK^T and AV."""
-        matmul = self.active_params - self.embedding_params * (1 if self.tied else 2)
-        matmul -= self.layers * 2 * self.hidden + self.hidden  # norms are not matmuls
-        return 2.0 * (matmul + self.embedding_params) + 4.0 * self.layers * self.heads * self.head_dim * ctx
+        """Forward FLOPs of one token attending to ``ctx`` earlier tokens: 2 per matmul weight
+        plus 4*a*d*ctx per layer for QK^T and AV."""
+        return 2.0 * self.matmul_params + 4.0 * self.layers * self.heads * self.head_dim * ctx
+
+    def train_flops_per_token(self, seq_len: float) -> float:
+        """Model FLOPs of one trained token (forward + backward) in a sequence of ``seq_len``,
+        in the form of PaLM (Chowdhery et al. 2022, arXiv:2204.02311, App. B), the usual basis
+        of MFU: 6N + 12*L*H*Q*T, N = ``matmul_params``, attention over the whole sequence T
+        (causal masking is not discounted), recomputation not counted."""
+        return 3.0 * self.fwd_flops_per_token(seq_len)
+
+    def decode_read_bytes(self, batch: int, ctx: float, dtype_bytes: int) -> float:
+        """HBM bytes a decode step of ``batch`` sequences at context ``ctx`` reads at least: every
+        weight once (an untied input embedding only by the rows it looks up: not counted) and
+        the KV cache of every sequence. Over HBM bandwidth, the floor of the step time."""
+        weights = self.active_params - (0 if self.tied else self.embedding_params)
+        return weights * dtype_bytes + batch * ctx * self.kv_bytes_per_token(dtype_bytes)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
         """KV cache of one token over all layers: K and V, kv_heads * head_dim each."""

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from rlbatch.errors import ConfigError
-from rlbatch.plan.hardware import HARDWARE_DIR, available, load_hardware
+from rlbatch.plan.hardware import DEVICE_PROFILES, HARDWARE_DIR, available, load_hardware, profile_for_device
 
 
 @pytest.mark.parametrize("name", available())
@@ -41,3 +41,13 @@ def test_overrides_and_errors() -> None:
         load_hardware("h100_sxm", {"warp_speed": 9})
     with pytest.raises(ConfigError, match="is not a float"):
         load_hardware("h100_sxm", {"hbm_bw": "fast"})
+
+
+def test_cuda_device_names_pick_their_profile_and_near_misses_pick_none() -> None:
+    assert profile_for_device("NVIDIA H100 80GB HBM3") == "h100_sxm"
+    assert profile_for_device("NVIDIA H200") == "h200"
+    assert profile_for_device("NVIDIA A100-SXM4-80GB") == "a100_80g"
+    # Same chip, lower clocks or bandwidth: the SXM profile would overstate the limits.
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-40GB"):
+        assert profile_for_device(name) is None
+    assert set(DEVICE_PROFILES.values()) <= set(available())

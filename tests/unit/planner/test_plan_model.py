@@ -47,6 +47,24 @@ def test_forward_flops_are_two_per_weight_plus_attention() -> None:
     assert s.fwd_flops_per_token(1000) - s.fwd_flops_per_token(0) == 4 * 32 * 32 * 128 * 1000
 
 
+def test_train_flops_are_palms_6n_plus_12lhqt() -> None:
+    s = shape_from_config({"path": str(MODELS / "qwen2_5_7b")})
+    layers, heads, head_dim = 28, 28, 128
+    # Untied: the lm head is a matmul, the input embedding a lookup; norms are not matmuls.
+    n = s.params - s.embedding_params - (2 * layers + 1) * s.hidden
+    assert s.matmul_params == n
+    assert s.train_flops_per_token(0) == 6 * n
+    assert s.train_flops_per_token(4096) == 6 * n + 12 * layers * heads * head_dim * 4096
+    assert s.train_flops_per_token(4096) == 3 * s.fwd_flops_per_token(4096)
+
+
+def test_decode_read_bytes_are_the_weights_once_plus_the_kv_cache() -> None:
+    s = shape_from_config({"path": str(MODELS / "qwen2_5_7b")})
+    weights = 2 * (s.params - s.embedding_params)  # bf16; the untied input embedding is only looked up
+    assert s.decode_read_bytes(0, 0, 2) == weights
+    assert s.decode_read_bytes(64, 1000, 2) == weights + 64 * 1000 * 57344
+
+
 def test_tiny_model_count_matches_the_built_module() -> None:
     torch = pytest.importorskip("torch")
     from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
