@@ -1,4 +1,4 @@
-"""Offload with FSDP2 shards and data-plane transfers, on real processes (mpiexec + gloo)."""
+"""Offload with FSDP2 shards, data-plane transfers and weight sync, on real processes (mpiexec + gloo)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,9 @@ def test_dataplane_moves_samples_exactly() -> None:
     out = mpirun("dataplane.py", 3)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("dataplane ok") == 3
+
+
+def test_weight_sync_is_bit_exact_across_two_syncs() -> None:
+    out = mpirun("weightsync.py", 3)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("weightsync ok") == 3
