@@ -45,6 +45,11 @@ class InferenceEngine(Protocol):
         """Copy (name, full tensor) pairs into the model; returns bytes copied."""
         ...
 
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        """The model's own memory of these parameters as one 1-D ``dtype`` tensor, when they lie
+        back to back in it as they are (writing it loads them), else None."""
+        ...
+
 
 class TrainEngine(Protocol):
     stashes: dict[str, TensorStash]

@@ -1,12 +1,20 @@
 """The control plane: small pickled messages over MPI, every wait bounded by a timeout.
 
 MPI's blocking calls spin a core while they wait; on a node where ranks share cores that steals
-time from the rank doing the work. Every wait here polls with a short sleep instead, and gives
-up after ``timeout_s`` with an error that names what it waited for and who did not answer.
+time from the rank doing the work. Every wait here polls for at most SPIN_S, yielding the core
+after each poll, then sleeps between polls; it gives up after ``timeout_s`` with an error that
+names what it waited for and who did not answer.
+
+The trade-off: a short command's reply (tens of microseconds) comes within the spin, so a round
+trip costs a few MPI barriers rather than a backoff cycle; a phase of hundreds of milliseconds costs each
+waiting rank SPIN_S of polling and then at most one sleep (1 ms) of extra latency. The yield
+matters when ranks share cores: a spinning waiter hands its slice to the rank it waits for,
+instead of holding the core until the scheduler preempts it (milliseconds).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,24 +29,32 @@ class ControlTimeout(TimeoutError):
     """A control-plane wait expired."""
 
 
-SPIN_S = 2e-4
-"""Poll without sleeping this long first: a reply to a short command usually comes within it."""
+SPIN_S = 1e-3
+"""Poll (yielding the core between polls) this long before sleeping. It must cover a short
+command's round trip even when ranks share cores: with 0.2 ms a controller and its ranks on 2
+cores fell out of step and every round trip took one backoff cycle (about 4 ms)."""
+MAX_PAUSE_S = 1e-3
+"""The longest sleep between polls: the most a reply to a long phase waits to be noticed."""
 
 
 def wait_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
-    """Poll ``done``: spin for SPIN_S, then back off from 50 us to 1 ms; raise ControlTimeout
-    after timeout_s."""
-    spin_until = time.perf_counter() + SPIN_S
-    while time.perf_counter() < spin_until:
+    """Poll ``done``: spin for SPIN_S with a yield after each poll, then sleep from 50 us
+    doubling to MAX_PAUSE_S; raise ControlTimeout after timeout_s."""
+    start = time.perf_counter()
+    spin_until = start + SPIN_S
+    while True:
         if done():
             return
-    deadline = time.monotonic() + timeout_s
+        if time.perf_counter() >= spin_until:
+            break
+        os.sched_yield()
+    deadline = start + timeout_s
     pause = 5e-5
     while not done():
-        if time.monotonic() > deadline:
+        if time.perf_counter() > deadline:
             raise ControlTimeout(f"timed out after {timeout_s:.0f}s waiting for {what()}")
         time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        pause = min(pause * 2, MAX_PAUSE_S)
 
 
 def timed_bcast(comm: Any, obj: Any, root: int, timeout_s: float, what: str) -> Any:

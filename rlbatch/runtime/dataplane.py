@@ -4,13 +4,17 @@ Each rank keeps a ``SampleStore`` of the samples it produced or received. The co
 sees tokens; it knows only where each (sample, field) lives and how long it is, and tells the
 ranks which fields to ``exchange``. Every (source, destination) pair sends one message per
 dtype (token ids as int64, per-token values as float32), posted non-blocking on both sides so
-the order of pairs cannot deadlock. The receiver allocates from the lengths the controller sent.
+the order of pairs cannot deadlock. The receiver sizes its buffers from the lengths the
+controller sent. Message buffers on both sides come from pools (``BufferPool``) that reuse a
+buffer once nothing refers to its memory any more: fresh host memory costs a page fault per page,
+as much as the copy itself.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,11 +39,47 @@ class Move:
         return sum(sum(x) for x in self.lengths)
 
 
+_USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """References to t's memory: one per tensor (view or not) on its storage, wherever it is."""
+    return int(_USE_COUNT(t.untyped_storage()._cdata)) if _USE_COUNT is not None else -1
+
+
+class BufferPool:
+    """Message buffers reused across exchanges, per (peer, dtype, device).
+
+    Received samples are views into the buffer they arrived in, so a buffer is handed out again
+    only when its storage has no reference but the pool's: every sample in it dropped or replaced,
+    and no tensor anywhere still viewing it. Data given to callers is never overwritten. A buffer
+    too small is replaced by a larger one (grow-only); the pool holds at most as many buffers per
+    key as were ever in use at once. Without a use count (a torch that lacks it) nothing is reused.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, torch.dtype, torch.device], list[tuple[torch.Tensor, int]]] = {}
+
+    def take(self, peer: int, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        bufs = self._bufs.setdefault((peer, dtype, device), [])
+        free = [k for k, (buf, alone) in enumerate(bufs) if _use_count(buf) == alone != -1]
+        fits = [k for k in free if bufs[k][0].numel() >= numel]
+        if fits:
+            return bufs[min(fits, key=lambda k: bufs[k][0].numel())][0][:numel]
+        for k in reversed(free):  # all too small: let them go before allocating a larger one
+            del bufs[k]
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        bufs.append((buf, _use_count(buf)))
+        return buf
+
+
 @dataclass
 class SampleStore:
-    """This rank's samples: id -> field -> 1-D tensor (CPU)."""
+    """This rank's samples: id -> field -> 1-D tensor (CPU), and the buffers they arrived in."""
 
     samples: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    recv_pool: BufferPool = field(default_factory=BufferPool)
+    send_pool: BufferPool = field(default_factory=BufferPool)
 
     def put(self, sid: int, name: str, value: torch.Tensor) -> None:
         self.samples.setdefault(sid, {})[name] = value
@@ -64,11 +104,15 @@ def _size(m: Move, fields: list[str]) -> int:
     return sum(lens[j] for lens in m.lengths for j in idx)
 
 
-def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str]) -> torch.Tensor:
+def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str], device: torch.device) -> torch.Tensor:
     parts = [store.samples[i][f].reshape(-1).to(dtype) for i in m.ids for f in fields]
-    if len(parts) == 1:
+    cpu = torch.device("cpu")
+    if not parts:
+        return torch.empty(0, dtype=dtype, device=device)
+    if len(parts) == 1 and device == cpu:
         return parts[0].contiguous()  # one tensor: send it as it is, no copy
-    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+    flat = torch.cat(parts, out=store.send_pool.take(m.dst, dtype, cpu, sum(p.numel() for p in parts)))
+    return flat if device == cpu else store.send_pool.take(m.dst, dtype, device, flat.numel()).copy_(flat)
 
 
 def _unpack(store: SampleStore, m: Move, fields: list[str], flat: torch.Tensor) -> None:
@@ -94,17 +138,19 @@ def exchange(store: SampleStore, rank: int, moves: list[Move], device: torch.dev
             continue
         for dtype, fields in _parts(m):
             if m.src == rank:
-                buf = _pack(store, m, dtype, fields).to(dev)
+                buf = _pack(store, m, dtype, fields, dev)
                 reqs.append(dist.isend(buf, dst=m.dst))
                 sent += buf.numel() * buf.element_size()
             else:
-                buf = torch.empty(_size(m, fields), dtype=dtype, device=dev)
+                buf = store.recv_pool.take(m.src, dtype, dev, _size(m, fields))
                 reqs.append(dist.irecv(buf, src=m.src))
                 inbox.append((m, fields, buf))
     for r in reqs:
         if r is not None:
             r.wait()
+    cpu = torch.device("cpu")
     for m, fields, buf in inbox:
-        _unpack(store, m, fields, buf.cpu())
+        host = buf if buf.device == cpu else store.recv_pool.take(m.src, buf.dtype, cpu, buf.numel()).copy_(buf)
+        _unpack(store, m, fields, host)
         received += buf.numel() * buf.element_size()
     return {"bytes_sent": float(sent), "bytes_received": float(received), "seconds": time.perf_counter() - start}

@@ -22,6 +22,7 @@ from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 from rlbatch.scheduler.residency import Residency
+from rlbatch.scheduler.weightsync import WeightBroadcast
 
 log = logging.getLogger(__name__)
 TRAIN, INFER, REFERENCE, REWARD = "actor_train", "actor_infer", "reference", "reward"
@@ -53,6 +54,7 @@ class RankRuntime:
             self.reward_fn = load_reward_fn(str(cfg.data.reward_fn))
         offload = {r: p.roles[r].offload for r in self.engines}
         self.residency = Residency(self.engines, offload, world.device)
+        self.broadcast = WeightBroadcast()
 
     def handlers(self) -> dict[str, Any]:
         return {"phase": self.phase, "ready": lambda: None}
@@ -136,41 +138,5 @@ class RankRuntime:
             return {"bytes": float(infer.load_weights(named)) if infer is not None else 0.0}
         if self.world.rank not in self.world.members[SYNC]:
             return {"bytes": 0.0}
-        return {"bytes": float(broadcast_weights(self.world, named, infer, src, bucket_bytes))}
-
-
-def broadcast_weights(world: World, named: list[tuple[str, torch.Tensor]], infer: Any, src: int, bucket_bytes: int) -> int:
-    """Broadcast full weights from ``src`` over the sync group in buckets of about bucket_bytes.
-
-    Receivers lay buckets out from their own parameter list (same architecture, same order).
-    """
-    dev = world.device
-    if world.rank == src:
-        layout = [(n, t.shape, t.dtype) for n, t in named]
-        values = dict(named)
-    else:
-        layout = [(n, p.shape, torch.float32) for n, p in infer.params.items()]
-        values = {}
-    group, total = world.groups[SYNC], 0
-    i = 0
-    while i < len(layout):
-        j, size = i, 0
-        while j < len(layout) and (j == i or size + layout[j][1].numel() * 4 <= bucket_bytes):
-            size += layout[j][1].numel() * 4
-            j += 1
-        if world.rank == src:
-            flat = torch.cat([values[n].to(dev, torch.float32).reshape(-1) for n, _, _ in layout[i:j]])
-        else:
-            flat = torch.empty(size // 4, dtype=torch.float32, device=dev)
-        world.check("broadcast weights", SYNC, dist.broadcast, flat, src=src, group=group)
-        if infer is not None:
-            pos, chunk = 0, []
-            for n, shape, _ in layout[i:j]:
-                k = shape.numel()
-                chunk.append((n, flat[pos : pos + k].view(shape)))
-                pos += k
-            infer.load_weights(chunk)
-        total += size
-        i = j
-    return total
+        return {"bytes": float(self.broadcast(self.world, named, infer, src, bucket_bytes))}
 

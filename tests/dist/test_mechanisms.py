@@ -1,4 +1,4 @@
-"""Offload with FSDP2 shards and data-plane transfers, on real processes (mpiexec + gloo)."""
+"""Offload with FSDP2 shards, data-plane transfers and weight sync, on real processes (mpiexec + gloo)."""
 
 from __future__ import annotations
 
@@ -40,3 +40,9 @@ def test_first_mini_batch_without_old_logprobs_trains_the_same() -> None:
     out = mpirun("first_mini_batch.py", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("first mini-batch ok") == 2
+
+
+def test_weight_sync_is_bit_exact_across_two_syncs() -> None:
+    out = mpirun("weightsync.py", 3)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("weightsync ok") == 3

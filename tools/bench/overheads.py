@@ -8,7 +8,7 @@ prints, each as a ratio (ours / raw, lower is better, 1.00 = no overhead):
   data plane      exchange() of a sample payload rank 0 -> 1  vs  raw torch.distributed send/recv
                                                               and raw broadcast of the same bytes
   offload+reload  TensorStash round trip of --mb MB           vs  raw copy of the same bytes there and back
-  weight sync     broadcast_weights of --mb MB to all ranks   vs  raw dist.broadcast of the same bytes
+  weight sync     WeightBroadcast of --mb MB to all ranks     vs  raw dist.broadcast of the same bytes
 Medians over --iters repetitions after warm-up. On CPU, "device" memory is host memory.
 """
 
@@ -70,7 +70,13 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         store.put(0, "response", torch.arange(n, dtype=torch.long))
     move = [Move(0, 1, [0], ["response"], [[n]])]
-    t_ex = _median_time(lambda: exchange(store, rank, move), args.iters)
+
+    def step() -> None:  # as a phase does: drop the samples done with, then exchange
+        if rank == 1:
+            store.drop([0])
+        exchange(store, rank, move)
+
+    t_ex = _median_time(step, args.iters)
     buf = torch.zeros(n, dtype=torch.float64)
 
     def raw_p2p() -> None:
@@ -103,21 +109,31 @@ def worker(args: argparse.Namespace) -> None:
 
     results["offload + reload"] = (_median_time(roundtrip, args.iters), _median_time(raw_copy, args.iters))
 
-    # weight sync: bucketed broadcast of full weights vs one raw broadcast of the same bytes
+    # weight sync: bucketed broadcast of full weights into an inference engine's parameters (laid
+    # out and loaded as the hf engine does it) vs one raw broadcast of the same bytes
     from types import SimpleNamespace
 
+    from rlbatch.engines.flat import flatten_parameters
+    from rlbatch.engines.infer.hf import HFInferenceEngine
     from rlbatch.runtime.world import SYNC
-    from rlbatch.scheduler.rank import broadcast_weights
+    from rlbatch.scheduler.weightsync import WeightBroadcast
+
+    class Infer:
+        load_weights, weight_views = HFInferenceEngine.load_weights, HFInferenceEngine.weight_views
+
+        def __init__(self) -> None:
+            self.model = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes)
+            flatten_parameters(self.model)
+            self.params = {f"w{i}": p for i, p in enumerate(self.model)}
 
     shapes = [(1024, args.mb * 1024 // 4 // 16)] * 16
     named = [(f"w{i}", torch.randn(s)) for i, s in enumerate(shapes)]
-    infer = SimpleNamespace(params={n: torch.empty(s) for n, s in zip((x for x, _ in named), shapes, strict=True)},
-                            load_weights=lambda chunk: sum(t.numel() for _, t in chunk))
     everyone = dist.new_group(list(range(size)))
     world = SimpleNamespace(rank=rank, device=torch.device("cpu"), groups={SYNC: everyone}, members={SYNC: tuple(range(size))},
                             check=lambda op, role, fn, *a, **k: fn(*a, **k))
+    sync, infer = WeightBroadcast(), Infer()
     flat = torch.randn(sum(a * b for a, b in shapes))
-    t_sync = _median_time(lambda: broadcast_weights(world, named if rank == 0 else [], infer, 0, 256 << 20), args.iters)
+    t_sync = _median_time(lambda: sync(world, named if rank == 0 else [], infer, 0, 256 << 20), args.iters)
     t_raw = _median_time(lambda: dist.broadcast(flat, src=0, group=everyone), args.iters)
     results["weight sync"] = (t_sync, t_raw)
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import SamplingParams
+from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.scheduler.offload import TensorStash
 
@@ -27,6 +28,7 @@ class HFInferenceEngine:
         self.tokenizer = tokenizer
         self.max_batch = int(engine_args.get("max_batch", DEFAULT_MAX_BATCH))
         self.model = load_model(model_cfg, tokenizer, seed, model_dtype(model_cfg.dtype, device)).to(device).eval()
+        flatten_parameters(self.model)  # weight sync can then receive straight into the model
         self.params = dict(self.model.named_parameters())
         self.stashes = {"params": TensorStash("params", self.model.parameters)}
 
@@ -70,7 +72,9 @@ class HFInferenceEngine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         nbytes = 0
         for name, tensor in named:
-            p = self.params[name]
-            p.copy_(tensor.to(device=p.device, dtype=p.dtype, non_blocking=True))
+            self.params[name].copy_(tensor, non_blocking=True)  # casts and moves in one copy
             nbytes += tensor.numel() * tensor.element_size()
         return nbytes
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return span([self.params[n] for n in names], dtype)

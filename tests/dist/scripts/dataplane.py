@@ -1,4 +1,5 @@
-"""Under mpiexec -n 3: samples with token and float fields move rank to rank exactly."""
+"""Under mpiexec -n 3: samples with token and float fields move rank to rank exactly, also when
+later exchanges reuse receive buffers."""
 
 import sys
 
@@ -30,12 +31,26 @@ lens = lambda ids: [[len(sample(i)[f]) for f in fields] for i in ids]  # noqa: E
 moves = [Move(0, 2, [0, 2], fields, lens([0, 2])), Move(1, 2, [5], fields, lens([5])),
          Move(0, 1, [3], ["response"], [[len(sample(3)["response"])]]), Move(1, 0, [4], fields, lens([4]))]
 stats = exchange(store, comm.rank, moves)
-expect = {0: [0, 1, 2, 3, 4], 1: [3, 4, 5], 2: [0, 2, 5]}[comm.rank]
-assert sorted(store.samples) == expect, (comm.rank, sorted(store.samples))
-for i in expect:
-    for f, t in store.samples[i].items():
-        ref = sample(i)[f]
-        assert t.dtype == ref.dtype and torch.equal(t, ref), (comm.rank, i, f)
+
+
+def check(expect):
+    assert sorted(store.samples) == expect, (comm.rank, sorted(store.samples))
+    for i in expect:
+        for f, t in store.samples[i].items():
+            ref = sample(i)[f]
+            assert t.dtype == ref.dtype and torch.equal(t, ref), (comm.rank, i, f)
+
+
+check({0: [0, 1, 2, 3, 4], 1: [3, 4, 5], 2: [0, 2, 5]}[comm.rank])
 assert comm.rank != 2 or stats["bytes_received"] > 0
+# More from the same peers while the first samples are kept: their receive buffers (large enough
+# for sample 1) are not reused.
+exchange(store, comm.rank, [Move(0, 2, [1], fields, lens([1])), Move(1, 2, [4], fields, lens([4]))])
+check({0: [0, 1, 2, 3, 4], 1: [3, 4, 5], 2: [0, 1, 2, 4, 5]}[comm.rank])
+# Once they are dropped, the buffers are free to take the next samples.
+if comm.rank == 2:
+    store.drop([0, 1, 2, 4, 5])
+exchange(store, comm.rank, [Move(0, 2, [0, 2], fields, lens([0, 2])), Move(1, 2, [5], fields, lens([5]))])
+check({0: [0, 1, 2, 3, 4], 1: [3, 4, 5], 2: [0, 2, 5]}[comm.rank])
 print(f"rank {comm.rank}: dataplane ok", flush=True)
 dist.destroy_process_group()

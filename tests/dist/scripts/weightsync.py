@@ -1,0 +1,56 @@
+"""Under mpiexec -n 3: weight sync lands the sender's weights bit for bit in every receiver, on
+each of two syncs with changed weights (the buckets and buffers of the first are reused).
+Rank 0 sends and has no inference engine; rank 1's engine has flattened fp32 parameters
+(received in place); rank 2's has separate bf16 parameters (staged, then loaded with a cast)."""
+
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from rlbatch.engines.flat import flatten_parameters
+from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.runtime.world import SYNC
+from rlbatch.scheduler.weightsync import WeightBroadcast
+
+comm = MPI.COMM_WORLD
+port = comm.bcast(int(sys.argv[1]), root=0)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+SHAPES = [(8, 16), (4,), (40, 40), (3, 5), (16, 16), (7,)]  # 4 KB buckets: (40, 40) travels alone
+BUCKET_BYTES = 4096
+
+
+class Engine:
+    load_weights, weight_views = HFInferenceEngine.load_weights, HFInferenceEngine.weight_views
+
+    def __init__(self, dtype: torch.dtype, flat: bool) -> None:
+        self.model = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(s, dtype=dtype), requires_grad=False)
+                                            for s in SHAPES)
+        if flat:
+            flatten_parameters(self.model)
+        self.params = {f"w{i}": p for i, p in enumerate(self.model)}
+
+
+def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(f"w{i}", torch.randn(s, generator=g)) for i, s in enumerate(SHAPES)]
+
+
+world = SimpleNamespace(rank=comm.rank, device=torch.device("cpu"), groups={SYNC: dist.group.WORLD},
+                        members={SYNC: (0, 1, 2)}, check=lambda op, role, fn, *a, **k: fn(*a, **k))
+engine = {0: None, 1: Engine(torch.float32, flat=True), 2: Engine(torch.bfloat16, flat=False)}[comm.rank]
+sync = WeightBroadcast()
+for seed in (1, 2):
+    sent = weights(seed)
+    nbytes = sync(world, sent if comm.rank == 0 else [], engine, 0, BUCKET_BYTES)  # type: ignore[arg-type]
+    assert nbytes == 4 * sum(t.numel() for _, t in sent), nbytes
+    if engine is not None:
+        for name, t in sent:
+            got = engine.params[name]
+            assert torch.equal(got, t.to(got.dtype)), (comm.rank, seed, name)
+if comm.rank == 1:  # received in place: the parameters are still views into one buffer
+    assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
+print(f"rank {comm.rank}: weightsync ok", flush=True)
+dist.destroy_process_group()
