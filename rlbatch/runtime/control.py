@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -84,24 +85,6 @@ def send_obj(comm: Any, obj: Any, dest: int, tag: int) -> None:
     comm.send(obj, dest=dest, tag=tag)
 
 
-def gather_replies(comm: Any, ranks: list[int], timeout_s: float, what: str,
-                   describe: Callable[[int], str] = str) -> dict[int, Any]:
-    """Collect one reply from each of ``ranks``; on timeout name the ranks still silent."""
-    pending = set(ranks)
-    replies: dict[int, Any] = {}
-
-    def progress() -> bool:
-        for r in list(pending):
-            msg = comm.improbe(source=r, tag=REPLY_TAG)
-            if msg is not None:
-                replies[r] = msg.recv()
-                pending.discard(r)
-        return not pending
-
-    wait_until(progress, timeout_s, lambda: f"{what}: no reply from " + "; ".join(describe(r) for r in sorted(pending)))
-    return replies
-
-
 class Controller:
     """The controller's end of the control plane: send a command to ranks, gather their replies.
 
@@ -111,23 +94,64 @@ class Controller:
 
     def __init__(self, comm: Any, timeout_s: float, describe: Callable[[int], str] = str) -> None:
         self.comm, self.timeout_s, self.describe = comm, timeout_s, describe
+        self.outstanding: dict[int, deque[Call]] = defaultdict(deque)
+        """Per rank, the calls it has not answered yet, oldest first (it answers in that order)."""
 
     def call(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
              per_rank: dict[int, dict[str, Any]] | None = None, **kwargs: Any) -> dict[int, Any]:
         """Run ``cmd(**kwargs)`` (plus ``per_rank[r]``) on each rank; return {rank: result}."""
+        return self.send(ranks, cmd, timeout_s, per_rank, **kwargs).wait()
+
+    def send(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
+             per_rank: dict[int, dict[str, Any]] | None = None, **kwargs: Any) -> Call:
+        """Send ``cmd`` and return at once; ``.wait()`` gathers the replies. Several calls may be
+        in flight and be waited for in any order: a rank runs its commands and replies in the
+        order they were sent, so each reply is matched to the oldest call it has not answered."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         reqs = [self.comm.isend((cmd, kwargs | (per_rank or {}).get(r, {})), dest=r, tag=CMD_TAG) for r in ranks]
-        replies = gather_replies(self.comm, list(ranks), timeout, f"'{cmd}'", self.describe)
-        for req in reqs:
+        call = Call(self, list(ranks), cmd, timeout, reqs)
+        for r in ranks:
+            self.outstanding[r].append(call)
+        return call
+
+    def _collect(self) -> None:
+        """Take every reply that has arrived and hand it to the call it answers."""
+        for r, calls in self.outstanding.items():
+            while calls:
+                msg = self.comm.improbe(source=r, tag=REPLY_TAG)
+                if msg is None:
+                    break
+                calls.popleft().replies[r] = msg.recv()
+
+    def shutdown(self, ranks: list[int] | tuple[int, ...]) -> None:
+        self.call(ranks, "shutdown")
+
+
+class Call:
+    """A command in flight."""
+
+    def __init__(self, ctl: Controller, ranks: list[int], cmd: str, timeout_s: float, reqs: list[Any]) -> None:
+        self.ctl, self.ranks, self.cmd, self.timeout_s, self.reqs = ctl, ranks, cmd, timeout_s, reqs
+        self.replies: dict[int, Any] = {}
+
+    def wait(self) -> dict[int, Any]:
+        """{rank: result}; raises naming the rank when a handler failed there."""
+        def done() -> bool:
+            self.ctl._collect()
+            return len(self.replies) == len(self.ranks)
+
+        def silent() -> str:
+            return f"'{self.cmd}': no reply from " + "; ".join(self.ctl.describe(r) for r in self.ranks if r not in self.replies)
+
+        wait_until(done, self.timeout_s, silent)
+        replies = self.replies
+        for req in self.reqs:
             req.wait()
         failed = {r: v for r, v in replies.items() if isinstance(v, RemoteError)}
         if failed:
             r, err = next(iter(sorted(failed.items())))
-            raise RuntimeError(f"'{cmd}' failed on {self.describe(r)}:\n{err.traceback}")
+            raise RuntimeError(f"'{self.cmd}' failed on {self.ctl.describe(r)}:\n{err.traceback}")
         return replies
-
-    def shutdown(self, ranks: list[int] | tuple[int, ...]) -> None:
-        self.call(ranks, "shutdown")
 
 
 class RemoteError:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlbatch.runtime.control import Controller
+from rlbatch.runtime.control import Call, Controller
 from rlbatch.runtime.dataplane import Move
 from rlbatch.runtime.postmortem import describe_rank
 from rlbatch.runtime.world import World
@@ -70,6 +70,7 @@ class Pipeline:
         self.pending_drop: dict[int, list[int]] = defaultdict(list)
         self.records: list[dict[str, Any]] = []
         self.phase_seconds: dict[str, float] = {}
+        self.started = 0
 
     def workers(self) -> list[int]:
         return [r for r in range(self.p.world_size) if r != self.world.rank]
@@ -98,6 +99,12 @@ class Pipeline:
     def run(self, phase: str, roles: tuple[str, ...], work: dict[int, dict[str, Any]],
             need: dict[int, tuple[list[int], list[str]]] | None = None) -> dict[int, Any]:
         """One phase: move what ``need`` says, run ``work`` on its ranks; return {rank: output}."""
+        return self.start(phase, roles, work, need).result()
+
+    def start(self, phase: str, roles: tuple[str, ...], work: dict[int, dict[str, Any]],
+              need: dict[int, tuple[list[int], list[str]]] | None = None) -> PendingPhase:
+        """Start a phase without waiting for it. Phases started after it may run alongside it on
+        other ranks, so they must not need its results; ``result()`` them in the order started."""
         start = time.perf_counter()
         moves = self._moves(need or {})
         ranks = sorted(set(work) | {m.src for m in moves} | {m.dst for m in moves})
@@ -106,16 +113,7 @@ class Pipeline:
                 "moves": [m for m in moves if r in (m.src, m.dst)]}
             for r in ranks
         }
-        replies = self.ctl.call(ranks, "phase", per_rank=per_rank)
-        for m in moves:
-            for sid in m.ids:
-                for f in m.fields:
-                    self.where[(sid, f)].add(m.dst)
-        for r, rep in replies.items():
-            if "rec" in rep:
-                self.records.append(rep["rec"] | {"rank": r})
-        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
-        return {r: rep["out"] for r, rep in replies.items() if "out" in rep}
+        return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank), start)
 
     def produced(self, rank: int, sid: int, field: str, length: int) -> None:
         self.where[(sid, field)] = {rank}
@@ -138,6 +136,46 @@ class Pipeline:
 
     def begin_step(self) -> None:
         self.records, self.phase_seconds = [], {}
+
+
+class PendingPhase:
+    def __init__(self, pipe: Pipeline, phase: str, moves: list[Move], call: Call, start: float) -> None:
+        self.pipe, self.phase, self.moves, self.call, self.start = pipe, phase, moves, call, start
+        pipe.started += 1
+        self.seq = pipe.started
+
+    def result(self) -> dict[int, Any]:
+        """Wait for the phase; return {rank: output}. Its time is the slowest working rank's
+        own (data moves and the phase itself) when other phases ran meanwhile, else the wall
+        time of the round trip."""
+        overlapped = self.pipe.started > self.seq  # phases were started after this one
+        replies = self.call.wait()
+        p = self.pipe
+        for m in self.moves:
+            for sid in m.ids:
+                for f in m.fields:
+                    p.where[(sid, f)].add(m.dst)
+        for r, rep in replies.items():
+            if "rec" in rep:
+                p.records.append(rep["rec"] | {"rank": r})
+        if overlapped:
+            seconds = max((rep["rec"]["seconds"] + rep["xfer"]["seconds"] for rep in replies.values() if "rec" in rep),
+                          default=0.0)
+        else:
+            seconds = time.perf_counter() - self.start
+        p.phase_seconds[self.phase] = p.phase_seconds.get(self.phase, 0.0) + seconds
+        return {r: rep["out"] for r, rep in replies.items() if "out" in rep}
+
+
+class Scores:
+    """Rewards being computed; ``result()`` waits for them (in the rollouts' order)."""
+
+    def __init__(self, pending: PendingPhase, ids: list[int]) -> None:
+        self.pending, self.ids = pending, ids
+
+    def result(self) -> torch.Tensor:
+        merged = {k: v for o in self.pending.result().values() for k, v in o.items()}
+        return torch.tensor([merged[i] for i in self.ids])
 
 
 class Role:
@@ -174,14 +212,14 @@ class Role:
         all_ids = [first_id + i for i in range(len(prompts) * n)]
         return Rollouts(all_ids, [prompts[i // n].answer for i in range(len(prompts) * n)], n, plen, rlen)
 
-    def score(self, ro: Rollouts) -> torch.Tensor:
+    def score(self, ro: Rollouts) -> Scores:
+        """Start scoring and return at once: phases started next run alongside it where they are
+        on other ranks (a CPU reward role scores while the actor ranks compute log-probs)."""
         answer = dict(zip(ro.ids, ro.answers, strict=True))
         parts = split_even(ro.ids, len(self.ranks))
         work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} for r, ids in zip(self.ranks, parts, strict=True)}
         need = {r: (ids, ["prompt", "response"]) for r, ids in zip(self.ranks, parts, strict=True)}
-        out = self.pipe.run("score", (self.name,), work, need)
-        merged = {k: v for o in out.values() for k, v in o.items()}
-        return torch.tensor([merged[i] for i in ro.ids])
+        return Scores(self.pipe.start("score", (self.name,), work, need), ro.ids)
 
     def _assign(self, ro: Rollouts) -> dict[int, list[int]]:
         return assign_local_first(ro.ids, self.ranks, self.pipe.holder(ro.ids))

@@ -56,15 +56,17 @@ def controller(world: World, cfg: Any, run: RunDir) -> None:
         t0 = time.perf_counter()
         prompts = data.next_batch(int(a.prompts_per_step))
         rollouts = actor_infer.generate(prompts, n, first_id=step * per_step, seed=int(cfg.seed) * 100_003 + step)
-        rewards = reward.score(rollouts)
+        scores = reward.score(rollouts)  # scored alongside the log-prob phases
         if reference is not None and a.kl_coef > 0:
             reference.logprobs(rollouts)
-        shaped = rewards
+        kl = None
         if reuse_batch or a.kl_in_reward:  # the policy before this step's updates
             kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if a.kl_in_reward else None,
                                       skip_first_mini_batch=a.epochs == 1 and not a.kl_in_reward)
-            if a.kl_in_reward and kl is not None:
-                shaped = rewards - a.kl_coef * torch.tensor([kl[i] for i in rollouts.ids])
+        rewards = scores.result()
+        shaped = rewards
+        if a.kl_in_reward and kl is not None:
+            shaped = rewards - a.kl_coef * torch.tensor([kl[i] for i in rollouts.ids])
         advantages = algos.grpo_advantages(shaped, n, a.adv_eps)
         stats = actor_train.train(rollouts, advantages)
         actor_train.sync_weights(actor_infer)

@@ -75,13 +75,15 @@ class RankRuntime:
         return self.world.device if dist.get_backend() != "gloo" and self.world.device.type == "cuda" else torch.device("cpu")
 
     def _generate(self, ids: list[int], prompts: list[str], sampling: dict[str, Any]) -> dict[int, tuple[int, int]]:
-        encoded = [self.tokenizer(text)["input_ids"] for text in prompts]
-        responses = self.engines[INFER].generate(encoded, SamplingParams(**sampling))
+        unique = list(dict.fromkeys(prompts))  # a group's samples share their prompt: encode it once
+        tokens = dict(zip(unique, self.tokenizer(unique)["input_ids"], strict=True))
+        as_tensor = {text: torch.tensor(t, dtype=torch.long) for text, t in tokens.items()}
+        responses = self.engines[INFER].generate([tokens[text] for text in prompts], SamplingParams(**sampling))
         out = {}
-        for sid, prompt, resp in zip(ids, encoded, responses, strict=True):
-            self.store.put(sid, "prompt", torch.tensor(prompt, dtype=torch.long))
+        for sid, text, resp in zip(ids, prompts, responses, strict=True):
+            self.store.put(sid, "prompt", as_tensor[text])
             self.store.put(sid, "response", torch.tensor(resp, dtype=torch.long))
-            out[sid] = (len(prompt), len(resp))
+            out[sid] = (len(tokens[text]), len(resp))
         return out
 
     def _score(self, ids: list[int], answers: list[str]) -> dict[int, float]:

@@ -46,3 +46,9 @@ def test_weight_sync_is_bit_exact_across_two_syncs() -> None:
     out = mpirun("weightsync.py", 3)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("weightsync ok") == 3
+
+
+def test_calls_in_flight_get_their_own_replies_in_any_wait_order() -> None:
+    out = mpirun("control_order.py", 3)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "control order ok" in out.stdout
