@@ -248,6 +248,8 @@ def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path) -> float
     for r in results:
         ph = " ".join(f"{r['phase_median_s'][p]:8.3f}" for p in PHASES)
         print(f"{r['name']:18} {r['samples_per_s']:10.1f} {r['gen_tokens_per_s']:10.1f} {r['step_median_s']:7.3f} {ph}")
+    print("(rlbatch scores on its reward rank while its actor ranks compute log-probs: its score time overlaps\n"
+          " the logprobs column, and 'other' is what the step took beyond the phases: control plane, weight sync)")
     print("\n== learning (mean reward over the first and last steps) and start-up")
     for r in results:
         learned = r["reward_end"] > r["reward_start"] + 0.5
