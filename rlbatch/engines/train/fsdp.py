@@ -42,7 +42,8 @@ class FSDPEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         if trainable:
             self.model.train()
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
+                                               foreach=True)  # one dispatch per step, not one per DTensor
             warmup = int(algo.warmup_steps)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
