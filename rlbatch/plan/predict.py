@@ -4,7 +4,9 @@ Pure arithmetic on a Layout, a ModelShape, a Workload and a Hardware profile: no
 milliseconds even for thousands of GPUs (GPUs holding the same roles are computed once).
 
 Step time is the critical path through the step's phases. rlbatch's controller runs its loop one
-phase at a time, so by default a phase starts when the previous one ends (the sum). With
+phase at a time, except that the reward is scored beside the log-prob phases that follow it
+(they do not need it) when it runs on ranks of its own; so by default a phase starts when the
+previous one ends, the reward's end counting only for the phases that need it or share its GPUs. With
 ``overlap=True`` a phase starts as soon as the phases whose outputs it needs have finished and
 the previous phase on any of its GPUs has released them: what a controller that dispatches
 independent phases together would reach (on a disaggregated placement the reference's
@@ -13,7 +15,7 @@ log-probs run beside the CPU reward; a colocated placement is still the sum).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlbatch.placement import EngineKind
@@ -120,6 +122,8 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
         return timing.sync(roles["actor_train"], roles["actor_infer"], shape, e, hw, layout, mems["actor_train"].tensors)
     if ph.kind == "reward" and not ph.active:
         return timing.reward(roles.get("reward"), w, hw)
+    if ph.name == "old_logprobs":
+        w = replace(w, sequences=w.old_logprob_sequences)
     parts: list[tuple[str, dict[str, float]]] = []
     for name in ph.active:
         r, m = roles[name], mems[name]
@@ -218,8 +222,9 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
         if overlap:
             ready = [times[j].end for j, q in enumerate(phases[:i]) if q.name in ph.after or _conflict(q, ph, layout)]
-        else:
-            ready = [times[i - 1].end] if i else []
+        else:  # the controller's order, but a reward on other ranks scores beside the phases after it
+            ready = [times[j].end for j, q in enumerate(phases[:i])
+                     if q.kind != "reward" or q.name in ph.after or _conflict(q, ph, layout)]
         t.start = max(ready, default=0.0)
         t.end = t.start + t.total_s
     step = max((t.end for t in times), default=0.0) + coef.seconds("step", {"fixed": 1.0})

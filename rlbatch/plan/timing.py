@@ -54,6 +54,11 @@ tensors into the sample store (measured on the cpu profile's VM: 64 us, 27 op-eq
 SAMPLE_OPS_PASS = 13
 """Host work per sample of a log-prob or training pass: ``engines.batch.pack`` writes it into the
 padded batch, ``unpack`` (or the advantage tensor) hands a tensor back (measured: 13 op-equivalents)."""
+SHARD_COLLECTIVE_OPS = 450
+"""Host cost of one FSDP2 collective on a CPU profile beyond the link's latency: copy-in, the gloo
+call, copy-out, the hooks, and waiting for the peer that ranks sharing cores makes likely. From
+the recorded runs (tests/data/runs): d2 adds about 2.7 ms per collective over d1 (27 all-gathers
+and reduce-scatters in a two-mini-batch train call of the 2-layer model)."""
 REWARD_OPS_PER_SAMPLE = 20
 """A rule reward per sample: decode, parse, compare (a few Python-level op equivalents)."""
 
@@ -153,6 +158,17 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     return {"roofline": roof, "overhead": overhead, "comm": comm_s, "samples": samples, "fixed": 1.0}
 
 
+def _sharding_collectives(r: RoleLayout, shape: ModelShape, train: bool, n: int) -> int:
+    """FSDP / ZeRO-3 collectives per micro-batch: an all-gather per unit (each decoder layer and
+    the root) forward, again in backward, and a reduce-scatter per unit; none on one rank."""
+    b = r.backend
+    assert b is not None
+    if n <= 1 or not (b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3)):
+        return 0
+    units = shape.layers + 1
+    return units * (3 if train else 1)
+
+
 def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout, mb: int, s: float,
                  train: bool) -> tuple[float, float]:
     """(per micro-batch sharding comm that overlaps compute, per micro-batch TP/EP comm that does not)."""
@@ -216,7 +232,11 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     samples = repeats * seqs * SAMPLE_OPS_PASS * hw.op_overhead_s * rt.slow
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
     n, dl = _dp_link(layout, r, hw)
-    comm_s = calls * exposed + max(calls * overlapped - roof, 0.0) + calls * overlapped / max(1, shape.layers)
+    if hw.is_cpu:  # gloo works on the rank's own cores: sharding comm does not hide behind compute
+        collectives = calls * _sharding_collectives(r, shape, train, n)
+        comm_s = calls * (exposed + overlapped) + collectives * SHARD_COLLECTIVE_OPS * hw.op_overhead_s * rt.slow
+    else:
+        comm_s = calls * exposed + max(calls * overlapped - roof, 0.0) + calls * overlapped / max(1, shape.layers)
     if train:
         steps = w.optimizer_steps
         roof += steps * 2 * opt_bytes / rt.bw  # Adam reads and writes every state byte once

@@ -65,6 +65,14 @@ class Workload:
     def optimizer_steps(self) -> int:
         return self.mini_batches * self.epochs
 
+    @property
+    def old_logprob_sequences(self) -> int:
+        """Sequences of the old-log-prob pass: with one epoch (and the KL not in the reward) the
+        first mini-batch is trained before any update and needs none (rlbatch leaves it out)."""
+        if self.epochs == 1 and not self.kl_in_reward:
+            return self.sequences - self.sequences // max(1, self.mini_batches)
+        return self.sequences
+
     def with_measured(self, generated: float | None, total: float | None, response_max: float | None) -> Workload:
         """This workload with a run's measured token counts (what one step of that run really did)."""
         w = self

@@ -218,7 +218,7 @@ class Role:
         answer = dict(zip(ro.ids, ro.answers, strict=True))
         parts = split_even(ro.ids, len(self.ranks))
         work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} for r, ids in zip(self.ranks, parts, strict=True)}
-        need = {r: (ids, ["prompt", "response"]) for r, ids in zip(self.ranks, parts, strict=True)}
+        need = {r: (ids, ["response"]) for r, ids in zip(self.ranks, parts, strict=True)}
         return Scores(self.pipe.start("score", (self.name,), work, need), ro.ids)
 
     def _assign(self, ro: Rollouts) -> dict[int, list[int]]:
