@@ -128,7 +128,11 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
     for name in ph.active:
         r, m = roles[name], mems[name]
         opt = sum(m.state.get(k, 0.0) for k in ("params", "grads", "optimizer"))
-        ws = sum(m.transient.get("train" if ph.kind == "train" else "logprobs", {}).values())
+        tr = m.transient.get("train" if ph.kind == "train" else "logprobs", {})
+        # What stays hot in cache: one layer's activations at a time (the saved activations of the
+        # whole model stream from memory in backward either way) plus the logits.
+        per_layer = tr.get("activations", 0.0) / (max(1, shape.layers) if ph.kind == "train" else 1)
+        ws = per_layer + sum(v for k, v in tr.items() if k != "activations")
         parts.append((name, timing.forward_pass(r, shape, w, e, hw, layout, ph.kind == "train", m.tensors, opt, ws)))
     out = dict(parts[0][1])
     for name, f in parts[1:]:

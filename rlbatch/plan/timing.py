@@ -52,8 +52,10 @@ SAMPLE_OPS_GENERATE = 27
 """Host work per generated sample on its rank: tokenize the prompt, put prompt and response
 tensors into the sample store (measured on the cpu profile's VM: 64 us, 27 op-equivalents)."""
 SAMPLE_OPS_PASS = 13
-"""Host work per sample of a log-prob or training pass: ``engines.batch.pack`` writes it into the
-padded batch, ``unpack`` (or the advantage tensor) hands a tensor back (measured: 13 op-equivalents)."""
+"""Host work per sample of a log-prob or training pass: the sample store's get/put, ``pack`` and
+``unpack``, the sample's dict. Measured at 13 op-equivalents when ``pack`` looped over samples; it
+is vectorised now (about 1.5 of them), yet a term this size still matches the per-sample slope of
+the recorded runs' passes, so per-sample cost remains elsewhere (not yet located)."""
 SHARD_COLLECTIVE_OPS = 450
 """Host cost of one FSDP2 collective on a CPU profile beyond the link's latency: copy-in, the gloo
 call, copy-out, the hooks, and waiting for the peer that ranks sharing cores makes likely. From
