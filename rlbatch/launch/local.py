@@ -19,7 +19,7 @@ from typing import Any
 from rlbatch.errors import ConfigError
 from rlbatch.launch.rundir import prepare_run_dir
 from rlbatch.placement import Placement
-from rlbatch.runtime.env import MPI_ENV
+from rlbatch.runtime.env import MPI_ENV, cpu_device_env
 from rlbatch.runtime.postmortem import culprits
 from rlbatch.runtime.rundir import RunDir
 
@@ -49,7 +49,7 @@ def mpiexec_command(cfg: Any, placement: Placement, run_dir: Path) -> list[str]:
 def run_local(cfg: Any, placement: Placement) -> int:
     run = prepare_run_dir(cfg, placement)
     cmd = mpiexec_command(cfg, placement, run.path)
-    env = dict(os.environ) | MPI_ENV
+    env = dict(os.environ) | MPI_ENV | cpu_device_env(str(cfg.cluster.device))
     env.update({str(k): str(v) for k, v in cfg.cluster.env.items()})
     env["RLBATCH_JOB_ID"] = f"local-{os.getpid()}-{time.time_ns()}"
     env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.cpus_per_task))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.placement import Placement
-from rlbatch.runtime.env import MPI_ENV
+from rlbatch.runtime.env import CPU_DEVICE_ENV, MPI_ENV
 from rlbatch.runtime.postmortem import culprits
 from rlbatch.runtime.rundir import RunDir
 
@@ -33,7 +33,8 @@ def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str
     if c.container_mounts:
         srun_args.append(f"--container-mounts={c.container_mounts}")
     srun_args += [str(a) for a in c.srun_args]
-    env = MPI_ENV | {str(k): str(v) for k, v in c.env.items()} | {"RLBATCH_RUN_DIR": str(run_dir)}
+    on_cpu = CPU_DEVICE_ENV if str(c.device) == "cpu" else {}  # compute nodes' GPUs are not visible here
+    env = MPI_ENV | on_cpu | {str(k): str(v) for k, v in c.env.items()} | {"RLBATCH_RUN_DIR": str(run_dir)}
     setup = [str(line) for line in c.setup] + [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     params: dict[str, Any] = {
         "job_name": c.job_name,

@@ -117,3 +117,22 @@ MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1"}
 the job and step ids, which a requeued Slurm job reuses: after an aborted attempt the stale
 segment makes the next attempt's MPI_Init spin for ever (and aborted runs leak segments into
 /dev/shm). MPI carries only the control plane's small messages, so it runs without shared memory."""
+
+CPU_DEVICE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+"""Environment of ranks whose "device" is the CPU: glibc keeps freed memory for reuse instead of
+handing it back to the OS, as CUDA's caching allocator does on a GPU. An offload frees a state's
+storage and the reload grows it again; with glibc's defaults every page of a large storage is
+returned at the free and faults in again at the re-grow, which doubled the cost of an offload +
+reload round trip (tools/bench/overheads.py). On the CPU an offload frees no memory that matters
+anyway: the stash holds the same bytes in the same RAM. Read by glibc at process start, so the
+launchers set it (it is not for GPU nodes, where the host's RSS should shrink after big frees)."""
+
+
+def cpu_device_env(device: str) -> dict[str, str]:
+    """CPU_DEVICE_ENV when ``cluster.device`` puts the ranks on the CPU: 'cpu', or 'auto' on a
+    machine without NVIDIA devices (judged where the launcher runs: local runs only)."""
+    from pathlib import Path
+
+    if device == "cpu" or (device == "auto" and not any(Path("/dev").glob("nvidia[0-9]*"))):
+        return dict(CPU_DEVICE_ENV)
+    return {}

@@ -41,3 +41,10 @@ def test_first_variable_in_the_table_wins() -> None:
 ])
 def test_expand_hostlist(spec: str, hosts: list[str]) -> None:
     assert expand_hostlist(spec) == hosts
+
+
+def test_cpu_device_env_only_for_ranks_on_the_cpu() -> None:
+    from rlbatch.runtime.env import CPU_DEVICE_ENV, cpu_device_env
+
+    assert cpu_device_env("cpu") == CPU_DEVICE_ENV and int(CPU_DEVICE_ENV["MALLOC_MMAP_THRESHOLD_"]) >= 1 << 30
+    assert cpu_device_env("cuda") == {}

@@ -47,3 +47,8 @@ def test_request_comes_from_the_placement() -> None:
     assert "#SBATCH --gres=gpu:8" in text
     assert "#SBATCH --ntasks-per-node=13" in text
     assert "--mpi=pmi2 --kill-on-bad-exit=1" in text
+
+
+def test_cpu_device_jobs_keep_freed_memory_for_reuse() -> None:
+    assert "export MALLOC_MMAP_THRESHOLD_=" in render(["cluster.device=cpu"])
+    assert "MALLOC_" not in render(["cluster.device=cuda"]) and "MALLOC_" not in render([])

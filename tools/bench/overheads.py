@@ -159,7 +159,11 @@ def main() -> int:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     cmd = [str(mpiexec), "-n", str(args.ranks), sys.executable, __file__, "--worker",
            "--mb", str(args.mb), "--iters", str(args.iters)]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from rlbatch.runtime.env import CPU_DEVICE_ENV
+
+    # The ranks run as rlbatch's launchers start them on a CPU "device" (gloo, CPU tensors).
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])) | CPU_DEVICE_ENV
     return subprocess.call(cmd, env=env)
 
 
