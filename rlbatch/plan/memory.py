@@ -78,6 +78,18 @@ def logprob_micro_batch(r: RoleLayout, w: Workload) -> int:
     return min(share, int(r.engine_args.get("micro_batch", 0)) or share)
 
 
+FSDP_SINGLE_UNIT_MAX_MB = 64
+"""rlbatch's fsdp engine: models up to this many MB of fp32 parameters are one FSDP unit."""
+
+
+def fsdp_units(r: RoleLayout, shape: ModelShape) -> int:
+    """rlbatch's fsdp engine makes a small model one unit, a larger one a unit per layer plus the root."""
+    if r.backend is not None and r.backend.engine == "fsdp" and \
+            4 * shape.params <= int(r.engine_args.get("single_unit_max_mb", FSDP_SINGLE_UNIT_MAX_MB)) << 20:
+        return 1
+    return shape.layers + 1
+
+
 def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_only: bool) -> RoleMemory:
     """fsdp / deepspeed / megatron: weights, grads and Adam state by sharding; activations by micro-batch."""
     assert r.backend is not None
@@ -96,6 +108,8 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         # Unsharded all-gather outputs: the current and the prefetched unit (a layer, or the
         # embedding/lm head), plus in backward one unsharded gradient and its reduce-scatter input.
         buffers = e * (shape.layer_params + big_unit) / t + (0 if forward_only else (e + 4) * big_unit / t)
+        if fsdp_units(r, shape) == 1:  # a small model is one unit: all of it unsharded at once
+            buffers = e * P / t + (0 if forward_only else (e + 4) * P / t)
         layers_held = shape.layers
     elif b.engine == "deepspeed":
         stage = int(ea.get("zero_stage", 3))

@@ -26,7 +26,7 @@ from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
-from rlbatch.plan.memory import RoleMemory, logprob_micro_batch, train_micro_batch
+from rlbatch.plan.memory import RoleMemory, fsdp_units, logprob_micro_batch, train_micro_batch
 from rlbatch.plan.model import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.workload import Workload
 
@@ -167,8 +167,7 @@ def _sharding_collectives(r: RoleLayout, shape: ModelShape, train: bool, n: int)
     assert b is not None
     if n <= 1 or not (b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3)):
         return 0
-    units = shape.layers + 1
-    return units * (3 if train else 1)
+    return fsdp_units(r, shape) * (3 if train else 1)
 
 
 def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout, mb: int, s: float,
@@ -182,7 +181,7 @@ def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout:
     if b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3):
         # One all-gather per sharded unit (each decoder layer and the root), forward and again in
         # backward (reshard_after_forward), and one fp32 reduce-scatter per unit: latency per unit.
-        units = shape.layers + 1
+        units = fsdp_units(r, shape)
         gathers = 2 if train else 1
         overlapped = gathers * units * comm.all_gather(e * P / b.t / units, n, dl)
         if train:

@@ -107,3 +107,10 @@ def test_the_planner_models_the_hf_engines_generate_batch() -> None:
     from rlbatch.plan.memory import HF_MAX_BATCH
 
     assert HF_MAX_BATCH == DEFAULT_MAX_BATCH
+
+
+def test_the_planner_models_the_fsdp_engines_units() -> None:
+    from rlbatch.engines.train.fsdp import SINGLE_UNIT_MAX_MB
+    from rlbatch.plan.memory import FSDP_SINGLE_UNIT_MAX_MB
+
+    assert FSDP_SINGLE_UNIT_MAX_MB == SINGLE_UNIT_MAX_MB
