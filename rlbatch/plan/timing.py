@@ -58,9 +58,9 @@ is vectorised now (about 1.5 of them), yet a term this size still matches the pe
 the recorded runs' passes, so per-sample cost remains elsewhere (not yet located)."""
 SHARD_COLLECTIVE_OPS = 450
 """Host cost of one FSDP2 collective on a CPU profile beyond the link's latency: copy-in, the gloo
-call, copy-out, the hooks, and waiting for the peer that ranks sharing cores makes likely. From
-the recorded runs (tests/data/runs): d2 adds about 2.7 ms per collective over d1 (27 all-gathers
-and reduce-scatters in a two-mini-batch train call of the 2-layer model)."""
+call, copy-out, the hooks, and waiting for the peer that ranks sharing cores makes likely. Measured
+on the cpu profile's VM with a unit per layer (27 collectives per two-mini-batch train call of the
+2-layer model): d2 training and log-prob passes cost about 2.7 ms per collective more than d1."""
 REWARD_OPS_PER_SAMPLE = 20
 """A rule reward per sample: decode, parse, compare (a few Python-level op equivalents)."""
 
