@@ -24,31 +24,19 @@ def mpirun(script: str, n: int) -> subprocess.CompletedProcess[str]:
                           env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_offload_round_trip_of_fsdp2_state_is_bit_exact() -> None:
-    out = mpirun("offload_fsdp.py", 2)
+SCRIPT_CASES = {
+    # test id: (script, ranks, line each rank (or the controller alone) prints when its checks pass)
+    "offload_round_trip_of_fsdp2_state_is_bit_exact": ("offload_fsdp.py", 2, "offload ok", 2),
+    "dataplane_moves_samples_exactly": ("dataplane.py", 3, "dataplane ok", 3),
+    "first_mini_batch_without_old_logprobs_trains_the_same": ("first_mini_batch.py", 2, "first mini-batch ok", 2),
+    "weight_sync_is_bit_exact_across_two_syncs": ("weightsync.py", 3, "weightsync ok", 3),
+    "calls_in_flight_get_their_own_replies_in_any_wait_order": ("control_order.py", 3, "control order ok", 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCRIPT_CASES))
+def test_mechanism(case: str) -> None:
+    script, ranks, ok, count = SCRIPT_CASES[case]
+    out = mpirun(script, ranks)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count("offload ok") == 2
-
-
-def test_dataplane_moves_samples_exactly() -> None:
-    out = mpirun("dataplane.py", 3)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count("dataplane ok") == 3
-
-
-def test_first_mini_batch_without_old_logprobs_trains_the_same() -> None:
-    out = mpirun("first_mini_batch.py", 2)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count("first mini-batch ok") == 2
-
-
-def test_weight_sync_is_bit_exact_across_two_syncs() -> None:
-    out = mpirun("weightsync.py", 3)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert out.stdout.count("weightsync ok") == 3
-
-
-def test_calls_in_flight_get_their_own_replies_in_any_wait_order() -> None:
-    out = mpirun("control_order.py", 3)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "control order ok" in out.stdout
+    assert out.stdout.count(ok) == count, out.stdout[-2000:]
