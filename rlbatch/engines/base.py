@@ -8,7 +8,8 @@ and reload it at phase boundaries. Engines import their heavy libraries only whe
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,8 +63,9 @@ class TrainEngine(Protocol):
         """One batch of updates (mini-batches x epochs); returns averaged stats."""
         ...
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights, name by name. Collective over the role's ranks."""
+    def full_weights(self) -> AbstractContextManager[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) weights by name, valid inside the ``with`` block. Collective over the
+        role's ranks."""
         ...
 
 

@@ -8,6 +8,7 @@ the data plane), then the phase runs inside a residency switch that offloads col
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +136,10 @@ class RankRuntime:
     def _sync(self, src: int, local: bool, bucket_bytes: int) -> dict[str, float]:
         """actor_train -> actor_infer. Colocated: in-process copy; otherwise bucketed broadcast."""
         train, infer = self.engines.get(TRAIN), self.engines.get(INFER)
-        named = list(train.full_weights()) if train is not None else []  # collective over actor_train
-        if local:
-            return {"bytes": float(infer.load_weights(named)) if infer is not None else 0.0}
-        if self.world.rank not in self.world.members[SYNC]:
-            return {"bytes": 0.0}
-        return {"bytes": float(self.broadcast(self.world, named, infer, src, bucket_bytes))}
+        with train.full_weights() if train is not None else nullcontext([]) as named:  # collective over actor_train
+            if local:
+                return {"bytes": float(infer.load_weights(named)) if infer is not None else 0.0}
+            if self.world.rank not in self.world.members[SYNC]:
+                return {"bytes": 0.0}
+            return {"bytes": float(self.broadcast(self.world, named, infer, src, bucket_bytes))}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -46,7 +47,9 @@ class FSDPEngine:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
         dp_mesh = mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
-        if param_bytes(model) > int(engine_args.get("single_unit_max_mb", SINGLE_UNIT_MAX_MB)) << 20:
+        self.mp = mp
+        self.single_unit = param_bytes(model) <= int(engine_args.get("single_unit_max_mb", SINGLE_UNIT_MAX_MB)) << 20
+        if not self.single_unit:
             for layer in model.model.layers:  # a unit per layer: gathered one at a time, overlapping compute
                 fully_shard(layer, **kwargs)
         self.model = fully_shard(model.to(device), **kwargs)
@@ -137,7 +140,18 @@ class FSDPEngine:
         out["lr"] = float(self.scheduler.get_last_lr()[0])
         return out
 
-    @torch.no_grad()
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
-            yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+    @contextmanager
+    def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every parameter unsharded, valid inside the block. A one-unit model without mixed
+        precision is all-gathered in one collective (``unshard``) and read in place; otherwise
+        each parameter is gathered on its own (``full_tensor``)."""
+        with torch.no_grad():
+            if self.single_unit and self.mp is None:
+                self.model.unshard()
+                try:
+                    yield [(name, p.detach()) for name, p in self.model.named_parameters()]
+                finally:
+                    self.model.reshard()
+            else:
+                yield [(name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+                       for name, p in self.model.named_parameters()]

@@ -42,10 +42,12 @@ for _ in range(3):  # later steps see weights that moved: old and current differ
         s["old_logprobs"] = old
     for s, old in zip(lean[8:], part.logprobs(lean[8:]), strict=True):
         s["old_logprobs"] = old
-initial = dict(engine().full_weights())
-for (name, a), (_, b) in zip(full.full_weights(), part.full_weights(), strict=True):
-    assert not torch.equal(a, initial[name]), f"{name} did not train"
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: max diff {(a - b).abs().max():.3g}"
+with engine().full_weights() as w:
+    initial = {name: t.clone() for name, t in w}
+with full.full_weights() as wf, part.full_weights() as wp:
+    for (name, a), (_, b) in zip(wf, wp, strict=True):
+        assert not torch.equal(a, initial[name]), f"{name} did not train"
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: max diff {(a - b).abs().max():.3g}"
 assert abs(stats_full["pg_loss"] - stats_part["pg_loss"]) < 1e-5, (stats_full, stats_part)
 broken = [dict(s) for s in samples]
 del broken[12]["old_logprobs"]
