@@ -269,8 +269,10 @@ def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Ha
     size = e * shape.params
     rt = rates(hw, layout, layout.ranks_per_node(train.ranks))
     n, dl = _dp_link(layout, train, hw)
-    # Full tensors are gathered one parameter at a time: a collective latency per tensor.
-    per = max(1, tensors)
+    # rlbatch's fsdp engine gathers a one-unit model without mixed precision (CPU) in one collective;
+    # otherwise full tensors are gathered one parameter at a time: a collective latency per tensor.
+    one = bt.engine == "fsdp" and hw.is_cpu and fsdp_units(train, shape) == 1
+    per = 1 if one else max(1, tensors)
     comm_s = per * (comm.all_gather(size / bt.t / per, n, dl) + comm.all_gather(size / per, bt.t * bt.p, _tp_link(layout, train, hw)))
     load = size / (bi.t * bi.p)
     if layout.colocated(train.name, infer.name):
