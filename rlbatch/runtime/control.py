@@ -65,6 +65,12 @@ def timed_bcast(comm: Any, obj: Any, root: int, timeout_s: float, what: str) -> 
     return comm.bcast(obj, root=root)
 
 
+def timed_barrier(comm: Any, timeout_s: float, what: str) -> None:
+    """An MPI barrier that gives up after timeout_s, without spinning a core while it waits."""
+    req = comm.Ibarrier()
+    wait_until(lambda: bool(req.Test()), timeout_s, lambda: what)
+
+
 def recv_obj(comm: Any, source: int, tag: int, timeout_s: float | None, what: str) -> Any:
     """Receive one pickled message; ``timeout_s=None`` waits for ever (still without spinning)."""
     status = MPI.Status()

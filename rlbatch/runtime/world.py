@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.placement import Placement, ProcessKind, ProcessSlot, RolePlacement
 from rlbatch.placement.backend import EngineKind
-from rlbatch.runtime.control import timed_bcast
+from rlbatch.runtime.control import timed_barrier, timed_bcast
 from rlbatch.runtime.env import SchedulerEnv
 from rlbatch.runtime.rendezvous import choose_port
 
@@ -193,5 +193,16 @@ def slot_roles(slot: ProcessSlot) -> set[str]:
 
 
 def shutdown(world: World) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    teardown(world.comm, world.timeout_s)
+
+
+def teardown(comm: Any, timeout_s: float = 60.0) -> None:
+    """Destroy torch.distributed on every rank together: all ranks stop using their groups first,
+    and none exits (closing its sockets) while another is still tearing down; a gloo thread
+    that loses its peer mid-teardown aborts its process ("terminate called without an active
+    exception")."""
+    if not dist.is_initialized():
+        return
+    timed_barrier(comm, timeout_s, "teardown: not every rank finished its work")
+    dist.destroy_process_group()
+    timed_barrier(comm, timeout_s, "teardown: not every rank destroyed its process groups")
