@@ -120,7 +120,8 @@ def test_default_experiment_on_slurm(run_root: Path, roles: str) -> None:
 
 
 def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_root: Path) -> None:
-    args = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward", "steps=8"]
+    # Enough steps that the job is still running when the signal arrives (a step takes ~0.1 s).
+    args = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward", "steps=60"]
     run = run_root / "preempted"
     sub = launch(["cluster=slurm", "cluster.cpus_per_task=1", f"run_dir={run}", *args], run_root)
     assert sub.returncode == 0, sub.stderr[-3000:]
@@ -131,7 +132,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_roo
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what Slurm sends before preemption/walltime
     deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step_000007" / "manifest.json").exists():
+    while not (run / "checkpoints" / "step_000059" / "manifest.json").exists():
         assert time.monotonic() < deadline, "the requeued job did not finish"
         time.sleep(1)
     wait_gone([job])
@@ -146,4 +147,4 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_roo
     assert all(e.returncode == 0 for e in ex)
     assert (run_root / "e0" / "model.safetensors").read_bytes() == (run_root / "e1" / "model.safetensors").read_bytes()
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(8)), "no step lost, none repeated"
+    assert steps == list(range(60)), "no step lost, none repeated"
