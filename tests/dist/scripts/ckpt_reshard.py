@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from rlbatch.checkpoint import open_checkpoint
 from rlbatch.checkpoint.layout import CONFIG
 from rlbatch.checkpoint.rank import load_rank
-from rlbatch.runtime.world import teardown
+from rlbatch.runtime.world import end_script
 
 mesh = init()
 ck = open_checkpoint(Path(sys.argv[2]))
@@ -27,4 +27,4 @@ if comm.rank == 0:
     assert_same(torch.load(sys.argv[3], weights_only=True), state, f"{comm.size}-rank load of {ck.path.name}")
 train_step(e)
 print(f"rank {comm.rank}: reshard ok ({comm.size} ranks, {ck.path.name})", flush=True)
-teardown(comm)
+end_script(comm)

@@ -18,7 +18,7 @@ from ckpt_common import assert_same, build, comm, full_state, init, probe, seed_
 from rlbatch.checkpoint import CheckpointStore
 from rlbatch.checkpoint.layout import write_controller
 from rlbatch.checkpoint.rank import load_rank, save_rank
-from rlbatch.runtime.world import teardown
+from rlbatch.runtime.world import end_script
 
 out = Path(sys.argv[2])
 mesh = init()
@@ -66,4 +66,4 @@ if comm.rank == 0:
     assert_same(ref3, after_load, "state after load")
     assert_same(final, resumed, "3 steps after resume")
 print(f"rank {comm.rank}: resume ok", flush=True)
-teardown(comm)
+end_script(comm)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
-from rlbatch.runtime.world import teardown
+from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
@@ -54,4 +54,4 @@ if comm.rank == 2:
 exchange(store, comm.rank, [Move(0, 2, [0, 2], fields, lens([0, 2])), Move(1, 2, [5], fields, lens([5]))])
 check({0: [0, 1, 2, 3, 4], 1: [3, 4, 5], 2: [0, 2, 5]}[comm.rank])
 print(f"rank {comm.rank}: dataplane ok", flush=True)
-teardown(comm)
+end_script(comm)

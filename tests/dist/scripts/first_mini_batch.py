@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.launch.compose import compose
-from rlbatch.runtime.world import teardown
+from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
@@ -59,4 +59,4 @@ except ValueError as e:
 else:
     raise AssertionError("a later mini-batch without old log-probs was accepted")
 print(f"rank {comm.rank}: first mini-batch ok", flush=True)
-teardown(comm)
+end_script(comm)

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from rlbatch.scheduler.offload import TensorStash, grad_tensors, optimizer_tensors
-from rlbatch.runtime.world import teardown
+from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
@@ -55,4 +55,4 @@ for k in range(4):
     assert all(torch.equal(x, y) for x, y in zip(before, state(a, opt_a), strict=True)), "reload not bit exact"
 assert all(torch.equal(x, y) for x, y in zip(state(a, opt_a), state(b, opt_b), strict=True)), "training diverged"
 print(f"rank {comm.rank}: offload ok", flush=True)
-teardown(comm)
+end_script(comm)

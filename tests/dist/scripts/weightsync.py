@@ -14,7 +14,7 @@ from rlbatch.engines.flat import flatten_parameters
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.runtime.world import SYNC
 from rlbatch.scheduler.weightsync import WeightBroadcast
-from rlbatch.runtime.world import teardown
+from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
@@ -54,4 +54,4 @@ for seed in (1, 2):
 if comm.rank == 1:  # received in place: the parameters are still views into one buffer
     assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
 print(f"rank {comm.rank}: weightsync ok", flush=True)
-teardown(comm)
+end_script(comm)
