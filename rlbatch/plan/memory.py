@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlbatch.engines.defaults import fsdp_single_unit, hf_max_batch
 from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
 from rlbatch.plan.hardware import Hardware
@@ -35,8 +36,6 @@ SGLANG_MEM_FRACTION = 0.88
 COPIED = ("params", "grads", "optimizer")
 """Kinds an offload copies to host memory (rlbatch's fsdp engine zeroes gradients without freeing
 them, so they persist and move); a KV cache is freed and re-allocated instead."""
-HF_MAX_BATCH = 1024
-"""rlbatch's hf engine generates at most this many sequences per call (engine_args.max_batch)."""
 
 
 @dataclass
@@ -78,14 +77,9 @@ def logprob_micro_batch(r: RoleLayout, w: Workload) -> int:
     return min(share, int(r.engine_args.get("micro_batch", 0)) or share)
 
 
-FSDP_SINGLE_UNIT_MAX_MB = 64
-"""rlbatch's fsdp engine: models up to this many MB of fp32 parameters are one FSDP unit."""
-
-
 def fsdp_units(r: RoleLayout, shape: ModelShape) -> int:
     """rlbatch's fsdp engine makes a small model one unit, a larger one a unit per layer plus the root."""
-    if r.backend is not None and r.backend.engine == "fsdp" and \
-            4 * shape.params <= int(r.engine_args.get("single_unit_max_mb", FSDP_SINGLE_UNIT_MAX_MB)) << 20:
+    if r.backend is not None and r.backend.engine == "fsdp" and fsdp_single_unit(4 * shape.params, r.engine_args):
         return 1
     return shape.layers + 1
 
@@ -190,7 +184,7 @@ def infer_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
         elif concurrency < seqs:
             notes.append(f"KV cache holds {concurrency} of {seqs} sequences per engine: generation runs in waves")
     else:  # hf: up to max_batch sequences per generate call; the KV cache grows with them
-        concurrency = min(seqs, int(r.engine_args.get("max_batch", HF_MAX_BATCH)))
+        concurrency = min(seqs, hf_max_batch(r.engine_args))
         state = {"params": weights}
         transient = {"generate": {
             "kv_cache": concurrency * w.seq_len * kv_tok,

@@ -160,12 +160,17 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     return {"roofline": roof, "overhead": overhead, "comm": comm_s, "samples": samples, "fixed": 1.0}
 
 
-def _sharding_collectives(r: RoleLayout, shape: ModelShape, train: bool, n: int) -> int:
-    """FSDP / ZeRO-3 collectives per micro-batch: an all-gather per unit (each decoder layer and
-    the root) forward, again in backward, and a reduce-scatter per unit; none on one rank."""
+def _fully_sharded(r: RoleLayout) -> bool:
+    """FSDP or ZeRO-3: parameters are gathered unit by unit for every pass."""
     b = r.backend
     assert b is not None
-    if n <= 1 or not (b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3)):
+    return b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3)
+
+
+def _sharding_collectives(r: RoleLayout, shape: ModelShape, train: bool, n: int) -> int:
+    """FSDP / ZeRO-3 collectives per micro-batch: an all-gather per unit forward, again in
+    backward, and a reduce-scatter per unit; none on one rank."""
+    if n <= 1 or not _fully_sharded(r):
         return 0
     return fsdp_units(r, shape) * (3 if train else 1)
 
@@ -178,7 +183,7 @@ def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout:
     n, dl = _dp_link(layout, r, hw)
     P = shape.params
     overlapped, exposed = 0.0, 0.0
-    if b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3):
+    if _fully_sharded(r):
         # One all-gather per sharded unit (each decoder layer and the root), forward and again in
         # backward (reshard_after_forward), and one fp32 reduce-scatter per unit: latency per unit.
         units = fsdp_units(r, shape)
@@ -271,7 +276,7 @@ def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Ha
     n, dl = _dp_link(layout, train, hw)
     # rlbatch's fsdp engine gathers a one-unit model without mixed precision (CPU) in one collective;
     # otherwise full tensors are gathered one parameter at a time: a collective latency per tensor.
-    one = bt.engine == "fsdp" and hw.is_cpu and fsdp_units(train, shape) == 1
+    one = hw.is_cpu and fsdp_units(train, shape) == 1
     per = 1 if one else max(1, tensors)
     comm_s = per * (comm.all_gather(size / bt.t / per, n, dl) + comm.all_gather(size / per, bt.t * bt.p, _tp_link(layout, train, hw)))
     load = size / (bi.t * bi.p)

@@ -58,17 +58,16 @@ def wait_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], st
         pause = min(pause * 2, MAX_PAUSE_S)
 
 
-def timed_bcast(comm: Any, obj: Any, root: int, timeout_s: float, what: str) -> Any:
-    """``comm.bcast`` that gives up after timeout_s (non-blocking barrier first, then the bcast)."""
-    req = comm.Ibarrier()
-    wait_until(lambda: bool(req.Test()), timeout_s, lambda: f"{what}: not every rank reached the broadcast")
-    return comm.bcast(obj, root=root)
-
-
 def timed_barrier(comm: Any, timeout_s: float, what: str) -> None:
     """An MPI barrier that gives up after timeout_s, without spinning a core while it waits."""
     req = comm.Ibarrier()
     wait_until(lambda: bool(req.Test()), timeout_s, lambda: what)
+
+
+def timed_bcast(comm: Any, obj: Any, root: int, timeout_s: float, what: str) -> Any:
+    """``comm.bcast`` that gives up after timeout_s (a timed barrier first, then the bcast)."""
+    timed_barrier(comm, timeout_s, f"{what}: not every rank reached the broadcast")
+    return comm.bcast(obj, root=root)
 
 
 def recv_obj(comm: Any, source: int, tag: int, timeout_s: float | None, what: str) -> Any:

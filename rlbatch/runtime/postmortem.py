@@ -32,8 +32,8 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
     never: list[str] = []
     silent: list[int] = []
     suspects: set[int] = set()  # peers named by the ranks whose collectives failed
-    for rank in range(p.world_size):
-        st = run.read_status(rank)
+    status = {rank: run.read_status(rank) for rank in range(p.world_size)}
+    for rank, st in status.items():
         who = describe_rank(p, rank)
         if st is None:
             never.append(f"{who} never started (no status file)")
@@ -50,7 +50,7 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
         return primary
 
     def host(r: int) -> object:
-        return (run.read_status(r) or {}).get("host")
+        return (status[r] or {}).get("host")
 
     first = [r for r in (first_exits or []) if r in silent]
     first = [r for r in first if r in suspects] or first

@@ -12,13 +12,10 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import SamplingParams
+from rlbatch.engines.defaults import hf_max_batch
 from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.scheduler.offload import TensorStash
-
-DEFAULT_MAX_BATCH = 1024
-"""Sequences per generate call unless engine_args.max_batch says otherwise (the planner's
-HF_MAX_BATCH models the same number)."""
 
 
 class HFInferenceEngine:
@@ -26,7 +23,7 @@ class HFInferenceEngine:
                  engine_args: dict[str, Any], **_: Any) -> None:
         self.device = device
         self.tokenizer = tokenizer
-        self.max_batch = int(engine_args.get("max_batch", DEFAULT_MAX_BATCH))
+        self.max_batch = hf_max_batch(engine_args)
         self.model = load_model(model_cfg, tokenizer, seed, model_dtype(model_cfg.dtype, device)).to(device).eval()
         flatten_parameters(self.model)  # weight sync can then receive straight into the model
         self.params = dict(self.model.named_parameters())

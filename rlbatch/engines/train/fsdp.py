@@ -17,15 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlbatch import algos
 from rlbatch.engines.batch import pack, unpack
+from rlbatch.engines.defaults import fsdp_single_unit
 from rlbatch.engines.model import load_model
 from rlbatch.scheduler.offload import TensorStash, grad_tensors, optimizer_tensors
-
-SINGLE_UNIT_MAX_MB = 64
-"""Models up to this many MB of fp32 parameters are one FSDP unit (one all-gather forward, one
-reduce-scatter backward per micro-batch); larger ones get a unit per decoder layer, so only one
-layer is ever unsharded. Small models gain nothing from per-layer units but pay per-collective
-latency for each (on CPU with gloo about 2.7 ms each: most of a d2 step of the tiny model).
-engine_args.single_unit_max_mb overrides it."""
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -48,7 +42,7 @@ class FSDPEngine:
         dp_mesh = mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
         self.mp = mp
-        self.single_unit = param_bytes(model) <= int(engine_args.get("single_unit_max_mb", SINGLE_UNIT_MAX_MB)) << 20
+        self.single_unit = fsdp_single_unit(param_bytes(model), engine_args)
         if not self.single_unit:
             for layer in model.model.layers:  # a unit per layer: gathered one at a time, overlapping compute
                 fully_shard(layer, **kwargs)

@@ -100,17 +100,3 @@ def test_whole_share_log_prob_passes_blow_up_on_big_vocabularies() -> None:
     p = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO,
                  roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     assert any("largest term: actor_train logits" in x or "largest term: reference logits" in x for x in p.problems)
-
-
-def test_the_planner_models_the_hf_engines_generate_batch() -> None:
-    from rlbatch.engines.infer.hf import DEFAULT_MAX_BATCH
-    from rlbatch.plan.memory import HF_MAX_BATCH
-
-    assert HF_MAX_BATCH == DEFAULT_MAX_BATCH
-
-
-def test_the_planner_models_the_fsdp_engines_units() -> None:
-    from rlbatch.engines.train.fsdp import SINGLE_UNIT_MAX_MB
-    from rlbatch.plan.memory import FSDP_SINGLE_UNIT_MAX_MB
-
-    assert FSDP_SINGLE_UNIT_MAX_MB == SINGLE_UNIT_MAX_MB
