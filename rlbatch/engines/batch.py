@@ -1,28 +1,61 @@
-"""Pack variable-length samples into padded tensors for a forward pass, and unpack the result.
+"""Pack variable-length samples for a forward pass, and read back per-response-token values.
 
 A sample is a dict of 1-D tensors: ``prompt`` and ``response`` token ids, and optionally
 per-response-token fields (``old_logprobs``, ``ref_logprobs``) and the scalar ``advantage``.
-Sequences are right-padded; position t's logits predict token t+1, so response token j of a
-prompt of length P is scored at shifted position P-1+j.
+Everything a loss reads is response-aligned: ``[B, R]``, R the longest response, column j
+the sample's response token j, right-padded and masked.
+
+Two ways to compute the logits that score those tokens, the same numbers either way:
+
+- ``Full``: one right-padded sequence per sample, prompt then response; position t's logits
+  score token t+1, so response token j of a prompt of length P is scored at P-1+j.
+- ``Shared``: GRPO samples a group of responses per prompt, so a batch repeats each prompt
+  many times. Each distinct prompt is run once (left-padded, keeping its KV cache and only
+  its last position's logits, which score response token 0); the cache rows are then
+  selected for every sample, and the responses (all but their last token) run on top of it.
+  Gradients flow back through the selection into the one shared prompt pass. A batch of 32
+  prompts x 32 samples computes its prompt tokens 32 times less often.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from rlbatch.engines.defaults import worth_sharing
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs")
 
 
 @dataclass
-class Packed:
-    input_ids: torch.Tensor       # [B, L]
+class Full:
+    input_ids: torch.Tensor       # [B, L] prompt + response, right-padded
     attention_mask: torch.Tensor  # [B, L]
-    mask: torch.Tensor            # [B, L-1] float, 1 on response-token targets
-    fields: dict[str, torch.Tensor]  # per-token fields aligned with mask, [B, L-1]
-    advantages: torch.Tensor | None  # [B]
-    spans: list[tuple[int, int]]  # (start, length) of each response in shifted positions
+    index: torch.Tensor           # [B, R] the position whose logits score each response token
+
+
+@dataclass
+class Shared:
+    prefix_ids: torch.Tensor      # [U, P] each distinct prompt once, left-padded
+    prefix_mask: torch.Tensor     # [U, P]
+    prefix_pos: torch.Tensor      # [U, P]
+    group: torch.Tensor           # [B] the row of prefix_ids holding sample b's prompt
+    suffix_ids: torch.Tensor      # [B, R-1] response tokens but the last, right-padded
+    suffix_mask: torch.Tensor     # [B, R-1]
+    suffix_pos: torch.Tensor      # [B, R-1]
+
+
+@dataclass
+class Packed:
+    inputs: Full | Shared
+    targets: torch.Tensor             # [B, R] response tokens, right-padded
+    mask: torch.Tensor                # [B, R] float, 1 on response tokens
+    fields: dict[str, torch.Tensor]   # per-token fields aligned with targets, [B, R]
+    advantages: torch.Tensor | None   # [B]
+    lengths: list[int]                # response lengths
 
 
 def _positions(lengths: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,38 +66,101 @@ def _positions(lengths: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tens
     return rows, cols
 
 
-def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.device) -> Packed:
-    """One padded batch, built with a few vectorised writes (no per-sample tensor ops)."""
+def fill_rows(values: list[torch.Tensor], lengths: torch.Tensor, offsets: torch.Tensor, width: int,
+              pad: float | int, dtype: torch.dtype) -> torch.Tensor:
+    """A [len(values), width] tensor with values[b] written from column offsets[b], ``pad`` elsewhere."""
+    out = torch.full((len(values), width), pad, dtype=dtype)
+    if values:
+        out[_positions(lengths, offsets)] = torch.cat(values).to(dtype)
+    return out
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), [B, longest]: every prompt ends in the last column (generation starts there)."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    ids[_positions(lengths, width - lengths)] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    return ids, (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
+
+
+def distinct_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[list[int], torch.Tensor]:
+    """The first sample of each distinct prompt, and for every sample its prompt's index there."""
+    index: dict[tuple[int, ...], int] = {}
+    firsts: list[int] = []
+    group = []
+    for b, p in enumerate(prompts):
+        g = index.setdefault(tuple(p.tolist() if isinstance(p, torch.Tensor) else p), len(firsts))
+        if g == len(firsts):
+            firsts.append(b)
+        group.append(g)
+    return firsts, torch.tensor(group, dtype=torch.long)
+
+
+def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.device,
+         share_prompts: bool = False) -> Packed:
+    """One batch built with a few vectorised writes (no per-sample tensor ops). With
+    ``share_prompts`` the inputs are ``Shared`` when prompts repeat enough to pay
+    (``worth_sharing``), else ``Full``."""
     prompts, responses = [s["prompt"] for s in samples], [s["response"] for s in samples]
     plen = torch.tensor([t.shape[0] for t in prompts])
     rlen = torch.tensor([t.shape[0] for t in responses])
-    total = plen + rlen
-    B, L = len(samples), int(total.max())
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    ids[_positions(plen, torch.zeros_like(plen))] = torch.cat(prompts)
-    rows, cols = _positions(rlen, plen)
-    ids[rows, cols] = torch.cat(responses)
-    attn = (torch.arange(L)[None, :] < total[:, None]).long()
-    target = (rows, cols - 1)  # logits at position t score token t+1
-    mask = torch.zeros((B, L - 1))
-    mask[target] = 1.0
-    fields = {}
-    for f in TOKEN_FIELDS:
-        if all(f in s for s in samples):
-            fields[f] = torch.zeros((B, L - 1))
-            fields[f][target] = torch.cat([s[f] for s in samples]).float()
-    spans = list(zip((plen - 1).tolist(), rlen.tolist(), strict=True))
-    adv = torch.stack([s["advantage"].float().reshape(()) for s in samples]) if all("advantage" in s for s in samples) else None
-    return Packed(
-        ids.to(device), attn.to(device), mask.to(device), {f: t.to(device) for f, t in fields.items()},
-        adv.to(device) if adv is not None else None, spans,
-    )
+    B, R = len(samples), int(rlen.max()) if samples else 0
+    zeros = torch.zeros_like(rlen)
+    targets = fill_rows(responses, rlen, zeros, R, pad_id, torch.long)
+    mask = (torch.arange(R)[None, :] < rlen[:, None]).float()
+    fields = {f: fill_rows([s[f] for s in samples], rlen, zeros, R, 0.0, torch.float32)
+              for f in TOKEN_FIELDS if all(f in s for s in samples)}
+    adv = (torch.stack([s["advantage"].float().reshape(()) for s in samples])
+           if samples and all("advantage" in s for s in samples) else None)
+
+    inputs: Full | Shared
+    firsts, group = distinct_prompts(prompts) if share_prompts else ([], torch.arange(B))
+    if share_prompts and worth_sharing(len(firsts), B):
+        up = plen[firsts]
+        P = int(up.max())
+        prefix_ids = fill_rows([prompts[i] for i in firsts], up, P - up, P, pad_id, torch.long)
+        prefix_mask = (torch.arange(P)[None, :] >= (P - up)[:, None]).long()
+        prefix_pos = (prefix_mask.cumsum(1) - 1).clamp(min=0)
+        slen = (rlen - 1).clamp(min=0)
+        suffix_ids = targets[:, : max(R - 1, 0)].clone()
+        suffix_mask = (torch.arange(max(R - 1, 0))[None, :] < slen[:, None]).long()
+        suffix_pos = plen[:, None] + torch.arange(max(R - 1, 0))[None, :]
+        inputs = Shared(*(t.to(device) for t in (prefix_ids, prefix_mask, prefix_pos, group, suffix_ids,
+                                                 suffix_mask, suffix_pos)))
+    else:
+        total = plen + rlen
+        L = int(total.max()) if samples else 0
+        ids = fill_rows(prompts, plen, torch.zeros_like(plen), L, pad_id, torch.long)
+        ids[_positions(rlen, plen)] = torch.cat(responses) if samples else ids.new_empty(0)
+        attn = (torch.arange(L)[None, :] < total[:, None]).long()
+        index = (plen[:, None] - 1 + torch.arange(R)[None, :]).clamp(max=max(L - 1, 0))
+        inputs = Full(ids.to(device), attn.to(device), index.to(device))
+    return Packed(inputs, targets.to(device), mask.to(device), {f: t.to(device) for f, t in fields.items()},
+                  adv.to(device) if adv is not None else None, rlen.tolist())
 
 
-def unpack(per_token: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Per-sample response-token values from a [B, L-1] tensor (views of one new tensor)."""
+def response_logits(model: Any, batch: Packed) -> torch.Tensor:
+    """[B, R, V] logits scoring each response token, from a transformers causal LM."""
+    x = batch.inputs
+    if isinstance(x, Full):
+        logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
+        return logits.gather(1, x.index[:, :, None].expand(-1, -1, logits.shape[-1]))
+    out = model(input_ids=x.prefix_ids, attention_mask=x.prefix_mask, position_ids=x.prefix_pos,
+                use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1][x.group][:, None]  # scores response token 0
+    if x.suffix_ids.shape[1] == 0:
+        return first
+    cache = out.past_key_values
+    cache.reorder_cache(x.group)  # index_select per layer: its backward sums into the shared rows
+    mask = torch.cat([x.prefix_mask[x.group], x.suffix_mask], dim=1)
+    rest = model(input_ids=x.suffix_ids, attention_mask=mask, position_ids=x.suffix_pos,
+                 past_key_values=cache, use_cache=True).logits
+    return torch.cat([first, rest], dim=1)
+
+
+def unpack(per_token: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """Per-sample response-token values from a [B, R] tensor (views of one new tensor)."""
     out = per_token.detach().float().cpu()
-    starts = torch.tensor([s for s, _ in spans])
-    lengths = torch.tensor([n for _, n in spans])
-    flat = out[_positions(lengths, starts)]
-    return list(flat.split(lengths.tolist()))
+    n = torch.tensor(lengths, dtype=torch.long)
+    return list(out[_positions(n, torch.zeros_like(n))].split(lengths))

@@ -26,3 +26,15 @@ def hf_max_batch(engine_args: Mapping[str, Any]) -> int:
 def fsdp_single_unit(fp32_param_bytes: float, engine_args: Mapping[str, Any]) -> bool:
     """Whether the fsdp engine shards a model of this size as one unit."""
     return fp32_param_bytes <= int(engine_args.get("single_unit_max_mb", FSDP_SINGLE_UNIT_MAX_MB)) << 20
+
+
+def share_prompts(engine_args: Mapping[str, Any]) -> bool:
+    """Whether the fsdp engine runs each distinct prompt of a batch once (engine_args.share_prompts,
+    on by default; off under activation checkpointing). See ``rlbatch.engines.batch``."""
+    return bool(engine_args.get("share_prompts", True))
+
+
+def worth_sharing(distinct: int, samples: int) -> bool:
+    """A shared-prompt batch makes two forward calls instead of one: worth it once prompts repeat
+    (at least twice each on average)."""
+    return 2 * distinct <= samples

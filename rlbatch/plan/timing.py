@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlbatch.engines.defaults import share_prompts, worth_sharing
 from rlbatch.placement import BackendSpec
 from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
@@ -122,8 +123,13 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     weights = e * shape.params / (tp * pp)
     kv_tok = mem.kv_needed / max(1e-9, seqs * w.seq_len)
     split = tp * pp
-    # Prefill: every prompt token once, weights read once.
-    tokens = seqs * w.prompt_len
+    # Prefill: every prompt token once, weights read once. The hf engine runs each distinct prompt
+    # but its last token once, then the last token of every row (one more model call per wave).
+    shared = b.engine == "hf" and share_prompts(r.engine_args) and worth_sharing(w.distinct_prompts(seqs), seqs)
+    if shared:
+        tokens = w.distinct_prompts(seqs) * max(w.prompt_len - 1, 0) + seqs
+    else:
+        tokens = seqs * w.prompt_len
     traffic = traffic_per_token(shape, e, tp) / pp
     roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
                (weights + tokens * traffic) / rt.bw)
@@ -150,7 +156,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     else:
         layers = math.ceil(shape.layers / pp)
         per_step = OPS_PER_MODEL_FWD + layers * OPS_PER_LAYER_DECODE + SAMPLING_OPS
-        ops = waves * GENERATE_SETUP_OPS + (steps + waves) * per_step
+        ops = waves * GENERATE_SETUP_OPS + (steps + waves * (2 if shared else 1)) * per_step
         overhead = ops * hw.op_overhead_s * rt.slow
     if tp > 1:  # two all-reduces per layer per step; linear in size, so sum the batch once
         hop = comm.all_reduce(0.0, tp, lk)
@@ -209,6 +215,22 @@ def _bubble(b: BackendSpec, micro: int) -> float:
     return (micro + b.p - 1) / micro if b.p > 1 else 1.0
 
 
+def _pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, float, int]:
+    """(tokens, logit rows, model calls) of one micro-batch of ``mb`` sequences. rlbatch's fsdp
+    engine runs each distinct prompt once with only its last position's logits, then the
+    responses (all but their last token) on its cache: two model calls
+    (``rlbatch.engines.batch``); otherwise every sequence runs whole, logits at every position."""
+    b = r.backend
+    assert b is not None
+    trained = r.name in ("actor_train", "critic")
+    distinct = w.distinct_prompts(mb)
+    if (b.engine == "fsdp" and b.c == 1 and share_prompts(r.engine_args) and not (trained and w.recompute)
+            and worth_sharing(distinct, mb)):
+        suffix = mb * max(w.response_max - 1, 0)
+        return distinct * w.prompt_len + suffix, distinct + suffix, 2
+    return mb * s, mb * s, 1
+
+
 def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout,
                  train: bool, tensors: int = 0, opt_bytes: float = 0.0, working_set: float = math.inf) -> Features:
     """A log-prob pass (train=False) or the training of one role (train=True) on its busiest rank."""
@@ -222,19 +244,20 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     repeats = w.epochs if train else 1
     calls = repeats * math.ceil(seqs / mb)
     mult = (4.0 if w.recompute else 3.0) if train else 1.0
-    flops = calls * mb * s * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
+    tokens, rows, models = _pass_tokens(r, w, mb, s)
+    flops = calls * tokens * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
     vocab = 1 if r.name == "critic" else shape.vocab
-    rows = calls * mb * s  # logits at every position of the padded batch
-    # Weights are read once per pass (and again in backward); activations stream through
+    rows *= calls
+    # Weights are read once per model call (and again in backward); activations stream through
     # elementwise ops (traffic_per_token) forward and about as much again backward.
     passes = 2 if train else 1
-    byts = calls * passes * (e * shape.params / (t * p) + mb * s * traffic_per_token(shape, e, t) / p)
+    byts = calls * passes * (models * e * shape.params / (t * p) + tokens * traffic_per_token(shape, e, t) / p)
     byts += rows * vocab / t * (e + 8 + (4 + e if train else 0))
     roof = max(flops / rt.flops, byts / rt.bw)
     micro = w.grad_accum if train else math.ceil(seqs / mb)
     roof *= _bubble(b, micro)
     # Backward runs in autograd's C++ engine: about as much host work as the Python forward.
-    ops = calls * (_fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
+    ops = calls * (models * _fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
     samples = repeats * seqs * SAMPLE_OPS_PASS * hw.op_overhead_s * rt.slow
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
     n, dl = _dp_link(layout, r, hw)

@@ -8,6 +8,7 @@ as options and a run's metrics supply when reporting on it.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,6 +37,9 @@ class Workload:
     response_max: int
     """Longest response: the number of decode steps of the batch (the long tail)."""
     max_new_tokens: int
+    samples_per_prompt: int = 1
+    """Sequences sharing one prompt (GRPO's group): engines that run a repeated prompt once do that
+    much less prompt work."""
     mini_batches: int = 1
     epochs: int = 1
     grad_accum: int = 1
@@ -73,6 +77,10 @@ class Workload:
             return self.sequences - self.sequences // max(1, self.mini_batches)
         return self.sequences
 
+    def distinct_prompts(self, sequences: int) -> int:
+        """Distinct prompts among ``sequences`` consecutive sequences of the batch (groups stay together)."""
+        return math.ceil(sequences / max(1, self.samples_per_prompt))
+
     def with_measured(self, generated: float | None, total: float | None, response_max: float | None) -> Workload:
         """This workload with a run's measured token counts (what one step of that run really did)."""
         w = self
@@ -99,6 +107,7 @@ class Workload:
         return {
             "sequences": self.sequences, "prompt_len": self.prompt_len, "response_mean": self.response_mean,
             "response_max": self.response_max, "max_new_tokens": self.max_new_tokens,
+            "samples_per_prompt": self.samples_per_prompt,
             "mini_batches": self.mini_batches, "epochs": self.epochs, "grad_accum": self.grad_accum,
             "prompt_len_assumed": self.prompt_len_assumed, "response_assumed": self.response_assumed,
         }
@@ -138,7 +147,7 @@ def workload_from_config(
     return Workload(
         sequences=int(algo.get("prompts_per_step", 16)) * int(algo.get("samples_per_prompt", 8)),
         prompt_len=float(p), response_mean=max(1.0, min(float(mean), cap)), response_max=cap,
-        max_new_tokens=cap, mini_batches=int(algo.get("mini_batches", 1)), epochs=int(algo.get("epochs", 1)),
+        max_new_tokens=cap, samples_per_prompt=int(algo.get("samples_per_prompt", 8)), mini_batches=int(algo.get("mini_batches", 1)), epochs=int(algo.get("epochs", 1)),
         grad_accum=int(algo.get("grad_accum", 1)),
         kl=float(algo.get("kl_coef", 0.0)) > 0 and ref.get("enabled", True) is not False,
         critic=algo.get("name") == "ppo" and critic.get("enabled", False) is not False,

@@ -29,6 +29,7 @@ SCRIPT_CASES = {
     "offload_round_trip_of_fsdp2_state_is_bit_exact": ("offload_fsdp.py", 2, "offload ok", 2),
     "dataplane_moves_samples_exactly": ("dataplane.py", 3, "dataplane ok", 3),
     "first_mini_batch_without_old_logprobs_trains_the_same": ("first_mini_batch.py", 2, "first mini-batch ok", 2),
+    "shared_prompt_passes_train_the_same": ("shared_prompts.py", 2, "shared prompts ok", 2),
     "weight_sync_is_bit_exact_across_two_syncs": ("weightsync.py", 3, "weightsync ok", 3),
     "calls_in_flight_get_their_own_replies_in_any_wait_order": ("control_order.py", 3, "control order ok", 1),
 }

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import SamplingParams
-from rlbatch.engines.defaults import hf_max_batch
+from rlbatch.engines.batch import distinct_prompts, left_padded
+from rlbatch.engines.defaults import hf_max_batch, share_prompts, worth_sharing
 from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.scheduler.offload import TensorStash
@@ -24,6 +25,7 @@ class HFInferenceEngine:
         self.device = device
         self.tokenizer = tokenizer
         self.max_batch = hf_max_batch(engine_args)
+        self.share_prompts = share_prompts(engine_args)
         self.model = load_model(model_cfg, tokenizer, seed, model_dtype(model_cfg.dtype, device)).to(device).eval()
         flatten_parameters(self.model)  # weight sync can then receive straight into the model
         self.params = dict(self.model.named_parameters())
@@ -39,15 +41,14 @@ class HFInferenceEngine:
 
     def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[b, width - len(p) :] = torch.tensor(p)
-            attn[b, width - len(p) :] = 1
+        ids, attn = left_padded(prompts, pad)
+        width = ids.shape[1]
         # top_k=0 samples from the whole distribution: the policy the PPO ratio assumes (the
         # generation config may default to top-k 50).
         kwargs: dict[str, Any] = {}
+        cache = self._shared_prompt_cache(prompts, ids, attn)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
         if sp.stop_strings:
             kwargs |= {"stop_strings": list(sp.stop_strings), "tokenizer": self.tokenizer}
         seqs = self.model.generate(
@@ -64,6 +65,22 @@ class HFInferenceEngine:
                     row.pop()
             responses.append(row)
         return responses
+
+    def _shared_prompt_cache(self, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor) -> Any:
+        """The KV cache of every prompt but its last token, computed once per distinct prompt and
+        selected for each row, when prompts repeat enough to pay (GRPO's groups); ``generate``
+        then runs only the last prompt token of each row before decoding. None otherwise."""
+        firsts, group = distinct_prompts(prompts)
+        if not (self.share_prompts and worth_sharing(len(firsts), len(prompts))) or ids.shape[1] < 2:
+            return None
+        rows = torch.tensor(firsts)
+        mask = attn[rows, :-1]
+        out = self.model(input_ids=ids[rows, :-1].to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(self.device), use_cache=True,
+                         logits_to_keep=1)
+        cache = out.past_key_values
+        cache.reorder_cache(group.to(self.device))
+        return cache
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlbatch import algos
-from rlbatch.engines.batch import pack, unpack
-from rlbatch.engines.defaults import fsdp_single_unit
+from rlbatch.engines.batch import Packed, pack, response_logits, unpack
+from rlbatch.engines.defaults import fsdp_single_unit, share_prompts
 from rlbatch.engines.model import load_model
 from rlbatch.scheduler.offload import TensorStash, grad_tensors, optimizer_tensors
 
@@ -36,8 +36,11 @@ class FSDPEngine:
         self.micro_batch = int(engine_args.get("micro_batch", 0))
         self.dp_group = mesh.get_group("dp")
         model = load_model(model_cfg, tokenizer, seed, torch.float32)
-        if trainable and algo.activation_checkpointing:
+        recompute = trainable and bool(algo.activation_checkpointing)
+        if recompute:
             model.gradient_checkpointing_enable()
+        # A recomputed layer would append its keys to a shared prompt's cache a second time.
+        self.share_prompts = share_prompts(engine_args) and not recompute
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
         dp_mesh = mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
@@ -73,16 +76,18 @@ class FSDPEngine:
     def logprobs(self, samples: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for chunk in self._chunks(samples):
-            b = pack(chunk, self.tokenizer.pad_token_id, self.device)
-            logits = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
-            out += unpack(algos.token_logprobs(logits.float(), b.input_ids[:, 1:]), b.spans)
+            b = self._pack(chunk)
+            out += unpack(algos.token_logprobs(response_logits(self.model, b).float(), b.targets), b.lengths)
         return out
+
+    def _pack(self, chunk: list[dict[str, torch.Tensor]]) -> Packed:
+        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts)
 
     def _loss(self, chunk: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.algo
-        b = pack(chunk, self.tokenizer.pad_token_id, self.device)
-        logits = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
-        logp = algos.token_logprobs(logits, b.input_ids[:, 1:])
+        b = self._pack(chunk)
+        logits = response_logits(self.model, b).float()
+        logp = algos.token_logprobs(logits, b.targets)
         old = b.fields.get("old_logprobs", logp.detach())
         assert b.advantages is not None
         adv = b.advantages[:, None].expand_as(logp)

@@ -72,7 +72,7 @@ def test_the_long_tail_sets_the_decode_steps() -> None:
 
 
 def test_hf_generation_keeps_finished_rows_vllm_drops_them() -> None:
-    algo = {"max_new_tokens": 512, "prompts_per_step": 64}
+    algo = {"max_new_tokens": 512, "prompts_per_step": 512, "samples_per_prompt": 1}  # same prefill for both
     model = {"path": str(MODELS / "qwen2_5_7b")}
     hf = _pred(response=64, model=model, algo=algo, roles=roles("fsdp:d8", "hf:d8", "list(range(0,8))", "list(range(0,8))"))
     vl = _pred(response=64, model=model, algo=algo, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
@@ -88,3 +88,28 @@ def test_cpu_ranks_beyond_the_cores_slow_each_other() -> None:
     # sequences per rank at half the bandwidth stream as long as before.
     assert g4.features["overhead"] == pytest.approx(2 * g2.features["overhead"])
     assert g4.features["roofline"] == pytest.approx(g2.features["roofline"], rel=0.05)
+
+
+def test_repeated_prompts_run_once_per_micro_batch() -> None:
+    """rlbatch's fsdp engine runs each distinct prompt of a micro-batch once and the responses on
+    its cache (rlbatch.engines.batch); the hf engine prefills each distinct prompt once. By hand:
+    a rank's 64 sequences in groups of 16 and 512-token prompts with 64-token responses are
+    4 * 512 + 64 * 63 tokens instead of 64 * (512 + 64)."""
+    algo = {"max_new_tokens": 64, "prompts_per_step": 32, "samples_per_prompt": 16, "mini_batches": 1}
+    model = {"path": str(MODELS / "qwen2_5_7b")}
+    off = {"engine_args": {"share_prompts": False}}
+    shared = _pred(response=1.0, model=model, algo=algo, roles=roles("fsdp:d8", "hf:d8", "list(range(0,8))", "list(range(0,8))"))
+    full = _pred(response=1.0, model=model, algo=algo,
+                 roles=roles("fsdp:d8", "hf:d8", "list(range(0,8))", "list(range(0,8))",
+                             actor_train=off, actor_infer=off, reference=off))
+    ratio = (4 * 512 + 64 * 63) / (64 * (512 + 64))
+    for phase in ("train", "ref_logprobs"):
+        assert shared.phase(phase).features["roofline"] == pytest.approx(  # type: ignore[union-attr]
+            ratio * full.phase(phase).features["roofline"], rel=0.03), phase  # type: ignore[union-attr]
+    assert shared.phase("generate").features["roofline"] < full.phase("generate").features["roofline"]  # type: ignore[union-attr]
+    # activation checkpointing re-runs layers, which would extend a shared cache twice: trained roles run whole
+    ckpt = _pred(response=1.0, model=model, algo=algo | {"activation_checkpointing": True},
+                 roles=roles("fsdp:d8", "hf:d8", "list(range(0,8))", "list(range(0,8))"))
+    full_ckpt = _pred(response=1.0, model=model, algo=algo | {"activation_checkpointing": True},
+                      roles=roles("fsdp:d8", "hf:d8", "list(range(0,8))", "list(range(0,8))", actor_train=off))
+    assert ckpt.phase("train").features == full_ckpt.phase("train").features  # type: ignore[union-attr]
