@@ -1,9 +1,11 @@
 """Per phase kind, the weight of each time feature: priors, or what calibration fitted.
 
 A phase's predicted seconds are ``sum(coef[kind][f] * features[f])``. Seconds-valued features
-(roofline, overhead, comm, transfer, samples: host work per sample) have prior weight 1: the
-hardware profile's numbers are taken at face value. Count-valued features (fixed: 1 per phase; transitions: state kinds moved)
-have priors in seconds that are our guesses until a run is calibrated.
+(roofline, overhead, comm, transfer, samples: host work per sample, workers: the controller's
+messages and wake-ups for the ranks it commands) have prior weight 1: the hardware profile's
+numbers are taken at face value. Count-valued features (fixed: 1 per phase; transitions: state
+kinds moved) have priors in seconds, measured on the cpu profile's VM or guessed, until a run is
+calibrated.
 
 Saved as YAML by ``python -m rlbatch.plan calibrate`` and read by ``--profile FILE``.
 """
@@ -17,10 +19,13 @@ from typing import Any
 from rlbatch.errors import ConfigError
 
 KINDS = ("generate", "reward", "logprobs", "train", "sync", "offload", "reload", "step")
-FEATURES = ("roofline", "overhead", "comm", "transfer", "samples", "fixed", "transitions")
+FEATURES = ("roofline", "overhead", "comm", "transfer", "samples", "fixed", "workers", "transitions")
 PRIORS: dict[str, float] = {
-    "roofline": 1.0, "overhead": 1.0, "comm": 1.0, "transfer": 1.0, "samples": 1.0,
-    "fixed": 2e-3,  # controller round trip of one phase: an MPI command out, a result back (guess)
+    "roofline": 1.0, "overhead": 1.0, "comm": 1.0, "transfer": 1.0, "samples": 1.0, "workers": 1.0,
+    # The controller's part of a phase beyond the ranks' own work that does not depend on how many
+    # ranks it commands (timing.command charges those): the controller's phase time minus the
+    # ranks' time in their handlers, on the cpu profile's VM, came to about 2 ms plus 2.5 ms per rank.
+    "fixed": 2e-3,
     "transitions": 1e-3,  # allocating or freeing one kind of state on the device (guess)
 }
 STEP_FIXED_PRIOR = 5e-3

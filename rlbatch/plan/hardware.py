@@ -56,6 +56,13 @@ class Hardware:
     """Host RSS of one rank before it holds any model state."""
     cores_per_node: int = 0
     """CPU profiles: cores that all ranks of a node share (0 on GPU profiles: no sharing)."""
+    wakeup_s: float = 0.0
+    """CPU profiles: what a phase costs the controller per rank it commands when the node runs more
+    processes (ranks, controller, CPU workers) than it has cores: the rank sleeps while it waits for
+    a command and must be scheduled in among busy processes. 0 on GPU profiles (a core each)."""
+    cache_bw: float = 0.0
+    """CPU profiles: bytes per second one thread streams through an elementwise op whose tensors
+    stay in cache (read plus written); 0: hbm_bw."""
     llc_bytes: float = 0.0
     """CPU profiles: last-level cache of a node. A pass whose working set, summed over the node's
     active ranks, fits in it streams at every rank's own rate; else the ranks share host_mem_bw.

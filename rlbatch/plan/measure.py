@@ -61,6 +61,15 @@ def memcpy_bw(threads: int, nbytes: int = 256 << 20) -> float:
     return nbytes / _best(lambda: dst.copy_(src))
 
 
+def cache_bw(nbytes: int = 1 << 20) -> float:
+    """Bytes read plus written per second by one thread's elementwise op on tensors that stay in cache."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b, c = (torch.randn(nbytes // 4) for _ in range(3))
+    return 3 * nbytes / _best(lambda: torch.mul(a, b, out=c), inner=50)
+
+
 def _gloo_worker(rank: int, port: int, q: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -103,6 +112,7 @@ def main() -> None:
     mm1, mm2 = matmul_flops(1), matmul_flops(2)
     ovh = op_overhead()
     cp1, cp2 = memcpy_bw(1), memcpy_bw(2)
+    cache = cache_bw()
     alpha, bw = gloo_allreduce()
     print(f"# measured by: .venv/bin/python -m rlbatch.plan.measure  (torch {torch.__version__}, {os.cpu_count()} cores)")
     print("# fp32 matmul FLOP/s, 1 thread, by size: " + ", ".join(f"{n}: {v:.3g}" for n, v in mm1.items()))
@@ -113,6 +123,7 @@ def main() -> None:
     print(f"hbm_bw: {cp1:.4g}")
     print(f"pcie_bw: {cp1:.4g}")
     print(f"host_mem_bw: {max(cp1, cp2):.4g}")
+    print(f"cache_bw: {cache:.4g}")
     print(f"intra_alpha_s: {alpha:.3g}")
     print(f"intra_bw: {bw:.4g}")
 

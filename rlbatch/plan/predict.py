@@ -142,6 +142,13 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
     return out
 
 
+def _workers(ph: Phase, layout: Layout) -> int:
+    """Processes the controller commands and waits for in this phase."""
+    if not ph.active:
+        return layout.roles["reward"].world_size if "reward" in layout.roles else 1
+    return len({k for r in ph.active for k in layout.roles[r].ranks})
+
+
 def _concurrent(layout: Layout, g: GpuKind) -> int:
     return layout.ranks_per_node(g.ranks)
 
@@ -221,6 +228,7 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     times: list[PhaseTime] = []
     for ph in phases:
         f = _work(ph, layout, mems, shape, w, e, hw)
+        f["workers"] = timing.command(_workers(ph, layout), hw, layout)
         rel, off = per_phase[ph.name]
         times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or ("reward",), f, coef.seconds(ph.kind, f), rel, off))
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):

@@ -49,19 +49,29 @@ SYNC_OPS_PER_TENSOR = 6
 """Weight sync per tensor: gather to full, cast, copy into the engine, bookkeeping."""
 COPY_OPS_PER_TENSOR = 2
 """Offload / reload per tensor: one copy and one free or allocation."""
-SAMPLE_OPS_GENERATE = 27
-"""Host work per generated sample on its rank: tokenize the prompt, put prompt and response
-tensors into the sample store (measured on the cpu profile's VM: 64 us, 27 op-equivalents)."""
-SAMPLE_OPS_PASS = 13
-"""Host work per sample of a log-prob or training pass: the sample store's get/put, ``pack`` and
-``unpack``, the sample's dict. Measured at 13 op-equivalents when ``pack`` looped over samples; it
-is vectorised now (about 1.5 of them), yet a term this size still matches the per-sample slope of
-the recorded runs' passes, so per-sample cost remains elsewhere (not yet located)."""
+SAMPLE_OPS_GENERATE = 1.6
+"""Host work per generated sample on its rank outside the model: the prompt's tokens (encoded once
+per distinct prompt), left padding, the response's list and tensor, two sample-store puts.
+Measured on the cpu profile's VM (op_overhead_s 5.8 us) at 9.3-10.1 us for 256-1024 samples."""
+SAMPLE_OPS_PASS = 1.0
+"""Host work per sample of a log-prob pass: the store's get and put, ``pack``, ``unpack``
+(measured the same way: 4.9-6.6 us)."""
+SAMPLE_OPS_TRAIN = 3.0
+"""Host work per sample of a training call: its advantage tensor, the store's get of five fields,
+``pack`` per mini-batch (measured the same way: 17-19 us)."""
+CPU_ATTN_OPS = 0.15
+"""On a CPU profile, scaled_dot_product_attention costs about 0.6-0.9 us per (sequence, head)
+per layer and model call however short the sequences (one small problem each; 2 us with its
+backward), which a tiny model's token count does not show: measured on the cpu profile's VM
+for 256-1024 sequences of 1-7 query tokens, 4 heads. A GPU runs those problems in parallel."""
 SHARD_COLLECTIVE_OPS = 450
 """Host cost of one FSDP2 collective on a CPU profile beyond the link's latency: copy-in, the gloo
 call, copy-out, the hooks, and waiting for the peer that ranks sharing cores makes likely. Measured
 on the cpu profile's VM with a unit per layer (27 collectives per two-mini-batch train call of the
 2-layer model): d2 training and log-prob passes cost about 2.7 ms per collective more than d1."""
+WORKER_OPS = 4
+"""The controller's work per rank it commands in a phase: pickle and send the command, receive and
+unpickle the reply (a few op-equivalents)."""
 REWARD_OPS_PER_SAMPLE = 20
 """A rule reward per sample: decode, parse, compare (a few Python-level op equivalents)."""
 
@@ -84,14 +94,14 @@ def rates(hw: Hardware, layout: Layout, active: int, working_set: float = math.i
     threads = max(1, layout.cpus_per_task)
     cores = max(1, hw.cores_per_node)
     share = min(float(threads), cores / max(1, active))
-    # In cache, each rank streams at its cores' share of the per-thread bandwidth; beyond it the
+    # In cache, each rank streams at its cores' share of the per-thread cache bandwidth; beyond it the
     # ranks split the node's memory bus (measured on the cpu profile's VM, 35.8 MiB L3: two
     # processes copying 4-8 MiB each keep 90 % of one process's rate, 256 MiB copies halve it).
     # The fraction of the working set that fits streams at the rank's own rate, the rest at its share.
     cached = min(1.0, hw.llc_bytes / max(1e-9, max(1, active) * working_set))
-    own = hw.hbm_bw * share
-    shared = min(own, hw.host_mem_bw / max(1, active))
-    bw = 1.0 / (cached / own + (1.0 - cached) / shared)
+    in_cache = (hw.cache_bw or hw.hbm_bw) * share
+    shared = min(hw.hbm_bw * share, hw.host_mem_bw / max(1, active))
+    bw = 1.0 / (cached / in_cache + (1.0 - cached) / shared)
     return Rates(hw.peak_flops * hw.mfu * share, bw * hw.mbu, max(1.0, active / cores))
 
 
@@ -162,7 +172,8 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
         hop = comm.all_reduce(0.0, tp, lk)
         per_byte = comm.all_reduce(1.0, tp, lk) - hop
         comm_s += waves * 2 * shape.layers / pp * (len(batch) * hop + per_byte * float(batch.sum()) * shape.hidden * e)
-    samples = seqs * SAMPLE_OPS_GENERATE * hw.op_overhead_s * rt.slow
+    per_seq = SAMPLE_OPS_GENERATE + (_cpu_attention_ops(shape, pp) * (steps / waves + 1) if hw.is_cpu else 0.0)
+    samples = seqs * per_seq * hw.op_overhead_s * rt.slow
     return {"roofline": roof, "overhead": overhead, "comm": comm_s, "samples": samples, "fixed": 1.0}
 
 
@@ -215,6 +226,11 @@ def _bubble(b: BackendSpec, micro: int) -> float:
     return (micro + b.p - 1) / micro if b.p > 1 else 1.0
 
 
+def _cpu_attention_ops(shape: ModelShape, pp: int) -> float:
+    """Op-equivalents of one sequence's attention through one model call on a CPU profile."""
+    return CPU_ATTN_OPS * shape.heads * math.ceil(shape.layers / pp)
+
+
 def _pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, float, int]:
     """(tokens, logit rows, model calls) of one micro-batch of ``mb`` sequences. rlbatch's fsdp
     engine runs each distinct prompt once with only its last position's logits, then the
@@ -258,7 +274,12 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     roof *= _bubble(b, micro)
     # Backward runs in autograd's C++ engine: about as much host work as the Python forward.
     ops = calls * (models * _fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
-    samples = repeats * seqs * SAMPLE_OPS_PASS * hw.op_overhead_s * rt.slow
+    # Attention problems: one per sequence and head in its (full or response) call, plus one per
+    # distinct prompt when prompts are shared; backward about twice the forward.
+    calls_per_seq = 1.0 + (w.distinct_prompts(mb) / mb if models == 2 else 0.0)
+    per_seq = (SAMPLE_OPS_TRAIN if train else SAMPLE_OPS_PASS) + (
+        _cpu_attention_ops(shape, p) * calls_per_seq * (3 if train else 1) if hw.is_cpu else 0.0)
+    samples = repeats * seqs * per_seq * hw.op_overhead_s * rt.slow
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
     n, dl = _dp_link(layout, r, hw)
     if hw.is_cpu:  # gloo works on the rank's own cores: sharding comm does not hide behind compute
@@ -279,6 +300,15 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
             comm_s += steps * max(0.0, dpc - roof / max(1, steps * w.grad_accum))
     return {"roofline": roof, "overhead": ops * hw.op_overhead_s * rt.slow, "comm": comm_s, "samples": samples,
             "fixed": 1.0}
+
+
+def command(workers: int, hw: Hardware, layout: Layout) -> float:
+    """Seconds the controller adds to a phase for the ranks it commands: their messages, and on a
+    CPU node with more processes (ranks, controller, CPU workers) than cores, one wake-up each:
+    a rank waiting for its command is asleep and must be scheduled in."""
+    procs = min(layout.num_gpus, layout.gpus_per_node) + 1 + sum(r.world_size for r in layout.roles.values() if not r.is_gpu)
+    wake = hw.wakeup_s if hw.is_cpu and procs > max(1, hw.cores_per_node) else 0.0
+    return workers * (WORKER_OPS * hw.op_overhead_s + wake)
 
 
 def reward(r: RoleLayout | None, w: Workload, hw: Hardware) -> Features:

@@ -18,6 +18,7 @@ import torch
 
 from rlbatch import algos
 from rlbatch.data.source import make_stream
+from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.runtime.world import World
@@ -43,6 +44,7 @@ def controller(world: World, cfg: Any, run: RunDir) -> None:
     data, fingerprint = make_stream(cfg.data, int(cfg.seed))
     ckpt = Checkpointer(pipe, run, cfg, data, fingerprint)
     start = ckpt.resume()
+    heap.settle()  # the controller's long-lived objects exist now: keep them out of collections
     if start > 0:
         actor_train.sync_weights(actor_infer)  # inference weights are not checkpointed
     preemption = Preemption(cfg.cluster, read_env())

@@ -19,6 +19,7 @@ from rlbatch import algos
 from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.engines.base import SamplingParams, engine_class
 from rlbatch.engines.model import load_tokenizer
+from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
@@ -58,7 +59,12 @@ class RankRuntime:
         self.broadcast = WeightBroadcast()
 
     def handlers(self) -> dict[str, Any]:
-        return {"phase": self.phase, "ready": lambda: None}
+        return {"phase": self.phase, "ready": self.ready}
+
+    def ready(self) -> None:
+        """The engines are built: nothing long-lived is allocated after this."""
+        frozen, secs = heap.settle()
+        log.info("heap settled: %d objects frozen out of garbage collection in %.2fs", frozen, secs)
 
     def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: dict[str, Any] | None,
               drop: list[int] | None = None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import MODELS, make_config, make_layout, roles
 
-from rlbatch.plan import comm
+from rlbatch.plan import comm, timing
 from rlbatch.plan.hardware import load_hardware
 from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.predict import predict
@@ -113,3 +113,29 @@ def test_repeated_prompts_run_once_per_micro_batch() -> None:
     full_ckpt = _pred(response=1.0, model=model, algo=algo | {"activation_checkpointing": True},
                       roles=roles("fsdp:d8", "hf:d8", "list(range(0,8))", "list(range(0,8))", actor_train=off))
     assert ckpt.phase("train").features == full_ckpt.phase("train").features  # type: ignore[union-attr]
+
+
+def test_in_cache_traffic_streams_at_the_cache_bandwidth() -> None:
+    """On a CPU profile a working set that fits the last-level cache streams at cache_bw times the
+    rank's share of the cores; beyond it the rest shares the memory bus (host_mem_bw / ranks)."""
+    hw = load_hardware("cpu", {"cache_bw": 20e9, "hbm_bw": 3e9, "host_mem_bw": 4e9, "llc_bytes": 32e6, "cores_per_node": 2})
+    layout = make_layout(make_config(roles=roles("fsdp:d2", "hf:d2", [0, 1], [0, 1])))
+    assert timing.rates(hw, layout, 2, working_set=1e6).bw == pytest.approx(20e9 * hw.mbu)
+    # 2 ranks x 64 MB: a quarter of it cached at 20 GB/s, the rest at min(3, 4 / 2) GB/s
+    half = 1.0 / (0.25 / 20e9 + 0.75 / 2e9)
+    assert timing.rates(hw, layout, 2, working_set=64e6).bw == pytest.approx(half * hw.mbu)
+    assert timing.rates(load_hardware("cpu", {"cache_bw": 0.0, "llc_bytes": 32e6}), layout, 2, 1e6).bw == pytest.approx(
+        load_hardware("cpu").hbm_bw * load_hardware("cpu").mbu)  # unknown: hbm_bw
+
+
+def test_commanding_ranks_costs_a_wakeup_each_only_on_an_oversubscribed_cpu_node() -> None:
+    cpu = load_hardware("cpu", {"wakeup_s": 2e-3, "op_overhead_s": 5e-6, "cores_per_node": 2})
+    two = make_layout(make_config(roles=roles("fsdp:d2", "hf:d2", [0, 1], [0, 1])))  # 2 ranks + controller + reward
+    assert timing.command(2, cpu, two) == pytest.approx(2 * (timing.WORKER_OPS * 5e-6 + 2e-3))
+    roomy = load_hardware("cpu", {"wakeup_s": 2e-3, "op_overhead_s": 5e-6, "cores_per_node": 8})
+    assert timing.command(2, roomy, two) == pytest.approx(2 * timing.WORKER_OPS * 5e-6)
+    gpu = load_hardware("h100_sxm")
+    assert timing.command(8, gpu, two) == pytest.approx(8 * timing.WORKER_OPS * gpu.op_overhead_s)
+    # the phase's feature counts the ranks it commands: 2 colocated, 1 per role disaggregated
+    p = predict(two, shape_from_config(make_config()["model"]), workload_from_config(make_config()), cpu)
+    assert p.phase("train").features["workers"] == pytest.approx(timing.command(2, cpu, two))  # type: ignore[union-attr]
