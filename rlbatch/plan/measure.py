@@ -70,6 +70,60 @@ def cache_bw(nbytes: int = 1 << 20) -> float:
     return 3 * nbytes / _best(lambda: torch.mul(a, b, out=c), inner=50)
 
 
+def per_sample_host(n: int = 512) -> dict[str, float]:
+    """Seconds per sample of the host work around a pass (what timing.SAMPLE_OPS_* stand for): the
+    sample store's puts and gets, left padding, ``pack`` and ``unpack``, on GRPO-shaped samples."""
+    import torch
+
+    from rlbatch.engines.batch import distinct_prompts, left_padded, pack, unpack
+    from rlbatch.runtime.dataplane import SampleStore
+
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    prompts = [[1, 4 + k // 32 % 10, 14, 4, 17] for k in range(n)]  # groups of 32 samples
+    store = SampleStore()
+
+    def generate() -> None:
+        left_padded(prompts, 0)
+        distinct_prompts(prompts)
+        tensors = {tuple(p): torch.tensor(p) for p in prompts}
+        for sid, p in enumerate(prompts):
+            store.put(sid, "prompt", tensors[tuple(p)])
+            store.put(sid, "response", torch.tensor([5, 2]))
+
+    generate()
+    ids = list(range(n))
+
+    def logprobs() -> None:
+        b = pack(store.get(ids, ["prompt", "response"]), 0, cpu, share_prompts=True)
+        for sid, v in zip(ids, unpack(torch.zeros(n, 2), b.lengths), strict=True):
+            store.put(sid, "old_logprobs", v)
+            store.put(sid, "ref_logprobs", v)
+
+    logprobs()
+
+    def train() -> None:
+        for sid in ids:
+            store.put(sid, "advantage", torch.tensor(0.5))
+        s = store.get(ids, ["prompt", "response", "old_logprobs", "ref_logprobs", "advantage"])
+        pack(s[: n // 2], 0, cpu, share_prompts=True)
+        pack(s[n // 2 :], 0, cpu, share_prompts=True)
+
+    return {k: _best(f) / n for k, f in (("generate", generate), ("logprobs", logprobs), ("train", train))}
+
+
+def attention_problem(seqs: int = 512, heads: int = 4) -> float:
+    """Seconds per (sequence, head) of one scaled_dot_product_attention over a response token on
+    its prompt's cache (timing.CPU_ATTN_OPS): a tiny model's attention is many small problems."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    q, k, v = torch.randn(seqs, heads, 1, 16), torch.randn(seqs, heads, 6, 16), torch.randn(seqs, heads, 6, 16)
+    mask = torch.ones(seqs, 1, 1, 6, dtype=torch.bool)
+    return _best(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), inner=10) / (seqs * heads)
+
+
 def _gloo_worker(rank: int, port: int, q: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -109,11 +163,14 @@ def gloo_allreduce() -> tuple[float, float]:
 def main() -> None:
     import torch
 
+    from rlbatch.plan.hardware import load_hardware
+
     mm1, mm2 = matmul_flops(1), matmul_flops(2)
     ovh = op_overhead()
     cp1, cp2 = memcpy_bw(1), memcpy_bw(2)
     cache = cache_bw()
     alpha, bw = gloo_allreduce()
+    host, attn = per_sample_host(), attention_problem()
     print(f"# measured by: .venv/bin/python -m rlbatch.plan.measure  (torch {torch.__version__}, {os.cpu_count()} cores)")
     print("# fp32 matmul FLOP/s, 1 thread, by size: " + ", ".join(f"{n}: {v:.3g}" for n, v in mm1.items()))
     print("# fp32 matmul FLOP/s, 2 threads, by size: " + ", ".join(f"{n}: {v:.3g}" for n, v in mm2.items()))
@@ -125,6 +182,10 @@ def main() -> None:
     print(f"host_mem_bw: {max(cp1, cp2):.4g}")
     print(f"cache_bw: {cache:.4g}")
     print(f"intra_alpha_s: {alpha:.3g}")
+    unit = load_hardware("cpu").op_overhead_s  # the op-equivalent rlbatch/plan/timing.py counts in
+    print(f"# planner constants (rlbatch/plan/timing.py) in op-equivalents of the cpu profile's {unit * 1e6:.1f} us:")
+    print("#   SAMPLE_OPS_GENERATE/PASS/TRAIN: " + ", ".join(f"{k} {v * 1e6:.1f} us = {v / unit:.2g}" for k, v in host.items()))
+    print(f"#   CPU_ATTN_OPS: {attn * 1e6:.2f} us = {attn / unit:.2g}")
     print(f"intra_bw: {bw:.4g}")
 
 

@@ -52,18 +52,20 @@ COPY_OPS_PER_TENSOR = 2
 SAMPLE_OPS_GENERATE = 1.6
 """Host work per generated sample on its rank outside the model: the prompt's tokens (encoded once
 per distinct prompt), left padding, the response's list and tensor, two sample-store puts.
-Measured on the cpu profile's VM (op_overhead_s 5.8 us) at 9.3-10.1 us for 256-1024 samples."""
+Measured on the cpu profile's VM (op_overhead_s 5.8 us) at 9.3-13.9 us (``python -m
+rlbatch.plan.measure`` prints these constants)."""
 SAMPLE_OPS_PASS = 1.0
 """Host work per sample of a log-prob pass: the store's get and put, ``pack``, ``unpack``
 (measured the same way: 4.9-6.6 us)."""
 SAMPLE_OPS_TRAIN = 3.0
 """Host work per sample of a training call: its advantage tensor, the store's get of five fields,
-``pack`` per mini-batch (measured the same way: 17-19 us)."""
+``pack`` per mini-batch (measured the same way: 15-19 us)."""
 CPU_ATTN_OPS = 0.15
 """On a CPU profile, scaled_dot_product_attention costs about 0.6-0.9 us per (sequence, head)
 per layer and model call however short the sequences (one small problem each; 2 us with its
 backward), which a tiny model's token count does not show: measured on the cpu profile's VM
-for 256-1024 sequences of 1-7 query tokens, 4 heads. A GPU runs those problems in parallel."""
+for 256-1024 sequences of 1-7 query tokens, 4 heads (0.55-0.9 us with 1). A GPU runs those
+problems in parallel."""
 SHARD_COLLECTIVE_OPS = 450
 """Host cost of one FSDP2 collective on a CPU profile beyond the link's latency: copy-in, the gloo
 call, copy-out, the hooks, and waiting for the peer that ranks sharing cores makes likely. Measured

@@ -51,3 +51,13 @@ def test_cuda_device_names_pick_their_profile_and_near_misses_pick_none() -> Non
     for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-40GB"):
         assert profile_for_device(name) is None
     assert set(DEVICE_PROFILES.values()) <= set(available())
+
+
+def test_measure_helpers_run_on_this_machine() -> None:
+    """The measurements behind cache_bw and the planner's per-sample constants (small sizes)."""
+    from rlbatch.plan import measure
+
+    assert measure.cache_bw(1 << 16) > 1e8
+    host = measure.per_sample_host(64)
+    assert set(host) == {"generate", "logprobs", "train"} and all(0 < v < 1e-2 for v in host.values())
+    assert 0 < measure.attention_problem(seqs=32) < 1e-3
