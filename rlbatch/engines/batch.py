@@ -150,7 +150,7 @@ def response_logits(model: Any, batch: Packed) -> torch.Tensor:
                 use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1][x.group][:, None]  # scores response token 0
     if x.suffix_ids.shape[1] == 0:
-        return first
+        return first[:, : batch.targets.shape[1]]  # responses of at most one token (or none)
     cache = out.past_key_values
     cache.reorder_cache(x.group)  # index_select per layer: its backward sums into the shared rows
     mask = torch.cat([x.prefix_mask[x.group], x.suffix_mask], dim=1)

@@ -1,5 +1,5 @@
-"""tools/bench/vs_trl.py end to end on a tiny workload: TRL and rlbatch (1 and 2 ranks) both run
-and the report ends with the speedup line."""
+"""tools/bench/ end to end on tiny workloads: vs_trl.py runs TRL and rlbatch (1 and 2 ranks) and
+ends with the speedup line; overheads.py prints every ratio."""
 
 from __future__ import annotations
 
@@ -29,3 +29,14 @@ def test_vs_trl_runs_both_frameworks_on_the_same_workload(run_root: Path) -> Non
     speedup = max(r["samples_per_s"] for r in result["results"][1:]) / result["results"][0]["samples_per_s"]
     assert last == f"speedup vs TRL: {speedup:.2f}x"
     assert (run_root / "bench" / "reward_curves.png").stat().st_size > 0
+
+
+def test_overheads_prints_every_ratio() -> None:
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/overheads.py"), "--ranks", "3", "--mb", "1",
+                          "--iters", "3"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {line.split(" ours ")[0].strip(): line for line in out.stdout.splitlines() if " ratio " in line}
+    assert set(rows) == {"control plane round trip", "control floor: bare send/recv", "data plane vs send/recv",
+                         "data plane vs broadcast", "offload + reload", "weight sync"}, out.stdout
+    for line in rows.values():
+        assert float(line.rsplit("ratio", 1)[1].strip().rstrip("x")) > 0, line

@@ -122,3 +122,12 @@ def test_left_padded_prompts_end_in_the_last_column() -> None:
     ids, attn = left_padded([[5, 6, 7], [8], [9, 4]], PAD)
     assert ids.tolist() == [[5, 6, 7], [PAD, PAD, 8], [PAD, 9, 4]]
     assert attn.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+
+
+def test_empty_and_one_token_responses_in_a_shared_batch() -> None:
+    model = build_tiny_model(TinyModelConfig(seed=1))
+    for r in (0, 1):
+        samples = make_samples([(3, r)] * 4, seed=2, prompts=1)
+        b = pack(samples, PAD, CPU, share_prompts=True)
+        assert isinstance(b.inputs, Shared)
+        assert response_logits(model, b).shape[:2] == (4, r)

@@ -5,6 +5,7 @@
 Starts itself under mpiexec (the mpich wheel's) with --ranks processes on this machine and
 prints, each as a ratio (ours / raw, lower is better, 1.00 = no overhead):
   control plane   Controller.call round trip to every rank   vs  MPI barrier
+                  (and its floor: bare blocking pickled send/recv to every rank, vs the barrier)
   data plane      exchange() of a sample payload rank 0 -> 1  vs  raw torch.distributed send/recv
                                                               and raw broadcast of the same bytes
   offload+reload  TensorStash round trip of --mb MB           vs  raw copy of the same bytes there and back
@@ -63,6 +64,22 @@ def worker(args: argparse.Namespace) -> None:
         t_call = 0.0
     t_barrier = _median_time(comm.Barrier, args.iters * 5)
     results["control plane round trip"] = (t_call, t_barrier)
+    # The floor any Python control plane over mpi4py starts from: the same round trip with bare
+    # blocking pickled send/recv (no timeout, no reply matching, MPI's own spinning waits).
+    if rank == controller:
+        def bare() -> None:
+            for r in workers:
+                comm.send(("noop", {}), dest=r, tag=21)
+            for r in workers:
+                comm.recv(source=r, tag=22)
+        t_bare = _median_time(bare, args.iters * 5)
+        for r in workers:
+            comm.send(None, dest=r, tag=21)
+    else:
+        while comm.recv(source=controller, tag=21) is not None:
+            comm.send(None, dest=controller, tag=22)
+        t_bare = 0.0
+    results["control floor: bare send/recv"] = (t_bare, t_barrier)
 
     # data plane: one sample of --mb MB worth of tokens from rank 0 to rank 1
     n = args.mb * (1 << 20) // 8
