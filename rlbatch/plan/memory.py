@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlbatch.engines.defaults import fsdp_single_unit, hf_max_batch
+from rlbatch.engines.defaults import fsdp_single_unit, hf_max_batch, share_prompts, worth_sharing
 from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
 from rlbatch.plan.hardware import Hardware
@@ -84,6 +84,22 @@ def fsdp_units(r: RoleLayout, shape: ModelShape) -> int:
     return shape.layers + 1
 
 
+def pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, float, int]:
+    """(tokens, logit rows, model calls) of one micro-batch of ``mb`` sequences. rlbatch's fsdp
+    engine runs each distinct prompt once with only its last position's logits, then the
+    responses (all but their last token) on its cache: two model calls
+    (``rlbatch.engines.batch``); otherwise every sequence runs whole, logits at every position."""
+    b = r.backend
+    assert b is not None
+    trained = r.name in ("actor_train", "critic")
+    distinct = w.distinct_prompts(mb)
+    if (b.engine == "fsdp" and b.c == 1 and share_prompts(r.engine_args) and not (trained and w.recompute)
+            and worth_sharing(distinct, mb)):
+        suffix = mb * max(w.response_max - 1, 0)
+        return distinct * w.prompt_len + suffix, distinct + suffix, 2
+    return mb * s, mb * s, 1
+
+
 def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_only: bool) -> RoleMemory:
     """fsdp / deepspeed / megatron: weights, grads and Adam state by sharding; activations by micro-batch."""
     assert r.backend is not None
@@ -132,9 +148,12 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     s = w.seq_len / c
     vocab = 1 if r.name == "critic" else shape.vocab  # the critic's head is a scalar per token
-    fwd = {  # rlbatch computes logits at every position of the padded sequence
-        "activations": act.forward_working_bytes(shape, s, fmb, e, t),
-        "logits": act.logits_bytes(fmb * s, vocab, e, t),
+    # Tokens and logit rows per micro-batch: every position of the padded sequences, or with shared
+    # prompts each distinct prompt once (logits at its last position) plus the responses.
+    ftok, frows, _ = pass_tokens(r, w, fmb, s)
+    fwd = {
+        "activations": act.forward_working_bytes(shape, ftok / fmb, fmb, e, t),
+        "logits": act.logits_bytes(frows, vocab, e, t),
     }
     if buffers:
         fwd["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = buffers * (0.5 if forward_only and b.engine == "fsdp" else 1)
@@ -142,10 +161,12 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     if not forward_only:
         recompute = "full" if w.recompute else "none"
         in_flight = min(p, w.grad_accum) if p > 1 else 1  # 1F1B: micro-batches in flight on stage 0
-        acts = layers_held * in_flight * act.layer_bytes(shape, s, mb, e, t, sp=sp, recompute=recompute)
+        ttok, trows, _ = pass_tokens(r, w, mb, s)
+        st = ttok / mb  # tokens per sequence, prompts shared or not
+        acts = layers_held * in_flight * act.layer_bytes(shape, st, mb, e, t, sp=sp, recompute=recompute)
         if recompute == "full":  # the layer being recomputed holds its full activations
-            acts += act.layer_bytes(shape, s, mb, e, t, sp=sp)
-        train = {"activations": acts, "logits": act.logits_bytes(mb * s, vocab, e, t, train=True, entropy=w.entropy)}
+            acts += act.layer_bytes(shape, st, mb, e, t, sp=sp)
+        train = {"activations": acts, "logits": act.logits_bytes(trows, vocab, e, t, train=True, entropy=w.entropy)}
         if buffers:
             train["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = buffers
         transient["train"] = train

@@ -27,7 +27,7 @@ from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
-from rlbatch.plan.memory import RoleMemory, fsdp_units, logprob_micro_batch, train_micro_batch
+from rlbatch.plan.memory import RoleMemory, fsdp_units, logprob_micro_batch, pass_tokens, train_micro_batch
 from rlbatch.plan.model import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.workload import Workload
 
@@ -233,22 +233,6 @@ def _cpu_attention_ops(shape: ModelShape, pp: int) -> float:
     return CPU_ATTN_OPS * shape.heads * math.ceil(shape.layers / pp)
 
 
-def _pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, float, int]:
-    """(tokens, logit rows, model calls) of one micro-batch of ``mb`` sequences. rlbatch's fsdp
-    engine runs each distinct prompt once with only its last position's logits, then the
-    responses (all but their last token) on its cache: two model calls
-    (``rlbatch.engines.batch``); otherwise every sequence runs whole, logits at every position."""
-    b = r.backend
-    assert b is not None
-    trained = r.name in ("actor_train", "critic")
-    distinct = w.distinct_prompts(mb)
-    if (b.engine == "fsdp" and b.c == 1 and share_prompts(r.engine_args) and not (trained and w.recompute)
-            and worth_sharing(distinct, mb)):
-        suffix = mb * max(w.response_max - 1, 0)
-        return distinct * w.prompt_len + suffix, distinct + suffix, 2
-    return mb * s, mb * s, 1
-
-
 def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout,
                  train: bool, tensors: int = 0, opt_bytes: float = 0.0, working_set: float = math.inf) -> Features:
     """A log-prob pass (train=False) or the training of one role (train=True) on its busiest rank."""
@@ -262,7 +246,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     repeats = w.epochs if train else 1
     calls = repeats * math.ceil(seqs / mb)
     mult = (4.0 if w.recompute else 3.0) if train else 1.0
-    tokens, rows, models = _pass_tokens(r, w, mb, s)
+    tokens, rows, models = pass_tokens(r, w, mb, s)
     flops = calls * tokens * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
     vocab = 1 if r.name == "critic" else shape.vocab
     rows *= calls

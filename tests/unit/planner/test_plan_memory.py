@@ -34,8 +34,10 @@ def test_fsdp_model_states_are_16_bytes_per_param_over_the_shards(d: int, h100) 
 
 
 def test_tensor_parallel_divides_weights_and_activations(h100) -> None:  # type: ignore[no-untyped-def]
-    base = make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
-    tp = make_config(algo=ALGO, roles=roles("fsdp:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    # Prompts run in full: a micro-batch then holds the same tokens per sequence whatever its size.
+    full = {"engine_args": {"share_prompts": False}}
+    base = make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", actor_train=full))
+    tp = make_config(algo=ALGO, roles=roles("fsdp:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))", actor_train=full))
     w = workload_from_config(base, 512)
     a = role_memory(make_layout(base).roles["actor_train"], Q7B, w, 2, h100)
     b = role_memory(make_layout(tp).roles["actor_train"], Q7B, w, 2, h100)
@@ -71,12 +73,14 @@ def test_colocated_peak_follows_what_is_offloaded() -> None:
 
 
 def test_activations_dominate_an_oom_without_gradient_accumulation() -> None:
+    # Prompts run in full in both (recompute turns sharing off): recompute alone is compared.
+    full = {"engine_args": {"share_prompts": False, "micro_batch": 4}}
     p = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO | {"grad_accum": 1},
-                 roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", micro_batch=4))
+                 roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", actor_train=full))
     assert any("phase train" in x and "actor_train activations" in x for x in p.problems), p.problems
     with_recompute = _predict(model={"path": str(MODELS / "qwen2_5_7b")},
                               algo=ALGO | {"grad_accum": 1, "activation_checkpointing": True},
-                              roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", micro_batch=4))
+                              roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", actor_train=full))
     peak = lambda pr: max(g.peak()[1] for g in pr.gpus)  # noqa: E731
     assert peak(with_recompute) < peak(p) / 2
 
@@ -100,3 +104,18 @@ def test_whole_share_log_prob_passes_blow_up_on_big_vocabularies() -> None:
     p = _predict(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO,
                  roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     assert any("largest term: actor_train logits" in x or "largest term: reference logits" in x for x in p.problems)
+
+
+def test_shared_prompts_hold_each_prompt_once_in_activations_and_logits(h100) -> None:  # type: ignore[no-untyped-def]
+    """A micro-batch of 16 sequences in groups of 8 (2 distinct 512-token prompts, 1024-token
+    responses) holds 2 * 512 + 16 * 1023 tokens of activations instead of 16 * 1536, and logits for
+    2 + 16 * 1023 positions instead of 16 * 1536."""
+    algo = ALGO | {"grad_accum": 4}
+    off = {"engine_args": {"share_prompts": False}}
+    shared = make_config(algo=algo, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    full = make_config(algo=algo, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", actor_train=off))
+    w = workload_from_config(shared, 512)
+    a = role_memory(make_layout(shared).roles["actor_train"], Q7B, w, 2, h100).transient["train"]
+    b = role_memory(make_layout(full).roles["actor_train"], Q7B, w, 2, h100).transient["train"]
+    assert a["logits"] == pytest.approx(b["logits"] * (2 + 16 * 1023) / (16 * 1536))
+    assert a["activations"] < b["activations"] * (2 * 512 + 16 * 1023) / (16 * 1536) * 1.05
