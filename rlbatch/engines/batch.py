@@ -114,30 +114,40 @@ def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.devi
     adv = (torch.stack([s["advantage"].float().reshape(()) for s in samples])
            if samples and all("advantage" in s for s in samples) else None)
 
-    inputs: Full | Shared
-    firsts, group = distinct_prompts(prompts) if share_prompts else ([], torch.arange(B))
-    if share_prompts and worth_sharing(len(firsts), B):
-        up = plen[firsts]
-        P = int(up.max())
-        prefix_ids = fill_rows([prompts[i] for i in firsts], up, P - up, P, pad_id, torch.long)
-        prefix_mask = (torch.arange(P)[None, :] >= (P - up)[:, None]).long()
-        prefix_pos = (prefix_mask.cumsum(1) - 1).clamp(min=0)
-        slen = (rlen - 1).clamp(min=0)
-        suffix_ids = targets[:, : max(R - 1, 0)].clone()
-        suffix_mask = (torch.arange(max(R - 1, 0))[None, :] < slen[:, None]).long()
-        suffix_pos = plen[:, None] + torch.arange(max(R - 1, 0))[None, :]
-        inputs = Shared(*(t.to(device) for t in (prefix_ids, prefix_mask, prefix_pos, group, suffix_ids,
-                                                 suffix_mask, suffix_pos)))
-    else:
-        total = plen + rlen
-        L = int(total.max()) if samples else 0
-        ids = fill_rows(prompts, plen, torch.zeros_like(plen), L, pad_id, torch.long)
-        ids[_positions(rlen, plen)] = torch.cat(responses) if samples else ids.new_empty(0)
-        attn = (torch.arange(L)[None, :] < total[:, None]).long()
-        index = (plen[:, None] - 1 + torch.arange(R)[None, :]).clamp(max=max(L - 1, 0))
-        inputs = Full(ids.to(device), attn.to(device), index.to(device))
+    inputs: Full | Shared | None = None
+    if share_prompts:
+        firsts, group = distinct_prompts(prompts)
+        if worth_sharing(len(firsts), B):
+            inputs = _shared(prompts, plen, rlen, targets, firsts, group, pad_id, device)
+    if inputs is None:
+        inputs = _full(prompts, responses, plen, rlen, pad_id, device)
     return Packed(inputs, targets.to(device), mask.to(device), {f: t.to(device) for f, t in fields.items()},
                   adv.to(device) if adv is not None else None, rlen.tolist())
+
+
+def _full(prompts: list[torch.Tensor], responses: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor,
+          pad_id: int, device: torch.device) -> Full:
+    total = plen + rlen
+    L, R = (int(total.max()), int(rlen.max())) if prompts else (0, 0)
+    ids = fill_rows(prompts, plen, torch.zeros_like(plen), L, pad_id, torch.long)
+    if prompts:
+        ids[_positions(rlen, plen)] = torch.cat(responses)
+    attn = (torch.arange(L)[None, :] < total[:, None]).long()
+    index = (plen[:, None] - 1 + torch.arange(R)[None, :]).clamp(max=max(L - 1, 0))
+    return Full(ids.to(device), attn.to(device), index.to(device))
+
+
+def _shared(prompts: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor, targets: torch.Tensor,
+            firsts: list[int], group: torch.Tensor, pad_id: int, device: torch.device) -> Shared:
+    up = plen[firsts]
+    P, S = int(up.max()), max(targets.shape[1] - 1, 0)
+    prefix_ids = fill_rows([prompts[i] for i in firsts], up, P - up, P, pad_id, torch.long)
+    prefix_mask = (torch.arange(P)[None, :] >= (P - up)[:, None]).long()
+    prefix_pos = (prefix_mask.cumsum(1) - 1).clamp(min=0)
+    suffix_mask = (torch.arange(S)[None, :] < (rlen - 1).clamp(min=0)[:, None]).long()
+    suffix_pos = plen[:, None] + torch.arange(S)[None, :]
+    return Shared(*(t.to(device) for t in (prefix_ids, prefix_mask, prefix_pos, group, targets[:, :S].clone(),
+                                           suffix_mask, suffix_pos)))
 
 
 def response_logits(model: Any, batch: Packed) -> torch.Tensor:

@@ -70,8 +70,10 @@ class HFInferenceEngine:
         """The KV cache of every prompt but its last token, computed once per distinct prompt and
         selected for each row, when prompts repeat enough to pay (GRPO's groups); ``generate``
         then runs only the last prompt token of each row before decoding. None otherwise."""
+        if not self.share_prompts or ids.shape[1] < 2:
+            return None
         firsts, group = distinct_prompts(prompts)
-        if not (self.share_prompts and worth_sharing(len(firsts), len(prompts))) or ids.shape[1] < 2:
+        if not worth_sharing(len(firsts), len(prompts)):
             return None
         rows = torch.tensor(firsts)
         mask = attn[rows, :-1]
