@@ -103,11 +103,12 @@ def _logprobs_and_grads(model: torch.nn.Module, samples: list[dict[str, torch.Te
 
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 4)), min_size=6, max_size=16),
-       st.integers(1, 3), st.integers(0, 10**6))
-def test_shared_prompt_forward_equals_the_full_one(shapes: list[tuple[int, int]], prompts: int, seed: int) -> None:
+       st.integers(1, 3), st.integers(0, 10**6), st.sampled_from(["qwen2", "llama"]))
+def test_shared_prompt_forward_equals_the_full_one(shapes: list[tuple[int, int]], prompts: int, seed: int,
+                                                    arch: str) -> None:
     """Same log-probs and gradients, prompts of different lengths (left padding) and responses of
-    different lengths (none at all included)."""
-    model = build_tiny_model(TinyModelConfig(seed=seed % 7, initializer_range=0.1))
+    different lengths (none at all included), for both tiny architectures."""
+    model = build_tiny_model(TinyModelConfig(arch=arch, seed=seed % 7, initializer_range=0.1))  # type: ignore[arg-type]
     samples = make_samples(shapes, seed, prompts=prompts)
     full_lp, full_g = _logprobs_and_grads(model, samples, share=False)
     shared_lp, shared_g = _logprobs_and_grads(model, samples, share=True)
