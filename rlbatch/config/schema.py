@@ -39,7 +39,11 @@ class RoleConfig:
     offload: bool = True
     """Move this role's device state to pinned host memory while a colocated role has the GPU."""
     engine_args: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the engine (e.g. vLLM's gpu_memory_utilization)."""
+    """Extra keyword arguments for the engine (e.g. vLLM's gpu_memory_utilization). rlbatch's own:
+    fsdp: micro_batch (sequences per log-prob forward), share_prompts (run each distinct prompt of a
+    micro-batch once; default true), single_unit_max_mb (one FSDP unit up to this size; 64);
+    hf: max_batch (sequences per generate call; 1024), share_prompts (prefill each distinct prompt
+    once; default true)."""
 
 
 def default_roles() -> dict[str, Any]:
