@@ -18,7 +18,7 @@ import torch.distributed as dist
 from rlbatch import algos
 from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.engines.base import SamplingParams, engine_class
-from rlbatch.engines.model import load_tokenizer
+from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
@@ -56,7 +56,8 @@ class RankRuntime:
             self.reward_fn = load_reward_fn(str(cfg.data.reward_fn))
         offload = {r: p.roles[r].offload for r in self.engines}
         self.residency = Residency(self.engines, offload, world.device)
-        self.broadcast = WeightBroadcast()
+        # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
+        self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
 
     def handlers(self) -> dict[str, Any]:
         return {"phase": self.phase, "ready": self.ready}

@@ -42,3 +42,8 @@ def test_span_writes_through_to_adjacent_parameters_only() -> None:
     assert span([b, a], torch.float32) is None  # not in this order
     assert span([a, b], torch.bfloat16) is None  # not the wire dtype
     assert span([torch.zeros(3), torch.zeros(3)], torch.float32) is None  # separate storages
+
+
+def test_buckets_count_the_wire_dtype() -> None:
+    # bf16 on the wire: 1024 bytes hold 512 elements
+    assert buckets([100, 100, 56, 200, 1000], 1024, element_bytes=2) == [(0, 4), (4, 5)]

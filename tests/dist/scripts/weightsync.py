@@ -1,7 +1,9 @@
 """Under mpiexec -n 3: weight sync lands the sender's weights bit for bit in every receiver, on
 each of two syncs with changed weights (the buckets and buffers of the first are reused).
 Rank 0 sends and has no inference engine; rank 1's engine has flattened fp32 parameters
-(received in place); rank 2's has separate bf16 parameters (staged, then loaded with a cast)."""
+(received in place); rank 2's has separate bf16 parameters (staged, then loaded with a cast).
+Then with bf16 on the wire, as for a bf16 inference engine: half the bytes, and the same bf16
+weights as a cast on load gives (flattened: received in place; separate: staged)."""
 
 import sys
 from types import SimpleNamespace
@@ -52,6 +54,17 @@ for seed in (1, 2):
             got = engine.params[name]
             assert torch.equal(got, t.to(got.dtype)), (comm.rank, seed, name)
 if comm.rank == 1:  # received in place: the parameters are still views into one buffer
+    assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
+engine = {0: None, 1: Engine(torch.bfloat16, flat=True), 2: Engine(torch.bfloat16, flat=False)}[comm.rank]
+sync = WeightBroadcast(torch.bfloat16)
+for seed in (3, 4):
+    sent = weights(seed)
+    nbytes = sync(world, sent if comm.rank == 0 else [], engine, 0, BUCKET_BYTES)  # type: ignore[arg-type]
+    assert nbytes == 2 * sum(t.numel() for _, t in sent), nbytes
+    if engine is not None:
+        for name, t in sent:
+            assert torch.equal(engine.params[name], t.to(torch.bfloat16)), (comm.rank, seed, name)
+if comm.rank == 1:
     assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
 print(f"rank {comm.rank}: weightsync ok", flush=True)
 end_script(comm)
