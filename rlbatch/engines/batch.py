@@ -41,7 +41,6 @@ class Full:
 class Shared:
     prefix_ids: torch.Tensor      # [U, P] each distinct prompt once, left-padded
     prefix_mask: torch.Tensor     # [U, P]
-    prefix_pos: torch.Tensor      # [U, P]
     group: torch.Tensor           # [B] the row of prefix_ids holding sample b's prompt
     suffix_ids: torch.Tensor      # [B, R-1] response tokens but the last, right-padded
     suffix_mask: torch.Tensor     # [B, R-1]
@@ -143,11 +142,29 @@ def _shared(prompts: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor,
     P, S = int(up.max()), max(targets.shape[1] - 1, 0)
     prefix_ids = fill_rows([prompts[i] for i in firsts], up, P - up, P, pad_id, torch.long)
     prefix_mask = (torch.arange(P)[None, :] >= (P - up)[:, None]).long()
-    prefix_pos = (prefix_mask.cumsum(1) - 1).clamp(min=0)
     suffix_mask = (torch.arange(S)[None, :] < (rlen - 1).clamp(min=0)[:, None]).long()
     suffix_pos = plen[:, None] + torch.arange(S)[None, :]
-    return Shared(*(t.to(device) for t in (prefix_ids, prefix_mask, prefix_pos, group, targets[:, :S].clone(),
+    return Shared(*(t.to(device) for t in (prefix_ids, prefix_mask, group, targets[:, :S].clone(),
                                            suffix_mask, suffix_pos)))
+
+
+def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0 at each row's first real token (pads get 0 too)."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def prompt_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor,
+                 group: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+    """Run each distinct prompt once (``ids``/``mask``: [U, P], left-padded): its last position's
+    logits [U, V], and its KV cache with one row per sample (``group``: [B], the prompt of each;
+    None: the cache is not needed, nothing selected). The row selection is an index_select per
+    layer, whose backward sums into the shared rows."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=prompt_positions(mask), use_cache=True,
+                logits_to_keep=1)
+    cache = out.past_key_values
+    if group is not None:
+        cache.reorder_cache(group)
+    return out.logits[:, -1], cache
 
 
 def response_logits(model: Any, batch: Packed) -> torch.Tensor:
@@ -156,13 +173,11 @@ def response_logits(model: Any, batch: Packed) -> torch.Tensor:
     if isinstance(x, Full):
         logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
         return logits.gather(1, x.index[:, :, None].expand(-1, -1, logits.shape[-1]))
-    out = model(input_ids=x.prefix_ids, attention_mask=x.prefix_mask, position_ids=x.prefix_pos,
-                use_cache=True, logits_to_keep=1)
-    first = out.logits[:, -1][x.group][:, None]  # scores response token 0
-    if x.suffix_ids.shape[1] == 0:
+    suffix = x.suffix_ids.shape[1] > 0
+    last, cache = prompt_cache(model, x.prefix_ids, x.prefix_mask, x.group if suffix else None)
+    first = last[x.group][:, None]  # scores response token 0
+    if not suffix:
         return first[:, : batch.targets.shape[1]]  # responses of at most one token (or none)
-    cache = out.past_key_values
-    cache.reorder_cache(x.group)  # index_select per layer: its backward sums into the shared rows
     mask = torch.cat([x.prefix_mask[x.group], x.suffix_mask], dim=1)
     rest = model(input_ids=x.suffix_ids, attention_mask=mask, position_ids=x.suffix_pos,
                  past_key_values=cache, use_cache=True).logits

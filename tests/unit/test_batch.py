@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlbatch import algos
-from rlbatch.engines.batch import Full, Shared, distinct_prompts, left_padded, pack, response_logits, unpack
+from rlbatch.engines.batch import (
+    Full,
+    Shared,
+    distinct_prompts,
+    left_padded,
+    pack,
+    prompt_positions,
+    response_logits,
+    unpack,
+)
 from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
 
 PAD = 0
@@ -79,7 +88,8 @@ def test_shared_inputs_hold_each_prompt_once_left_padded() -> None:
     assert x.group.tolist() == [0, 1, 0, 1]
     assert x.prefix_ids[0, :2].tolist() == [PAD, PAD] and x.prefix_ids[0, 2:].tolist() == samples[0]["prompt"].tolist()
     assert x.prefix_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
-    assert x.prefix_pos[0, 2:].tolist() == [0, 1] and x.prefix_pos[1].tolist() == [0, 1, 2, 3]
+    pos = prompt_positions(x.prefix_mask)
+    assert pos[0, 2:].tolist() == [0, 1] and pos[1].tolist() == [0, 1, 2, 3]
     # responses but their last token, placed after each sample's own prompt
     assert x.suffix_ids[0].tolist() == samples[0]["response"][:2].tolist()
     assert x.suffix_mask.tolist() == [[1, 1], [0, 0], [1, 0], [0, 0]]

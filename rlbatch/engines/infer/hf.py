@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import SamplingParams
-from rlbatch.engines.batch import distinct_prompts, left_padded
+from rlbatch.engines.batch import distinct_prompts, left_padded, prompt_cache
 from rlbatch.engines.defaults import hf_max_batch, share_prompts, worth_sharing
 from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.model import load_model, model_dtype
@@ -76,12 +76,8 @@ class HFInferenceEngine:
         if not worth_sharing(len(firsts), len(prompts)):
             return None
         rows = torch.tensor(firsts)
-        mask = attn[rows, :-1]
-        out = self.model(input_ids=ids[rows, :-1].to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(self.device), use_cache=True,
-                         logits_to_keep=1)
-        cache = out.past_key_values
-        cache.reorder_cache(group.to(self.device))
+        _, cache = prompt_cache(self.model, ids[rows, :-1].to(self.device), attn[rows, :-1].to(self.device),
+                                  group.to(self.device))
         return cache
 
     @torch.no_grad()
