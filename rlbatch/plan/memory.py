@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.engines.defaults import fsdp_single_unit, hf_max_batch, share_prompts, worth_sharing
 from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
@@ -91,8 +92,8 @@ def pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, f
     (``rlbatch.engines.batch``); otherwise every sequence runs whole, logits at every position."""
     b = r.backend
     assert b is not None
-    trained = r.name in ("actor_train", "critic")
     distinct = w.distinct_prompts(mb)
+    trained = r.name in TRAINABLE_ROLES  # as the ranks decide which engines train (and recompute)
     if (b.engine == "fsdp" and b.c == 1 and share_prompts(r.engine_args) and not (trained and w.recompute)
             and worth_sharing(distinct, mb)):
         suffix = mb * max(w.response_max - 1, 0)
