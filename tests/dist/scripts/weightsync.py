@@ -43,28 +43,26 @@ def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 world = SimpleNamespace(rank=comm.rank, device=torch.device("cpu"), groups={SYNC: dist.group.WORLD},
                         members={SYNC: (0, 1, 2)}, check=lambda op, role, fn, *a, **k: fn(*a, **k))
-engine = {0: None, 1: Engine(torch.float32, flat=True), 2: Engine(torch.bfloat16, flat=False)}[comm.rank]
-sync = WeightBroadcast()
-for seed in (1, 2):
-    sent = weights(seed)
-    nbytes = sync(world, sent if comm.rank == 0 else [], engine, 0, BUCKET_BYTES)  # type: ignore[arg-type]
-    assert nbytes == 4 * sum(t.numel() for _, t in sent), nbytes
-    if engine is not None:
-        for name, t in sent:
-            got = engine.params[name]
-            assert torch.equal(got, t.to(got.dtype)), (comm.rank, seed, name)
-if comm.rank == 1:  # received in place: the parameters are still views into one buffer
-    assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
-engine = {0: None, 1: Engine(torch.bfloat16, flat=True), 2: Engine(torch.bfloat16, flat=False)}[comm.rank]
-sync = WeightBroadcast(torch.bfloat16)
-for seed in (3, 4):
-    sent = weights(seed)
-    nbytes = sync(world, sent if comm.rank == 0 else [], engine, 0, BUCKET_BYTES)  # type: ignore[arg-type]
-    assert nbytes == 2 * sum(t.numel() for _, t in sent), nbytes
-    if engine is not None:
-        for name, t in sent:
-            assert torch.equal(engine.params[name], t.to(torch.bfloat16)), (comm.rank, seed, name)
-if comm.rank == 1:
-    assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
+
+
+def check_two_syncs(wire: torch.dtype, infer_dtypes: dict[int, torch.dtype], seeds: tuple[int, int]) -> None:
+    """Two syncs with ``wire`` on the wire into rank 1 (flattened) and rank 2 (separate) engines:
+    every receiver holds the sent weights cast to its dtype, bit for bit; the bytes are the wire's."""
+    engine = {0: None, 1: Engine(infer_dtypes[1], flat=True), 2: Engine(infer_dtypes[2], flat=False)}[comm.rank]
+    sync = WeightBroadcast(wire)
+    for seed in seeds:
+        sent = weights(seed)
+        nbytes = sync(world, sent if comm.rank == 0 else [], engine, 0, BUCKET_BYTES)  # type: ignore[arg-type]
+        assert nbytes == wire.itemsize * sum(t.numel() for _, t in sent), nbytes
+        if engine is not None:
+            for name, t in sent:
+                got = engine.params[name]
+                assert torch.equal(got, t.to(got.dtype)), (comm.rank, seed, name)
+    if comm.rank == 1:  # received in place: the parameters are still views into one buffer
+        assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
+
+
+check_two_syncs(torch.float32, {1: torch.float32, 2: torch.bfloat16}, (1, 2))
+check_two_syncs(torch.bfloat16, {1: torch.bfloat16, 2: torch.bfloat16}, (3, 4))
 print(f"rank {comm.rank}: weightsync ok", flush=True)
 end_script(comm)
