@@ -39,11 +39,10 @@ class RoleConfig:
     offload: bool = True
     """Move this role's device state to pinned host memory while a colocated role has the GPU."""
     engine_args: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the engine (e.g. vLLM's gpu_memory_utilization). rlbatch's own:
-    fsdp: micro_batch (sequences per log-prob forward), share_prompts (run each distinct prompt of a
-    micro-batch once; default true), single_unit_max_mb (one FSDP unit up to this size; 64);
-    hf: max_batch (sequences per generate call; 1024), share_prompts (prefill each distinct prompt
-    once; default true)."""
+    """Settings of the role's engine, typed and documented per engine in
+    ``rlbatch/engines/registry.py`` (e.g. fsdp: micro_batch, share_prompts, single_unit_max_mb,
+    sync_bucket_mb; hf: max_batch, share_prompts). Unknown keys are refused before anything starts;
+    ``python -c "from rlbatch.engines.registry import describe; print(describe())"`` lists them."""
 
 
 def default_roles() -> dict[str, Any]:
@@ -161,7 +160,13 @@ class AlgoConfig:
     """The RL algorithm: GRPO by default (group-normalised advantages, PPO-clip, KL to reference)."""
 
     name: str = "grpo"
-    """'grpo' (no critic) or 'ppo' (needs the critic role)."""
+    """The program (controller loop) from ``rlbatch.algos.registry.PROGRAMS``: 'grpo' is the
+    critic-free policy-gradient loop."""
+    advantage: str = "grpo"
+    """Advantage estimator from ``rlbatch.algos.registry.ADVANTAGES`` ('grpo': group-normalised)."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss from ``rlbatch.algos.registry.POLICY_LOSSES`` ('ppo_clip': clipped surrogate
+    with clip_low/clip_high)."""
     prompts_per_step: int = 16
     """Prompts drawn per step."""
     samples_per_prompt: int = 8
@@ -193,13 +198,14 @@ class AlgoConfig:
     kl_coef: float = 0.01
     """Weight of the KL to the reference (0 disables the reference role's work)."""
     kl_estimator: str = "k3"
-    """'k1' or 'k3'."""
+    """KL estimator from ``rlbatch.algos.registry.KL_ESTIMATORS``: 'k1', 'k2', 'k3' or 'abs'."""
     kl_in_reward: bool = False
     """Subtract the KL from the reward instead of adding it to the loss."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     loss_agg: str = "token"
-    """'token' (mean over all tokens) or 'seq' (mean over sequences of per-sequence means)."""
+    """Loss aggregation from ``rlbatch.algos.registry.AGGREGATIONS``: 'token' (mean over all tokens)
+    or 'seq' (mean over sequences of per-sequence means)."""
     adv_eps: float = 1e-6
     """Added to the group std when normalising advantages."""
     activation_checkpointing: bool = False
@@ -248,6 +254,10 @@ class RLBatchConfig:
     """cluster=slurm: follow the job to the end and exit with its code."""
     experiment: str = "default"
     """Name of the experiment preset (set by conf/experiment/*.yaml)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported (by name) before the configuration is validated and on every rank:
+    each may register engines (``rlbatch.engines.registry.register``) or algorithm parts
+    (``rlbatch.algos.registry``)."""
     hardware: dict[str, Any] | None = None
     """Hardware profile for the planner (conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -1,0 +1,68 @@
+"""The training objective a training engine minimises, built from the algorithm's registered parts.
+
+An engine computes the log-probs of the response tokens (and the logits, when the objective
+asks for them) and hands them over as a ``LossInput``; it never knows the algorithm. The
+objective is policy loss + kl_coef * KL(policy || reference) - entropy_coef * entropy, each
+aggregated over the response tokens with the configured aggregation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from rlbatch.algos import core
+from rlbatch.algos.registry import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+
+
+@dataclass
+class LossInput:
+    """One micro-batch as the objective sees it; every tensor is response-aligned ``[B, T]``."""
+
+    logp: Tensor
+    """Log-probs of the sampled tokens under the policy being trained (with gradient)."""
+    mask: Tensor
+    """1.0 on response tokens, 0.0 on padding."""
+    advantages: Tensor
+    """Per-token advantages (a per-sequence advantage broadcast over its tokens)."""
+    fields: dict[str, Tensor]
+    """Other per-token sample fields present in the batch: old_logprobs, ref_logprobs, ..."""
+    logits: Tensor | None = None
+    """``[B, T, V]`` logits of the response positions, when ``needs_logits``."""
+
+
+class PolicyObjective:
+    """Callable: ``LossInput -> (loss, stats)``. Stats are plain floats, summed over micro-batches
+    by the engine and averaged over updates."""
+
+    def __init__(self, algo: Any) -> None:
+        self.agg_name = str(algo.loss_agg)
+        self.agg = AGGREGATIONS.get(self.agg_name)
+        self.policy_loss = POLICY_LOSSES.get(str(getattr(algo, "policy_loss", "ppo_clip")))
+        self.kl = KL_ESTIMATORS.get(str(algo.kl_estimator))
+        self.kl_coef = float(algo.kl_coef) if not algo.kl_in_reward else 0.0
+        self.entropy_coef = float(algo.entropy_coef)
+        self.algo = algo
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.entropy_coef > 0
+
+    def __call__(self, x: LossInput) -> tuple[Tensor, dict[str, float]]:
+        # Without old log-probs the batch is on-policy: old = current, detached (exact only before
+        # the first update; the engine refuses it after).
+        old = x.fields.get("old_logprobs", x.logp.detach())
+        loss, clip = self.policy_loss(x.logp, old, x.advantages, x.mask, self.algo, self.agg_name)
+        stats = {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "approx_kl_old": clip.approx_kl.item()}
+        if self.kl_coef > 0 and "ref_logprobs" in x.fields:
+            kl = self.agg(self.kl(x.logp, x.fields["ref_logprobs"]), x.mask)
+            loss = loss + self.kl_coef * kl
+            stats["kl_ref"] = kl.item()
+        if self.entropy_coef > 0:
+            assert x.logits is not None, "the objective needs logits (entropy_coef > 0)"
+            ent = self.agg(core.entropy_from_logits(x.logits), x.mask)
+            loss = loss - self.entropy_coef * ent
+            stats["entropy"] = ent.item()
+        return loss, stats

@@ -1,0 +1,78 @@
+"""Registries of the algorithm's parts, by name: advantage estimators, policy losses, KL
+estimators, loss aggregations, and the programs (loops) that use them.
+
+Torch-free: an entry is a ``'module:function'`` path imported when first used, so validation
+checks names before anything starts without importing torch. An algorithm is added by
+registering its parts here (or from a plugin module with ``register``) and, only where its loop
+differs, a program; no engine changes.
+
+    ADVANTAGES      (rewards [N], group_size, algo cfg) -> advantages [N] or per-token [N][T]
+    POLICY_LOSSES   (logp, old_logp, advantages [B,T], mask, algo cfg) -> (loss, stats)
+    KL_ESTIMATORS   (logp, ref_logp) -> per-token KL estimate
+    AGGREGATIONS    (per_token [B,T], mask) -> scalar
+    PROGRAMS        the controller loop for algo.name
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+class Registry:
+    """Name -> callable, imported lazily from a 'module:attr' path."""
+
+    def __init__(self, what: str, field: str, entries: dict[str, str]) -> None:
+        self.what, self.field = what, field
+        self._entries: dict[str, str | Callable[..., Any]] = dict(entries)
+
+    def register(self, name: str, target: str | Callable[..., Any]) -> None:
+        self._entries[name] = target
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def problem(self, name: Any) -> str | None:
+        """A validation message when ``name`` is not registered, else None."""
+        if name in self._entries:
+            return None
+        return f"{self.field}: {name!r} is not a registered {self.what}; registered: {self.names()}"
+
+    def get(self, name: str) -> Callable[..., Any]:
+        if name not in self._entries:
+            raise KeyError(self.problem(name))
+        target = self._entries[name]
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            target = getattr(importlib.import_module(module), attr)
+            self._entries[name] = target
+        return target
+
+
+ADVANTAGES = Registry("advantage estimator", "algo.advantage", {
+    "grpo": "rlbatch.algos.estimators:grpo",
+})
+POLICY_LOSSES = Registry("policy loss", "algo.policy_loss", {
+    "ppo_clip": "rlbatch.algos.estimators:ppo_clip",
+})
+KL_ESTIMATORS = Registry("KL estimator", "algo.kl_estimator", {
+    "k1": "rlbatch.algos.estimators:kl_k1",
+    "k2": "rlbatch.algos.estimators:kl_k2",
+    "k3": "rlbatch.algos.estimators:kl_k3",
+    "abs": "rlbatch.algos.estimators:kl_abs",
+})
+AGGREGATIONS = Registry("loss aggregation", "algo.loss_agg", {
+    "token": "rlbatch.algos.estimators:agg_token",
+    "seq": "rlbatch.algos.estimators:agg_seq",
+})
+PROGRAMS = Registry("algorithm (program)", "algo.name", {
+    "grpo": "rlbatch.scheduler.program:policy_gradient",
+})
+"""algo.name -> the controller loop. 'grpo' is the critic-free policy-gradient loop: generate,
+score, reference/old log-probs, advantages from rewards, train, sync."""
+
+ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, PROGRAMS)

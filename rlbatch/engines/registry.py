@@ -1,0 +1,216 @@
+"""Which engines this build runs, what each accepts, and where its implementation lives.
+
+Torch-free, so validation, the launcher and the planner read it without importing an engine.
+The placement language (``rlbatch.placement.backend.ENGINES``) names every engine a backend
+string may mention; this registry says which of them are *built*: the dims each supports here,
+its typed ``engine_args`` and how the scheduler dispatches samples to its ranks. An engine is
+added by one ``register(EngineSpec(...))`` call next to its implementation (or in a plugin module
+listed in the config's ``plugins``); nothing else changes.
+
+    python -c "from rlbatch.engines.registry import describe; print(describe())"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlbatch.placement.backend import ENGINES, EngineInfo, EngineKind
+
+
+@dataclass(frozen=True)
+class FSDPArgs:
+    """engine_args of the ``fsdp`` engine (training and forward-only roles)."""
+
+    micro_batch: int = 0
+    """Sequences per log-prob forward (0: the rank's whole share in one pass)."""
+    share_prompts: bool = True
+    """Run each distinct prompt of a micro-batch once and its responses on its KV cache (same
+    log-probs and gradients, less compute for GRPO groups); off under activation checkpointing."""
+    single_unit_max_mb: int = 64
+    """A model of up to this many MB of fp32 parameters is one FSDP unit (one all-gather per
+    pass); a larger one gets a unit per decoder layer."""
+    sync_bucket_mb: int = 256
+    """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
+
+
+@dataclass(frozen=True)
+class HFArgs:
+    """engine_args of the ``hf`` inference engine (transformers ``generate``)."""
+
+    max_batch: int = 1024
+    """Sequences per ``generate`` call."""
+    share_prompts: bool = True
+    """Prefill each distinct prompt of a call once and decode its samples on the selected cache."""
+
+
+@dataclass(frozen=True)
+class VLLMArgs:
+    """engine_args of the ``vllm`` inference engine (modelled by the planner)."""
+
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU vLLM reserves for weights, activations and KV cache."""
+    max_num_batched_tokens: int = 8192
+    """Tokens per scheduler step (chunked prefill)."""
+    max_num_seqs: int = 256
+    """Sequences decoded together."""
+
+
+@dataclass(frozen=True)
+class SGLangArgs:
+    """engine_args of the ``sglang`` inference engine (modelled by the planner)."""
+
+    mem_fraction_static: float = 0.88
+    """Share of the GPU SGLang reserves for weights and KV cache."""
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+
+@dataclass(frozen=True)
+class DeepSpeedArgs:
+    """engine_args of the ``deepspeed`` training engine (modelled by the planner)."""
+
+    zero_stage: int = 3
+    """ZeRO stage: 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters) sharded."""
+    micro_batch: int = 0
+    sync_bucket_mb: int = 256
+
+
+@dataclass(frozen=True)
+class MegatronArgs:
+    """engine_args of the ``megatron`` training engine (modelled by the planner)."""
+
+    micro_batch: int = 0
+    sync_bucket_mb: int = 256
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine as this build knows it."""
+
+    name: str
+    kind: EngineKind
+    args: type
+    """Dataclass of its engine_args: every key a user may set, typed, with a default and a doc."""
+    implementation: str | None = None
+    """'module:Class' implementing the engine Protocol; None when this build does not run it."""
+    dims: str = "d"
+    """Dims (letters of 'dtpce') this implementation supports with a size above 1."""
+    data_axes: tuple[str, ...] = ("dp",)
+    """Mesh axes over which samples are split: ranks that differ only in other axes (tp, pp, cp
+    peers of one replica) receive the same samples."""
+    note: str = ""
+    """Why it is not built, or what is missing, for error messages."""
+
+    @property
+    def built(self) -> bool:
+        return self.implementation is not None
+
+
+REGISTRY: dict[str, EngineSpec] = {}
+
+
+def register(spec: EngineSpec, language_dims: str | None = None) -> EngineSpec:
+    """Add (or replace) an engine. A name the placement language does not know yet is added to it
+    with ``language_dims`` (default: the spec's dims), so backend strings may name it."""
+    if not dataclasses.is_dataclass(spec.args):
+        raise TypeError(f"engine {spec.name!r}: args must be a dataclass type, got {spec.args!r}")
+    if spec.name not in ENGINES:
+        ENGINES[spec.name] = EngineInfo(spec.kind, language_dims or spec.dims)
+    elif ENGINES[spec.name].kind is not spec.kind:
+        raise ValueError(f"engine {spec.name!r} is a {ENGINES[spec.name].kind.value} engine in the placement "
+                         f"language, but registered as {spec.kind.value}")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def spec_of(name: str) -> EngineSpec:
+    if name not in REGISTRY:
+        raise KeyError(f"engine {name!r} is not registered; registered engines: {sorted(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def built_engines(kind: EngineKind | None = None) -> list[str]:
+    return sorted(n for n, s in REGISTRY.items() if s.built and (kind is None or s.kind is kind))
+
+
+@dataclass
+class ArgsCheck:
+    """The result of reading one role's engine_args: the typed value, or the problems."""
+
+    value: Any = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _coerce(value: Any, annotation: Any) -> tuple[Any, bool]:
+    """The value as the field's type; False when it is not of that type (no string parsing: YAML and
+    Hydra already typed it)."""
+    t = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if t == "bool":
+        return value, isinstance(value, bool)
+    if t == "int":
+        return value, isinstance(value, int) and not isinstance(value, bool)
+    if t == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return (float(value) if ok else value), ok
+    if t == "str":
+        return value, isinstance(value, str)
+    return value, True
+
+
+def parse_args(engine: str, raw: Mapping[str, Any] | None, where: str) -> ArgsCheck:
+    """Typed engine_args for ``engine`` from the role's mapping. Unknown keys and wrong types are
+    problems naming ``where`` (e.g. 'roles.actor_train.engine_args'), the key and what is accepted."""
+    spec = REGISTRY.get(engine)
+    if spec is None:
+        return ArgsCheck(None, [])
+    raw = dict(raw or {})
+    fields = {f.name: f for f in dataclasses.fields(spec.args)}
+    problems = []
+    unknown = sorted(str(k) for k in raw if k not in fields)
+    if unknown:
+        problems.append(f"{where}: unknown key(s) {unknown} for engine '{engine}'; it accepts {sorted(fields)}")
+    values = {}
+    for k, v in raw.items():
+        if k not in fields:
+            continue
+        coerced, ok = _coerce(v, fields[k].type)
+        if not ok:
+            problems.append(f"{where}.{k}: expected {fields[k].type}, got {type(v).__name__} {v!r}"[:200])
+        elif isinstance(coerced, (int, float)) and not isinstance(coerced, bool) and coerced < 0:
+            problems.append(f"{where}.{k}: must be >= 0, got {coerced}")
+        else:
+            values[k] = coerced
+    if problems:
+        return ArgsCheck(None, problems)
+    return ArgsCheck(spec.args(**values), [])
+
+
+def engine_args(engine: str, raw: Mapping[str, Any] | None) -> Any:
+    """Typed engine_args (validated before launch; raises ValueError if they are not)."""
+    checked = parse_args(engine, raw, "engine_args")
+    if checked.problems:
+        raise ValueError("; ".join(checked.problems))
+    return checked.value
+
+
+def describe() -> str:
+    lines = []
+    for name in sorted(REGISTRY):
+        s = REGISTRY[name]
+        state = f"built, dims {s.dims}" if s.built else f"not built{': ' + s.note if s.note else ''}"
+        keys = ", ".join(f.name for f in dataclasses.fields(s.args))
+        lines.append(f"{name:10s} {s.kind.value:6s} {state}; engine_args: {keys or '-'}")
+    return "\n".join(lines)
+
+
+register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d"))
+register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d"))
+register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, None, dims="dtp", note="the vLLM engine is not in this build"))
+register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
+register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, None, dims="d",
+                    note="the DeepSpeed engine is not in this build"))
+register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, None, dims="dtpce", data_axes=("dp",),
+                    note="the Megatron-core engine is not in this build"))

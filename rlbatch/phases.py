@@ -1,0 +1,100 @@
+"""The phase table: every unit of work a step is made of, in one place.
+
+For each phase: the role that works in it, the state kinds of that role that must be on the
+device, the sample fields it reads and writes, how its samples are dispatched to the role's
+ranks, the operation a rank runs for it, and the phase kind the planner calibrates it as. The
+controller, the rank runtime, the offload residency and the planner's schedule all read this
+table; none of them switches on a role or phase name.
+
+Torch-free: the planner imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Dispatch(str, Enum):
+    """How a phase's samples reach the role's ranks."""
+
+    WORKERS = "workers"
+    """Prompts split evenly over the role's workers (engine instances); every rank of a worker
+    gets the worker's share, its first rank answers."""
+    SHARDS = "shards"
+    """Samples split over the role's data-parallel shards (the engine's ``data_axes``), keeping each
+    on the rank that already holds it where possible; tp/pp peers of a shard get the same samples."""
+    RANKS = "ranks"
+    """Samples split evenly over the role's processes (CPU workers)."""
+    COLLECTIVE = "collective"
+    """Every rank of the roles takes part (weight sync, checkpoints); no samples."""
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    name: str
+    role: str
+    """The role that works in this phase (sync: the sending role; see ``peer``)."""
+    op: str
+    """The rank operation that runs it: generate, score, logprobs, values, train, sync, checkpoint."""
+    needs: tuple[str, ...]
+    """State kinds of the working role(s) that must be resident on the device."""
+    reads: tuple[str, ...]
+    """Sample fields the working ranks must hold before it runs."""
+    writes: tuple[str, ...]
+    """Sample fields it produces (kept on the rank that produced them)."""
+    dispatch: Dispatch
+    kind: str
+    """The planner's calibration group: generate, reward, logprobs, train, sync."""
+    peer: str | None = None
+    """A second role working in the phase (sync: the receiving inference role)."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return (self.role,) if self.peer is None else (self.role, self.peer)
+
+
+TRAIN_STATE = ("params", "grads", "optimizer")
+
+PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
+    PhaseSpec("generate", "actor_infer", "generate", ("params", "kv_cache"), (),
+              ("prompt", "response", "behaviour_logprobs"), Dispatch.WORKERS, "generate"),
+    PhaseSpec("score", "reward", "score", (), ("response",), ("reward",), Dispatch.RANKS, "reward"),
+    PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
+              Dispatch.SHARDS, "logprobs"),
+    PhaseSpec("values", "critic", "values", ("params",), ("prompt", "response"), ("values",),
+              Dispatch.SHARDS, "logprobs"),
+    PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response"), ("old_logprobs",),
+              Dispatch.SHARDS, "logprobs"),
+    PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
+              ("prompt", "response", "old_logprobs", "ref_logprobs"), (), Dispatch.SHARDS, "train"),
+    PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer"),
+    PhaseSpec("checkpoint", "actor_train", "checkpoint", ("params", "optimizer"), (), (), Dispatch.COLLECTIVE, "sync"),
+)}
+"""Phase name -> its row. ``checkpoint`` acts for every trainable role on a rank (its role is the
+first of them; ``needs`` applies to each)."""
+
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns")
+"""Sample fields with one value per response token."""
+
+
+def phase(name: str) -> PhaseSpec:
+    if name not in PHASES:
+        raise KeyError(f"unknown phase {name!r}; phases: {sorted(PHASES)}")
+    return PHASES[name]
+
+
+def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reuse_batch: bool,
+                kl_in_reward: bool) -> list[str]:
+    """The phases one step of the policy-gradient loop runs, in the controller's order.
+
+    ``reuse_batch``: more than one optimizer step per batch, so the policy before the updates must
+    be recorded (old_logprobs); ``kl_in_reward`` needs it too (the KL is taken before updating)."""
+    out = ["generate", "score"]
+    if kl_to_reference and has_reference:
+        out.append("ref_logprobs")
+    if critic:
+        out.append("values")
+    if reuse_batch or kl_in_reward:
+        out.append("old_logprobs")
+    return [*out, "train", "sync"]
