@@ -59,7 +59,7 @@ TRAIN_STATE = ("params", "grads", "optimizer")
 PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("generate", "actor_infer", "generate", ("params", "kv_cache"), (),
               ("prompt", "response", "behaviour_logprobs"), Dispatch.WORKERS, "generate"),
-    PhaseSpec("score", "reward", "score", (), ("response",), ("reward",), Dispatch.RANKS, "reward"),
+    PhaseSpec("score", "reward", "score", ("params",), ("response",), ("reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("values", "critic", "values", ("params",), ("prompt", "response"), ("values",),
@@ -67,12 +67,14 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response"), ("old_logprobs",),
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
-              ("prompt", "response", "old_logprobs", "ref_logprobs"), (), Dispatch.SHARDS, "train"),
+              ("prompt", "response", "old_logprobs", "ref_logprobs", "values", "reward"), (), Dispatch.SHARDS, "train"),
     PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer"),
     PhaseSpec("checkpoint", "actor_train", "checkpoint", ("params", "optimizer"), (), (), Dispatch.COLLECTIVE, "sync"),
 )}
 """Phase name -> its row. ``checkpoint`` acts for every trainable role on a rank (its role is the
-first of them; ``needs`` applies to each)."""
+first of them; ``needs`` applies to each). A field a phase reads but no earlier phase of the step
+wrote is simply absent (``values`` without a critic; ``reward`` stays with the controller, which
+turns it into advantages): reads also say which phases must finish first."""
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns")
 """Sample fields with one value per response token."""
@@ -98,3 +100,11 @@ def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reu
     if reuse_batch or kl_in_reward:
         out.append("old_logprobs")
     return [*out, "train", "sync"]
+
+
+def phase_for(role: str, op: str) -> PhaseSpec:
+    """The phase in which ``role`` runs ``op`` (e.g. reference + logprobs -> ref_logprobs)."""
+    found = [p for p in PHASES.values() if p.role == role and p.op == op]
+    if len(found) != 1:
+        raise KeyError(f"no single phase runs {op!r} for role {role!r} (found {[p.name for p in found]})")
+    return found[0]

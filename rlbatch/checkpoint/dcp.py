@@ -1,10 +1,13 @@
-"""A trainable role's state, sharded with torch.distributed.checkpoint (DCP) and staged through CPU.
+"""A trainable role's state, as the engine gives it: named tensors saved with
+torch.distributed.checkpoint (DCP), plus small metadata.
 
-Each rank of the role writes its own FSDP2 shards of the model and the AdamW state
-(``__<rank>_0.distcp``); the role's first rank writes DCP's ``.metadata`` and the LR scheduler.
-DCP records global shapes and offsets, so a checkpoint written by one data-parallel layout
-loads into another (resharding), and into a plain model without any process group (export).
-Forward-only roles (reference) are not saved: they are rebuilt from ``model.path`` / the seed.
+The format is engine-neutral: ``model.<hf_name>`` for the weights and ``optim.<hf_name>.<key>``
+for optimizer state, whatever engine wrote them. Each rank of the role writes its own shards
+(``__<rank>_0.distcp``); the group's first rank writes DCP's ``.metadata`` and the engine's
+metadata (``engine_meta.pt``: optimizer param groups, LR scheduler). DCP records global shapes
+and offsets, so a checkpoint written by one data-parallel layout loads into another
+(resharding), and into a plain model without any process group (export). Forward-only roles
+(reference) are not saved: they are rebuilt from ``model.path`` / the seed.
 
 RNG states are per process: ``rng/rank<r>.pt`` holds torch (CPU and CUDA), numpy and python
 ``random`` states, so a resumed rank draws the same numbers as one that never stopped.
@@ -23,14 +26,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from rlbatch.checkpoint.layout import SCHEDULER
+from rlbatch.engines.base import CheckpointState
 
 log = logging.getLogger(__name__)
 
-OPTIONS = StateDictOptions(cpu_offload=True)
-"""Always stage DCP through host memory: gathering a second copy on the device can OOM (ROLL)."""
+META = "engine_meta.pt"
+"""Per-role file beside the DCP shards: the engine's small metadata (written by the group's first rank)."""
 
 
 def _save_small(path: Path, obj: Any) -> None:
@@ -40,52 +42,40 @@ def _save_small(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _check_resident(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _check_resident(tensors: dict[str, Any]) -> None:
     """Refuse to checkpoint offloaded state (freed storages would be read as garbage)."""
-    tensors = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values()
-                                           if isinstance(v, torch.Tensor)]
-    for t in tensors:
+    for name, t in tensors.items():
         local = getattr(t, "_local_tensor", t)
-        if local.numel() and local.untyped_storage().nbytes() == 0:
-            raise RuntimeError("checkpoint of offloaded state: reload the role's params and optimizer "
-                               "(Residency phase) before saving or loading a checkpoint")
+        if isinstance(local, torch.Tensor) and local.numel() and local.untyped_storage().nbytes() == 0:
+            raise RuntimeError(f"checkpoint of offloaded state ({name}): reload the role's params and optimizer "
+                               f"(Residency phase) before saving or loading a checkpoint")
 
 
-def save_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: Any | None, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Write model + optimizer shards (DCP) and the scheduler into ``path``. Collective over ``group``."""
-    _check_resident(model, optimizer)
+def save_state(path: Path, state: CheckpointState) -> dict[str, float]:
+    """Write an engine's named tensors (DCP shards) and its metadata into ``path``. Collective over
+    ``state.group``."""
+    _check_resident(state.tensors)
     t0 = time.perf_counter()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
-    if scheduler is not None and dist.get_rank(group) == 0:
-        _save_small(path / SCHEDULER, scheduler.state_dict())
+    dcp.save(state.tensors, checkpoint_id=path, process_group=state.group)
+    if dist.get_rank(state.group) == 0:
+        _save_small(path / META, state.meta)
     seconds = time.perf_counter() - t0
-    log.info("saved train state to %s in %.2f s", path, seconds)
+    log.info("saved %d tensors to %s in %.2f s", len(state.tensors), path, seconds)
     return {"seconds": seconds}
 
 
-def load_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: Any | None, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Restore what save_train_state wrote, into this (possibly differently sharded) layout."""
-    _check_resident(model, optimizer)
-    t0 = time.perf_counter()
+def load_state(path: Path, template: CheckpointState) -> CheckpointState:
+    """Read what save_state wrote into ``template``'s tensors (in this, possibly differently sharded,
+    layout) and return them with the saved metadata. Collective over ``template.group``."""
+    _check_resident(template.tensors)
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path}: no DCP checkpoint here (.metadata missing)")
-    # A fresh optimizer has no state yet; get_state_dict initialises it (a zero-lr step) so
-    # that DCP has tensors to load into.
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path, process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
-    if scheduler is not None:
-        scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=True))
-    seconds = time.perf_counter() - t0
-    log.info("loaded train state from %s in %.2f s", path, seconds)
-    return {"seconds": seconds}
+    dcp.load(template.tensors, checkpoint_id=path, process_group=template.group)
+    meta = torch.load(path / META, weights_only=True)
+    return CheckpointState(template.tensors, meta, template.group)
 
 
 def rng_state() -> dict[str, Any]:

@@ -4,9 +4,9 @@
         manifest.json            written last by CheckpointStore.commit: files, sizes, sha256, meta
         controller.json          the controller's state (step, data position, ...)
         config.yaml              copy of the run's config.yaml, so the checkpoint stands alone
-        actor_train/             torch.distributed.checkpoint (DCP) of model + optimizer:
+        actor_train/             torch.distributed.checkpoint (DCP) of the engine's named tensors
             .metadata  __0_0.distcp  __1_0.distcp ...     one shard file per rank of the role
-            scheduler.pt         LR scheduler state (written by the role's first rank)
+            engine_meta.pt       the engine's metadata: optimizer param groups, LR scheduler
         rng/rank<r>.pt           torch / CUDA / numpy / python RNG states of world rank r
     <run_dir>/checkpoints/step_000015.tmp-<nonce>/   a checkpoint being written (or abandoned)
 """
@@ -25,7 +25,6 @@ MANIFEST = "manifest.json"
 CONTROLLER = "controller.json"
 CONFIG = "config.yaml"
 RNG = "rng"
-SCHEDULER = "scheduler.pt"
 
 
 def role_dir(ckpt: Path, role: str) -> Path:

@@ -1,7 +1,8 @@
 """Pack variable-length samples for a forward pass, and read back per-response-token values.
 
 A sample is a dict of 1-D tensors: ``prompt`` and ``response`` token ids, and optionally
-per-response-token fields (``old_logprobs``, ``ref_logprobs``) and the scalar ``advantage``.
+per-response-token fields (``rlbatch.phases.TOKEN_FIELDS``: ``old_logprobs``, ``ref_logprobs``,
+per-token ``advantages``, ...) and a per-sequence scalar ``advantage``.
 Everything a loss reads is response-aligned: ``[B, R]``, R the longest response, column j
 the sample's response token j, right-padded and masked.
 
@@ -26,8 +27,7 @@ from typing import Any
 import torch
 
 from rlbatch.engines.defaults import worth_sharing
-
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs")
+from rlbatch.phases import TOKEN_FIELDS
 
 
 @dataclass
@@ -53,8 +53,17 @@ class Packed:
     targets: torch.Tensor             # [B, R] response tokens, right-padded
     mask: torch.Tensor                # [B, R] float, 1 on response tokens
     fields: dict[str, torch.Tensor]   # per-token fields aligned with targets, [B, R]
-    advantages: torch.Tensor | None   # [B]
+    advantages: torch.Tensor | None   # [B] per-sequence advantages, when the samples carry them
     lengths: list[int]                # response lengths
+
+    def token_advantages(self) -> torch.Tensor:
+        """[B, R] advantages: the per-token field when the samples carry one, else each sequence's
+        advantage over its tokens."""
+        if "advantages" in self.fields:
+            return self.fields["advantages"]
+        if self.advantages is None:
+            raise ValueError("the batch has no advantages (neither per-token 'advantages' nor 'advantage')")
+        return self.advantages[:, None].expand_as(self.mask)
 
 
 def _positions(lengths: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,17 +1,22 @@
 """Engine settings that the planner must model exactly as the engines apply them.
 
-Kept free of torch so the planner (which never imports torch) and the engines read one definition.
+Kept free of torch so the planner (which never imports torch) and the engines read one
+definition. The defaults are those of the engines' typed engine_args (``rlbatch/engines/registry.py``);
+each function takes a role's engine_args as the raw mapping (planner) or the typed dataclass (engines).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-HF_MAX_BATCH = 1024
+from rlbatch.engines.registry import FSDPArgs, HFArgs
+
+HF_MAX_BATCH = HFArgs.max_batch
 """The hf engine generates at most this many sequences per call (engine_args.max_batch)."""
 
-FSDP_SINGLE_UNIT_MAX_MB = 64
+FSDP_SINGLE_UNIT_MAX_MB = FSDPArgs.single_unit_max_mb
 """The fsdp engine makes a model of up to this many MB of fp32 parameters one FSDP unit (one
 all-gather forward, one reduce-scatter backward per micro-batch); a larger one gets a unit per
 decoder layer, so only one layer is ever unsharded. Small models gain nothing from per-layer
@@ -19,19 +24,26 @@ units but pay per-collective latency for each (on CPU with gloo about 2.7 ms eac
 step of the tiny model). engine_args.single_unit_max_mb overrides it."""
 
 
-def hf_max_batch(engine_args: Mapping[str, Any]) -> int:
-    return int(engine_args.get("max_batch", HF_MAX_BATCH))
+def _get(engine_args: Any, key: str, default: Any) -> Any:
+    if dataclasses.is_dataclass(engine_args):
+        return getattr(engine_args, key, default)
+    assert isinstance(engine_args, Mapping)
+    return engine_args.get(key, default)
 
 
-def fsdp_single_unit(fp32_param_bytes: float, engine_args: Mapping[str, Any]) -> bool:
+def hf_max_batch(engine_args: Any) -> int:
+    return int(_get(engine_args, "max_batch", HF_MAX_BATCH))
+
+
+def fsdp_single_unit(fp32_param_bytes: float, engine_args: Any) -> bool:
     """Whether the fsdp engine shards a model of this size as one unit."""
-    return fp32_param_bytes <= int(engine_args.get("single_unit_max_mb", FSDP_SINGLE_UNIT_MAX_MB)) << 20
+    return fp32_param_bytes <= int(_get(engine_args, "single_unit_max_mb", FSDP_SINGLE_UNIT_MAX_MB)) << 20
 
 
-def share_prompts(engine_args: Mapping[str, Any]) -> bool:
+def share_prompts(engine_args: Any) -> bool:
     """Whether the fsdp engine runs each distinct prompt of a batch once (engine_args.share_prompts,
     on by default; off under activation checkpointing). See ``rlbatch.engines.batch``."""
-    return bool(engine_args.get("share_prompts", True))
+    return bool(_get(engine_args, "share_prompts", True))
 
 
 def worth_sharing(distinct: int, samples: int) -> bool:

@@ -28,10 +28,8 @@ from rlbatch.plan.model import ModelShape, shape_from_config
 from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import Workload, workload_from_config
 
-PHASE_KEYS = ("generate", "reward", "ref_logprobs", "values", "old_logprobs", "train", "sync", "offload", "reload")
-"""Phases whose time/<phase> a run reports and the planner predicts."""
-ALIASES = {"time/score": "time/reward"}
-"""Metric names rlbatch's controller uses for a planner phase (its reward phase is called score)."""
+PHASE_KEYS = ("generate", "score", "ref_logprobs", "values", "old_logprobs", "train", "sync", "offload", "reload")
+"""Phases whose time/<phase> a run reports and the planner predicts (names from rlbatch.phases)."""
 RESPONSE_MAX_KEYS = ("tokens/response_max", "response_len/max")
 """Optional metrics with the longest response of the step (the decode steps it took)."""
 
@@ -110,7 +108,7 @@ class RunModel:
                 continue
             rmax = next((_num(rec, k) for k in RESPONSE_MAX_KEYS if _num(rec, k) is not None), None)
             w = self.base.with_measured(_num(rec, "tokens/generated"), _num(rec, "tokens/total"), rmax)
-            measured = {ALIASES.get(k, k): float(v) for k, v in rec.items() if k.startswith("time/") and _num(rec, k) is not None}
+            measured = {k: float(v) for k, v in rec.items() if k.startswith("time/") and _num(rec, k) is not None}
             out.append((int(rec.get("step", i)), measured, w))
         return out
 

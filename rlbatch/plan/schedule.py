@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlbatch import phases
 from rlbatch.plan.layout import Layout
 from rlbatch.plan.memory import COPIED, RoleMemory
 from rlbatch.plan.workload import Workload
-
-TRAIN_KINDS: tuple[str, ...] = ("params", "grads", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -32,24 +31,27 @@ class Phase:
 
 
 def step_phases(layout: Layout, w: Workload) -> list[Phase]:
-    """The phases of one step, in the controller's order (rlbatch/scheduler/program.py)."""
+    """The phases of one step, in the controller's order, from the phase table (``rlbatch.phases``):
+    each phase's working GPU roles and the state kinds they need; it comes after the phases that
+    wrote the fields it reads (a collective phase, after every phase before it)."""
     roles = layout.roles
-    gpu_reward = "reward" in roles and roles["reward"].is_gpu
-    out = [
-        Phase("generate", "generate", {"actor_infer": ("params", "kv_cache")}),
-        Phase("reward", "reward", {"reward": ("params",)} if gpu_reward else {}, ("generate",)),
-    ]
-    if w.kl and "reference" in roles:
-        out.append(Phase("ref_logprobs", "logprobs", {"reference": ("params",)}, ("generate",)))
-    if w.critic and "critic" in roles:
-        out.append(Phase("values", "logprobs", {"critic": ("params",)}, ("generate",)))
-    if w.optimizer_steps > 1 or w.kl_in_reward:  # otherwise the policy before the update is the current one
-        after = ("generate", "ref_logprobs") if w.kl_in_reward else ("generate",)
-        out.append(Phase("old_logprobs", "logprobs", {"actor_train": ("params",)}, after))
-    scored = tuple(p.name for p in out if p.name != "generate")
-    train = {"actor_train": TRAIN_KINDS} | ({"critic": TRAIN_KINDS} if w.critic and "critic" in roles else {})
-    out.append(Phase("train", "train", train, scored))
-    out.append(Phase("sync", "sync", {"actor_train": ("params",), "actor_infer": ("params",)}, ("train",)))
+    names = phases.step_phases(kl_to_reference=w.kl, has_reference="reference" in roles,
+                               critic=w.critic and "critic" in roles, reuse_batch=w.optimizer_steps > 1,
+                               kl_in_reward=w.kl_in_reward)
+    # A KL penalty in the reward is taken from the old log-probs and the reference's.
+    extra_reads = {"old_logprobs": ("ref_logprobs",)} if w.kl_in_reward else {}
+    out: list[Phase] = []
+    writer: dict[str, str] = {}
+    for name in names:
+        spec = phases.PHASES[name]
+        active = {r: spec.needs for r in spec.roles if r in roles and roles[r].is_gpu}
+        if spec.dispatch is phases.Dispatch.COLLECTIVE:
+            after = tuple(p.name for p in out)
+        else:
+            after = tuple(dict.fromkeys(writer[f] for f in (*spec.reads, *extra_reads.get(name, ())) if f in writer))
+        out.append(Phase(name, spec.kind, active, after))
+        for f in spec.writes:
+            writer.setdefault(f, name)
     return out
 
 

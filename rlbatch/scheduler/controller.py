@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from rlbatch.engines.registry import engine_args, spec_of
+from rlbatch.phases import PhaseSpec, phase_for
+from rlbatch.placement import RolePlacement
 from rlbatch.runtime.control import Call, Controller
 from rlbatch.runtime.dataplane import Move
 from rlbatch.runtime.postmortem import describe_rank
@@ -178,18 +181,45 @@ class Scores:
         return torch.tensor([merged[i] for i in self.ids])
 
 
+def shards(role: RolePlacement, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The groups of the role's ranks that receive the same samples, in data-parallel order.
+
+    A GPU role's ranks are grouped by their coordinates on the engine's data axes
+    (``EngineSpec.data_axes``): data-parallel ranks get shares of their own, while the tp/pp/cp
+    peers of one replica share one. CPU workers are one rank each. ``ranks``: the role's world
+    ranks (for a GPU role, its GPU ranks in device_mapping order)."""
+    if not role.is_gpu or not role.mesh:
+        return [(r,) for r in ranks]
+    axes = spec_of(role.engine).data_axes
+    names = [n for n, _ in role.mesh]
+    sizes = [s for _, s in role.mesh]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(role.gpu_ranks):
+        coords, rest = [], i
+        for size in reversed(sizes):  # row-major: the last axis varies fastest
+            rest, c = divmod(rest, size)
+            coords.append(c)
+        coords.reverse()
+        key = tuple(coords[names.index(a)] for a in axes if a in names)
+        groups.setdefault(key, []).append(r)
+    return [tuple(groups[k]) for k in sorted(groups)]
+
+
 class Role:
-    """A role as the controller's loop sees it: each method is one phase on its workers."""
+    """A role as the controller's loop sees it: each method is one phase on its workers, described
+    by its row of the phase table (``rlbatch.phases``)."""
 
     def __init__(self, pipe: Pipeline, name: str) -> None:
         self.pipe, self.name = pipe, name
         self.placement = pipe.p.roles[name]
+        self.shards = shards(self.placement, self.ranks)
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return self.pipe.world.members[self.name]
 
     def generate(self, prompts: list[Any], n: int, first_id: int, seed: int) -> Rollouts:
+        spec = phase_for(self.name, "generate")
         a = self.pipe.cfg.algo
         groups = split_even(list(range(len(prompts))), self.placement.world_size)
         work, ids_of = {}, {}
@@ -201,65 +231,79 @@ class Role:
                         "top_p": float(a.top_p), "seed": seed * 1_000_003 + w}
             for r in self.placement.workers[w]:
                 work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)], "sampling": sampling}
-        out = self.pipe.run("generate", (self.name,), work)
+        out = self.pipe.run(spec.name, (self.name,), work)
         plen, rlen = {}, {}
         for leader, ids in ids_of.items():
             for sid in ids:
-                p, r = out[leader][sid]
-                plen[sid], rlen[sid] = p, r
-                self.pipe.produced(leader, sid, "prompt", p)
-                self.pipe.produced(leader, sid, "response", r)
+                plen[sid], rlen[sid] = out[leader][sid]
+                for f in spec.writes:
+                    self.pipe.produced(leader, sid, f, plen[sid] if f == "prompt" else rlen[sid])
         all_ids = [first_id + i for i in range(len(prompts) * n)]
         return Rollouts(all_ids, [prompts[i // n].answer for i in range(len(prompts) * n)], n, plen, rlen)
 
     def score(self, ro: Rollouts) -> Scores:
         """Start scoring and return at once: phases started next run alongside it where they are
         on other ranks (a CPU reward role scores while the actor ranks compute log-probs)."""
+        spec = phase_for(self.name, "score")
         answer = dict(zip(ro.ids, ro.answers, strict=True))
         parts = split_even(ro.ids, len(self.ranks))
         work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} for r, ids in zip(self.ranks, parts, strict=True)}
-        need = {r: (ids, ["response"]) for r, ids in zip(self.ranks, parts, strict=True)}
-        return Scores(self.pipe.start("score", (self.name,), work, need), ro.ids)
+        need = {r: (ids, list(spec.reads)) for r, ids in zip(self.ranks, parts, strict=True)}
+        return Scores(self.pipe.start(spec.name, (self.name,), work, need), ro.ids)
 
-    def _assign(self, ro: Rollouts) -> dict[int, list[int]]:
-        return assign_local_first(ro.ids, self.ranks, self.pipe.holder(ro.ids))
+    def _assign(self, ro: Rollouts) -> dict[tuple[int, ...], list[int]]:
+        """Samples of each shard: an even split, keeping each sample on the shard that holds it."""
+        leader_of = {r: sh[0] for sh in self.shards for r in sh}
+        holder = {sid: leader_of[r] for sid, r in self.pipe.holder(ro.ids).items() if r in leader_of}
+        by_leader = assign_local_first(ro.ids, tuple(sh[0] for sh in self.shards), holder)
+        return {sh: by_leader[sh[0]] for sh in self.shards}
+
+    def _run_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
+                     extra: dict[int, dict[str, Any]] | None = None) -> dict[tuple[int, ...], Any]:
+        """Run ``spec`` with each shard's samples on every rank of the shard; {shard: its leader's output}."""
+        work = {r: {"ids": ids} | (extra or {}).get(sh[0], {}) for sh, ids in assign.items() for r in sh}
+        need = {r: (ids, fields) for sh, ids in assign.items() for r in sh}
+        out = self.pipe.run(spec.name, (self.name,), work, need)
+        for sh, ids in assign.items():
+            for f in spec.writes:
+                for sid in ids:
+                    self.pipe.produced(sh[0], sid, f, self.pipe.length[(sid, "response")])  # per-token
+        return {sh: out[sh[0]] for sh in assign}
 
     def logprobs(self, ro: Rollouts, kl_estimator: str | None = None, skip_first_mini_batch: bool = False,
-                 ) -> dict[int, float] | None:
-        """reference: ref_logprobs; actor_train: old_logprobs (optionally with per-sample KL to ref).
+                 ) -> dict[int, float]:
+        """This role's log-probs of the rollouts (reference: ref_logprobs; actor_train: old_logprobs),
+        kept on its ranks; returns per-sample KL sums to the reference with ``kl_estimator``.
 
-        ``skip_first_mini_batch``: leave out the samples each rank will train on first. The first
+        ``skip_first_mini_batch``: leave out the samples each shard will train on first. The first
         mini-batch of a single epoch is trained before any update, so its old log-probs are the
         current ones, which the training forward computes anyway (same result, less work)."""
-        phase = "ref_logprobs" if self.name == "reference" else "old_logprobs"
-        field = phase
+        spec = phase_for(self.name, "logprobs")
         assign = self._assign(ro)
         if skip_first_mini_batch:
             mbs = int(self.pipe.cfg.algo.mini_batches)
-            assign = {r: ids[len(ids) // mbs :] for r, ids in assign.items()}
-        fields = ["prompt", "response"] + (["ref_logprobs"] if kl_estimator else [])
-        work = {r: {"ids": ids} | ({"kl_estimator": kl_estimator} if phase == "old_logprobs" else {}) for r, ids in assign.items()}
-        out = self.pipe.run(phase, (self.name,), work, {r: (ids, fields) for r, ids in assign.items()})
-        for r, ids in assign.items():
-            for sid in ids:
-                self.pipe.produced(r, sid, field, ro.response_len[sid])
-        if phase == "old_logprobs":
-            return {k: v for o in out.values() for k, v in o.items()}
-        return None
+            assign = {sh: ids[len(ids) // mbs :] for sh, ids in assign.items()}
+        fields = list(spec.reads) + (["ref_logprobs"] if kl_estimator else [])
+        extra = {sh[0]: {"kl_estimator": kl_estimator} for sh in assign} if kl_estimator else None
+        out = self._run_sharded(spec, assign, fields, extra)
+        return {k: v for o in out.values() for k, v in o.items()}
 
-    def train(self, ro: Rollouts, advantages: torch.Tensor) -> dict[str, float]:
-        adv = dict(zip(ro.ids, advantages.tolist(), strict=True))
+    def train(self, ro: Rollouts, advantages: torch.Tensor | list[torch.Tensor]) -> dict[str, float]:
+        """One batch of updates. ``advantages``: one per sample ([N]), or per token (N tensors)."""
+        spec = phase_for(self.name, "train")
+        adv = dict(zip(ro.ids, advantages.tolist() if isinstance(advantages, torch.Tensor)
+                       else [a.tolist() for a in advantages], strict=True))
         assign = self._assign(ro)
-        fields = ["prompt", "response", "old_logprobs", "ref_logprobs"]
-        work = {r: {"ids": ids, "advantages": [adv[i] for i in ids]} for r, ids in assign.items()}
-        out = self.pipe.run("train", (self.name,), work, {r: (ids, fields) for r, ids in assign.items()})
+        extra = {sh[0]: {"advantages": [adv[i] for i in ids]} for sh, ids in assign.items()}
+        out = self._run_sharded(spec, assign, list(spec.reads), extra)
         keys = set().union(*(o.keys() for o in out.values()))
         return {k: sum(o.get(k, 0.0) for o in out.values()) / len(out) for k in keys}
 
     def sync_weights(self, infer: Role) -> None:
+        spec = phase_for(self.name, "sync")
         train_ranks, infer_ranks = set(self.ranks), set(infer.ranks)
         local = infer_ranks <= train_ranks
-        bucket = int(self.placement.engine_args.get("sync_bucket_mb", 256)) << 20
+        bucket = int(engine_args(self.placement.engine, self.placement.engine_args).sync_bucket_mb) << 20
         work = {r: {"src": min(self.ranks), "local": local, "bucket_bytes": bucket} for r in train_ranks | infer_ranks}
-        self.pipe.run("sync", (self.name, infer.name), work)
+        self.pipe.run(spec.name, (self.name, infer.name), work)
 

@@ -4,7 +4,9 @@
     python -m rlbatch.launch roles=disaggregated steps=20
 
 The scheduler behind the role handles knows from the Placement which roles share a GPU and
-offloads/reloads at each phase boundary by itself; a new algorithm edits this loop and a loss.
+offloads/reloads at each phase boundary by itself. ``algo.name`` picks the loop from
+``rlbatch.algos.registry.PROGRAMS``; the advantage estimator and the loss come from the other
+registries, so a new algorithm whose loop is this one is registry entries only.
 Checkpoints are taken at step boundaries (save_every, the end, preemption or walltime), and a
 run resumes from the newest complete one in its run_dir (resume=auto).
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlbatch import algos
+from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
 from rlbatch.data.source import make_stream
 from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
@@ -26,7 +28,7 @@ from rlbatch.scheduler.checkpointing import Checkpointer
 from rlbatch.scheduler.controller import Pipeline, Role
 from rlbatch.scheduler.metrics import Metrics, step_row
 from rlbatch.scheduler.preemption import Preemption
-from rlbatch.scheduler.rank import RankRuntime
+from rlbatch.scheduler.rank_runtime import RankRuntime
 
 
 def handlers(world: World, cfg: Any, run: RunDir) -> dict[str, Any]:
@@ -34,9 +36,13 @@ def handlers(world: World, cfg: Any, run: RunDir) -> dict[str, Any]:
 
 
 def controller(world: World, cfg: Any, run: RunDir) -> None:
+    PROGRAMS.get(str(cfg.algo.name))(world, cfg, run)
+
+
+def policy_gradient(world: World, cfg: Any, run: RunDir) -> None:
+    """The critic-free loop (GRPO and its relatives): advantages from the rewards alone."""
     a = cfg.algo
-    if a.name != "grpo":
-        raise NotImplementedError(f"algo.name={a.name}: only grpo is implemented in this build")
+    estimate_advantages = ADVANTAGES.get(str(a.advantage))
     pipe = Pipeline(world, cfg)
     print(f"engines ready on every rank in {pipe.wait_ready():.1f}s", flush=True)
     actor_infer, actor_train, reward = Role(pipe, "actor_infer"), Role(pipe, "actor_train"), Role(pipe, "reward")
@@ -69,7 +75,7 @@ def controller(world: World, cfg: Any, run: RunDir) -> None:
         shaped = rewards
         if a.kl_in_reward and kl is not None:
             shaped = rewards - a.kl_coef * torch.tensor([kl[i] for i in rollouts.ids])
-        advantages = algos.grpo_advantages(shaped, n, a.adv_eps)
+        advantages = estimate_advantages(shaped, n, a)
         stats = actor_train.train(rollouts, advantages)
         actor_train.sync_weights(actor_infer)
         pipe.forget(rollouts.ids)

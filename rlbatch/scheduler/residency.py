@@ -1,8 +1,9 @@
 """Which role's state is on this rank's device, switched at each phase boundary.
 
 Roles colocated on a GPU take turns: before a phase, the state of the other roles on this
-rank is offloaded and the acting role's state (the kinds the phase needs) is reloaded. A rank
-with a single GPU role never offloads. Every phase yields a record: wall time, bytes and
+rank is offloaded and the acting role's state (the kinds the phase needs, from the phase table
+``rlbatch.phases``) is reloaded; each engine moves its own state. A rank with a single GPU role
+never offloads. Every phase yields a record: wall time, bytes and
 seconds moved each way, device memory (allocated/reserved) and host RSS before and after.
 """
 
@@ -17,17 +18,8 @@ from typing import Any
 
 import torch
 
-from rlbatch.scheduler.offload import Transfer
-
-NEEDS: dict[str, tuple[str, ...]] = {
-    "generate": ("params",),
-    "ref_logprobs": ("params",),
-    "old_logprobs": ("params",),
-    "train": ("params", "grads", "optimizer"),
-    "sync": ("params",),
-    "checkpoint": ("params", "optimizer"),
-}
-"""Phase -> kinds of the acting roles' state that must be on the device."""
+from rlbatch.engines.offload import Transfer
+from rlbatch.phases import PHASES
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -70,13 +62,12 @@ class Residency:
 
     def _switch(self, acting: tuple[str, ...], needs: tuple[str, ...]) -> tuple[Transfer, Transfer]:
         out, back = Transfer(), Transfer()
-        for role in self.offloadable - set(acting):
-            for stash in self.engines[role].stashes.values():
-                out += stash.offload()
+        for role in sorted(self.offloadable - set(acting)):
+            engine = self.engines[role]
+            out += engine.offload(engine.state_kinds)
         for role in acting:
-            for kind, stash in self.engines[role].stashes.items():
-                if kind in needs:
-                    back += stash.reload()
+            engine = self.engines[role]
+            back += engine.reload(tuple(k for k in engine.state_kinds if k in needs))
         return out, back
 
     @contextmanager
@@ -88,7 +79,7 @@ class Residency:
         rec.mem_allocated_before, rec.mem_reserved_before = device_memory(self.device)
         rec.rss_before = host_rss()
         start = time.perf_counter()
-        rec.offload, rec.reload = self._switch(tuple(a for a in acting if a in self.engines), NEEDS.get(phase, ()))
+        rec.offload, rec.reload = self._switch(tuple(a for a in acting if a in self.engines), PHASES[phase].needs)
         yield rec
         rec.seconds = time.perf_counter() - start
         rec.mem_allocated_after, rec.mem_reserved_after = device_memory(self.device)

@@ -2,8 +2,9 @@
 
 Weights travel in the inference engine's dtype (``wire_dtype``: bf16 for a bf16 engine on a GPU,
 half the bytes of the trainer's fp32; the cast happens once, on the sender, as it would on load)
-in buckets of about ``bucket_bytes``; receivers lay buckets out from their own parameter list
-(same architecture, same order), so nothing but the tensors is sent.
+in buckets of about ``bucket_bytes``. The trainer exports ``(hf_name, tensor)`` pairs and the
+inference engine loads them by name, whatever either does inside; the names and shapes (the
+manifest) are broadcast once, on the first sync, and every later sync sends only tensors.
 Per bucket, the memory broadcast from and into is, in order of preference:
 
 - the inference engine's own parameters, when ``weight_views`` gives them as one slice of the
@@ -43,6 +44,21 @@ class WeightBroadcast:
     def __init__(self, wire_dtype: torch.dtype = torch.float32) -> None:
         self.wire_dtype = wire_dtype
         self._staging: torch.Tensor | None = None
+        self._manifest: list[tuple[str, torch.Size]] | None = None
+
+    def manifest(self, world: World, named: list[tuple[str, torch.Tensor]], src: int) -> list[tuple[str, torch.Size]]:
+        """(hf_name, shape) of every tensor the sender exports, in order: broadcast on the first
+        sync, then kept (the sender checks that its export has not changed)."""
+        if world.rank == src:
+            mine = [(n, t.shape) for n, t in named]
+            if self._manifest is not None and mine != self._manifest:
+                raise RuntimeError("weight sync: the exported weights changed names or shapes since the first sync")
+        if self._manifest is None:
+            box: list[Any] = [mine if world.rank == src else None]
+            world.check("broadcast weight manifest", SYNC, dist.broadcast_object_list, box, src=src,
+                        group=world.groups[SYNC])
+            self._manifest = [(str(n), torch.Size(s)) for n, s in box[0]]
+        return self._manifest
 
     def staging(self, numel: int, device: torch.device) -> torch.Tensor:
         buf = self._staging
@@ -56,10 +72,8 @@ class WeightBroadcast:
                  bucket_bytes: int) -> int:
         """Send ``named`` (on ``src``) or receive into ``infer``; returns the bytes broadcast."""
         dev, sender = world.device, world.rank == src
-        if sender:
-            names, shapes = [n for n, _ in named], [t.shape for _, t in named]
-        else:
-            names, shapes = list(infer.params), [p.shape for p in infer.params.values()]
+        manifest = self.manifest(world, named, src)
+        names, shapes = [n for n, _ in manifest], [s for _, s in manifest]
         total, wire, size = 0, self.wire_dtype, self.wire_dtype.itemsize
         for i, j in buckets([s.numel() for s in shapes], bucket_bytes, size):
             numel = sum(s.numel() for s in shapes[i:j])

@@ -44,7 +44,7 @@ def test_resume_from_a_checkpoint_continues_bit_for_bit(resumed: Path) -> None:
     ckpt = resumed / "run/checkpoints/step_000003"
     files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
     assert files == ["actor_train/.metadata", "actor_train/__0_0.distcp", "actor_train/__1_0.distcp",
-                     "actor_train/scheduler.pt", "config.yaml", "controller.json", "manifest.json",
+                     "actor_train/engine_meta.pt", "config.yaml", "controller.json", "manifest.json",
                      "rng/rank0.pt", "rng/rank1.pt"]  # no reference/: forward-only roles are not saved
 
 

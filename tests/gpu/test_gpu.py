@@ -28,7 +28,7 @@ def test_pipeline_on_one_gpu_in_bf16(run_root: Path) -> None:
 
 
 def test_offload_reload_bandwidth_against_raw_pinned_copy() -> None:
-    from rlbatch.scheduler.offload import TensorStash
+    from rlbatch.engines.offload import TensorStash
 
     tensors = [torch.randn(64 << 20, device="cuda") for _ in range(4)]  # 4 x 256 MiB
     nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlbatch.scheduler.offload import TensorStash, grad_tensors, optimizer_tensors
+from rlbatch.engines.offload import TensorStash, grad_tensors, optimizer_tensors
 
 
 def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

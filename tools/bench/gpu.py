@@ -85,25 +85,29 @@ def bench_train(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, device: 
                 peak_flops: float, sync: Callable[[], None]) -> tuple[dict[str, Any], Any]:
     import torch
 
+    from rlbatch.algos.objective import PolicyObjective
     from rlbatch.config.schema import AlgoConfig
+    from rlbatch.engines.base import EngineContext
+    from rlbatch.engines.registry import FSDPArgs
     from rlbatch.engines.train.fsdp import FSDPEngine
 
     progress(f"train: building FSDPEngine ({shape.params / 1e6:.1f}M parameters, fp32 master weights)")
     algo = AlgoConfig(mini_batches=1, epochs=1, grad_accum=1, kl_coef=0.0, lr=1e-6,
                       activation_checkpointing=args.grad_ckpt)
-    engine = FSDPEngine(model_cfg=model_cfg, tokenizer=vocab, device=device, seed=0, mesh=mesh, algo=algo,
-                        trainable=True, engine_args={})
+    engine = FSDPEngine(EngineContext("actor_train", FSDPArgs(), model_cfg, algo, vocab, device, seed=0, mesh=mesh,
+                                      trainable=True))
+    objective = PolicyObjective(algo)
     g = torch.Generator().manual_seed(0)
     samples = [{"prompt": torch.randint(3, vocab.size, (args.prompt_len,), generator=g),
                 "response": torch.randint(3, vocab.size, (args.seq - args.prompt_len,), generator=g),
                 "advantage": torch.randn((), generator=g)} for _ in range(args.batch)]
     progress(f"train: {args.warmup} warm-up steps of {args.batch} x {args.seq} tokens")
     for _ in range(args.warmup):
-        engine.train(samples)
+        engine.train(samples, objective)
     progress(f"train: {args.steps} timed steps")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    step_s = _timed(lambda: [engine.train(samples) for _ in range(args.steps)], sync) / args.steps
+    step_s = _timed(lambda: [engine.train(samples, objective) for _ in range(args.steps)], sync) / args.steps
     tokens = args.batch * args.seq
     flops_token = shape.train_flops_per_token(args.seq)
     achieved = tokens * flops_token / step_s
@@ -119,9 +123,9 @@ def bench_train(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, device: 
 def bench_offload(args: argparse.Namespace, engine: Any, device: Any, sync: Callable[[], None]) -> dict[str, Any]:
     import torch
 
-    from rlbatch.scheduler.offload import grad_tensors, local_tensor, optimizer_tensors
+    from rlbatch.engines.offload import grad_tensors, local_tensor, optimizer_tensors
 
-    stashes = list(engine.stashes.values())
+    stashes = list(engine.state.by_kind.values())
     # The raw side copies the same storages the stashes move, whole, as one uint8 view each.
     views, seen = [], set()
     for t in [*engine.model.parameters(), *grad_tensors(engine.model), *optimizer_tensors(engine.optimizer)]:
@@ -130,7 +134,7 @@ def bench_offload(args: argparse.Namespace, engine: Any, device: Any, sync: Call
             seen.add(st.data_ptr())
             views.append(torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (st.nbytes(),), (1,)))
     nbytes = sum(v.numel() for v in views)
-    progress(f"offload: {nbytes / 1e9:.2f} GB in {len(views)} tensors ({', '.join(engine.stashes)}); "
+    progress(f"offload: {nbytes / 1e9:.2f} GB in {len(views)} tensors ({', '.join(engine.state_kinds)}); "
              "allocating pinned host buffers")
     pinned = device.type == "cuda"
     host = [torch.empty(v.numel(), dtype=torch.uint8, pin_memory=pinned) for v in views]
@@ -173,12 +177,15 @@ def bench_generate(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, devic
 
     import torch
 
-    from rlbatch.engines.base import SamplingParams
+    from rlbatch.config.schema import AlgoConfig
+    from rlbatch.engines.base import EngineContext, SamplingParams
     from rlbatch.engines.infer.hf import HFInferenceEngine
+    from rlbatch.engines.registry import HFArgs
 
     progress("generate: building HFInferenceEngine (bf16)")
-    engine = HFInferenceEngine(model_cfg=dataclasses.replace(model_cfg, dtype="bf16"), tokenizer=vocab, device=device,
-                               seed=0, engine_args={"max_batch": args.gen_batch})
+    engine = HFInferenceEngine(EngineContext("actor_infer", HFArgs(max_batch=args.gen_batch),
+                                             dataclasses.replace(model_cfg, dtype="bf16"), AlgoConfig(), vocab, device,
+                                             seed=0))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab.size, (args.prompt_len,), generator=g).tolist() for _ in range(args.gen_batch)]
     full, first = SamplingParams(max_new_tokens=args.new_tokens), SamplingParams(max_new_tokens=1)
@@ -186,12 +193,12 @@ def bench_generate(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, devic
     engine.generate(prompts, full)
     t_prefill: list[float] = []
     t_full: list[float] = []
-    responses: list[list[int]] = []
+    responses: list[Any] = []
     for _ in range(args.iters):
         t_prefill.append(_timed(lambda: engine.generate(prompts, first), sync))
         responses.clear()
         t_full.append(_timed(lambda: responses.extend(engine.generate(prompts, full)), sync))
-    tokens = sum(len(r) for r in responses)  # rows that sampled EOS stopped early
+    tokens = sum(len(r.tokens) for r in responses)  # rows that sampled EOS stopped early
     prefill_s, total_s = statistics.median(t_prefill), statistics.median(t_full)
     step_s = (total_s - prefill_s) / max(1, args.new_tokens - 1)
     ctx = args.prompt_len + args.new_tokens / 2

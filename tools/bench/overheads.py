@@ -41,9 +41,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from mpi4py import MPI
 
+    from rlbatch.engines.offload import TensorStash
     from rlbatch.runtime.control import Controller, serve
     from rlbatch.runtime.dataplane import Move, SampleStore, exchange
-    from rlbatch.scheduler.offload import TensorStash
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -141,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.model = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(s), requires_grad=False) for s in shapes)
             flatten_parameters(self.model)
-            self.params = {f"w{i}": p for i, p in enumerate(self.model)}
+            self._params = {f"w{i}": p for i, p in enumerate(self.model)}
 
     shapes = [(1024, args.mb * 1024 // 4 // 16)] * 16
     named = [(f"w{i}", torch.randn(s)) for i, s in enumerate(shapes)]

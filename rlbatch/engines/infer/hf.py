@@ -1,7 +1,9 @@
 """``hf`` inference engine: transformers ``generate`` with a KV cache, on CPU or GPU.
 
 Shaped like an in-process vLLM engine (generate / load_weights / offloadable state), so the
-scheduler treats both the same way.
+scheduler treats both the same way. Sampling (temperature, then top-p) runs in one logits
+processor that also records the log-prob of each sampled token under that distribution: the
+behaviour policy's log-probs, for off-policy corrections.
 """
 
 from __future__ import annotations
@@ -11,60 +13,111 @@ from typing import Any
 
 import torch
 
-from rlbatch.engines.base import SamplingParams
+from rlbatch.engines.base import EngineContext, Generation, SamplingParams
 from rlbatch.engines.batch import distinct_prompts, left_padded, prompt_cache
 from rlbatch.engines.defaults import hf_max_batch, share_prompts, worth_sharing
 from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.model import load_model, model_dtype
-from rlbatch.scheduler.offload import TensorStash
+from rlbatch.engines.offload import Stashes, TensorStash, Transfer
+
+
+class SampledLogprobs:
+    """The last logits processor of a sampling ``generate``: applies temperature and top-p (the
+    same transformers warpers, in the same order, as ``generate`` would) and keeps the log-softmax
+    of the result until the next step, whose ``input_ids`` end with the token sampled from it."""
+
+    def __init__(self, temperature: float, top_p: float) -> None:
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.warpers: list[Any] = []
+        if temperature > 0 and temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=top_p))
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:
+            self._take(input_ids[:, -1])
+        for w in self.warpers:
+            scores = w(input_ids, scores)
+        self.prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        assert self.prev is not None
+        self.steps.append(self.prev.gather(1, tokens[:, None]).squeeze(1))
+        self.prev = None
+
+    def result(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, steps] log-probs of the sampled tokens, given the tokens of the last step."""
+        if self.prev is not None:
+            self._take(last_tokens)
+        return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(last_tokens.shape[0], 0)
 
 
 class HFInferenceEngine:
-    def __init__(self, *, model_cfg: Any, tokenizer: Any, device: torch.device, seed: int,
-                 engine_args: dict[str, Any], **_: Any) -> None:
-        self.device = device
-        self.tokenizer = tokenizer
-        self.max_batch = hf_max_batch(engine_args)
-        self.share_prompts = share_prompts(engine_args)
-        self.model = load_model(model_cfg, tokenizer, seed, model_dtype(model_cfg.dtype, device)).to(device).eval()
+    def __init__(self, ctx: EngineContext) -> None:
+        self.device = ctx.device
+        self.tokenizer = ctx.tokenizer
+        self.max_batch = hf_max_batch(ctx.args)
+        self.share_prompts = share_prompts(ctx.args)
+        dtype = model_dtype(ctx.model.dtype, ctx.device)
+        self.model = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype).to(ctx.device).eval()
         flatten_parameters(self.model)  # weight sync can then receive straight into the model
-        self.params = dict(self.model.named_parameters())
-        self.stashes = {"params": TensorStash("params", self.model.parameters)}
+        self._params = dict(self.model.named_parameters())
+        self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        return self.state.kinds
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.offload(kinds)
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.reload(kinds)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         torch.manual_seed(params.seed)
-        out: list[list[int]] = []
+        out: list[Generation] = []
         for i in range(0, len(prompts), self.max_batch):
             out += self._generate(prompts[i : i + self.max_batch], params)
         return out
 
-    def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
+    def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[Generation]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         ids, attn = left_padded(prompts, pad)
         width = ids.shape[1]
         # top_k=0 samples from the whole distribution: the policy the PPO ratio assumes (the
-        # generation config may default to top-k 50).
+        # generation config may default to top-k 50). Temperature and top-p are applied by the
+        # recorder (SampledLogprobs), so generate's own warpers are off.
         kwargs: dict[str, Any] = {}
         cache = self._shared_prompt_cache(prompts, ids, attn)
         if cache is not None:
             kwargs["past_key_values"] = cache
         if sp.stop_strings:
             kwargs |= {"stop_strings": list(sp.stop_strings), "tokenizer": self.tokenizer}
+        sampling = sp.temperature > 0
+        recorder = SampledLogprobs(sp.temperature if sampling else 1.0, sp.top_p if sampling else 1.0)
         seqs = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=attn.to(self.device), max_new_tokens=sp.max_new_tokens,
-            do_sample=sp.temperature > 0, temperature=sp.temperature if sp.temperature > 0 else None,
-            top_p=sp.top_p, top_k=0, pad_token_id=pad, eos_token_id=eos, use_cache=True, **kwargs,
+            do_sample=sampling, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad, eos_token_id=eos,
+            use_cache=True, logits_processor=[recorder], **kwargs,
         )
-        responses = []
-        for row in seqs[:, width:].tolist():
+        new = seqs[:, width:]
+        logprobs = recorder.result(new[:, -1]).cpu() if new.shape[1] else torch.zeros(len(prompts), 0)
+        out = []
+        for row, lp in zip(new.tolist(), logprobs.tolist(), strict=True):
             if eos in row:
                 row = row[: row.index(eos) + 1]
             else:
                 while row and row[-1] == pad:  # finished early through a stop string
                     row.pop()
-            responses.append(row)
-        return responses
+            out.append(Generation(row, lp[: len(row)]))
+        return out
 
     def _shared_prompt_cache(self, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor) -> Any:
         """The KV cache of every prompt but its last token, computed once per distinct prompt and
@@ -84,9 +137,9 @@ class HFInferenceEngine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         nbytes = 0
         for name, tensor in named:
-            self.params[name].copy_(tensor, non_blocking=True)  # casts and moves in one copy
+            self._params[name].copy_(tensor, non_blocking=True)  # casts and moves in one copy
             nbytes += tensor.numel() * tensor.element_size()
         return nbytes
 
     def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
-        return span([self.params[n] for n in names], dtype)
+        return span([self._params[n] for n in names], dtype)

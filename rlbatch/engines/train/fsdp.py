@@ -1,14 +1,15 @@
 """``fsdp`` training engine: FSDP2 (``fully_shard``) over the role's DeviceMesh.
 
-Also serves forward-only roles (reference, critic forwards): without an optimizer it only
-computes log-probs. AdamW, gradient clipping, linear warm-up, gradient accumulation and
+Also serves forward-only roles (reference): without an optimizer it only computes log-probs.
+Parameter names are the transformers model's, i.e. Hugging Face names, so weight export and
+checkpoint state need no renaming. AdamW, gradient clipping, linear warm-up, gradient accumulation and
 activation checkpointing; bf16 compute with fp32 master weights on GPU, fp32 on CPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,10 +17,13 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlbatch import algos
+from rlbatch.algos.objective import LossInput, PolicyObjective
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Packed, pack, response_logits, unpack
 from rlbatch.engines.defaults import fsdp_single_unit, share_prompts
 from rlbatch.engines.model import load_model
-from rlbatch.scheduler.offload import TensorStash, grad_tensors, optimizer_tensors
+from rlbatch.engines.offload import Stashes, TensorStash, Transfer, grad_tensors, optimizer_tensors
+from rlbatch.engines.train.state import load_module_state, module_state
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -27,32 +31,34 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 class FSDPEngine:
-    def __init__(self, *, model_cfg: Any, tokenizer: Any, device: torch.device, seed: int, mesh: Any,
-                 algo: Any, trainable: bool, engine_args: dict[str, Any], **_: Any) -> None:
+    """A role's model sharded with FSDP2 over its dp axis (see the module docstring)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        mesh, algo, args = ctx.mesh, ctx.algo, ctx.args
         dims = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
         if any(dims.get(k, 1) > 1 for k in ("tp", "cp", "pp")):
             raise NotImplementedError(f"fsdp engine: only data parallelism (d) is implemented, got mesh {dims}")
-        self.device, self.algo, self.tokenizer = device, algo, tokenizer
-        self.micro_batch = int(engine_args.get("micro_batch", 0))
-        self.dp_group = mesh.get_group("dp")
-        model = load_model(model_cfg, tokenizer, seed, torch.float32)
-        recompute = trainable and bool(algo.activation_checkpointing)
+        self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
+        self.micro_batch = int(args.micro_batch)
+        self.dp_group = ctx.group("dp")
+        model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+        recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
         # A recomputed layer would append its keys to a shared prompt's cache a second time.
-        self.share_prompts = share_prompts(engine_args) and not recompute
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+        self.share_prompts = share_prompts(args) and not recompute
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.device.type == "cuda" else None
         dp_mesh = mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
         self.mp = mp
-        self.single_unit = fsdp_single_unit(param_bytes(model), engine_args)
+        self.single_unit = fsdp_single_unit(param_bytes(model), args)
         if not self.single_unit:
             for layer in model.model.layers:  # a unit per layer: gathered one at a time, overlapping compute
                 fully_shard(layer, **kwargs)
-        self.model = fully_shard(model.to(device), **kwargs)
-        self.stashes = {"params": TensorStash("params", self.model.parameters)}
+        self.model = fully_shard(model.to(ctx.device), **kwargs)
+        self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
         self.optimizer: torch.optim.Optimizer | None = None
-        if trainable:
+        if ctx.trainable:
             self.model.train()
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
                                                foreach=True)  # one dispatch per step, not one per DTensor
@@ -61,50 +67,48 @@ class FSDPEngine:
                 self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
             )
             opt = self.optimizer
-            self.stashes |= {
-                "grads": TensorStash("grads", lambda: grad_tensors(self.model)),
-                "optimizer": TensorStash("optimizer", lambda: optimizer_tensors(opt)),
-            }
+            self.state.add("grads", TensorStash("grads", lambda: grad_tensors(self.model)))
+            self.state.add("optimizer", TensorStash("optimizer", lambda: optimizer_tensors(opt)))
         else:
             self.model.eval()
 
-    def _chunks(self, samples: list[dict[str, torch.Tensor]]) -> list[list[dict[str, torch.Tensor]]]:
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        return self.state.kinds
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.offload(kinds)
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.reload(kinds)
+
+    def _chunks(self, samples: list[Sample]) -> list[list[Sample]]:
         size = self.micro_batch or len(samples)
         return [samples[i : i + size] for i in range(0, len(samples), size)]
 
     @torch.no_grad()
-    def logprobs(self, samples: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for chunk in self._chunks(samples):
             b = self._pack(chunk)
             out += unpack(algos.token_logprobs(response_logits(self.model, b).float(), b.targets), b.lengths)
         return out
 
-    def _pack(self, chunk: list[dict[str, torch.Tensor]]) -> Packed:
+    def _pack(self, chunk: list[Sample]) -> Packed:
         return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts)
 
-    def _loss(self, chunk: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict[str, float]]:
-        a = self.algo
+    def _loss(self, chunk: list[Sample], objective: PolicyObjective) -> tuple[torch.Tensor, dict[str, float]]:
         b = self._pack(chunk)
         logits = response_logits(self.model, b).float()
         logp = algos.token_logprobs(logits, b.targets)
-        old = b.fields.get("old_logprobs", logp.detach())
-        assert b.advantages is not None
-        adv = b.advantages[:, None].expand_as(logp)
-        loss, clip = algos.ppo_clip_loss(logp, old, adv, b.mask, a.clip_low, a.clip_high, a.loss_agg)
-        stats = {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "approx_kl_old": clip.approx_kl.item()}
-        if a.kl_coef > 0 and not a.kl_in_reward and "ref_logprobs" in b.fields:
-            kl = algos.aggregate(algos.kl_penalty(logp, b.fields["ref_logprobs"], a.kl_estimator), b.mask, a.loss_agg)
-            loss = loss + a.kl_coef * kl
-            stats["kl_ref"] = kl.item()
-        if a.entropy_coef > 0:
-            ent = algos.aggregate(algos.entropy_from_logits(logits), b.mask, a.loss_agg)
-            loss = loss - a.entropy_coef * ent
-            stats["entropy"] = ent.item()
-        return loss, stats
+        return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
+                                   logits if objective.needs_logits else None))
 
-    def train(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Mini-batches x epochs of PPO-clip updates over this rank's share of the batch.
+    def values(self, samples: list[Sample]) -> list[torch.Tensor]:
+        raise NotImplementedError("fsdp engine: this model has no value head (a critic is not in this build)")
+
+    def train(self, samples: list[Sample], objective: PolicyObjective) -> dict[str, float]:
+        """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch.
 
         Samples without old log-probs are trained on-policy (old = current, detached): right
         only before the first update, so only the first mini-batch of the first epoch may
@@ -124,7 +128,7 @@ class FSDPEngine:
                 micro = math.ceil(len(mb) / a.grad_accum)
                 self.optimizer.zero_grad(set_to_none=False)
                 for k in range(0, len(mb), micro):
-                    loss, stats = self._loss(mb[k : k + micro])
+                    loss, stats = self._loss(mb[k : k + micro], objective)
                     (loss / a.grad_accum).backward()
                     for key, v in stats.items():
                         totals[key] = totals.get(key, 0.0) + v / a.grad_accum
@@ -140,8 +144,8 @@ class FSDPEngine:
         return out
 
     @contextmanager
-    def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every parameter unsharded, valid inside the block. A one-unit model without mixed
+    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every parameter unsharded under its Hugging Face name, valid inside the block. A one-unit model without mixed
         precision is all-gathered in one collective (``unshard``) and read in place; otherwise
         each parameter is gathered on its own (``full_tensor``)."""
         with torch.no_grad():
@@ -154,3 +158,14 @@ class FSDPEngine:
             else:
                 yield [(name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
                        for name, p in self.model.named_parameters()]
+
+    def checkpoint_state(self) -> CheckpointState | None:
+        """Model and AdamW state as named tensors (see ``rlbatch.engines.train.state``); None
+        when forward-only."""
+        if self.optimizer is None:
+            return None
+        return module_state(self.model, self.optimizer, self.scheduler, self.dp_group, "fsdp")
+
+    def load_checkpoint_state(self, state: CheckpointState) -> None:
+        assert self.optimizer is not None, "load_checkpoint_state on a forward-only engine"
+        load_module_state(self.model, self.optimizer, self.scheduler, state)

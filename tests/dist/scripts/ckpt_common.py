@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 from rlbatch.config.schema import ModelConfig
 from rlbatch.engines.model import load_model, load_tokenizer
+from rlbatch.engines.train.state import load_module_state, module_state
 
 comm = MPI.COMM_WORLD
 CONFIG = {"seed": 3, "model": OmegaConf.structured(ModelConfig(hidden_size=32, intermediate_size=64, max_position_embeddings=32))}
@@ -46,7 +47,8 @@ def seed_all(seed: int) -> None:
 
 
 def build(mesh: DeviceMesh, cfg=None, seed: int | None = None) -> SimpleNamespace:
-    """An engine-like namespace (model, optimizer, scheduler, dp_group), as rlbatch.checkpoint.rank expects."""
+    """An engine-like namespace: model, optimizer and scheduler, and the engine contract's
+    checkpoint_state / load_checkpoint_state (as the fsdp engine gives them)."""
     cfg = OmegaConf.create(CONFIG) if cfg is None else cfg
     model = load_model(cfg.model, load_tokenizer(cfg.model), int(cfg.seed if seed is None else seed))
     for layer in model.model.layers:
@@ -54,7 +56,10 @@ def build(mesh: DeviceMesh, cfg=None, seed: int | None = None) -> SimpleNamespac
     model = fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    return SimpleNamespace(model=model, optimizer=opt, scheduler=sched, dp_group=mesh.get_group("dp"))
+    group = mesh.get_group("dp")
+    return SimpleNamespace(model=model, optimizer=opt, scheduler=sched,
+                           checkpoint_state=lambda: module_state(model, opt, sched, group, "fsdp"),
+                           load_checkpoint_state=lambda state: load_module_state(model, opt, sched, state))
 
 
 def train_step(e: SimpleNamespace) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from rlbatch.checkpoint import CheckpointStore
 from rlbatch.checkpoint.layout import write_controller
-from rlbatch.checkpoint.rank import save_rank
+from rlbatch.checkpoint.engine_state import save_rank
 
 out = Path(sys.argv[2])
 mesh = init()

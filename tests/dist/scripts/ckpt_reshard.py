@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from rlbatch.checkpoint import open_checkpoint
 from rlbatch.checkpoint.layout import CONFIG
-from rlbatch.checkpoint.rank import load_rank
+from rlbatch.checkpoint.engine_state import load_rank
 from rlbatch.runtime.world import end_script
 
 mesh = init()

@@ -17,7 +17,7 @@ from ckpt_common import assert_same, build, comm, full_state, init, probe, seed_
 
 from rlbatch.checkpoint import CheckpointStore
 from rlbatch.checkpoint.layout import write_controller
-from rlbatch.checkpoint.rank import load_rank, save_rank
+from rlbatch.checkpoint.engine_state import load_rank, save_rank
 from rlbatch.runtime.world import end_script
 
 out = Path(sys.argv[2])

@@ -10,6 +10,9 @@ from mpi4py import MPI
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.engines.model import load_tokenizer
+from rlbatch.algos.objective import PolicyObjective
+from rlbatch.engines.base import EngineContext
+from rlbatch.engines.registry import FSDPArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.launch.compose import compose
 from rlbatch.runtime.world import end_script
@@ -20,11 +23,12 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm
 mesh = DeviceMesh("cpu", torch.arange(comm.size), mesh_dim_names=("dp",))
 cfg = compose(["algo.mini_batches=2", "algo.lr=1e-2"])
 tok = load_tokenizer(cfg.model)
+objective = PolicyObjective(cfg.algo)
 
 
 def engine() -> FSDPEngine:
-    return FSDPEngine(model_cfg=cfg.model, tokenizer=tok, device=torch.device("cpu"), seed=3, mesh=mesh,
-                      algo=cfg.algo, trainable=True, engine_args={})
+    return FSDPEngine(EngineContext("actor_train", FSDPArgs(), cfg.model, cfg.algo, tok, torch.device("cpu"),
+                                    seed=3, mesh=mesh, trainable=True))
 
 
 g = torch.Generator().manual_seed(comm.rank)
@@ -38,14 +42,14 @@ lean = [dict(s) for s in samples]
 for s in lean[:8]:
     del s["old_logprobs"]
 for _ in range(3):  # later steps see weights that moved: old and current differ from the first update on
-    stats_full, stats_part = full.train(samples), part.train(lean)
+    stats_full, stats_part = full.train(samples, objective), part.train(lean, objective)
     for s, old in zip(samples, full.logprobs(samples), strict=True):
         s["old_logprobs"] = old
     for s, old in zip(lean[8:], part.logprobs(lean[8:]), strict=True):
         s["old_logprobs"] = old
-with engine().full_weights() as w:
+with engine().export_weights() as w:
     initial = {name: t.clone() for name, t in w}
-with full.full_weights() as wf, part.full_weights() as wp:
+with full.export_weights() as wf, part.export_weights() as wp:
     for (name, a), (_, b) in zip(wf, wp, strict=True):
         assert not torch.equal(a, initial[name]), f"{name} did not train"
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: max diff {(a - b).abs().max():.3g}"
@@ -53,7 +57,7 @@ assert abs(stats_full["pg_loss"] - stats_part["pg_loss"]) < 1e-5, (stats_full, s
 broken = [dict(s) for s in samples]
 del broken[12]["old_logprobs"]
 try:
-    engine().train(broken)
+    engine().train(broken, objective)
 except ValueError as e:
     assert "mini-batch 1" in str(e), e
 else:

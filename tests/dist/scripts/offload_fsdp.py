@@ -9,7 +9,7 @@ from mpi4py import MPI
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from rlbatch.scheduler.offload import TensorStash, grad_tensors, optimizer_tensors
+from rlbatch.engines.offload import TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD

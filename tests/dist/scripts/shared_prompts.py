@@ -12,6 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.engines.batch import Shared, pack
 from rlbatch.engines.model import load_tokenizer
+from rlbatch.algos.objective import PolicyObjective
+from rlbatch.engines.base import EngineContext
+from rlbatch.engines.registry import FSDPArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.launch.compose import compose
 from rlbatch.runtime.world import end_script
@@ -22,11 +25,12 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm
 mesh = DeviceMesh("cpu", torch.arange(comm.size), mesh_dim_names=("dp",))
 cfg = compose(["algo.mini_batches=2", "algo.lr=1e-2", "algo.entropy_coef=0.01"])
 tok = load_tokenizer(cfg.model)
+objective = PolicyObjective(cfg.algo)
 
 
 def engine(**engine_args: object) -> FSDPEngine:
-    return FSDPEngine(model_cfg=cfg.model, tokenizer=tok, device=torch.device("cpu"), seed=3, mesh=mesh,
-                      algo=cfg.algo, trainable=True, engine_args=dict(engine_args))
+    return FSDPEngine(EngineContext("actor_train", FSDPArgs(**engine_args), cfg.model, cfg.algo, tok,  # type: ignore[arg-type]
+                                    torch.device("cpu"), seed=3, mesh=mesh, trainable=True))
 
 
 g = torch.Generator().manual_seed(comm.rank)
@@ -42,13 +46,13 @@ for units in ({}, {"single_unit_max_mb": 0}):
         s["ref_logprobs"] = a - 0.05
         s["old_logprobs"] = a
     for _ in range(3):
-        stats_shared, stats_full = shared.train(samples), full.train(samples)
+        stats_shared, stats_full = shared.train(samples, objective), full.train(samples, objective)
         for s, old in zip(samples, full.logprobs(samples), strict=True):
             s["old_logprobs"] = old
     assert abs(stats_shared["pg_loss"] - stats_full["pg_loss"]) < 1e-5, (stats_shared, stats_full)
     for a, b in zip(shared.logprobs(samples), full.logprobs(samples), strict=True):
         assert torch.allclose(a, b, atol=1e-5), (units, a, b)
-    with shared.full_weights() as ws, full.full_weights() as wf, engine(**units).full_weights() as w0:
+    with shared.export_weights() as ws, full.export_weights() as wf, engine(**units).export_weights() as w0:
         for (name, a), (_, b), (_, c) in zip(ws, wf, w0, strict=True):
             assert not torch.equal(a, c), f"{name} did not train"
             # Adam turns the rounding noise of a zero-gradient parameter (k_proj's bias: softmax

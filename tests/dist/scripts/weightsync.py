@@ -1,7 +1,8 @@
 """Under mpiexec -n 3: weight sync lands the sender's weights bit for bit in every receiver, on
 each of two syncs with changed weights (the buckets and buffers of the first are reused).
 Rank 0 sends and has no inference engine; rank 1's engine has flattened fp32 parameters
-(received in place); rank 2's has separate bf16 parameters (staged, then loaded with a cast).
+(received in place); rank 2's has separate bf16 parameters, registered in the reverse order
+(staged, then loaded by name with a cast: only the sender's names and shapes say what arrives).
 Then with bf16 on the wire, as for a bf16 inference engine: half the bytes, and the same bf16
 weights as a cast on load gives (flattened: received in place; separate: staged)."""
 
@@ -33,7 +34,8 @@ class Engine:
                                             for s in SHAPES)
         if flat:
             flatten_parameters(self.model)
-        self.params = {f"w{i}": p for i, p in enumerate(self.model)}
+        named = [(f"w{i}", p) for i, p in enumerate(self.model)]
+        self._params = dict(named if flat else reversed(named))
 
 
 def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -56,10 +58,10 @@ def check_two_syncs(wire: torch.dtype, infer_dtypes: dict[int, torch.dtype], see
         assert nbytes == wire.itemsize * sum(t.numel() for _, t in sent), nbytes
         if engine is not None:
             for name, t in sent:
-                got = engine.params[name]
+                got = engine._params[name]
                 assert torch.equal(got, t.to(got.dtype)), (comm.rank, seed, name)
     if comm.rank == 1:  # received in place: the parameters are still views into one buffer
-        assert len({p.untyped_storage().data_ptr() for p in engine.params.values()}) == 1
+        assert len({p.untyped_storage().data_ptr() for p in engine._params.values()}) == 1
 
 
 check_two_syncs(torch.float32, {1: torch.float32, 2: torch.bfloat16}, (1, 2))

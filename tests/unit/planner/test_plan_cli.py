@@ -27,7 +27,7 @@ def test_json_output_and_the_cpu_profile(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["predict", "hardware=cpu", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["hardware"] == "cpu" and data["fits"] is True
-    assert [p["name"] for p in data["phases"]] == ["generate", "reward", "ref_logprobs", "old_logprobs", "train", "sync"]
+    assert [p["name"] for p in data["phases"]] == ["generate", "score", "ref_logprobs", "old_logprobs", "train", "sync"]
     assert data["step_s"] >= max(p["end"] for p in data["phases"])
 
 

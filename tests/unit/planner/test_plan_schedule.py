@@ -60,9 +60,9 @@ def test_disaggregated_inference_never_offloads_and_phases_may_overlap() -> None
     assert not any(infer.offload_bytes.values())
     ph = {t.name: t for t in p.phases}
     # rlbatch's controller: one phase at a time, but the CPU reward scores beside the log-probs.
-    assert ph["ref_logprobs"].start == ph["reward"].start == pytest.approx(ph["generate"].end)
+    assert ph["ref_logprobs"].start == ph["score"].start == pytest.approx(ph["generate"].end)
     assert ph["old_logprobs"].start == pytest.approx(ph["ref_logprobs"].end)
-    assert ph["train"].start == pytest.approx(max(ph["old_logprobs"].end, ph["reward"].end))
+    assert ph["train"].start == pytest.approx(max(ph["old_logprobs"].end, ph["score"].end))
     q = predict(*args, overlap=True)
     assert q.step_s <= p.step_s
 
@@ -70,8 +70,8 @@ def test_disaggregated_inference_never_offloads_and_phases_may_overlap() -> None
 def test_the_step_is_the_critical_path_of_its_phases_and_the_controller() -> None:
     p = _pred()
     ph = {t.name: t for t in p.phases}
-    chain = [t.total_s for t in p.phases if t.name != "reward"]
-    assert ph["reward"].total_s < ph["ref_logprobs"].total_s + ph["old_logprobs"].total_s  # hidden
+    chain = [t.total_s for t in p.phases if t.name != "score"]
+    assert ph["score"].total_s < ph["ref_logprobs"].total_s + ph["old_logprobs"].total_s  # hidden
     assert p.step_s == pytest.approx(sum(chain) + 5e-3)  # + the step prior
 
 

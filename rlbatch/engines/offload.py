@@ -1,4 +1,6 @@
-"""Move a role's device state to host memory and back, bit for bit.
+"""Move an engine's device state to host memory and back, bit for bit (for engines whose state is
+torch tensors: fsdp, hf; an engine with its own offload, such as vLLM's sleep mode, implements
+``offload``/``reload`` its own way).
 
 A ``TensorStash`` holds one host buffer per tensor, allocated on first offload and reused on
 every later one (pinned when the device is a GPU, so copies are asynchronous DMA). Offload
@@ -12,7 +14,7 @@ The same code runs on a CPU-only machine (host to host), so CI exercises it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -139,3 +141,35 @@ def grad_tensors(module: torch.nn.Module) -> Iterable[torch.Tensor]:
     for p in module.parameters():
         if p.grad is not None:
             yield p.grad
+
+
+class Stashes:
+    """An engine's offloadable state by kind, each a ``TensorStash``: what an engine built on torch
+    tensors delegates its ``offload(kinds)`` / ``reload(kinds)`` to."""
+
+    def __init__(self, stashes: Mapping[str, TensorStash]) -> None:
+        unknown = set(stashes) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown state kinds {sorted(unknown)}; kinds are {KINDS}")
+        self.by_kind = dict(stashes)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.by_kind)
+
+    def add(self, kind: str, stash: TensorStash) -> None:
+        self.by_kind[kind] = stash
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        out = Transfer()
+        for kind in kinds:
+            if kind in self.by_kind:
+                out += self.by_kind[kind].offload()
+        return out
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        out = Transfer()
+        for kind in kinds:
+            if kind in self.by_kind:
+                out += self.by_kind[kind].reload()
+        return out

@@ -1,0 +1,51 @@
+"""One rank's part of a checkpoint: the state of every trainable engine it serves, and its RNG.
+
+Called by the rank handlers with the checkpoint's staging (save) or final (load) directory.
+Both are collective over each trainable role's group, so every rank of such a role must call
+them; roles are visited in sorted order on every rank, so ranks serving several roles agree.
+An engine's state comes from the engine contract (``checkpoint_state``: named tensors and
+metadata), so this module knows no engine. Forward-only engines (reference, inference) have
+none: they are rebuilt from ``model.path`` or the seed, and actor_infer receives actor_train's
+weights by the usual sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlbatch.checkpoint.dcp import load_rng, load_state, save_rng, save_state
+from rlbatch.checkpoint.layout import rng_dir, role_dir
+from rlbatch.checkpoint.store import CheckpointError
+
+
+def _with_state(engines: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    out = []
+    for role in sorted(engines):
+        state_of = getattr(engines[role], "checkpoint_state", None)
+        state = state_of() if state_of is not None else None
+        if state is not None:
+            out.append((role, engines[role], state))
+    return out
+
+
+def save_rank(ckpt: Path, engines: Mapping[str, Any], rank: int) -> dict[str, float]:
+    """Write this rank's shards and RNG into the staging dir ``ckpt``; returns seconds per role."""
+    out = {role: save_state(role_dir(ckpt, role), state)["seconds"] for role, _, state in _with_state(engines)}
+    save_rng(rng_dir(ckpt), rank)
+    return out
+
+
+def load_rank(ckpt: Path, engines: Mapping[str, Any], rank: int) -> dict[str, float]:
+    """Restore this rank's trainable roles and RNG from the committed checkpoint ``ckpt``."""
+    out = {}
+    for role, engine, template in _with_state(engines):
+        if not (role_dir(ckpt, role) / ".metadata").is_file():
+            raise CheckpointError(f"{ckpt}: no state for role {role} (was it trainable when this was saved?)")
+        t0 = time.perf_counter()
+        engine.load_checkpoint_state(load_state(role_dir(ckpt, role), template))
+        out[role] = time.perf_counter() - t0
+    load_rng(rng_dir(ckpt), rank)
+    return out

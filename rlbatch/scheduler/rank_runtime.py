@@ -1,0 +1,163 @@
+"""A rank's side of the pipeline: its engines, its samples, and one operation per kind of phase.
+
+The controller sends ``phase`` commands; each carries the data moves this rank takes part in
+and, when this rank works in the phase, the work itself. Moves happen first (rank to rank over
+the data plane), then the phase's operation (``rlbatch.phases``: its ``op``, role and fields)
+runs inside a residency switch that offloads colocated roles. Engines are built through the
+registry and driven through the engine contract only (``rlbatch.engines.base``).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlbatch.algos.objective import PolicyObjective
+from rlbatch.algos.registry import KL_ESTIMATORS
+from rlbatch.config.schema import TRAINABLE_ROLES
+from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
+from rlbatch.engines.model import load_tokenizer, model_dtype
+from rlbatch.engines.registry import engine_args
+from rlbatch.phases import PHASES, PhaseSpec
+from rlbatch.runtime import heap
+from rlbatch.runtime.dataplane import Move, SampleStore, exchange
+from rlbatch.runtime.faults import maybe_fault
+from rlbatch.runtime.world import SYNC, World
+from rlbatch.scheduler.residency import Residency
+from rlbatch.scheduler.weightsync import WeightBroadcast
+
+log = logging.getLogger(__name__)
+
+
+class RankRuntime:
+    def __init__(self, world: World, cfg: Any) -> None:
+        self.world, self.cfg = world, cfg
+        self.store = SampleStore()
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.engines: dict[str, Any] = {}
+        p = world.placement
+        for role, _ in world.slot.roles:
+            rp = p.roles[role]
+            if not rp.is_gpu:
+                continue
+            ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), cfg.model, cfg.algo, self.tokenizer,
+                                world.device, int(cfg.seed), world.meshes.get(role), role in TRAINABLE_ROLES)
+            self.engines[role] = build_engine(rp.engine, ctx)
+            log.info("built %s engine for %s", rp.engine, role)
+        self.reward_fn = None
+        scorer = PHASES["score"].role
+        if scorer in world.roles and not p.roles[scorer].is_gpu:
+            from rlbatch.rewards.rules import load_reward_fn
+
+            self.reward_fn = load_reward_fn(str(cfg.data.reward_fn))
+        self.objective = PolicyObjective(cfg.algo)
+        offload = {r: p.roles[r].offload for r in self.engines}
+        self.residency = Residency(self.engines, offload, world.device)
+        # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
+        self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
+        self.ops: dict[str, Any] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
+                    "values": self._values, "train": self._train, "sync": self._sync, "checkpoint": self._checkpoint}
+
+    def handlers(self) -> dict[str, Any]:
+        return {"phase": self.phase, "ready": self.ready}
+
+    def ready(self) -> None:
+        """The engines are built: nothing long-lived is allocated after this."""
+        frozen, secs = heap.settle()
+        log.info("heap settled: %d objects frozen out of garbage collection in %.2fs", frozen, secs)
+
+    def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: dict[str, Any] | None,
+              drop: list[int] | None = None) -> dict[str, Any]:
+        if drop:
+            self.store.drop(drop)
+        xfer = exchange(self.store, self.world.rank, moves, self._transport_device())
+        if work is None:
+            return {"xfer": xfer}
+        spec = PHASES[phase]
+        with self.residency.phase(phase, roles) as rec:
+            out = self.ops[spec.op](spec, **work)
+        return {"out": out, "rec": rec.as_dict(), "xfer": xfer}
+
+    def _transport_device(self) -> torch.device:
+        # With NCCL every message buffer must be on the GPU; gloo takes CPU tensors.
+        return self.world.device if dist.get_backend() != "gloo" and self.world.device.type == "cuda" else torch.device("cpu")
+
+    def _generate(self, spec: PhaseSpec, ids: list[int], prompts: list[str], sampling: dict[str, Any],
+                  ) -> dict[int, tuple[int, int]]:
+        unique = list(dict.fromkeys(prompts))  # a group's samples share their prompt: encode it once
+        tokens = dict(zip(unique, self.tokenizer(unique)["input_ids"], strict=True))
+        as_tensor = {text: torch.tensor(t, dtype=torch.long) for text, t in tokens.items()}
+        generations = self.engines[spec.role].generate([tokens[text] for text in prompts], SamplingParams(**sampling))
+        out = {}
+        for sid, text, gen in zip(ids, prompts, generations, strict=True):
+            self.store.put(sid, "prompt", as_tensor[text])
+            self.store.put(sid, "response", torch.tensor(gen.tokens, dtype=torch.long))
+            self.store.put(sid, "behaviour_logprobs", torch.tensor(gen.logprobs, dtype=torch.float32))
+            out[sid] = (len(tokens[text]), len(gen.tokens))
+        return out
+
+    def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str]) -> dict[int, float]:
+        assert self.reward_fn is not None
+        out = {}
+        for sid, answer in zip(ids, answers, strict=True):
+            completion = self.tokenizer.decode(self.store.samples[sid]["response"].tolist(), skip_special_tokens=False)
+            out[sid] = float(self.reward_fn(completion, answer))
+        return out
+
+    def _per_token(self, spec: PhaseSpec, ids: list[int], compute: str) -> list[torch.Tensor]:
+        """Run the engine's ``compute`` (logprobs / values) on ``ids`` and keep the result as the
+        phase's output field."""
+        samples = self.store.get(ids, list(spec.reads))
+        values = getattr(self.engines[spec.role], compute)(samples) if ids else []
+        for sid, v in zip(ids, values, strict=True):
+            self.store.put(sid, spec.writes[0], v)
+        return values
+
+    def _logprobs(self, spec: PhaseSpec, ids: list[int], kl_estimator: str | None = None) -> dict[int, float]:
+        """Log-probs into the phase's field; with ``kl_estimator``, per-sample sums of the KL to the
+        reference's log-probs (for a KL penalty in the reward), else lengths."""
+        values = self._per_token(spec, ids, "logprobs")
+        if kl_estimator is None:
+            return {sid: float(len(v)) for sid, v in zip(ids, values, strict=True)}
+        kl = KL_ESTIMATORS.get(kl_estimator)
+        return {sid: float(kl(logp, self.store.samples[sid]["ref_logprobs"]).sum())
+                for sid, logp in zip(ids, values, strict=True)}
+
+    def _values(self, spec: PhaseSpec, ids: list[int]) -> dict[int, float]:
+        values = self._per_token(spec, ids, "values")
+        return {sid: float(len(v)) for sid, v in zip(ids, values, strict=True)}
+
+    def _train(self, spec: PhaseSpec, ids: list[int], advantages: list[Any]) -> dict[str, float]:
+        """``advantages``: one float per sample, or one list of per-token values per sample."""
+        for sid, adv in zip(ids, advantages, strict=True):
+            t = torch.tensor(adv, dtype=torch.float32)
+            self.store.put(sid, "advantages" if t.dim() else "advantage", t)
+        fields = [*spec.reads, "advantages" if ids and isinstance(advantages[0], list) else "advantage"]
+        return self.engines[spec.role].train(self.store.get(ids, fields), self.objective)
+
+    def _checkpoint(self, spec: PhaseSpec, op: str, path: str) -> dict[str, float]:
+        """Write (op=save, into the staging dir) or read (op=load) this rank's part of a checkpoint."""
+        from rlbatch.checkpoint.engine_state import load_rank, save_rank
+
+        if op == "load":
+            return load_rank(Path(path), self.engines, self.world.rank)
+        out = save_rank(Path(path), self.engines, self.world.rank)
+        maybe_fault("checkpoint", self.world.rank)
+        return out
+
+    def _sync(self, spec: PhaseSpec, src: int, local: bool, bucket_bytes: int) -> dict[str, float]:
+        """Trainer -> inference engine, as (hf_name, tensor) pairs. Colocated: in-process load;
+        otherwise bucketed broadcast over the sync group."""
+        assert spec.peer is not None
+        train, infer = self.engines.get(spec.role), self.engines.get(spec.peer)
+        with train.export_weights() if train is not None else nullcontext([]) as named:  # collective over the trainer
+            if local:
+                return {"bytes": float(infer.load_weights(named)) if infer is not None else 0.0}
+            if self.world.rank not in self.world.members[SYNC]:
+                return {"bytes": 0.0}
+            return {"bytes": float(self.broadcast(self.world, named, infer, src, bucket_bytes))}
