@@ -47,7 +47,8 @@ from rlbatch.algos import (  # noqa: E402
 )
 from rlbatch.data import PromptStream, arithmetic_problems  # noqa: E402
 from rlbatch.data.tokenizer import build_char_tokenizer  # noqa: E402
-from rlbatch.models.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
+from rlbatch.models.spec import spec_from_config  # noqa: E402
+from rlbatch.models.tiny import build_tiny_model  # noqa: E402
 from rlbatch.rewards import load_reward_fn  # noqa: E402
 
 
@@ -159,22 +160,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     tok = build_char_tokenizer()
     stream = PromptStream(arithmetic_problems(args.task_op, args.max_operand, args.modulo), seed=args.seed)
     reward_fn = load_reward_fn(args.reward)
-    cfg = TinyModelConfig(
-        arch=args.arch,
-        vocab_size=len(tok),
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        seed=args.seed,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        attn_implementation=args.attn,
-        initializer_range=args.init,
-    )
-    policy = build_tiny_model(cfg)
+    spec = spec_from_config({
+        "arch": args.arch, "hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_layers": args.layers,
+        "num_heads": args.heads, "num_kv_heads": args.kv_heads, "initializer_range": args.init,
+    }, vocab=len(tok))
+    policy = build_tiny_model(spec, args.seed, tok, attn_implementation=args.attn)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     # --separate-rollout: generate with a copy that only sees weights shipped after each step,
     # as the distributed system does; the curve must be identical to sharing one model.

@@ -129,12 +129,19 @@ class ClusterConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy model. A local HF directory, or a small random-initialised architecture."""
+    """The policy model. A local HF directory, or a small random-initialised architecture.
+
+    Either way the run's model is one ``rlbatch.models.spec.ModelSpec`` (from ``path``'s
+    config.json, or from the random-init fields below): the engines build the random-init model
+    from it and the planner counts the same spec. A random-init model's vocabulary is the
+    tokenizer's (the built-in character tokenizer's: its special tokens and its alphabet), not a field.
+    """
 
     path: str | None = None
     """Local Hugging Face model directory (weights, config, tokenizer). Nothing is downloaded."""
     arch: str = "qwen2"
-    """Architecture of a random-initialised model when no path is given: 'qwen2' or 'llama'."""
+    """Architecture of a random-initialised model when no path is given: 'qwen2' (q/k/v biases)
+    or 'llama' (no biases)."""
     hidden_size: int = 64
     """Random-init model: hidden size."""
     intermediate_size: int = 256
@@ -146,11 +153,12 @@ class ModelConfig:
     num_kv_heads: int = 2
     """Random-init model: key/value heads (grouped-query attention)."""
     max_position_embeddings: int = 128
-    """Random-init model: longest sequence."""
+    """Random-init model: longest sequence (sizes the rotary tables; no parameters)."""
     tie_word_embeddings: bool = True
-    """Share input embedding and output projection."""
+    """Random-init model: share input embedding and output projection."""
     initializer_range: float = 0.02
-    """Random-init model: std of the initial weights."""
+    """Random-init model: std of the initial weights. 0.02 is Hugging Face's; at width 64 it leaves
+    the logits nearly flat and learning stalls, so the arithmetic experiment sets 0.1."""
     dtype: str = "auto"
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp16' or 'fp32'."""
 

@@ -3,12 +3,18 @@
 Every character of the alphabet is one token; the vocabulary is the special tokens followed
 by the alphabet in order. It is wrapped as a ``transformers`` fast tokenizer, so
 ``save_pretrained`` writes an ordinary ``tokenizer.json`` that ``AutoTokenizer`` loads back.
+
+The vocabulary itself (``char_vocab``) needs neither ``tokenizers`` nor ``transformers``: the
+planner and the model description read the vocabulary's size and special ids from it without
+importing either.
 """
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -37,6 +43,9 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, add_bos: bool = True)
     position 0); decoding concatenates characters without spaces. Padding side is left, the
     side generation needs. Characters outside the alphabet become ``<unk>``.
     """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
     vocab = char_vocab(alphabet)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Special tokens are matched before pre-tokenisation, so "<eos>" in text stays one token.

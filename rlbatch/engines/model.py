@@ -34,7 +34,10 @@ def load_tokenizer(model_cfg: Any) -> Any:
 
 
 def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers causal LM in ``dtype`` on the CPU (engines move it to their device)."""
+    """A transformers causal LM in ``dtype`` on the CPU (engines move it to their device).
+
+    Random-init: the ``ModelSpec`` of ``model_cfg`` with the tokenizer's vocabulary, the same
+    description the planner counts, initialised from ``seed``."""
     if model_cfg.path:
         from transformers import AutoModelForCausalLM
 
@@ -43,15 +46,9 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
             if not t.untyped_storage().resizable():  # memory-mapped from safetensors: own a copy,
                 t.data = t.data.clone()               # so offload can free and re-grow it
         return model
-    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
+    from rlbatch.models.spec import spec_from_model_config
+    from rlbatch.models.tiny import build_tiny_model
 
-    tiny = TinyModelConfig(
-        arch=model_cfg.arch, vocab_size=len(tokenizer), hidden_size=model_cfg.hidden_size,
-        intermediate_size=model_cfg.intermediate_size, num_layers=model_cfg.num_layers,
-        num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        tie_word_embeddings=model_cfg.tie_word_embeddings, initializer_range=model_cfg.initializer_range, seed=seed,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    tiny_model: Any = build_tiny_model(tiny)
+    spec = spec_from_model_config(model_cfg, vocab=len(tokenizer))
+    tiny_model: Any = build_tiny_model(spec, seed, tokenizer)
     return tiny_model.to(dtype)

@@ -1,1 +1,5 @@
-"""Model builders. ``rlbatch.models.tiny`` builds random-init Qwen2/Llama LMs from a config."""
+"""Model descriptions and builders.
+
+``rlbatch.models.spec`` describes a model (torch-free: the planner reads it too);
+``rlbatch.models.tiny`` builds a random-init Qwen2/Llama LM from that description.
+"""

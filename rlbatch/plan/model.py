@@ -1,24 +1,19 @@
-"""The model's shape, and the parameter, FLOP and KV-cache counts that follow from it.
+"""The parameter, FLOP and KV-cache counts of a model.
 
-A shape comes from the config's random-init fields (``model.hidden_size`` ...) or, when
-``model.path`` is set, from that directory's Hugging Face ``config.json`` (read as JSON: no
-transformers import). Counts are exact for Qwen2/Llama-style decoders (RMSNorm, rotary, GQA,
-SwiGLU, optional q/k/v bias) and their Mixture-of-Experts variants.
+The model is the run's ``ModelSpec`` (rlbatch/models/spec.py): from ``model.path``'s Hugging
+Face ``config.json`` (read as JSON: no transformers import) or from the config's random-init
+fields, the same description the engines build the random-init model from. Counts are exact for
+Qwen2/Llama-style decoders (RMSNorm, rotary, GQA, SwiGLU, optional attention biases) and their
+Mixture-of-Experts variants.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import fields
 from typing import Any
 
-from rlbatch.errors import ConfigError
-
-TINY_VOCAB = 18
-"""Vocabulary of the built-in character tokenizer (rlbatch/data/tokenizer.py: 4 special tokens
-plus the 14 characters of DEFAULT_ALPHABET), used by random-init models."""
+from rlbatch.models.spec import ModelSpec, spec_from_config, spec_from_hf_config
 
 OPS_PER_LAYER_FWD = 150
 """Op-equivalents of host work one eager HF Qwen2/Llama decoder layer costs in a forward pass
@@ -33,34 +28,18 @@ OPS_PER_MODEL_FWD = 130
 (0.75 ms of a 1-token forward on the cpu profile)."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer. Dense when ``experts == 0``."""
+class ModelShape(ModelSpec):
+    """A ``ModelSpec`` with the counts the planner needs. Dense when ``experts == 0``."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool = False
-    qkv_bias: bool = False
-    gated: bool = True
-    """SwiGLU-style MLP (gate, up, down) rather than two matrices."""
-    experts: int = 0
-    experts_per_token: int = 0
-    moe_ffn: int = 0
-    """Intermediate size of one routed expert."""
-    shared_ffn: int = 0
-    """Intermediate size of the shared expert(s), 0 when none."""
-    name: str = "model"
+    @classmethod
+    def of(cls, spec: ModelSpec) -> ModelShape:
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
     # -- parameters -------------------------------------------------------------------------
     @property
     def attn_params(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        bias = (q + 2 * kv) if self.qkv_bias else 0
+        bias = ((q + 2 * kv) if self.qkv_bias else 0) + (self.hidden if self.o_bias else 0)
         return self.hidden * (q + 2 * kv) + q * self.hidden + bias
 
     def _mlp(self, inner: int) -> int:
@@ -110,7 +89,7 @@ class ModelShape:
     @property
     def tensors(self) -> int:
         """Parameter tensors: each costs a few ops in optimizer steps, offloads and weight syncs."""
-        attn = 4 + (3 if self.qkv_bias else 0)
+        attn = 4 + (3 if self.qkv_bias else 0) + (1 if self.o_bias else 0)
         mlp = (3 if self.gated else 2) * max(1, self.experts) + (1 if self.experts else 0)
         return self.layers * (attn + mlp + 2) + 2 + (0 if self.tied else 1)
 
@@ -156,42 +135,11 @@ class ModelShape:
 
 
 def shape_from_hf_config(cfg: Mapping[str, Any], name: str = "hf") -> ModelShape:
-    """A shape from a Hugging Face ``config.json`` mapping (Llama, Qwen2, Mistral, Qwen2-MoE, Mixtral ...)."""
-    try:
-        h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-        model_type = str(cfg.get("model_type", ""))
-        return ModelShape(
-            layers=int(cfg["num_hidden_layers"]), hidden=h, heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or h // heads), ffn=int(cfg["intermediate_size"]),
-            vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama-family configs say so in attention_bias.
-            qkv_bias=bool(cfg.get("attention_bias", model_type.startswith("qwen2"))),
-            gated=str(cfg.get("hidden_act", "silu")) in ("silu", "swiglu", "swish"),
-            experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
-            moe_ffn=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-            shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
-            name=name,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"model.path: {name}/config.json lacks or mangles a field the planner needs: {e}") from None
+    """The shape of a Hugging Face ``config.json`` mapping (Llama, Qwen2, Mistral, Qwen2-MoE, Mixtral ...)."""
+    return ModelShape.of(spec_from_hf_config(cfg, name))
 
 
 def shape_from_config(model: Mapping[str, Any], vocab: int | None = None) -> ModelShape:
-    """The shape of ``cfg.model``: its config.json when ``path`` is set, else the random-init fields."""
-    path = model.get("path")
-    if path:
-        file = Path(str(path)).expanduser() / "config.json"
-        if not file.is_file():
-            raise ConfigError(f"model.path: {file} does not exist; the planner reads the model's shape from it")
-        return shape_from_hf_config(json.loads(file.read_text()), name=Path(str(path)).name)
-    from rlbatch.config.schema import ModelConfig
-
-    m = {**ModelConfig().__dict__, **{k: v for k, v in model.items() if v is not None}}
-    h, heads = int(m["hidden_size"]), int(m["num_heads"])
-    return ModelShape(
-        layers=int(m["num_layers"]), hidden=h, heads=heads, kv_heads=int(m["num_kv_heads"]), head_dim=h // heads,
-        ffn=int(m["intermediate_size"]), vocab=vocab or TINY_VOCAB, tied=bool(m["tie_word_embeddings"]),
-        qkv_bias=m["arch"] == "qwen2", name=f"{m['arch']}-h{h}-l{m['num_layers']}",
-    )
+    """The shape of ``cfg.model``: its config.json when ``path`` is set, else the random-init fields
+    with ``vocab`` tokens (the built-in tokenizer's vocabulary when None), as the engines build it."""
+    return ModelShape.of(spec_from_config(model, vocab))

@@ -51,13 +51,13 @@ def test_local_hf_model_and_jsonl_dataset(run_root: Path) -> None:
     import torch
 
     from rlbatch.data.tokenizer import build_char_tokenizer
-    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
+    from rlbatch.models.spec import spec_from_config
+    from rlbatch.models.tiny import build_tiny_model
 
     alphabet = "".join(c for c in string.printable if not c.isspace())
     tok = build_char_tokenizer(alphabet)
-    model = build_tiny_model(TinyModelConfig(vocab_size=len(tok), max_position_embeddings=1024, seed=3,
-                                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                                             eos_token_id=tok.eos_token_id))
+    spec = spec_from_config({"max_position_embeddings": 1024, "initializer_range": 0.1}, vocab=len(tok))
+    model = build_tiny_model(spec, seed=3, tokenizer=tok)
     model_dir = run_root / "model"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

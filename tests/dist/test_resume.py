@@ -77,11 +77,12 @@ def test_truncated_shard_falls_back_to_the_previous_checkpoint(run_root: Path) -
 
 def test_changed_dataset_is_reported(run_root: Path) -> None:
     from rlbatch.data.tokenizer import build_char_tokenizer
-    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
+    from rlbatch.models.spec import spec_from_config
+    from rlbatch.models.tiny import build_tiny_model
 
     tok = build_char_tokenizer("".join(c for c in string.printable if not c.isspace()))
-    build_tiny_model(TinyModelConfig(vocab_size=len(tok), max_position_embeddings=256, pad_token_id=tok.pad_token_id,
-                                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(run_root / "m")
+    spec = spec_from_config({"max_position_embeddings": 256, "initializer_range": 0.1}, vocab=len(tok))
+    build_tiny_model(spec, tokenizer=tok).save_pretrained(run_root / "m")
     tok.save_pretrained(run_root / "m")
     data = run_root / "data.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(8)))

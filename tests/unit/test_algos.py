@@ -229,10 +229,11 @@ def test_training_logprobs_reproduce_generation_scores() -> None:
     mini-batch, which silently biases every update.
     """
     from rlbatch.data.tokenizer import build_char_tokenizer
-    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
+    from rlbatch.models.spec import spec_from_config
+    from rlbatch.models.tiny import build_tiny_model
 
     tok = build_char_tokenizer()
-    model = build_tiny_model(TinyModelConfig(vocab_size=len(tok), seed=3)).eval()
+    model = build_tiny_model(spec_from_config({"initializer_range": 0.1}, vocab=len(tok)), seed=3, tokenizer=tok).eval()
     enc = tok(["3+4=", "12*3=", "7="], return_tensors="pt", padding=True)
     torch.manual_seed(0)
     with torch.no_grad():

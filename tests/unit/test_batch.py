@@ -18,7 +18,8 @@ from rlbatch.engines.batch import (
     response_logits,
     unpack,
 )
-from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
+from rlbatch.models.spec import spec_from_config
+from rlbatch.models.tiny import build_tiny_model
 
 PAD = 0
 CPU = torch.device("cpu")
@@ -118,7 +119,7 @@ def test_shared_prompt_forward_equals_the_full_one(shapes: list[tuple[int, int]]
                                                     arch: str) -> None:
     """Same log-probs and gradients, prompts of different lengths (left padding) and responses of
     different lengths (none at all included), for both tiny architectures."""
-    model = build_tiny_model(TinyModelConfig(arch=arch, seed=seed % 7, initializer_range=0.1))  # type: ignore[arg-type]
+    model = build_tiny_model(spec_from_config({"arch": arch, "initializer_range": 0.1}), seed % 7)
     samples = make_samples(shapes, seed, prompts=prompts)
     full_lp, full_g = _logprobs_and_grads(model, samples, share=False)
     shared_lp, shared_g = _logprobs_and_grads(model, samples, share=True)
@@ -136,7 +137,7 @@ def test_left_padded_prompts_end_in_the_last_column() -> None:
 
 
 def test_empty_and_one_token_responses_in_a_shared_batch() -> None:
-    model = build_tiny_model(TinyModelConfig(seed=1))
+    model = build_tiny_model(spec_from_config({}), seed=1)
     for r in (0, 1):
         samples = make_samples([(3, r)] * 4, seed=2, prompts=1)
         b = pack(samples, PAD, CPU, share_prompts=True)

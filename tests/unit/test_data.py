@@ -1,4 +1,4 @@
-"""Character tokenizer, synthetic arithmetic task, resumable prompt stream, tiny model builder."""
+"""Character tokenizer, synthetic arithmetic task, resumable prompt stream."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlbatch.data import PromptStream, Sample, arithmetic_problems
 from rlbatch.data.tokenizer import build_char_tokenizer, char_vocab
@@ -136,48 +135,3 @@ def test_stream_rejects_empty_problem_set_and_negative_batch() -> None:
         PromptStream((), seed=0)
     with pytest.raises(ValueError):
         PromptStream(_problems(), seed=0).next_batch(-1)
-
-
-# ---------------------------------------------------------------- tiny model
-
-
-def test_tiny_model_is_seeded_and_leaves_global_rng_alone() -> None:
-    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
-
-    torch.manual_seed(123)
-    before = torch.get_rng_state()
-    m1 = build_tiny_model(TinyModelConfig(seed=1))
-    assert torch.equal(torch.get_rng_state(), before)
-    m2 = build_tiny_model(TinyModelConfig(seed=1))
-    m3 = build_tiny_model(TinyModelConfig(seed=2))
-    w1, w2, w3 = (m.state_dict()["model.embed_tokens.weight"] for m in (m1, m2, m3))
-    assert torch.equal(w1, w2)
-    assert not torch.equal(w1, w3)
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_tiny_model_generates_and_stops_at_eos(arch: str) -> None:
-    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
-
-    tok = build_char_tokenizer()
-    cfg = TinyModelConfig(arch=arch, vocab_size=len(tok))  # type: ignore[arg-type]
-    model = build_tiny_model(cfg).eval()
-    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
-    enc = tok(["3+4=", "12*3="] * 100, return_tensors="pt", padding=True)
-    torch.manual_seed(0)
-    out = model.generate(**enc, do_sample=True, top_k=0, max_new_tokens=6)
-    new = out[:, enc["input_ids"].shape[1] :]
-    stopped = 0
-    for row in new.tolist():
-        if tok.eos_token_id in row[:-1]:
-            stopped += 1
-            after = row[row.index(tok.eos_token_id) + 1 :]
-            assert set(after) == {tok.pad_token_id}, row  # nothing is generated after EOS
-    assert stopped > 0  # a random policy over 18 tokens emits EOS early in some of 200 rows
-
-
-def test_tiny_model_rejects_bad_head_split() -> None:
-    from rlbatch.models.tiny import TinyModelConfig, build_tiny_model
-
-    with pytest.raises(ValueError, match="divide"):
-        build_tiny_model(TinyModelConfig(hidden_size=64, num_heads=3))
