@@ -72,6 +72,11 @@ def main(run_dir: str) -> int:
                             port_range=(int(c.port_range[0]), int(c.port_range[1])))
         assert world is not None
         log.info("%s up: device %s, job %s", who, world.device, env.job_id)
+        from rlbatch.plugins import load_plugins
+
+        problems = load_plugins(cfg.get("plugins") or [])
+        if problems:  # validated before launch; a rank can still lack what the submitting host had
+            raise ImportError("; ".join(problems))
         program = importlib.import_module(PROGRAMS[str(cfg.program)])
         if world.is_controller:
             program.controller(world, cfg, run)

@@ -1,28 +1,18 @@
-"""Pure policy-gradient math (GRPO advantages, PPO clip loss, KL estimators, log-probs)
-and the masks/positions that connect generated ids to it."""
+"""Algorithms: pure policy-gradient math (``core``: GRPO advantages, PPO clip loss, KL estimators,
+log-probs), the registries that name its parts (``registry``, torch-free), and the objective an
+engine minimises (``objective``).
 
-from rlbatch.algos.core import (
-    ClipStats,
-    aggregate,
-    entropy_from_logits,
-    grpo_advantages,
-    kl_penalty,
-    masked_mean,
-    ppo_clip_loss,
-    token_logprobs,
-)
-from rlbatch.algos.sequence import completion_mask, pad_to_length, position_ids_from_mask
+``rlbatch.algos.<function>`` reaches ``core``'s functions; it is resolved on first use, so
+importing the torch-free registries does not import torch.
+"""
 
-__all__ = [
-    "ClipStats",
-    "aggregate",
-    "completion_mask",
-    "entropy_from_logits",
-    "grpo_advantages",
-    "kl_penalty",
-    "masked_mean",
-    "pad_to_length",
-    "position_ids_from_mask",
-    "ppo_clip_loss",
-    "token_logprobs",
-]
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    from rlbatch.algos import core
+
+    try:
+        return getattr(core, name)
+    except AttributeError:
+        raise AttributeError(f"module 'rlbatch.algos' has no attribute {name!r}") from None

@@ -1,0 +1,59 @@
+"""An inference engine written only against the engine contract (``rlbatch.engines.base``) and
+plugged in through the registry from this one file: ``plugins=[tests.plugins.echo_engine]`` and
+``roles.actor_infer.backend=echo:d2``.
+
+It holds no model: each response is the prompt's last ``echo`` tokens and EOS, each sampled
+token with log-prob 0 (the choice is certain). Weight sync hands it full weights, which it
+counts and drops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from rlbatch.engines.base import EngineContext, Generation, SamplingParams
+from rlbatch.engines.offload import Transfer
+from rlbatch.engines.registry import EngineSpec, register
+from rlbatch.placement.backend import EngineKind
+
+
+@dataclass(frozen=True)
+class EchoArgs:
+    echo: int = 3
+    """How many of the prompt's last tokens each response repeats."""
+
+
+class EchoEngine:
+    state_kinds: tuple[str, ...] = ()
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.echo = ctx.args.echo
+        self.eos = ctx.tokenizer.eos_token_id
+        self.loaded_bytes = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        out = []
+        for p in prompts:
+            tokens = ([*p[-self.echo:], self.eos])[: params.max_new_tokens]
+            out.append(Generation(tokens, [0.0] * len(tokens)))
+        return out
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.loaded_bytes += nbytes
+        return nbytes
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        return Transfer()
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        return Transfer()
+
+
+register(EngineSpec("echo", EngineKind.INFER, EchoArgs, f"{__name__}:EchoEngine", dims="d"))
