@@ -74,7 +74,7 @@ def main(run_dir: str) -> int:
         log.info("%s up: device %s, job %s", who, world.device, env.job_id)
         from rlbatch.plugins import load_plugins
 
-        problems = load_plugins(cfg.get("plugins") or [])
+        problems = load_plugins(list(cfg.plugins) if "plugins" in cfg else [])
         if problems:  # validated before launch; a rank can still lack what the submitting host had
             raise ImportError("; ".join(problems))
         program = importlib.import_module(PROGRAMS[str(cfg.program)])

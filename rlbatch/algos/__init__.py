@@ -6,12 +6,12 @@ engine minimises (``objective``).
 importing the torch-free registries does not import torch.
 """
 
+import importlib
 from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    from rlbatch.algos import core
-
+    core = importlib.import_module("rlbatch.algos.core")  # not `from rlbatch.algos import core`: that asks this hook
     try:
         return getattr(core, name)
     except AttributeError:
