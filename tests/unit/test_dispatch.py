@@ -11,7 +11,7 @@ from rlbatch.scheduler.controller import shards
 def _role(backend: str, ranks: list[int], name: str = "actor_train"):  # type: ignore[no-untyped-def]
     cfg = {"cluster": {"gpus_per_node": 8}, "roles": {
         "actor_train": {"device_mapping": ranks, "backend": backend},
-        "actor_infer": {"device_mapping": ranks, "backend": "hf:d%d" % len(ranks)},
+        "actor_infer": {"device_mapping": ranks, "backend": f"hf:d{len(ranks)}"},
     }}
     role = plan(cfg).role(name)
     return role, role.gpu_ranks
