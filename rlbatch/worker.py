@@ -63,6 +63,10 @@ def main(run_dir: str) -> int:
     install_handler(str(cfg.cluster.preempt_signal))
     log = logging.getLogger("rlbatch.worker")
     try:
+        from rlbatch.config.runnable import import_plugins
+
+        if problems := import_plugins(list(getattr(cfg, "plugins", None) or [])):  # they register engines, algorithm parts
+            raise ImportError("; ".join(problems))
         c = cfg.cluster
         torch_threads = int(os.environ.get("OMP_NUM_THREADS", c.cpus_per_task))
         import torch
