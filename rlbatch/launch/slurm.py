@@ -7,6 +7,8 @@ cluster option passes through. The submitter prints the job id and the log paths
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shlex
 import subprocess
 import sys
@@ -73,17 +75,38 @@ def sbatch_script(cfg: Any, placement: Placement, run_dir: Path) -> str:
     return _make_sbatch_string(command=submitit_command(run_dir), folder=run_dir / SUBMITIT_DIR, **params)
 
 
+def sbatch_refusal(stderr: str) -> str:
+    """sbatch's own reason for refusing a job, on one line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    reasons = [ln.split("error:", 1)[1].strip() if "error:" in ln else ln for ln in lines]
+    return "; ".join(dict.fromkeys(reasons)) or "no reason given"
+
+
 def submit(cfg: Any, placement: Placement) -> int:
     import submitit
+    from submitit.core.utils import FailedJobError
 
     from rlbatch.launch.rundir import prepare_run_dir
     from rlbatch.worker import main as worker_main
 
     run = prepare_run_dir(cfg, placement)
-    executor = submitit.SlurmExecutor(folder=run.path / SUBMITIT_DIR)
+    folder = run.path / SUBMITIT_DIR
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    executor = submitit.SlurmExecutor(folder=folder)
     executor.update_parameters(**sbatch_parameters(cfg, placement, run.path))
-    job = executor.submit(worker_main, str(run.path))
-    log = run.path / SUBMITIT_DIR / f"{job.job_id}_0_log.out"
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr before raising
+            job = executor.submit(worker_main, str(run.path))
+    except (FailedJobError, FileNotFoundError) as e:
+        for path in set(folder.iterdir()) - before:  # the pickle and script of the refused submission
+            path.unlink(missing_ok=True)
+        if not before:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        why = f"sbatch refused the job: {sbatch_refusal(str(e))}" if isinstance(e, FailedJobError) else f"cannot run sbatch: {e}"
+        print(f"rlbatch: {why}; nothing was submitted", file=sys.stderr)
+        return 2
+    log = folder / f"{job.job_id}_0_log.out"
     print(f"submitted Slurm job {job.job_id}: {placement.world_size} processes on {placement.num_nodes} node(s)")
     print(f"  run_dir:  {run.path}")
     print(f"  job log:  {log}")
