@@ -92,7 +92,11 @@ def submit(cfg: Any, placement: Placement) -> int:
     run = prepare_run_dir(cfg, placement)
     folder = run.path / SUBMITIT_DIR
     before = set(folder.iterdir()) if folder.is_dir() else set()
-    executor = submitit.SlurmExecutor(folder=folder)
+    try:
+        executor = submitit.SlurmExecutor(folder=folder)
+    except RuntimeError as e:  # submitit checks for srun first
+        print(f"rlbatch: cannot submit to Slurm here: {e}; nothing was submitted", file=sys.stderr)
+        return 2
     executor.update_parameters(**sbatch_parameters(cfg, placement, run.path))
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr before raising
