@@ -35,6 +35,18 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(run_dir: str) -> int:
+    from rlbatch.runtime.rundir import RunDir
+
+    run = RunDir(Path(run_dir).resolve())
+    if not run.placement.is_file():
+        # No status file can be written either: say it where srun shows it, and exit before MPI
+        # starts, so srun ends the job at once (--kill-on-bad-exit).
+        import socket
+
+        print(f"rlbatch: run directory {run.path} missing on node {socket.gethostname()}: this rank cannot "
+              f"start; put run_dir on a filesystem every node sees", file=sys.stderr, flush=True)
+        return 1
+
     from mpi4py import MPI
     from omegaconf import OmegaConf
 
@@ -42,10 +54,8 @@ def main(run_dir: str) -> int:
     from rlbatch.runtime.env import read_env
     from rlbatch.runtime.logs import RankLog
     from rlbatch.runtime.postmortem import SECONDARY, describe_rank
-    from rlbatch.runtime.rundir import RunDir
     from rlbatch.runtime.world import build_world, identify, shutdown
 
-    run = RunDir(Path(run_dir).resolve())
     placement = load_placement(run.placement)
     cfg = OmegaConf.load(run.config)
     env = read_env()

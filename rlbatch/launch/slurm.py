@@ -120,15 +120,27 @@ def submit(cfg: Any, placement: Placement) -> int:
     return follow(str(job.job_id), run, placement)
 
 
-def _squeue_state(job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    return out.stdout.strip()
+def _squeue(job_id: str) -> tuple[str, str]:
+    """The job's state and batch host while it is queued or running; ('', '') once it has left."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %B"], capture_output=True, text=True)
+    state, _, host = out.stdout.strip().partition(" ")
+    return state, host
+
+
+def _scontrol(job_id: str) -> dict[str, str]:
+    """The job's record (JobState, Reason, BatchHost, ...) while slurmctld still keeps it."""
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
 
 
 def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) -> int:
     """Wait for the job to leave the queue; 0 when every rank exited cleanly."""
-    last = None
-    while state := _squeue_state(job_id):
+    last, host = None, ""
+    while (seen := _squeue(job_id))[0]:
+        state, host = seen[0], seen[1] if seen[1] not in ("", "n/a", "(null)") else host
         if state != last:
             print(f"job {job_id}: {state}", flush=True)
             last = state
@@ -138,6 +150,17 @@ def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) 
         print(f"job {job_id}: completed")
         return 0
     print(f"job {job_id}: failed", file=sys.stderr)
+    log = run.path / SUBMITIT_DIR / f"{job_id}_0_log.out"
+    if all(st is None for st in states) and not log.exists():
+        record = _scontrol(job_id)
+        if record.get("JobState") == "CANCELLED":
+            print(f"  cancelled before any rank started ({record.get('Reason', '?')})", file=sys.stderr)
+            return 1
+        # Slurm could not open the job log, so nothing of the job ran: the run directory is not there.
+        node = record.get("BatchHost") or host or "the job's first node"
+        print(f"  run directory {run.path} missing on node {node}: Slurm could not write the job log there, "
+              f"so no rank started; put run_dir on a filesystem every node sees", file=sys.stderr)
+        return 1
     for line in culprits(placement, run):
         print(f"  {line}", file=sys.stderr)
     return 1

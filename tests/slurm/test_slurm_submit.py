@@ -75,6 +75,7 @@ cp -r "$SHARED" "$LOCAL_RUN"
 export MPIR_CVAR_NOLOCAL=1
 srun --mpi=pmi2 --kill-on-bad-exit=1 "$PYTHON" -u -m rlbatch.worker "$LOCAL_RUN"
 "$PYTHON" -m rlbatch.runtime.postmortem "$LOCAL_RUN"
+rm -rf "$LOCAL_RUN"
 """
 
 
@@ -95,16 +96,21 @@ def test_ranks_on_a_node_without_the_run_directory_are_named_with_that_node(run_
     assert "never started" not in output
 
 
-@pytest.mark.parametrize("preset", [["roles=roll_colocated_8gpu"], ["roles=roll_disaggregated_8gpu"],
-                                    ["roles=ppo_critic_8gpu", "algo=ppo"]], ids=lambda p: p[0].split("=")[1])
-def test_eight_gpu_presets_place_their_ranks_on_two_nodes(run_root: Path, preset: list[str]) -> None:
-    # vllm, tensor-parallel fsdp and PPO are not built, so train refuses these presets; selftest
-    # starts no engine and checks their placement (identity, every group, every mesh axis).
+def test_the_ppo_preset_places_its_ranks_on_two_nodes(run_root: Path) -> None:
+    """The 8-GPU presets fit the test cluster as 2 nodes of 4 GPUs. vllm, tensor-parallel fsdp and
+    PPO are not built, so program=train refuses them; program=selftest starts no engine and checks
+    their placement on real processes (identity, every role group, every mesh axis, weight sync).
+    ppo_critic_8gpu is the one run here (~90 s): four GPU roles with tp=2 meshes colocated across
+    both nodes, two reward workers. roll_colocated_8gpu is the same layout without the critic and
+    tensor parallelism; roll_disaggregated_8gpu (train on one node, inference on the other) is the
+    layout test_slurm_runtime.py's TWO_NODES runs."""
+    preset = ["roles=ppo_critic_8gpu", "algo=ppo"]
     refused = launch(["dry_run=true", "cluster=slurm", f"run_dir={run_root / 'run'}", *preset], run_root, timeout=120)
-    assert refused.returncode == 2 and "is not built" in refused.stderr
+    assert refused.returncode == 2 and "algo.name: 'ppo' is not built" in refused.stderr
     out = selftest_on_slurm(run_root / "run", "cluster.gpus_per_node=4", *preset)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((run_root / "run" / "selftest.json").read_text())
     assert result["ok"], result["problems"]
-    hosts = {rep["host"] for rep in result["reports"].values()}
-    assert hosts == {"n1", "n2"}
+    hosts = {int(r): rep["host"] for r, rep in result["reports"].items()}
+    assert {hosts[r] for r in range(4)} == {"n1"} and {hosts[r] for r in range(4, 8)} == {"n2"}
+    assert [r[0] for r in result["reports"]["0"]["roles"]] == ["actor_train", "actor_infer", "reference", "critic"]
