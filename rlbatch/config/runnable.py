@@ -243,8 +243,8 @@ def _resume_problem(resume: str, run_dir: Any) -> str | None:
         tried.append(str(inside.absolute()))
         path = inside if inside.exists() else path
     if not path.exists():
-        where = " nor ".join(tried)
-        return f"resume: {resume!r} is not 'auto', 'never' or an existing checkpoint path ({'neither ' if len(tried) > 1 else ''}{where} exists)"
+        where = f"neither {tried[0]} nor {tried[1]} exists" if len(tried) > 1 else f"{tried[0]} does not exist"
+        return f"resume: {resume!r} is not 'auto', 'never' or an existing checkpoint path ({where})"
     try:
         open_checkpoint(path, verify=False)  # manifests and file sizes; checksums are read when resuming
     except CheckpointError as e:
