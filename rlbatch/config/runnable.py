@@ -179,14 +179,12 @@ def engine_problems(engines: list[RoleEngine]) -> list[str]:
 
 
 def program_problems(plain: Mapping[str, Any]) -> list[str]:
-    """program=train: algo.name is a built program, the critic is used, the reward role scores."""
+    """program=train: the critic is used by the program, the reward role scores on CPUs. (algo.name
+    itself is checked by ``check``, with ``program_name_problem``.)"""
     problems = []
     name = _section(plain, "algo").get("name")
-    problem = program_name_problem(name, strict=True)
     roles = _section(plain, "roles")
-    if problem is not None:
-        problems.append(problem)
-    elif _enabled(roles.get("critic")) and name not in USES_CRITIC:
+    if isinstance(name, str) and name in PROGRAMS and _enabled(roles.get("critic")) and name not in USES_CRITIC:
         problems.append(f"roles.critic: enabled, but algo.name={name} does not use a critic: only PPO does, and "
                         f"PPO is not built yet; set roles.critic.enabled=false")
     reward = roles.get("reward")

@@ -171,10 +171,10 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
         raise ConfigError(f"config: expected a mapping, got {type(plain).__name__}")
     problems = import_plugins(plain.get("plugins"))  # first: they may add engines and algorithm parts
     problems += _check_fields(plain)
-    runs_algorithm = runnable and plain.get("program", "train") == "train"
     algo = plain.get("algo")
-    if isinstance(algo, Mapping) and "name" in algo and not runs_algorithm:
-        if (problem := program_name_problem(algo["name"], strict=False)) is not None:
+    if isinstance(algo, Mapping) and "name" in algo:  # a selftest runs no algorithm: the planner's rule
+        strict = runnable and plain.get("program", "train") == "train"
+        if (problem := program_name_problem(algo["name"], strict)) is not None:
             problems.append(problem)
     placement: Placement | None = None
     try:
