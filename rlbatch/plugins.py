@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Iterable
+from typing import Any
 
-_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def load_plugins(names: Iterable[object]) -> list[str]:
-    """Import every plugin; returns one problem line per name that is not a module name or fails to import."""
+def import_plugins(names: Any) -> list[str]:
+    """Import each module in ``plugins`` by name (they register engines and algorithm parts);
+    the problems, one per plugin that is not a module name or fails to import."""
+    if names is None:
+        return []
+    if not isinstance(names, (list, tuple)):
+        return [f"plugins: expected a list of module names, got {type(names).__name__} {names!r}"[:200]]
     problems = []
     for name in names:
-        if not isinstance(name, str) or not _MODULE.fullmatch(name):
-            problems.append(f"plugins: {name!r} is not a Python module name (e.g. my_package.engines)")
+        if not isinstance(name, str) or len(name) > 200 or not _MODULE_NAME.fullmatch(name):
+            problems.append(f"plugins: {name!r} is not a Python module name (dotted identifiers, "
+                            f"e.g. 'mylab.rlbatch_plugin')"[:240])
             continue
         try:
             importlib.import_module(name)
-        except Exception as e:  # any failure of the plugin's own code is reported, not raised
-            problems.append(f"plugins: importing {name!r} failed: {type(e).__name__}: {e}"[:300])
+        except Exception as e:  # whatever the plugin raises is its problem line, not a traceback
+            problems.append(f"plugins: importing {name!r} failed: {type(e).__name__}: {e}"[:400])
     return problems

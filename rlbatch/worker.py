@@ -35,6 +35,18 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(run_dir: str) -> int:
+    from rlbatch.runtime.rundir import RunDir
+
+    run = RunDir(Path(run_dir).resolve())
+    if not run.placement.is_file():
+        # No status file can be written either: say it where srun shows it, and exit before MPI
+        # starts, so srun ends the job at once (--kill-on-bad-exit).
+        import socket
+
+        print(f"rlbatch: run directory {run.path} missing on node {socket.gethostname()}: this rank cannot "
+              f"start; put run_dir on a filesystem every node sees", file=sys.stderr, flush=True)
+        return 1
+
     from mpi4py import MPI
     from omegaconf import OmegaConf
 
@@ -42,10 +54,8 @@ def main(run_dir: str) -> int:
     from rlbatch.runtime.env import read_env
     from rlbatch.runtime.logs import RankLog
     from rlbatch.runtime.postmortem import SECONDARY, describe_rank
-    from rlbatch.runtime.rundir import RunDir
     from rlbatch.runtime.world import build_world, identify, shutdown
 
-    run = RunDir(Path(run_dir).resolve())
     placement = load_placement(run.placement)
     cfg = OmegaConf.load(run.config)
     env = read_env()
@@ -63,6 +73,10 @@ def main(run_dir: str) -> int:
     install_handler(str(cfg.cluster.preempt_signal))
     log = logging.getLogger("rlbatch.worker")
     try:
+        from rlbatch.plugins import import_plugins
+
+        if problems := import_plugins(list(getattr(cfg, "plugins", None) or [])):  # they register engines, algorithm parts
+            raise ImportError("; ".join(problems))
         c = cfg.cluster
         torch_threads = int(os.environ.get("OMP_NUM_THREADS", c.cpus_per_task))
         import torch
@@ -72,11 +86,6 @@ def main(run_dir: str) -> int:
                             port_range=(int(c.port_range[0]), int(c.port_range[1])))
         assert world is not None
         log.info("%s up: device %s, job %s", who, world.device, env.job_id)
-        from rlbatch.plugins import load_plugins
-
-        problems = load_plugins(list(cfg.plugins) if "plugins" in cfg else [])
-        if problems:  # validated before launch; a rank can still lack what the submitting host had
-            raise ImportError("; ".join(problems))
         program = importlib.import_module(PROGRAMS[str(cfg.program)])
         if world.is_controller:
             program.controller(world, cfg, run)

@@ -76,3 +76,8 @@ PROGRAMS = Registry("algorithm (program)", "algo.name", {
 score, reference/old log-probs, advantages from rewards, train, sync."""
 
 ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, PROGRAMS)
+
+USES_CRITIC: set[str] = set()
+"""Programs that run the critic role (values, critic training). None in this build: the critic is
+only used by PPO, which is not built yet. A plugin that registers such a program adds its name,
+so validation accepts an enabled critic with it."""

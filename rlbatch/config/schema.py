@@ -139,6 +139,10 @@ class ModelConfig:
 
     path: str | None = None
     """Local Hugging Face model directory (weights, config, tokenizer). Nothing is downloaded."""
+    check_path: bool = True
+    """Refuse to start or submit when ``path`` is not a model directory (with a config.json) on
+    the machine that launches. Set false when only the compute nodes see it (a node-local copy,
+    a filesystem the login node does not mount)."""
     arch: str = "qwen2"
     """Architecture of a random-initialised model when no path is given: 'qwen2' (q/k/v biases)
     or 'llama' (no biases)."""
@@ -228,6 +232,9 @@ class DataConfig:
     """'synthetic' (built-in arithmetic task) or 'file'."""
     path: str | None = None
     """jsonl or parquet file for name=file."""
+    check_path: bool = True
+    """Refuse to start or submit when ``path`` does not exist on the machine that launches. Set
+    false when only the compute nodes see it."""
     prompt_key: str = "question"
     """Field of each record that holds the question."""
     answer_key: str = "answer"

@@ -1,8 +1,11 @@
 """``check(cfg) -> Placement``: the whole configuration validated in one pass.
 
 ``plan()`` checks the roles and the cluster; this adds the rest of the schema (algorithm, data,
-model, run options) and the rules that tie them to the placement, and reports every problem of
-both in one ConfigError. Pure: no torch, no I/O.
+model, run options), the rules that tie them to the placement, and (unless ``runnable=False``)
+what this build and this machine can run (``rlbatch.config.runnable``), and reports every problem
+in one ConfigError. The modules in ``plugins`` are imported first: they may register engines and
+algorithm parts. No torch; the only I/O is reading the paths and importing the modules the
+config names.
 """
 
 from __future__ import annotations
@@ -11,21 +14,27 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbatch.config.plain import to_plain
+from rlbatch.config.runnable import (
+    engine_args_problems,
+    program_name_problem,
+    registry_problem,
+    role_engines,
+    runnable_problems,
+)
 from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RLBatchConfig
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, plan
+from rlbatch.plugins import import_plugins
 
-CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbatch.algos.registry
     "program": ("train", "selftest"),
     "cluster.name": ("local", "slurm"),
     "cluster.device": ("auto", "cuda", "cpu"),
     "cluster.preempt_signal": ("USR2", "TERM", "INT", "HUP", "URG", "XCPU"),
     "model.arch": ("qwen2", "llama"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "algo.name": ("grpo", "ppo"),
-    "algo.kl_estimator": ("k1", "k3"),
-    "algo.loss_agg": ("token", "seq"),
     "data.name": ("synthetic", "file"),
 }
 MINIMUMS: dict[str, float] = {
@@ -74,6 +83,12 @@ def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
             problems.append(f"{key}: expected a number, got {v!r}")
         elif v < low:
             problems.append(f"{key}: must be >= {low:g}, got {v}")
+    algo = _get(cfg, "algo")
+    if isinstance(algo, Mapping):
+        for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS):
+            key = registry.field.split(".", 1)[1]
+            if key in algo and (problem := registry_problem(registry, algo[key])) is not None:
+                problems.append(problem)
     top_p = _get(cfg, "algo.top_p")
     if isinstance(top_p, (int, float)) and not 0 < top_p <= 1:
         problems.append(f"algo.top_p: must be in (0, 1], got {top_p}")
@@ -141,21 +156,36 @@ def _missing_values(cfg: Any) -> list[str]:
     return sorted(OmegaConf.missing_keys(cfg))
 
 
-def check(cfg: Any) -> Placement:
-    """Validate everything in ``cfg``; return the Placement or raise one ConfigError listing all problems."""
+def check(cfg: Any, runnable: bool = True) -> Placement:
+    """Validate everything in ``cfg``; return the Placement or raise one ConfigError listing all problems.
+
+    ``runnable=False`` leaves out what depends on this build and this machine (engines that are
+    not built, programs the planner models but this build does not run, paths and modules the
+    config names, the run directory's filesystem): the planner uses it to model any engine.
+    """
     missing = _missing_values(cfg)
     if missing:
         raise ConfigError([f"{k}: required but not set ('???' in conf/); give it as an override, e.g. {k}=..." for k in missing])
     plain = to_plain(cfg)
     if not isinstance(plain, Mapping):
         raise ConfigError(f"config: expected a mapping, got {type(plain).__name__}")
-    problems = _check_fields(plain)
+    problems = import_plugins(plain.get("plugins"))  # first: they may add engines and algorithm parts
+    problems += _check_fields(plain)
+    algo = plain.get("algo")
+    if isinstance(algo, Mapping) and "name" in algo:  # a selftest runs no algorithm: the planner's rule
+        strict = runnable and plain.get("program", "train") == "train"
+        if (problem := program_name_problem(algo["name"], strict)) is not None:
+            problems.append(problem)
     placement: Placement | None = None
     try:
         placement = plan(plain)
     except ConfigError as e:
         problems.extend(e.problems)
     problems.extend(_check_algo_vs_roles(plain, placement))
+    engines = role_engines(plain)
+    problems.extend(engine_args_problems(plain, engines))
+    if runnable:
+        problems.extend(runnable_problems(plain, engines))
     if problems:
         raise ConfigError(problems)
     assert placement is not None

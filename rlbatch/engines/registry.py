@@ -178,7 +178,8 @@ def parse_args(engine: str, raw: Mapping[str, Any] | None, where: str) -> ArgsCh
             continue
         coerced, ok = _coerce(v, fields[k].type)
         if not ok:
-            problems.append(f"{where}.{k}: expected {fields[k].type}, got {type(v).__name__} {v!r}"[:200])
+            want = fields[k].type if isinstance(fields[k].type, str) else getattr(fields[k].type, "__name__", fields[k].type)
+            problems.append(f"{where}.{k}: expected {want}, got {type(v).__name__} {v!r}"[:200])
         elif isinstance(coerced, (int, float)) and not isinstance(coerced, bool) and coerced < 0:
             problems.append(f"{where}.{k}: must be >= 0, got {coerced}")
         else:

@@ -7,6 +7,8 @@ cluster option passes through. The submitter prints the job id and the log paths
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shlex
 import subprocess
 import sys
@@ -73,17 +75,42 @@ def sbatch_script(cfg: Any, placement: Placement, run_dir: Path) -> str:
     return _make_sbatch_string(command=submitit_command(run_dir), folder=run_dir / SUBMITIT_DIR, **params)
 
 
+def sbatch_refusal(stderr: str) -> str:
+    """sbatch's own reason for refusing a job, on one line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    reasons = [ln.split("error:", 1)[1].strip() if "error:" in ln else ln for ln in lines]
+    return "; ".join(dict.fromkeys(reasons)) or "no reason given"
+
+
 def submit(cfg: Any, placement: Placement) -> int:
     import submitit
+    from submitit.core.utils import FailedJobError
 
     from rlbatch.launch.rundir import prepare_run_dir
     from rlbatch.worker import main as worker_main
 
     run = prepare_run_dir(cfg, placement)
-    executor = submitit.SlurmExecutor(folder=run.path / SUBMITIT_DIR)
+    folder = run.path / SUBMITIT_DIR
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    try:
+        executor = submitit.SlurmExecutor(folder=folder)
+    except RuntimeError as e:  # submitit checks for srun first
+        print(f"rlbatch: cannot submit to Slurm here: {e}; nothing was submitted", file=sys.stderr)
+        return 2
     executor.update_parameters(**sbatch_parameters(cfg, placement, run.path))
-    job = executor.submit(worker_main, str(run.path))
-    log = run.path / SUBMITIT_DIR / f"{job.job_id}_0_log.out"
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr before raising
+            job = executor.submit(worker_main, str(run.path))
+    except (FailedJobError, FileNotFoundError) as e:
+        for path in set(folder.iterdir()) - before:  # the pickle and script of the refused submission
+            path.unlink(missing_ok=True)
+        if not before:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        why = f"sbatch refused the job: {sbatch_refusal(str(e))}" if isinstance(e, FailedJobError) else f"cannot run sbatch: {e}"
+        print(f"rlbatch: {why}; nothing was submitted", file=sys.stderr)
+        return 2
+    log = folder / f"{job.job_id}_0_log.out"
     print(f"submitted Slurm job {job.job_id}: {placement.world_size} processes on {placement.num_nodes} node(s)")
     print(f"  run_dir:  {run.path}")
     print(f"  job log:  {log}")
@@ -93,15 +120,27 @@ def submit(cfg: Any, placement: Placement) -> int:
     return follow(str(job.job_id), run, placement)
 
 
-def _squeue_state(job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    return out.stdout.strip()
+def _squeue(job_id: str) -> tuple[str, str]:
+    """The job's state and batch host while it is queued or running; ('', '') once it has left."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %B"], capture_output=True, text=True)
+    state, _, host = out.stdout.strip().partition(" ")
+    return state, host
+
+
+def _scontrol(job_id: str) -> dict[str, str]:
+    """The job's record (JobState, Reason, BatchHost, ...) while slurmctld still keeps it."""
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
 
 
 def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) -> int:
     """Wait for the job to leave the queue; 0 when every rank exited cleanly."""
-    last = None
-    while state := _squeue_state(job_id):
+    last, host = None, ""
+    while (seen := _squeue(job_id))[0]:
+        state, host = seen[0], seen[1] if seen[1] not in ("", "n/a", "(null)") else host
         if state != last:
             print(f"job {job_id}: {state}", flush=True)
             last = state
@@ -111,6 +150,17 @@ def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) 
         print(f"job {job_id}: completed")
         return 0
     print(f"job {job_id}: failed", file=sys.stderr)
+    log = run.path / SUBMITIT_DIR / f"{job_id}_0_log.out"
+    if all(st is None for st in states) and not log.exists():
+        record = _scontrol(job_id)
+        if record.get("JobState") == "CANCELLED":
+            print(f"  cancelled before any rank started ({record.get('Reason', '?')})", file=sys.stderr)
+            return 1
+        # Slurm could not open the job log, so nothing of the job ran: the run directory is not there.
+        node = record.get("BatchHost") or host or "the job's first node"
+        print(f"  run directory {run.path} missing on node {node}: Slurm could not write the job log there, "
+              f"so no rank started; put run_dir on a filesystem every node sees", file=sys.stderr)
+        return 1
     for line in culprits(placement, run):
         print(f"  {line}", file=sys.stderr)
     return 1

@@ -95,7 +95,7 @@ def _context(args: Args) -> tuple[Any, Any, dict[str, Any]]:
     from rlbatch.launch.compose import compose
 
     cfg = compose(args.rest)
-    placement = check(cfg)
+    placement = check(cfg, runnable=False)  # the planner models engines and programs this build does not run
     return cfg, placement, to_plain(cfg)
 
 

@@ -193,7 +193,7 @@ def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Wo
             break
         c.overrides, plain = to_overrides(c, cfg)
         try:
-            check(plain)
+            check(plain, runnable=False)
         except ConfigError:
             stats["invalid"] += 1
             continue

@@ -4,13 +4,20 @@
 
 When one rank dies, the others fail too: their collectives lose a peer, the controller stops
 hearing from them, the launcher tears them down. Those are consequences. The report names the
-cause first: a rank that failed with its own error, else the rank the launcher saw vanish first
-(killed by a signal or the OOM killer), else the ranks whose collectives or waits failed.
+cause first: a run directory missing on a node (its ranks could not even start), else a rank that
+failed with its own error, else the rank the launcher saw vanish first (killed by a signal or the
+OOM killer), else the ranks whose collectives or waits failed.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
 from rlbatch.placement import Placement
+from rlbatch.runtime.env import SchedulerEnv, expand_hostlist, read_env
 from rlbatch.runtime.rundir import RunDir
 
 SECONDARY = ("CollectiveError", "ControlTimeout", "DistBackendError", "DistNetworkError")
@@ -24,6 +31,40 @@ def describe_rank(p: Placement, rank: int) -> str:
     return f"rank {rank} ({roles}; {where}node {slot.node})"
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    """'rank 3' or 'ranks 4-7, 9'."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(x[0]) if len(x) == 1 else f"{x[0]}-{x[-1]}" for x in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def missing_run_dir(run_dir: Path, nodes: list[int], env: SchedulerEnv | None = None,
+                    timeout_s: float = 60.0) -> dict[int, str]:
+    """Inside the job's allocation: which of ``nodes`` (node index -> host) lack ``run_dir``.
+
+    One srun task per node tests the directory; {} when there is no allocation to ask or the
+    probe itself fails (then nothing is claimed)."""
+    env = env or read_env()
+    hosts = expand_hostlist(env.slurm_nodelist) if env.slurm_nodelist else []
+    wanted = {n: hosts[n] for n in sorted(set(nodes)) if 0 <= n < len(hosts)}
+    if not wanted:
+        return {}
+    test = f'test -d {shlex.quote(str(run_dir))} || echo "missing $SLURMD_NODENAME"'
+    cmd = ["srun", "--mpi=none", f"--nodes={len(wanted)}", f"--ntasks={len(wanted)}", "--ntasks-per-node=1",
+           f"--nodelist={','.join(wanted.values())}", "--cpus-per-task=1", "sh", "-c", test]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    gone = {line.split()[1] for line in out.splitlines() if line.startswith("missing ") and len(line.split()) == 2}
+    return {n: h for n, h in wanted.items() if h in gone}
+
+
 def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) -> list[str]:
     """Lines naming the ranks that caused a failure, cause first. ``first_exits``: the ranks
     whose processes the launcher saw end first (they may have exited cleanly)."""
@@ -33,6 +74,10 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
     silent: list[int] = []
     suspects: set[int] = set()  # peers named by the ranks whose collectives failed
     status = {rank: run.read_status(rank) for rank in range(p.world_size)}
+    if missing := run.read_missing_on():
+        return [f"run directory {run.path} missing on node {host}: "
+                f"{_ranks_text([r for r in range(p.world_size) if p.processes[r].node == node])} (node {node}) "
+                f"could not start; put run_dir on a filesystem every node sees" for node, host in sorted(missing.items())]
     for rank, st in status.items():
         who = describe_rank(p, rank)
         if st is None:
@@ -71,14 +116,16 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
 
 def main(argv: list[str]) -> int:
     """Print the ranks that brought a run down (nothing when every rank exited cleanly)."""
-    from pathlib import Path
-
     from rlbatch.placement.io import load_placement
 
     run = RunDir(Path(argv[0]))
     p = load_placement(run.placement)
-    if all((run.read_status(r) or {}).get("state") == "exited" for r in range(p.world_size)):
+    status = {r: run.read_status(r) for r in range(p.world_size)}
+    if all((st or {}).get("state") == "exited" for st in status.values()):
         return 0
+    never = sorted({p.processes[r].node for r, st in status.items() if st is None})
+    if never and (missing := missing_run_dir(run.path, never)):
+        run.missing_on.write_text(json.dumps({str(n): h for n, h in missing.items()}))
     for line in culprits(p, run):
         print(f"rlbatch: {line}")
     return 0

@@ -4,6 +4,8 @@
     <run_dir>/placement.json     the Placement, computed once by the launcher
     <run_dir>/logs/rank<r>.log   each rank's output
     <run_dir>/logs/rank<r>.status  JSON: running / exited / failed / terminated, pid, host, roles
+    <run_dir>/logs/missing_run_dir.json  JSON {node: host}: nodes the post-mortem found without
+                                 the run directory (their ranks could not start)
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ class RunDir:
 
     def rank_status(self, rank: int) -> Path:
         return self.logs / f"rank{rank}.status"
+
+    @property
+    def missing_on(self) -> Path:
+        return self.logs / "missing_run_dir.json"
+
+    def read_missing_on(self) -> dict[int, str]:
+        """Node index -> host of the nodes found without this run directory (empty if none)."""
+        try:
+            return {int(n): str(h) for n, h in json.loads(self.missing_on.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            return {}
 
     def write_status(self, rank: int, state: str, **extra: Any) -> None:
         """Record a rank's state; written atomically so a reader never sees half a file."""

@@ -1,4 +1,6 @@
-"""Every YAML under conf/ composes with Hydra and validates; bad overrides are ConfigErrors."""
+"""Every YAML under conf/ composes with Hydra and places what it says; bad overrides are
+ConfigErrors. Whether this build can run each preset is tests/unit/test_presets.py's subject:
+the placement checks here use ``check(cfg, runnable=False)``, as the planner does."""
 
 from __future__ import annotations
 
@@ -50,19 +52,19 @@ def test_the_default_config_validates() -> None:
 
 
 @pytest.mark.parametrize(("group", "name"), GROUP_FILES, ids=[f"{g}={n}" for g, n in GROUP_FILES])
-def test_every_conf_file_composes_and_validates(group: str, name: str) -> None:
+def test_every_conf_file_composes_and_places(group: str, name: str) -> None:
     cfg = compose_choice(group, name)
-    placement = check(cfg)
+    placement = check(cfg, runnable=False)
     assert placement.num_gpus >= 1
     assert "actor_train" in placement.roles and "actor_infer" in placement.roles
 
 
 def test_gsm8k_needs_its_paths() -> None:
     with pytest.raises(ConfigError) as e:
-        check(compose(["experiment=gsm8k"]))
+        check(compose(["experiment=gsm8k"]), runnable=False)
     text = "\n".join(e.value.problems)
     assert "data.path" in text and "model.path" in text
-    check(compose(["experiment=gsm8k", *FILE_DATA]))
+    check(compose(["experiment=gsm8k", *FILE_DATA]), runnable=False)
 
 
 # The reference examples under conf/roles must place what their comments promise.
@@ -85,7 +87,7 @@ ROLE_EXPECTATIONS = {
 @pytest.mark.parametrize("name", sorted(ROLE_EXPECTATIONS))
 def test_reference_role_files_place_what_they_say(name: str) -> None:
     exp = ROLE_EXPECTATIONS[name]
-    p = check(compose([f"roles={name}"]))
+    p = check(compose([f"roles={name}"]), runnable=False)
     assert (p.num_gpus, p.num_nodes) == (exp["gpus"], exp["nodes"])
     for role, world in exp["worlds"].items():
         assert p.role(role).world_size == world, role
@@ -94,7 +96,7 @@ def test_reference_role_files_place_what_they_say(name: str) -> None:
 
 
 def test_mixed_cpu_sandbox_file_spreads_cpu_workers() -> None:
-    p = check(compose(["roles=roll_mixed_cpu_sandbox"]))
+    p = check(compose(["roles=roll_mixed_cpu_sandbox"]), runnable=False)
     assert p.role("actor_infer").num_gpus_per_worker == 2
     # The controller and the reward worker take one CPU slot on each node; 8 sandboxes split 4/4.
     assert p.role("reward").nodes == (1,)
@@ -102,7 +104,7 @@ def test_mixed_cpu_sandbox_file_spreads_cpu_workers() -> None:
 
 
 def test_hybrid_file_reference_inherits_the_hybrid_layout() -> None:
-    p = check(compose(["roles=areal_moe_hybrid_32gpu"]))
+    p = check(compose(["roles=areal_moe_hybrid_32gpu"]), runnable=False)
     assert p.role("reference").backend == p.role("actor_train").backend
     assert p.role("actor_train").backend is not None and p.role("actor_train").backend.is_hybrid
 
@@ -153,7 +155,7 @@ def test_override_errors_reach_check_through_the_config() -> None:
         (["algo=ppo"], "algo.name=ppo needs the critic role"),
         (["roles.reference.enabled=false"], "algo.kl_coef=0.01 needs the reference role"),
         (["algo.prompts_per_step=3", "algo.samples_per_prompt=3"], "9 samples cannot be split evenly"),
-        (["algo.name=dpo"], "algo.name: 'dpo' is not one of"),
+        (["algo.name=dpo"], "algo.name: 'dpo' is not a registered algorithm (program); registered: ['grpo']"),
         (["cluster.name=k8s"], "cluster.name: 'k8s' is not one of"),
         (["algo.top_p=0"], "algo.top_p: must be in (0, 1]"),
         (["cluster.port_range=[80,90]"], "cluster.port_range"),

@@ -537,7 +537,7 @@ def test_check_merges_placement_and_other_problems() -> None:
         "resume": "auto",
         "algo": {"name": "grpo", "samples_per_prompt": 1, "lr": -1.0, "top_p": 1.5},
         "data": {"name": "file"},
-        "roles": {"actor_infer": {"backend": "hf:t2"}},
+        "roles": {"actor_infer": {"backend": "hf:t2"}, "reward": {"world_size": 1}},
     })
     with pytest.raises(ConfigError) as e:
         check(cfg)

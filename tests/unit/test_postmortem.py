@@ -3,6 +3,8 @@ launcher's view of which processes ended first."""
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,10 @@ import pytest
 from rlbatch.config.validate import check
 from rlbatch.launch.compose import compose
 from rlbatch.placement import Placement
-from rlbatch.runtime.postmortem import culprits
+from rlbatch.runtime.env import read_env
+from rlbatch.runtime.postmortem import culprits, missing_run_dir
 from rlbatch.runtime.rundir import RunDir
+from rlbatch.worker import main as worker_main
 
 COLLECTIVE = "rlbatch.runtime.world.CollectiveError: all_reduce in group 'actor_train' failed"
 
@@ -68,3 +72,32 @@ def test_without_the_launchers_view_suspects_come_first(tmp_path: Path, placemen
 def test_a_rank_without_a_status_file_never_started(tmp_path: Path, placement: Placement) -> None:
     run = statuses(tmp_path, {0: {}, 1: {}, 2: {}})
     assert any("rank 3 (controller" in ln and "never started" in ln for ln in culprits(placement, run))
+
+
+def test_a_run_directory_missing_on_a_node_is_the_cause(tmp_path: Path) -> None:
+    two_nodes = check(compose(["cluster.gpus_per_node=1"]))  # GPU rank 0 on node 0, GPU rank 1 + reward on node 1
+    run = statuses(tmp_path, {0: {"state": "terminated"}, 3: {"state": "failed", "error": COLLECTIVE}})
+    run.missing_on.write_text('{"1": "n2"}')
+    assert culprits(two_nodes, run) == [
+        f"run directory {tmp_path} missing on node n2: ranks 1-2 (node 1) could not start; "
+        f"put run_dir on a filesystem every node sees"]
+
+
+def test_the_probe_asks_each_node_with_srun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in srun: answers as the two nodes would when only n1 has the directory.
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\necho "missing n2"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    env = read_env({"SLURM_JOB_NODELIST": "n[1-2]"})
+    assert missing_run_dir(tmp_path / "run", [1, 0], env) == {1: "n2"}
+    args = (fake.parent / "args").read_text()
+    assert "--nodes=2" in args and "--ntasks-per-node=1" in args and "--nodelist=n1,n2" in args
+    assert missing_run_dir(tmp_path / "run", [1], read_env({})) == {}  # no allocation: nothing claimed
+
+
+def test_a_rank_without_its_run_directory_says_so_before_mpi_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert worker_main(str(tmp_path / "absent")) == 1
+    err = capsys.readouterr().err
+    assert f"run directory {tmp_path / 'absent'} missing on node {socket.gethostname()}" in err

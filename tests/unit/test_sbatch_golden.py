@@ -1,5 +1,11 @@
 """The sbatch script a config produces is kept as a golden file: a change to what we submit
-shows up in review. Regenerate with RLBATCH_UPDATE_GOLDEN=1 pytest tests/unit/test_sbatch_golden.py."""
+shows up in review. Regenerate with RLBATCH_UPDATE_GOLDEN=1 pytest tests/unit/test_sbatch_golden.py.
+
+Scripts are rendered from ``check(cfg, runnable=False)``: most cases name engines this build does
+not have (vllm, megatron), so the launcher refuses them before it renders anything
+(tests/unit/test_presets.py asserts that, and that the runnable ones dry-run to these very files).
+Their files are kept because the request they show comes from the placement alone: it is what we
+will submit once those engines exist, and a change to it still deserves a review."""
 
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ CASES = {
 
 def render(overrides: list[str]) -> str:
     cfg = compose(["cluster=slurm", "run_dir=/shared/runs/example", *overrides])
-    text = sbatch_script(cfg, check(cfg), Path("/shared/runs/example"))
+    text = sbatch_script(cfg, check(cfg, runnable=False), Path("/shared/runs/example"))
     return text.replace(sys.executable, "PYTHON")
 
 

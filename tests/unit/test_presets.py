@@ -1,0 +1,145 @@
+"""Every preset under conf/ and every golden sbatch file either runs in this build or is refused
+before anything is submitted, with a message that names what is missing.
+
+The launcher is driven as a user drives it (``rlbatch.launch.__main__.main``, in-process) with
+``dry_run=true``: a runnable preset prints its placement and, with cluster=slurm, the exact sbatch
+script, and exits 0; a refused one exits 2, prints one line per problem and nothing else. Presets
+are discovered, so a new YAML this build cannot run fails here until its refusal is listed in
+REFUSED. Every refused preset is still one the planner accepts (``check(cfg, runnable=False)``).
+
+Golden sbatch files (tests/unit/test_sbatch_golden.py renders them without the build check): the
+runnable case must dry-run to exactly its file. The others name engines this build does not have;
+the launcher must refuse them, naming those engines. Their files are kept, not deleted, because
+the script comes from the placement alone and is what we will submit once those engines exist.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlbatch.config.validate import check
+from rlbatch.launch.__main__ import main
+from rlbatch.launch.compose import CONF_DIR, compose
+from tests.unit.test_sbatch_golden import CASES, GOLDEN
+
+RUN_DIR = "run_dir=/shared/runs/preset"
+"""Never created by a dry run; on a filesystem every node would see, as cluster=slurm requires."""
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
+PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
+
+VLLM = ("engine 'vllm' (in '{}') is not built: the vLLM engine is not in this build; "
+        "built inference engines: ['hf']")
+MEGATRON = ("engine 'megatron' (in '{}') is not built: the Megatron-core engine is not in this build; "
+            "built training engines: ['fsdp']")
+FSDP_T2 = "roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; got t=2 in '{}'"
+
+
+def infer(spec: str) -> str:
+    return "roles.actor_infer.backend: " + VLLM.format(spec)
+
+
+def train(spec: str, role: str = "actor_train") -> str:
+    return f"roles.{role}.backend: " + MEGATRON.format(spec)
+
+
+REFUSED: dict[tuple[str, str], list[str]] = {
+    ("algo", "ppo"): [
+        "roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping",
+        "algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is modelled by the planner only",
+    ],
+    ("roles", "areal_16gpu"): [FSDP_T2.format("fsdp:d4t2"), infer("vllm:d2t4")],
+    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4"), infer("vllm:d4t4"),
+                                        train("megatron:d2p2t4", "reference")],
+    ("roles", "areal_moe_hybrid_32gpu"): [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)"), infer("vllm:d4t8")],
+    ("roles", "ppo_critic_8gpu"): [
+        FSDP_T2.format("fsdp:d4t2"), infer("vllm:d4t2"),
+        "roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and PPO is not built yet",
+    ],
+    ("roles", "roll_colocated_8gpu"): [infer("vllm:d8")],
+    ("roles", "roll_disaggregated_24gpu"): [infer("vllm:d8")],
+    ("roles", "roll_disaggregated_8gpu"): [infer("vllm:d4")],
+    ("roles", "roll_mixed_cpu_sandbox"): [infer("vllm:d6t2")],
+}
+"""Presets this build cannot run -> the start of each line the launcher prints (all of them)."""
+PLANNER_COMPANIONS = {("algo", "ppo"): ["roles=ppo_critic_8gpu"]}
+"""What a refused preset needs beside it for the planner to model it."""
+
+GOLDEN_REFUSED: dict[str, list[str]] = {
+    "areal_16gpu": REFUSED[("roles", "areal_16gpu")],
+    "areal_moe_hybrid_32gpu": REFUSED[("roles", "areal_moe_hybrid_32gpu")],
+    "roll_disaggregated_24gpu": REFUSED[("roles", "roll_disaggregated_24gpu")],
+    "roll_mixed_cpu_sandbox": REFUSED[("roles", "roll_mixed_cpu_sandbox")],
+}
+
+
+@pytest.fixture(scope="module")
+def file_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A model directory and a dataset that exist, for the presets that read local files."""
+    model = tmp_path_factory.mktemp("model")
+    (model / "config.json").write_text("{}")
+    return [f"model.path={model}", f"data.path={Path(__file__).parents[1] / 'data' / 'gsm8k_sample.jsonl'}"]
+
+
+def overrides(group: str, name: str, file_data: list[str]) -> list[str]:
+    args = [f"{group}={name}", RUN_DIR]
+    return [*args, *file_data] if compose(args).data.name == "file" else args
+
+
+def refusal(capsys: pytest.CaptureFixture[str], args: list[str]) -> list[str]:
+    """The problem lines of a dry run that must be refused."""
+    assert main(["dry_run=true", *args]) == 2
+    out, err = capsys.readouterr()
+    assert "rlbatch placement" not in out and "#SBATCH" not in out
+    assert err.startswith("rlbatch: the configuration cannot run:\n") and err.endswith("nothing was started.\n")
+    return [ln[len("  - "):] for ln in err.splitlines() if ln.startswith("  - ")]
+
+
+def assert_lines(lines: list[str], starts: list[str]) -> None:
+    assert len(lines) == len(starts), lines
+    for start in starts:
+        assert sum(ln.startswith(start) for ln in lines) == 1, (start, lines)
+
+
+def test_every_group_of_presets_is_walked() -> None:
+    assert {"roles", "algo", "experiment", "model", "data", "cluster", "hardware"} <= set(GROUPS)
+    assert set(REFUSED) <= set(PRESETS), "a refusal is listed for a preset that no longer exists"
+
+
+@pytest.mark.parametrize(("group", "name"), PRESETS, ids=[f"{g}={n}" for g, n in PRESETS])
+def test_every_preset_dry_runs_or_is_refused_naming_what_is_missing(
+        group: str, name: str, file_data: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    args = overrides(group, name, file_data)
+    if (group, name) in REFUSED:
+        assert_lines(refusal(capsys, args), REFUSED[(group, name)])
+        check(compose([*args, *PLANNER_COMPANIONS.get((group, name), [])]), runnable=False)  # the planner models it
+        return
+    assert main(["dry_run=true", *args]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.startswith("rlbatch placement:")
+    assert ("#SBATCH --nodes=" in out) == (group == "cluster" and name == "slurm")
+
+
+def test_a_preset_that_reads_local_files_names_them_when_they_are_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = refusal(capsys, ["experiment=gsm8k", RUN_DIR, "model.path=/nonexistent/model", "data.path=/nonexistent/x.jsonl"])
+    assert_lines(lines, ["model.path: /nonexistent/model does not exist on this machine",
+                         "data.path: /nonexistent/x.jsonl does not exist on this machine"])
+
+
+def test_every_golden_file_has_its_case() -> None:
+    assert sorted(p.stem for p in GOLDEN.glob("*.sh")) == sorted(CASES)
+    assert set(GOLDEN_REFUSED) < set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_sbatch_files_are_submitted_as_they_are_or_refused(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["cluster=slurm", "run_dir=/shared/runs/example", *CASES[name]]
+    if name in GOLDEN_REFUSED:
+        assert_lines(refusal(capsys, args), GOLDEN_REFUSED[name])
+        return
+    assert main(["dry_run=true", *args]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.replace(sys.executable, "PYTHON")
+    assert (GOLDEN / f"{name}.sh").read_text() in out

@@ -1,0 +1,367 @@
+"""check(cfg) refuses, before anything starts, every configuration this build cannot run, with one
+line each naming the field, the numbers and what is supported; check(cfg, runnable=False) (the
+planner's) keeps only what holds in any build.
+
+Configs are plain dicts of the schema's defaults (no Hydra), so each case is one override away
+from the default experiment, which runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlbatch import ConfigError
+from rlbatch.algos import registry as algos_registry
+from rlbatch.checkpoint.store import CheckpointStore
+from rlbatch.config.schema import RLBatchConfig
+from rlbatch.config.validate import check
+from rlbatch.engines import registry as engines_registry
+from rlbatch.placement import backend as placement_backend
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> dict[str, Any]:
+    """The default experiment as a plain dict, with its run directory under tmp_path."""
+    c = dataclasses.asdict(RLBatchConfig())
+    c["run_dir"] = str(tmp_path / "run")
+    return c
+
+
+def set_(cfg: dict[str, Any], **dotted: Any) -> dict[str, Any]:
+    """A copy with 'a__b=value' set as cfg['a']['b'] (None deletes nothing: it sets None)."""
+    out = copy.deepcopy(cfg)
+    for key, value in dotted.items():
+        *path, last = key.split("__")
+        node = out
+        for k in path:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return out
+
+
+def problems(cfg: dict[str, Any], runnable: bool = True) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        check(cfg, runnable=runnable)
+    return e.value.problems
+
+
+def on_ranks(cfg: dict[str, Any], n: int, train: str, infer: str) -> dict[str, Any]:
+    """actor_train, actor_infer and reference colocated on GPU ranks [0, n)."""
+    ranks = list(range(n))
+    return set_(cfg, roles__actor_train={"device_mapping": ranks, "backend": train},
+                roles__actor_infer={"device_mapping": ranks, "backend": infer},
+                roles__reference={"device_mapping": ranks, "backend": ""})
+
+
+def test_the_default_experiment_is_runnable(cfg: dict[str, Any]) -> None:
+    assert set(check(cfg).roles) == {"actor_train", "actor_infer", "reference", "reward"}
+
+
+# ------------------------------------------------------------------------------------ engines
+
+
+@pytest.mark.parametrize(
+    ("train", "infer", "line"),
+    [
+        ("fsdp:d2", "vllm:d2", "roles.actor_infer.backend: engine 'vllm' (in 'vllm:d2') is not built: the vLLM "
+                               "engine is not in this build; built inference engines: ['hf']"),
+        ("fsdp:d2", "sglang:d2", "roles.actor_infer.backend: engine 'sglang' (in 'sglang:d2') is not built: the "
+                                 "SGLang engine is not in this build; built inference engines: ['hf']"),
+        ("deepspeed:d2", "hf:d2", "roles.actor_train.backend: engine 'deepspeed' (in 'deepspeed:d2') is not built: "
+                                  "the DeepSpeed engine is not in this build; built training engines: ['fsdp']"),
+        ("megatron:d2", "hf:d2", "roles.actor_train.backend: engine 'megatron' (in 'megatron:d2') is not built: "
+                                 "the Megatron-core engine is not in this build; built training engines: ['fsdp']"),
+    ],
+)
+def test_an_engine_that_is_not_built_is_refused_with_the_built_ones(cfg: dict[str, Any], train: str, infer: str,
+                                                                   line: str) -> None:
+    c = on_ranks(cfg, 2, train, infer)
+    assert problems(c) == [line]  # reference inherits actor_train's backend: reported once
+    check(c, runnable=False)  # the planner models it
+
+
+def test_dims_the_built_engine_does_not_split_over_are_refused(cfg: dict[str, Any]) -> None:
+    c = on_ranks(cfg, 4, "fsdp:d2t2", "hf:d4")
+    assert problems(c) == ["roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; "
+                           "got t=2 in 'fsdp:d2t2'"]
+    c = set_(on_ranks(cfg, 8, "fsdp:d2c2t2", "hf:d8"), algo__prompts_per_step=16)
+    assert problems(c) == ["roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; "
+                           "got t=2, c=2 in 'fsdp:d2t2c2'"]
+    check(c, runnable=False)
+
+
+def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]) -> None:
+    assert problems(on_ranks(cfg, 2, "fsdp:d2", "fsdp:d2")) == [
+        "roles.actor_infer.backend: 'fsdp:d2' names a training engine, but actor_infer runs generate, which needs "
+        "an inference engine; built: ['hf']"]
+    assert problems(on_ranks(cfg, 2, "hf:d2", "hf:d2")) == [
+        "roles.actor_train.backend: 'hf:d2' names an inference engine, but actor_train runs logprobs and train, "
+        "which needs a training engine; built: ['fsdp']"]
+
+
+def test_the_hybrid_megatron_layout_is_refused_as_megatron(cfg: dict[str, Any]) -> None:
+    c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
+    (line,) = problems(c)
+    assert line.startswith("roles.actor_train.backend: engine 'megatron' (in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)') "
+                           "is not built")
+    check(c, runnable=False)
+
+
+def test_engine_args_are_read_by_the_engines_typed_arguments(cfg: dict[str, Any]) -> None:
+    c = set_(cfg, roles__actor_train__engine_args={"micro_batchez": 4},
+             roles__actor_infer__engine_args={"max_batch": "many"},
+             roles__reference__engine_args={"share_prompts": False})  # reference inherits fsdp: accepted
+    expected = [
+        "roles.actor_train.engine_args: unknown key(s) ['micro_batchez'] for engine 'fsdp'; it accepts "
+        "['micro_batch', 'share_prompts', 'single_unit_max_mb', 'sync_bucket_mb']",
+        "roles.actor_infer.engine_args.max_batch: expected int, got str 'many'",
+    ]
+    assert problems(c) == expected
+    assert problems(c, runnable=False) == expected  # a typo is a typo in any build
+
+
+def test_engine_args_of_an_engine_that_is_not_built_are_still_typed(cfg: dict[str, Any]) -> None:
+    c = set_(on_ranks(cfg, 2, "fsdp:d2", "vllm:d2"), roles__actor_infer__engine_args={"gpu_mem": 0.5})
+    assert problems(c, runnable=False) == [
+        "roles.actor_infer.engine_args: unknown key(s) ['gpu_mem'] for engine 'vllm'; it accepts "
+        "['gpu_memory_utilization', 'max_num_batched_tokens', 'max_num_seqs']"]
+
+
+# ---------------------------------------------------------------------------------- algorithm
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "line"),
+    [
+        ("advantage", "gae", "algo.advantage: 'gae' is not a registered advantage estimator; registered: ['grpo']"),
+        ("policy_loss", "gspo", "algo.policy_loss: 'gspo' is not a registered policy loss; registered: ['ppo_clip']"),
+        ("kl_estimator", "k9", "algo.kl_estimator: 'k9' is not a registered KL estimator; registered: "
+                               "['abs', 'k1', 'k2', 'k3']"),
+        ("loss_agg", "seq-mean", "algo.loss_agg: 'seq-mean' is not a registered loss aggregation; registered: "
+                                 "['seq', 'token']"),
+        ("loss_agg", 3, "algo.loss_agg: expected the name of a loss aggregation, got int 3"),
+    ],
+)
+def test_algorithm_parts_come_from_the_registries(cfg: dict[str, Any], field: str, value: Any, line: str) -> None:
+    assert problems(set_(cfg, **{f"algo__{field}": value})) == [line]
+    assert problems(set_(cfg, **{f"algo__{field}": value}), runnable=False) == [line]
+
+
+def test_every_registered_kl_estimator_is_accepted(cfg: dict[str, Any]) -> None:
+    for name in algos_registry.KL_ESTIMATORS.names():
+        check(set_(cfg, algo__kl_estimator=name))
+
+
+def test_ppo_is_refused_as_not_built_but_planned(cfg: dict[str, Any]) -> None:
+    c = set_(cfg, algo__name="ppo", roles__critic={"enabled": True, "device_mapping": [0, 1], "backend": ""})
+    assert problems(c) == ["algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is "
+                           "modelled by the planner only; registered programs: ['grpo']"]
+    check(c, runnable=False)
+    check(set_(c, program="selftest"))  # a selftest runs no algorithm
+    assert problems(set_(cfg, algo__name="dpo"), runnable=False) == [
+        "algo.name: 'dpo' is not a registered algorithm (program); registered: ['grpo'] (the planner also models "
+        "['ppo'])"]
+
+
+def test_a_critic_that_nothing_uses_is_refused(cfg: dict[str, Any]) -> None:
+    c = set_(cfg, roles__critic={"enabled": True, "device_mapping": [0, 1], "backend": ""})
+    assert problems(c) == ["roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and "
+                           "PPO is not built yet; set roles.critic.enabled=false"]
+
+
+def test_training_needs_a_cpu_reward_role(cfg: dict[str, Any]) -> None:
+    assert problems(set_(cfg, roles__reward__enabled=False)) == [
+        "roles.reward: program=train scores every response with data.reward_fn on the reward role's CPU "
+        "workers; enable it, e.g. roles.reward.world_size=1"]
+    gpu_reward = set_(cfg, roles__reward={"device_mapping": [0, 1], "backend": "fsdp:d2"})
+    assert problems(gpu_reward) == [
+        "roles.reward: a reward model on GPUs is not built; this build scores responses with data.reward_fn on "
+        "CPU workers: give roles.reward only a world_size"]
+    check(gpu_reward, runnable=False)
+
+
+# ------------------------------------------------------------------------------------ plugins
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory on sys.path for plugin modules; the registries they change are restored after."""
+    path = tmp_path / "plugins"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    saved = (dict(engines_registry.REGISTRY), dict(placement_backend.ENGINES),
+             {r: dict(r._entries) for r in algos_registry.ALL})
+    before = set(sys.modules)
+    yield path
+    engines_registry.REGISTRY.clear()
+    engines_registry.REGISTRY.update(saved[0])
+    placement_backend.ENGINES.clear()
+    placement_backend.ENGINES.update(saved[1])
+    for r, entries in saved[2].items():
+        r._entries = entries
+    for name in set(sys.modules) - before:
+        if name.startswith("rlbatch_test_"):
+            del sys.modules[name]
+
+
+def test_plugin_names_are_module_names_never_code(cfg: dict[str, Any], plugin_dir: Path) -> None:
+    bad = ["os; import shutil", "__import__('os')", "a..b", "", 3]
+    lines = problems(set_(cfg, plugins=bad))
+    assert lines == [f"plugins: {name!r} is not a Python module name (dotted identifiers, e.g. "
+                     f"'mylab.rlbatch_plugin')" for name in bad]
+    assert problems(set_(cfg, plugins="rlbatch_test_one")) == [
+        "plugins: expected a list of module names, got str 'rlbatch_test_one'"]
+
+
+def test_a_plugin_that_fails_to_import_is_one_line(cfg: dict[str, Any], plugin_dir: Path) -> None:
+    (plugin_dir / "rlbatch_test_broken.py").write_text("raise RuntimeError('needs a licence server')\n")
+    assert problems(set_(cfg, plugins=["rlbatch_test_missing", "rlbatch_test_broken"])) == [
+        "plugins: importing 'rlbatch_test_missing' failed: ModuleNotFoundError: No module named 'rlbatch_test_missing'",
+        "plugins: importing 'rlbatch_test_broken' failed: RuntimeError: needs a licence server",
+    ]
+
+
+def test_a_plugin_registers_an_engine_and_an_algorithm_part_before_validation(cfg: dict[str, Any],
+                                                                              plugin_dir: Path) -> None:
+    (plugin_dir / "rlbatch_test_toy.py").write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass\n"
+        "from rlbatch.algos.registry import ADVANTAGES\n"
+        "from rlbatch.engines.registry import EngineSpec, register\n"
+        "from rlbatch.placement.backend import EngineKind\n"
+        "@dataclass(frozen=True)\n"
+        "class ToyArgs:\n"
+        "    beams: int = 1\n"
+        "register(EngineSpec('toy', EngineKind.INFER, ToyArgs, 'rlbatch_test_toy:Toy', dims='dt'))\n"
+        "ADVANTAGES.register('rloo', 'rlbatch_test_toy:rloo')\n"
+    )
+    c = set_(on_ranks(cfg, 4, "fsdp:d4", "toy:d2t2"), algo__advantage="rloo", roles__actor_infer__engine_args={"beams": 4})
+    with pytest.raises(ConfigError, match="unknown engine 'toy'"):
+        check(c)
+    check(set_(c, plugins=["rlbatch_test_toy"]))
+    assert problems(set_(c, plugins=["rlbatch_test_toy"], roles__actor_infer__engine_args={"beams": "4"})) == [
+        "roles.actor_infer.engine_args.beams: expected int, got str '4'"]
+
+
+# ----------------------------------------------------------------------- what the run will read
+
+
+def test_a_missing_model_directory_is_refused_unless_only_the_nodes_see_it(cfg: dict[str, Any], tmp_path: Path) -> None:
+    hint = ("give a local Hugging Face model directory (nothing is downloaded), or set model.check_path=false if "
+            "only the compute nodes see it")
+    assert problems(set_(cfg, model__path="/nonexistent/model")) == [
+        f"model.path: /nonexistent/model does not exist on this machine; {hint}"]
+    (tmp_path / "model").mkdir()
+    assert problems(set_(cfg, model__path=str(tmp_path / "model"))) == [
+        f"model.path: {tmp_path / 'model'} has no config.json, so it is not a Hugging Face model directory; {hint}"]
+    (tmp_path / "model" / "config.json").write_text("{}")
+    check(set_(cfg, model__path=str(tmp_path / "model")))
+    check(set_(cfg, model__path="/nonexistent/model", model__check_path=False))
+    check(set_(cfg, model__path="/nonexistent/model"), runnable=False)
+
+
+def test_a_missing_dataset_is_refused_unless_only_the_nodes_see_it(cfg: dict[str, Any], tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    c = set_(cfg, model__path=str(tmp_path / "model"), data__name="file", data__path=str(tmp_path / "train.jsonl"))
+    assert problems(c) == [f"data.path: {tmp_path / 'train.jsonl'} does not exist on this machine; set "
+                           f"data.check_path=false if only the compute nodes see it"]
+    check(set_(c, data__check_path=False))
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    check(c)
+    assert problems(set_(c, data__path=str(tmp_path / "train.csv"))) == [
+        f"data.path: {tmp_path / 'train.csv'} is not a .jsonl, .json or .parquet file"]
+
+
+@pytest.mark.parametrize(
+    ("fn", "line"),
+    [
+        ("nosuch.module:fn", "data.reward_fn: reward function 'nosuch.module:fn': cannot import module "
+                             "'nosuch.module': No module named 'nosuch'"),
+        ("rlbatch.rewards.rules:nope", "data.reward_fn: reward function 'rlbatch.rewards.rules:nope': module "
+                                       "'rlbatch.rewards.rules' has no attribute 'nope'"),
+        ("rlbatch.rewards.rules:STOP_MARKERS", "data.reward_fn: reward function 'rlbatch.rewards.rules:STOP_MARKERS' "
+                                               "is a tuple, not a callable"),
+        ("exact_match", "data.reward_fn: reward function path 'exact_match' must look like 'package.module:function' "
+                        "or 'package.module.function'"),
+    ],
+)
+def test_the_reward_function_is_resolved_before_anything_starts(cfg: dict[str, Any], fn: str, line: str) -> None:
+    assert problems(set_(cfg, data__reward_fn=fn)) == [line]
+    check(set_(cfg, data__reward_fn=fn), runnable=False)
+
+
+def test_a_reward_module_that_fails_while_importing_is_one_line(cfg: dict[str, Any], plugin_dir: Path) -> None:
+    (plugin_dir / "rlbatch_test_reward.py").write_text("1/0\n")
+    assert problems(set_(cfg, data__reward_fn="rlbatch_test_reward:score")) == [
+        "data.reward_fn: importing 'rlbatch_test_reward:score' failed: ZeroDivisionError: division by zero"]
+
+
+def test_resume_is_auto_never_or_a_checkpoint_that_exists(cfg: dict[str, Any], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    run = Path(cfg["run_dir"])
+    assert problems(set_(cfg, resume="yes")) == [
+        f"resume: 'yes' is not 'auto', 'never' or an existing checkpoint path (neither {tmp_path / 'yes'} nor "
+        f"{run / 'checkpoints' / 'yes'} exists)"]
+    assert problems(set_(cfg, resume="/nonexistent/ckpt")) == [
+        "resume: '/nonexistent/ckpt' is not 'auto', 'never' or an existing checkpoint path (/nonexistent/ckpt does "
+        "not exist)"]
+    (tmp_path / "empty").mkdir()
+    (line,) = problems(set_(cfg, resume=str(tmp_path / "empty")))
+    assert line.startswith(f"resume: {tmp_path / 'empty'}: no complete checkpoint in {tmp_path / 'empty'}")
+    store = CheckpointStore(run / "checkpoints")
+    (store.begin(12) / "state.bin").write_bytes(b"x")
+    store.commit(12)
+    for resume in ("auto", "never", "step_000012", str(run / "checkpoints" / "step_000012"), str(run)):
+        check(set_(cfg, resume=resume))
+    check(set_(cfg, resume="yes"), runnable=False)
+
+
+# ------------------------------------------------------------------------------ run directory
+
+
+@pytest.mark.parametrize("root", ["/tmp", "/var/tmp", "/dev/shm"])
+def test_a_slurm_run_directory_the_nodes_cannot_see_is_refused(cfg: dict[str, Any], root: str) -> None:
+    c = set_(cfg, cluster__name="slurm", run_dir=f"{root}/runs/a")
+    assert problems(c) == [
+        f"run_dir: {root}/runs/a is under {root}, which every node has its own of: the job's nodes would not see "
+        f"the config, placement and logs written there; put run_dir on a filesystem every node sees (home, "
+        f"project or scratch)"]
+    assert problems(set_(c, program="selftest")) == problems(c)  # selftest ranks read the run directory too
+    check(set_(c, cluster__name="local"))
+    check(c, runnable=False)
+
+
+def test_a_relative_run_directory_is_judged_where_it_resolves(cfg: dict[str, Any], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # pytest's tmp_path is under /tmp
+    (line,) = problems(set_(cfg, cluster__name="slurm", run_dir="runs/a"))
+    assert line.startswith(f"run_dir: {tmp_path / 'runs' / 'a'} is under /tmp")
+
+
+# -------------------------------------------------------------------------------------- whole
+
+
+def test_selftest_starts_no_engine_so_only_the_placement_and_run_directory_count(cfg: dict[str, Any]) -> None:
+    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2t2"), program="selftest", model__path="/nonexistent/model",
+             data__reward_fn="nosuch.module:fn", resume="yes", roles__reward__enabled=False)
+    check(c)
+    assert len(problems(set_(c, program="train"))) == 5
+
+
+def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
+    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d4"), algo__loss_agg="mean", model__path="/nonexistent/model",
+             data__reward_fn="nosuch.module:fn", resume="yes", plugins=["rlbatch_test_missing"], cluster__name="slurm",
+             run_dir="/tmp/runs/a", roles__actor_train__engine_args={"bogus": 1})
+    fields = [line.split(":", 1)[0] for line in problems(c)]
+    assert sorted(fields) == sorted(["plugins", "algo.loss_agg", "roles.actor_train.engine_args",
+                                     "roles.actor_train.backend", "roles.actor_infer.backend", "model.path",
+                                     "data.reward_fn", "resume", "run_dir"])
