@@ -16,7 +16,7 @@ pytestmark = pytest.mark.dist
 @pytest.mark.parametrize(("roles", "backend"), [("colocated", "echo:d2"), ("disaggregated", "echo:d1")])
 def test_echo_inference_engine_runs_the_pipeline(run_root: Path, roles: str, backend: str) -> None:
     run = run_root / "run"
-    out = launch([f"roles={roles}", "steps=2", f"run_dir={run}", "algo.prompts_per_step=4", "algo.samples_per_prompt=2",
+    out = launch([f"roles={roles}", "steps=2", f"run_dir={run}", "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "algo.max_new_tokens=4",
                   "plugins=[tests.plugins.echo_engine]", f"roles.actor_infer.backend={backend}",
                   "+roles.actor_infer.engine_args.echo=2"], run_root)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
