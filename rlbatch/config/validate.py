@@ -156,6 +156,22 @@ def _missing_values(cfg: Any) -> list[str]:
     return sorted(OmegaConf.missing_keys(cfg))
 
 
+def _check_model_shape(model: Any) -> list[str]:
+    """A random-init model's head split, as the builder and the planner read it (one description:
+    ``rlbatch.models.spec``). A model from ``model.path`` is checked with the paths."""
+    if not isinstance(model, Mapping) or model.get("path"):
+        return []
+    from rlbatch.models.spec import spec_from_model_config
+
+    try:
+        spec_from_model_config(model)
+    except ConfigError as e:
+        return list(e.problems)
+    except (TypeError, ValueError):  # a field of the wrong type: _check_fields names it
+        return []
+    return []
+
+
 def check(cfg: Any, runnable: bool = True) -> Placement:
     """Validate everything in ``cfg``; return the Placement or raise one ConfigError listing all problems.
 
@@ -182,6 +198,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     except ConfigError as e:
         problems.extend(e.problems)
     problems.extend(_check_algo_vs_roles(plain, placement))
+    problems.extend(_check_model_shape(plain.get("model")))
     engines = role_engines(plain)
     problems.extend(engine_args_problems(plain, engines))
     if runnable:

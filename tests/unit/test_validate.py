@@ -365,3 +365,13 @@ def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
     assert sorted(fields) == sorted(["plugins", "algo.loss_agg", "roles.actor_train.engine_args",
                                      "roles.actor_train.backend", "roles.actor_infer.backend", "model.path",
                                      "data.reward_fn", "resume", "run_dir"])
+
+
+def test_a_head_split_the_model_builder_cannot_make_is_refused_before_launch() -> None:
+    from rlbatch.config.validate import check
+    from rlbatch.errors import ConfigError
+    from rlbatch.launch.compose import compose
+
+    with pytest.raises(ConfigError) as e:
+        check(compose(["model.num_heads=3"]))
+    assert any("model.hidden_size 64" in p and "num_heads 3" in p for p in e.value.problems), e.value.problems
