@@ -3,6 +3,7 @@ config to the pure tensor functions of ``rlbatch.algos.core``."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -22,25 +23,10 @@ def ppo_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, a
                               agg)  # type: ignore[arg-type]
 
 
-def kl_k1(logp: Tensor, ref: Tensor) -> Tensor:
-    return core.kl_penalty(logp, ref, "k1")
-
-
-def kl_k2(logp: Tensor, ref: Tensor) -> Tensor:
-    return core.kl_penalty(logp, ref, "k2")
-
-
-def kl_k3(logp: Tensor, ref: Tensor) -> Tensor:
-    return core.kl_penalty(logp, ref, "k3")
-
-
-def kl_abs(logp: Tensor, ref: Tensor) -> Tensor:
-    return core.kl_penalty(logp, ref, "abs")
-
-
-def agg_token(per_token: Tensor, mask: Tensor) -> Tensor:
-    return core.aggregate(per_token, mask, "token")
-
-
-def agg_seq(per_token: Tensor, mask: Tensor) -> Tensor:
-    return core.aggregate(per_token, mask, "seq")
+# The KL estimators and aggregations of core, one registry entry each.
+kl_k1 = partial(core.kl_penalty, kind="k1")
+kl_k2 = partial(core.kl_penalty, kind="k2")
+kl_k3 = partial(core.kl_penalty, kind="k3")
+kl_abs = partial(core.kl_penalty, kind="abs")
+agg_token = partial(core.aggregate, agg="token")
+agg_seq = partial(core.aggregate, agg="seq")

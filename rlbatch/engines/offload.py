@@ -173,3 +173,20 @@ class Stashes:
             if kind in self.by_kind:
                 out += self.by_kind[kind].reload()
         return out
+
+
+class StashedState:
+    """``state_kinds`` / ``offload`` / ``reload`` of the engine contract for an engine whose device
+    state is a ``Stashes`` in ``self.state``."""
+
+    state: Stashes
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        return self.state.kinds
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.offload(kinds)
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.reload(kinds)

@@ -18,7 +18,7 @@ from rlbatch.engines.batch import distinct_prompts, left_padded, prompt_cache
 from rlbatch.engines.defaults import hf_max_batch, share_prompts, worth_sharing
 from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.model import load_model, model_dtype
-from rlbatch.engines.offload import Stashes, TensorStash, Transfer
+from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 
 
 class SampledLogprobs:
@@ -57,7 +57,7 @@ class SampledLogprobs:
         return torch.stack(self.steps, dim=1) if self.steps else torch.zeros(last_tokens.shape[0], 0)
 
 
-class HFInferenceEngine:
+class HFInferenceEngine(StashedState):
     def __init__(self, ctx: EngineContext) -> None:
         self.device = ctx.device
         self.tokenizer = ctx.tokenizer
@@ -68,16 +68,6 @@ class HFInferenceEngine:
         flatten_parameters(self.model)  # weight sync can then receive straight into the model
         self._params = dict(self.model.named_parameters())
         self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
-
-    @property
-    def state_kinds(self) -> tuple[str, ...]:
-        return self.state.kinds
-
-    def offload(self, kinds: Iterable[str]) -> Transfer:
-        return self.state.offload(kinds)
-
-    def reload(self, kinds: Iterable[str]) -> Transfer:
-        return self.state.reload(kinds)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

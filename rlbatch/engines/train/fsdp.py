@@ -9,7 +9,7 @@ activation checkpointing; bf16 compute with fp32 master weights on GPU, fp32 on 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +22,7 @@ from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Packed, pack, response_logits, unpack
 from rlbatch.engines.defaults import fsdp_single_unit, share_prompts
 from rlbatch.engines.model import load_model
-from rlbatch.engines.offload import Stashes, TensorStash, Transfer, grad_tensors, optimizer_tensors
+from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.engines.train.state import load_module_state, module_state
 
 
@@ -30,7 +30,7 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * 4 for p in model.parameters())
 
 
-class FSDPEngine:
+class FSDPEngine(StashedState):
     """A role's model sharded with FSDP2 over its dp axis (see the module docstring)."""
 
     def __init__(self, ctx: EngineContext) -> None:
@@ -71,16 +71,6 @@ class FSDPEngine:
             self.state.add("optimizer", TensorStash("optimizer", lambda: optimizer_tensors(opt)))
         else:
             self.model.eval()
-
-    @property
-    def state_kinds(self) -> tuple[str, ...]:
-        return self.state.kinds
-
-    def offload(self, kinds: Iterable[str]) -> Transfer:
-        return self.state.offload(kinds)
-
-    def reload(self, kinds: Iterable[str]) -> Transfer:
-        return self.state.reload(kinds)
 
     def _chunks(self, samples: list[Sample]) -> list[list[Sample]]:
         size = self.micro_batch or len(samples)
