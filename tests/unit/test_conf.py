@@ -1,4 +1,4 @@
-"""Every YAML under conf/ composes with Hydra and validates; bad overrides are ConfigErrors."""
+"""Every YAML under rlbatch/conf/ composes with Hydra and validates; bad overrides are ConfigErrors."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rlbatch.launch.compose import CONF_DIR, compose
 
 
 def _default_groups() -> list[str]:
-    """The config groups conf/config.yaml composes (other groups serve other tools)."""
+    """The config groups rlbatch/conf/config.yaml composes (other groups serve other tools)."""
     defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]
     return [next(iter(d)) for d in defaults if isinstance(d, dict)]
 
@@ -65,7 +65,7 @@ def test_gsm8k_needs_its_paths() -> None:
     check(compose(["experiment=gsm8k", *FILE_DATA]))
 
 
-# The reference examples under conf/roles must place what their comments promise.
+# The reference examples under rlbatch/conf/roles must place what their comments promise.
 ROLE_EXPECTATIONS = {
     "roll_disaggregated_24gpu": dict(gpus=24, nodes=3, worlds={"actor_train": 16, "actor_infer": 8},
                                      ranks={"actor_train": range(0, 16), "actor_infer": range(16, 24)}),
@@ -166,5 +166,8 @@ def test_non_placement_problems(overrides: list[str], fragment: str) -> None:
     assert any(fragment in p for p in e.value.problems), e.value.problems
 
 
-def test_conf_dir_is_the_repository_conf() -> None:
-    assert CONF_DIR == Path(__file__).resolve().parents[2] / "conf"
+def test_conf_dir_is_inside_the_package() -> None:
+    import rlbatch
+
+    assert CONF_DIR == Path(rlbatch.__file__).resolve().parent / "conf"
+    assert (CONF_DIR / "config.yaml").is_file()
