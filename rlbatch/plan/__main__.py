@@ -19,8 +19,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlbatch.errors import ConfigError
-    from rlbatch.launch.__main__ import report_config_error
+    from rlbatch.errors import ConfigError, report_config_error
     from rlbatch.plan.cli import COMMANDS, parse
 
     args = parse(list(sys.argv[1:] if argv is None else argv))
