@@ -1,5 +1,4 @@
-"""Pure policy-gradient math (GRPO advantages, PPO clip loss, KL estimators, log-probs)
-and the masks/positions that connect generated ids to it."""
+"""Pure policy-gradient math (GRPO advantages, PPO clip loss, KL estimators, log-probs)."""
 
 from rlbatch.algos.core import (
     ClipStats,
@@ -11,18 +10,14 @@ from rlbatch.algos.core import (
     ppo_clip_loss,
     token_logprobs,
 )
-from rlbatch.algos.sequence import completion_mask, pad_to_length, position_ids_from_mask
 
 __all__ = [
     "ClipStats",
     "aggregate",
-    "completion_mask",
     "entropy_from_logits",
     "grpo_advantages",
     "kl_penalty",
     "masked_mean",
-    "pad_to_length",
-    "position_ids_from_mask",
     "ppo_clip_loss",
     "token_logprobs",
 ]
