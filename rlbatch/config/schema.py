@@ -1,7 +1,7 @@
 """The configuration schema: every field, its type, its default and what it means.
 
 Plain dataclasses (no Hydra import here, so the placement code can read field names without
-pulling Hydra in). ``rlbatch.config.store`` registers them in Hydra's ConfigStore; the YAML under
+pulling Hydra in). ``rlbatch.config.register`` registers them in Hydra's ConfigStore; the YAML under
 ``rlbatch/conf/`` only composes and overrides them.
 """
 

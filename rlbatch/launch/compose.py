@@ -43,7 +43,7 @@ def compose(overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from rlbatch.config.store import register
+    from rlbatch.config.register import register
 
     register()
     GlobalHydra.instance().clear()

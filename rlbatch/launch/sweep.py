@@ -37,7 +37,7 @@ def _task(cfg: Any) -> None:
 def hydra_cli(argv: list[str]) -> int:
     import hydra
 
-    from rlbatch.config.store import register
+    from rlbatch.config.register import register
     from rlbatch.launch.compose import CONF_DIR, CONFIG_NAME
 
     register()
