@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from rlbatch.checkpoint.layout import SCHEDULER
+from rlbatch.checkpoint.files import SCHEDULER
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from ckpt_common import build, comm, full_state, init, seed_all, train_step, wri
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from rlbatch.checkpoint import CheckpointStore
-from rlbatch.checkpoint.layout import write_controller
+from rlbatch.checkpoint.files import write_controller
 from rlbatch.checkpoint.rank import save_rank
 
 out = Path(sys.argv[2])

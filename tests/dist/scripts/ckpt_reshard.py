@@ -13,7 +13,7 @@ from mpi_exit import end_script
 from omegaconf import OmegaConf
 
 from rlbatch.checkpoint import open_checkpoint
-from rlbatch.checkpoint.layout import CONFIG
+from rlbatch.checkpoint.files import CONFIG
 from rlbatch.checkpoint.rank import load_rank
 
 mesh = init()

@@ -16,7 +16,7 @@ from ckpt_common import assert_same, build, comm, full_state, init, probe, seed_
 from mpi_exit import end_script
 
 from rlbatch.checkpoint import CheckpointStore
-from rlbatch.checkpoint.layout import write_controller
+from rlbatch.checkpoint.files import write_controller
 from rlbatch.checkpoint.rank import load_rank, save_rank
 
 out = Path(sys.argv[2])
