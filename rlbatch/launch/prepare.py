@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
 
     from rlbatch.config.validate import check
     from rlbatch.launch.compose import compose
-    from rlbatch.launch.rundir import prepare_run_dir
+    from rlbatch.runtime.rundir import prepare_run_dir
 
     try:
         cfg = compose(argv)
