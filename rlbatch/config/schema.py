@@ -49,7 +49,7 @@ def default_roles() -> dict[str, Any]:
     """The default placement: actor_train, actor_infer and reference colocated on 2 GPU ranks.
 
     Roles are plain mappings in the Hydra config (each with RoleConfig's fields), so a CPU role
-    can be added from the command line (``+roles.code_sandbox.world_size=8``); ``plan()``
+    can be added from the command line (``+roles.code_sandbox.world_size=8``); ``place()``
     checks every role's fields and types.
     """
     roles = {

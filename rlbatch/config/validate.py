@@ -14,7 +14,7 @@ from typing import Any
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RLBatchConfig
 from rlbatch.errors import ConfigError
-from rlbatch.placement import Placement, plan
+from rlbatch.placement import Placement, place
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "program": ("train", "selftest"),
@@ -152,7 +152,7 @@ def check(cfg: Any) -> Placement:
     problems = _check_fields(plain)
     placement: Placement | None = None
     try:
-        placement = plan(plain)
+        placement = place(plain)
     except ConfigError as e:
         problems.extend(e.problems)
     problems.extend(_check_algo_vs_roles(plain, placement))

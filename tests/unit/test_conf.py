@@ -111,7 +111,7 @@ def test_hybrid_file_reference_inherits_the_hybrid_layout() -> None:
     ("override", "named"),
     [
         ("roles.actor_train.foo=1", "foo"),
-        ("+roles.actor_train.foo=1", "foo"),  # '+' gets past Hydra; plan() still refuses it
+        ("+roles.actor_train.foo=1", "foo"),  # '+' gets past Hydra; place() still refuses it
         ("algo.nope=1", "nope"),
         ("+algo.nope=1", "nope"),
         ("+model.nope=1", "nope"),
