@@ -1,6 +1,8 @@
-"""The one error type for bad configuration."""
+"""The one error type for bad configuration, and how every entry point reports it."""
 
 from __future__ import annotations
+
+import sys
 
 
 class ConfigError(ValueError):
@@ -21,3 +23,12 @@ class ConfigError(ValueError):
                 f"  - {p}" for p in self.problems
             )
         super().__init__(message)
+
+
+def report_config_error(e: ConfigError) -> int:
+    """Print every problem of ``e`` to stderr; returns exit code 2 (bad configuration)."""
+    print("rlbatch: the configuration cannot run:", file=sys.stderr)
+    for p in e.problems:
+        print(f"  - {p}", file=sys.stderr)
+    print("nothing was started.", file=sys.stderr)
+    return 2

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlbatch.checkpoint.store import CheckpointError
 
     try:
-        from rlbatch.checkpoint.export import export_hf  # torch, transformers: after the arguments
+        from rlbatch.checkpoint.hf_export import export_hf  # torch, transformers: after the arguments
 
         done = export_hf(args.src, args.out, args.role, args.dtype, verify=not args.no_verify)
     except CheckpointError as e:

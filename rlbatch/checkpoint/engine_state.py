@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.checkpoint.dcp import load_rng, load_state, save_rng, save_state
-from rlbatch.checkpoint.layout import rng_dir, role_dir
+from rlbatch.checkpoint.files import rng_dir, role_dir
 from rlbatch.checkpoint.store import CheckpointError
 
 

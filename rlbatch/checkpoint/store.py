@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlbatch.checkpoint.layout import CHECKPOINTS, MANIFEST, fsync_dir
+from rlbatch.checkpoint.files import CHECKPOINTS, MANIFEST, fsync_dir
 from rlbatch.errors import ConfigError
 
 log = logging.getLogger(__name__)

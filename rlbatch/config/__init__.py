@@ -1,1 +1,1 @@
-"""Configuration: the typed schema (``schema``) and its registration with Hydra (``store``)."""
+"""Configuration: the typed schema (``schema``) and its registration with Hydra (``register``)."""

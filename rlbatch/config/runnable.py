@@ -80,7 +80,7 @@ class RoleEngine:
 
 
 def role_engines(plain: Mapping[str, Any]) -> list[RoleEngine]:
-    """Every enabled GPU role whose backend parses (plan() reports the ones that do not)."""
+    """Every enabled GPU role whose backend parses (place() reports the ones that do not)."""
     roles = _section(plain, "roles")
     train = roles.get("actor_train")
     train_backend = train.get("backend") if _enabled(train) else None
@@ -107,7 +107,7 @@ def engine_args_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) ->
     problems = []
     for e in engines:
         raw = roles[e.role].get("engine_args")
-        if raw is None or isinstance(raw, Mapping):  # any other type: plan() reports it
+        if raw is None or isinstance(raw, Mapping):  # any other type: place() reports it
             problems += parse_args(e.backend.engine, raw, f"roles.{e.role}.engine_args").problems
     return problems
 
@@ -208,7 +208,7 @@ def _reward_fn_problem(fn: Any) -> str | None:
 
 
 def _resume_problem(resume: str, run_dir: Any) -> str | None:
-    from rlbatch.checkpoint.layout import CHECKPOINTS
+    from rlbatch.checkpoint.files import CHECKPOINTS
     from rlbatch.checkpoint.store import CheckpointError, open_checkpoint
 
     path = Path(resume).expanduser()

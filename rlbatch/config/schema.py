@@ -1,8 +1,8 @@
 """The configuration schema: every field, its type, its default and what it means.
 
 Plain dataclasses (no Hydra import here, so the placement code can read field names without
-pulling Hydra in). ``rlbatch.config.store`` registers them in Hydra's ConfigStore; the YAML under
-``conf/`` only composes and overrides them.
+pulling Hydra in). ``rlbatch.config.register`` registers them in Hydra's ConfigStore; the YAML under
+``rlbatch/conf/`` only composes and overrides them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def default_roles() -> dict[str, Any]:
     """The default placement: actor_train, actor_infer and reference colocated on 2 GPU ranks.
 
     Roles are plain mappings in the Hydra config (each with RoleConfig's fields), so a CPU role
-    can be added from the command line (``+roles.code_sandbox.world_size=8``); ``plan()``
+    can be added from the command line (``+roles.code_sandbox.world_size=8``); ``place()``
     checks every role's fields and types.
     """
     roles = {
@@ -268,13 +268,13 @@ class RLBatchConfig:
     wait: bool = False
     """cluster=slurm: follow the job to the end and exit with its code."""
     experiment: str = "default"
-    """Name of the experiment preset (set by conf/experiment/*.yaml)."""
+    """Name of the experiment preset (set by rlbatch/conf/experiment/*.yaml)."""
     plugins: list[str] = field(default_factory=list)
     """Python modules imported (by name) before the configuration is validated and on every rank:
     each may register engines (``rlbatch.engines.registry.register``) or algorithm parts
     (``rlbatch.algos.registry``)."""
     hardware: dict[str, Any] | None = None
-    """Hardware profile for the planner (conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths)."""
+    """Hardware profile for the planner (rlbatch/conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     roles: dict[str, Any] = field(default_factory=default_roles)
     """Role name -> RoleConfig fields. See RoleConfig."""

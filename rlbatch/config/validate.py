@@ -1,6 +1,6 @@
 """``check(cfg) -> Placement``: the whole configuration validated in one pass.
 
-``plan()`` checks the roles and the cluster; this adds the rest of the schema (algorithm, data,
+``place()`` checks the roles and the cluster; this adds the rest of the schema (algorithm, data,
 model, run options), the rules that tie them to the placement, and (unless ``runnable=False``)
 what this build and this machine can run (``rlbatch.config.runnable``), and reports every problem
 in one ConfigError. The modules in ``plugins`` are imported first: they may register engines and
@@ -25,7 +25,7 @@ from rlbatch.config.runnable import (
 )
 from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RLBatchConfig
 from rlbatch.errors import ConfigError
-from rlbatch.placement import Placement, plan
+from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
 
 CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbatch.algos.registry
@@ -61,7 +61,7 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
 
 
 SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig}
-"""Sections whose keys must be schema fields (roles and cluster are checked by plan())."""
+"""Sections whose keys must be schema fields (roles and cluster are checked by place())."""
 
 
 def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
@@ -194,7 +194,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
             problems.append(problem)
     placement: Placement | None = None
     try:
-        placement = plan(plain)
+        placement = place(plain)
     except ConfigError as e:
         problems.extend(e.problems)
     problems.extend(_check_algo_vs_roles(plain, placement))

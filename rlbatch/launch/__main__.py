@@ -14,15 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from rlbatch.errors import ConfigError
-
-
-def report_config_error(e: ConfigError) -> int:
-    print("rlbatch: the configuration cannot run:", file=sys.stderr)
-    for p in e.problems:
-        print(f"  - {p}", file=sys.stderr)
-    print("nothing was started.", file=sys.stderr)
-    return 2
+from rlbatch.errors import ConfigError, report_config_error
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Compose the Hydra config from ``conf/`` and overrides, reporting errors as ConfigError."""
+"""Compose the Hydra config from ``rlbatch/conf/`` and overrides, reporting errors as ConfigError."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Any
 
 from rlbatch.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-"""The repository's conf/ (rlbatch is installed editable, next to it)."""
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+"""rlbatch/conf/: the YAML presets, shipped inside the package (package data), so an installed
+rlbatch (wheel, ``pip install .``, editable) composes its config from any working directory."""
 CONFIG_NAME = "config"
 
 # Flags that need Hydra's own command line (sweeps, help, printing the config).
@@ -42,7 +43,7 @@ def compose(overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from rlbatch.config.store import register
+    from rlbatch.config.register import register
 
     register()
     GlobalHydra.instance().clear()

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.errors import ConfigError
-from rlbatch.launch.rundir import prepare_run_dir
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import MPI_ENV, cpu_device_env
 from rlbatch.runtime.postmortem import culprits
-from rlbatch.runtime.rundir import RunDir
+from rlbatch.runtime.rundir import RunDir, prepare_run_dir
 
 
 def find_mpiexec(configured: str) -> str:

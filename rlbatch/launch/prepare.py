@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from rlbatch.errors import ConfigError
+from rlbatch.errors import ConfigError, report_config_error
 
 
 def check_allocation(nodes: int | None, ntasks: int | None, need_nodes: int, need_tasks: int) -> None:
@@ -29,9 +29,8 @@ def main(argv: list[str]) -> int:
     import os
 
     from rlbatch.config.validate import check
-    from rlbatch.launch.__main__ import report_config_error
     from rlbatch.launch.compose import compose
-    from rlbatch.launch.rundir import prepare_run_dir
+    from rlbatch.runtime.rundir import prepare_run_dir
 
     try:
         cfg = compose(argv)

@@ -19,7 +19,7 @@ from typing import Any
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import CPU_DEVICE_ENV, MPI_ENV
 from rlbatch.runtime.postmortem import culprits
-from rlbatch.runtime.rundir import RunDir
+from rlbatch.runtime.rundir import RunDir, prepare_run_dir
 
 SUBMITIT_DIR = "slurm"
 """Sub-directory of the run directory for submitit's pickles and the per-task Slurm logs."""
@@ -86,7 +86,6 @@ def submit(cfg: Any, placement: Placement) -> int:
     import submitit
     from submitit.core.utils import FailedJobError
 
-    from rlbatch.launch.rundir import prepare_run_dir
     from rlbatch.worker import main as worker_main
 
     run = prepare_run_dir(cfg, placement)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from rlbatch.errors import ConfigError
+from rlbatch.errors import ConfigError, report_config_error
 
 
 def _task(cfg: Any) -> None:
@@ -18,7 +18,6 @@ def _task(cfg: Any) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from rlbatch.config.validate import check
-    from rlbatch.launch.__main__ import report_config_error
     from rlbatch.launch.run import launch
 
     hc = HydraConfig.get()
@@ -38,7 +37,7 @@ def _task(cfg: Any) -> None:
 def hydra_cli(argv: list[str]) -> int:
     import hydra
 
-    from rlbatch.config.store import register
+    from rlbatch.config.register import register
     from rlbatch.launch.compose import CONF_DIR, CONFIG_NAME
 
     register()

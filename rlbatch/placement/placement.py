@@ -1,6 +1,6 @@
 """The Placement: which process runs which role on which GPU. Computed once, read by everyone.
 
-A Placement is plain frozen data. ``plan()`` (in ``plan.py``) builds it; the launcher turns it
+A Placement is plain frozen data. ``place()`` (in ``place.py``) builds it; the launcher turns it
 into an sbatch request or an mpiexec command, every rank finds itself in ``processes``, and the
 world builder carves process groups from ``roles``. Nothing downstream re-derives placement.
 

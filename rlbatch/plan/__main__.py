@@ -8,7 +8,7 @@
     python -m rlbatch.plan predict --json ...                 # machine-readable
 
 Takes the same Hydra overrides as ``python -m rlbatch.launch``, plus ``hardware=<profile>`` (a
-file in conf/hardware/) and ``hardware.<field>=<value>``. Pure arithmetic: no torch import.
+file in rlbatch/conf/hardware/) and ``hardware.<field>=<value>``. Pure arithmetic: no torch import.
 Exit codes: 0 success, 1 the placement does not fit (predict) or nothing fits (search),
 2 bad configuration or arguments (problems printed).
 """
@@ -19,8 +19,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlbatch.errors import ConfigError
-    from rlbatch.launch.__main__ import report_config_error
+    from rlbatch.errors import ConfigError, report_config_error
     from rlbatch.plan.cli import COMMANDS, parse
 
     args = parse(list(sys.argv[1:] if argv is None else argv))

@@ -1,7 +1,7 @@
 """The planner's command line: argument parsing and the four subcommands.
 
 ``hardware=<name>`` and ``hardware.<field>=<value>`` look like Hydra overrides but are taken
-out before the rest go to Hydra (conf/config.yaml has no hardware group). Options start with
+out before the rest go to Hydra (rlbatch/conf/config.yaml has no hardware group). Options start with
 ``--``; everything else is a Hydra override (predict, search) or a run directory (calibrate, report).
 """
 

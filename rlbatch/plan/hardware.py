@@ -1,6 +1,6 @@
 """Hardware profiles: what one GPU (or one CPU "GPU rank") and its node can do.
 
-Profiles live in ``conf/hardware/<name>.yaml``, one per machine class, every published number
+Profiles live in ``rlbatch/conf/hardware/<name>.yaml``, one per machine class, every published number
 with its source in a comment. ``load_hardware("h100_sxm")`` reads one; ``hardware.<field>=value``
 arguments override single fields (``hardware.hbm_bytes=40e9``). All units are SI: bytes,
 bytes/s in one direction, FLOP/s, seconds.
@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.errors import ConfigError
+from rlbatch.launch.compose import CONF_DIR
 
-HARDWARE_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
-"""The repository's conf/hardware/ (rlbatch is installed editable, next to it)."""
+HARDWARE_DIR = CONF_DIR / "hardware"
+"""rlbatch/conf/hardware/, shipped inside the package like the rest of rlbatch/conf/."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def profile_for_device(device_name: str) -> str | None:
 
 
 def available() -> list[str]:
-    """Names of the profiles in conf/hardware/."""
+    """Names of the profiles in rlbatch/conf/hardware/."""
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 
@@ -138,7 +139,7 @@ def hardware_from_dict(data: dict[str, Any], where: str, overrides: dict[str, An
 
 
 def load_hardware(name: str, overrides: dict[str, Any] | None = None) -> Hardware:
-    """Load ``conf/hardware/<name>.yaml`` (or a path to a YAML file) with field overrides."""
+    """Load ``rlbatch/conf/hardware/<name>.yaml`` (or a path to a YAML file) with field overrides."""
     import yaml
 
     path = Path(name) if name.endswith((".yaml", ".yml")) else HARDWARE_DIR / f"{name}.yaml"

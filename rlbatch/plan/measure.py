@@ -1,6 +1,6 @@
 """Measure this machine for the ``cpu`` hardware profile (the one planner module that imports torch).
 
-    .venv/bin/python -m rlbatch.plan.measure            # prints YAML lines for conf/hardware/cpu.yaml
+    .venv/bin/python -m rlbatch.plan.measure            # prints YAML lines for rlbatch/conf/hardware/cpu.yaml
 
 On a CPU-only run every "GPU rank" is a process with ``cluster.cpus_per_task`` torch threads,
 so the profile needs what one such thread achieves: fp32 matmul FLOP/s, the cost of one small

@@ -1,4 +1,5 @@
-"""The run directory's layout, shared by the launcher (writes) and the ranks (read).
+"""The run directory: its layout, shared by the launcher (writes) and the ranks (read), and the
+launcher's ``prepare_run_dir``, which writes what every rank reads first.
 
     <run_dir>/config.yaml        the resolved config the run was started with
     <run_dir>/placement.json     the Placement, computed once by the launcher
@@ -16,7 +17,10 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlbatch.placement import Placement
 
 CONFIG = "config.yaml"
 PLACEMENT = "placement.json"
@@ -68,3 +72,19 @@ class RunDir:
             return json.loads(self.rank_status(rank).read_text())
         except (OSError, ValueError):
             return None
+
+
+def prepare_run_dir(cfg: Any, placement: Placement) -> RunDir:
+    """Make run_dir absolute, create it, write config.yaml and placement.json (launcher side)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from rlbatch.placement.io import save_placement
+
+    path = Path(str(cfg.run_dir)).expanduser().resolve()
+    with open_dict(cfg):
+        cfg.run_dir = str(path)
+    run = RunDir(path)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run.config, resolve=True)
+    save_placement(placement, run.placement)
+    return run

@@ -207,17 +207,3 @@ def teardown(comm: Any, timeout_s: float = 60.0) -> None:
     dist.destroy_process_group()
     timed_barrier(comm, timeout_s, "teardown: not every rank destroyed its process groups")
 
-
-def end_script(comm: Any) -> None:
-    """End a test or benchmark script run under mpiexec: tear down together, finalize MPI and
-    exit without running interpreter finalization. Process groups, meshes and FSDP modules held
-    in module globals are otherwise destroyed in arbitrary order at exit, and a gloo thread
-    still joinable then aborts the process ("terminate called without an active exception")."""
-    import os
-    import sys
-
-    teardown(comm)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    MPI.Finalize()
-    os._exit(0)

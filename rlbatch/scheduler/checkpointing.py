@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from rlbatch.checkpoint.layout import read_controller, write_controller
+from rlbatch.checkpoint.files import read_controller, write_controller
 from rlbatch.checkpoint.store import CheckpointError, CheckpointStore
 from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.data.synthetic import PromptStream

@@ -14,14 +14,22 @@ from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.dist
 SCRIPTS = Path(__file__).parent / "scripts"
+TIMEOUT_S = 480
+"""For a script that hangs, not one on a busy machine. The slowest, shared_prompts.py, takes
+~15 s of CPU per rank: 30-41 s of wall time on 2 cores at load average 10-13 (other test runs
+beside it). Below pytest's own 600 s, so a timeout still shows what the ranks printed."""
 
 
 def mpirun(script: str, n: int) -> subprocess.CompletedProcess[str]:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     port = str(random.Random(script).randrange(30000, 40000) + os.getpid() % 1000)
-    return subprocess.run([str(mpiexec), "-n", str(n), sys.executable, str(SCRIPTS / script), port],
-                          env=env, capture_output=True, text=True, timeout=180)
+    try:
+        return subprocess.run([str(mpiexec), "-n", str(n), sys.executable, str(SCRIPTS / script), port],
+                              env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        pytest.fail(f"{script} did not finish in {TIMEOUT_S} s:\n{out[-2000:]}{err[-3000:]}")
 
 
 SCRIPT_CASES = {

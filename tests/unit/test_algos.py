@@ -1,4 +1,4 @@
-"""GRPO/PPO math against hand-computed numbers, and training log-probs against generation."""
+"""GRPO/PPO math against hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -9,13 +9,10 @@ import torch
 
 from rlbatch.algos import (
     aggregate,
-    completion_mask,
     entropy_from_logits,
     grpo_advantages,
     kl_penalty,
     masked_mean,
-    pad_to_length,
-    position_ids_from_mask,
     ppo_clip_loss,
     token_logprobs,
 )
@@ -201,61 +198,3 @@ def test_entropy_from_logits_uniform_and_peaked() -> None:
     peaked = torch.tensor([[50.0, 0.0, 0.0]])
     assert entropy_from_logits(peaked).item() < 1e-6
 
-
-# ---------------------------------------------------------------- masks / positions
-
-
-def test_completion_mask_includes_first_eos_only() -> None:
-    eos = 2
-    ids = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 2, 5, 0]])
-    assert completion_mask(ids, eos).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-
-
-def test_position_ids_skip_left_padding() -> None:
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
-    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
-
-
-def test_pad_to_length_right_pads_and_keeps_longer() -> None:
-    ids = torch.tensor([[4, 2]])
-    assert pad_to_length(ids, 4, 0).tolist() == [[4, 2, 0, 0]]
-    assert pad_to_length(ids, 1, 0).tolist() == [[4, 2]]
-
-
-def test_training_logprobs_reproduce_generation_scores() -> None:
-    """Re-scoring a left-padded batch with these masks/positions gives generate()'s log-probs.
-
-    If the padding/EOS masks were wrong the PPO ratio would start far from 1 on the first
-    mini-batch, which silently biases every update.
-    """
-    from rlbatch.data.tokenizer import build_char_tokenizer
-    from rlbatch.models.spec import spec_from_config
-    from rlbatch.models.tiny import build_tiny_model
-
-    tok = build_char_tokenizer()
-    model = build_tiny_model(spec_from_config({"initializer_range": 0.1}, vocab=len(tok)), seed=3, tokenizer=tok).eval()
-    enc = tok(["3+4=", "12*3=", "7="], return_tensors="pt", padding=True)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            do_sample=True,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=4,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    plen = enc["input_ids"].shape[1]
-    completion = pad_to_length(out.sequences[:, plen:], 4, tok.pad_token_id)
-    mask = completion_mask(completion, tok.eos_token_id)
-    attn = torch.cat([enc["attention_mask"], mask], dim=1)
-    ids = torch.cat([enc["input_ids"], completion], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
-    train_lp = token_logprobs(logits[:, plen - 1 : -1], completion)
-    gen_scores = torch.stack(out.scores, dim=1)  # [B, t, V], raw logits at temperature 1
-    gen_lp = token_logprobs(gen_scores, out.sequences[:, plen:])
-    t = gen_lp.shape[1]
-    valid = mask[:, :t].bool()
-    torch.testing.assert_close(train_lp[:, :t][valid], gen_lp[valid], atol=1e-4, rtol=0)

@@ -1,4 +1,4 @@
-"""Every YAML under conf/ composes with Hydra and places what it says; bad overrides are
+"""Every YAML under rlbatch/conf/ composes with Hydra and places what it says; bad overrides are
 ConfigErrors. Whether this build can run each preset is tests/unit/test_presets.py's subject:
 the placement checks here use ``check(cfg, runnable=False)``, as the planner does."""
 
@@ -17,7 +17,7 @@ from rlbatch.launch.compose import CONF_DIR, compose
 
 
 def _default_groups() -> list[str]:
-    """The config groups conf/config.yaml composes (other groups serve other tools)."""
+    """The config groups rlbatch/conf/config.yaml composes (other groups serve other tools)."""
     defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]
     return [next(iter(d)) for d in defaults if isinstance(d, dict)]
 
@@ -67,7 +67,7 @@ def test_gsm8k_needs_its_paths() -> None:
     check(compose(["experiment=gsm8k", *FILE_DATA]), runnable=False)
 
 
-# The reference examples under conf/roles must place what their comments promise.
+# The reference examples under rlbatch/conf/roles must place what their comments promise.
 ROLE_EXPECTATIONS = {
     "roll_disaggregated_24gpu": dict(gpus=24, nodes=3, worlds={"actor_train": 16, "actor_infer": 8},
                                      ranks={"actor_train": range(0, 16), "actor_infer": range(16, 24)}),
@@ -113,7 +113,7 @@ def test_hybrid_file_reference_inherits_the_hybrid_layout() -> None:
     ("override", "named"),
     [
         ("roles.actor_train.foo=1", "foo"),
-        ("+roles.actor_train.foo=1", "foo"),  # '+' gets past Hydra; plan() still refuses it
+        ("+roles.actor_train.foo=1", "foo"),  # '+' gets past Hydra; place() still refuses it
         ("algo.nope=1", "nope"),
         ("+algo.nope=1", "nope"),
         ("+model.nope=1", "nope"),
@@ -168,5 +168,8 @@ def test_non_placement_problems(overrides: list[str], fragment: str) -> None:
     assert any(fragment in p for p in e.value.problems), e.value.problems
 
 
-def test_conf_dir_is_the_repository_conf() -> None:
-    assert CONF_DIR == Path(__file__).resolve().parents[2] / "conf"
+def test_conf_dir_is_inside_the_package() -> None:
+    import rlbatch
+
+    assert CONF_DIR == Path(rlbatch.__file__).resolve().parent / "conf"
+    assert (CONF_DIR / "config.yaml").is_file()

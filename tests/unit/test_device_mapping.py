@@ -17,14 +17,14 @@ import pytest
 
 import rlbatch.placement.backend
 import rlbatch.placement.device_mapping
+import rlbatch.placement.place
 import rlbatch.placement.placement
-import rlbatch.placement.plan
 from rlbatch import ConfigError
-from rlbatch.placement import parse_device_mapping, plan
+from rlbatch.placement import parse_device_mapping, place
 
 PLACEMENT_DIR = Path(__file__).resolve().parents[2] / "rlbatch" / "placement"
 PLACEMENT_MODULES = [
-    rlbatch.placement.backend, rlbatch.placement.device_mapping, rlbatch.placement.placement, rlbatch.placement.plan,
+    rlbatch.placement.backend, rlbatch.placement.device_mapping, rlbatch.placement.placement, rlbatch.placement.place,
 ]
 
 
@@ -169,7 +169,7 @@ def test_injection_is_refused_by_plan(payload: str, tmp_path: Path, monkeypatch:
         }
     }
     with pytest.raises(ConfigError) as e:
-        plan(cfg)
+        place(cfg)
     text = str(e.value)
     assert "roles.actor_train.backend" in text
     assert "roles.actor_infer.device_mapping" in text
@@ -271,7 +271,7 @@ def test_pathological_input_fails_fast(spec: object) -> None:
 
 
 @pytest.mark.timeout(20)
-def test_pathological_input_fails_fast_through_plan() -> None:
+def test_pathological_input_fails_fast_through_place() -> None:
     start = time.perf_counter()
     cfg = {
         "roles": {
@@ -280,13 +280,13 @@ def test_pathological_input_fails_fast_through_plan() -> None:
         }
     }
     with pytest.raises(ConfigError) as e:
-        plan(cfg)
+        place(cfg)
     assert len(e.value.problems) == 2
     assert time.perf_counter() - start < 1.0
 
 
 @pytest.mark.timeout(20)
-def test_huge_sparse_gpu_ranks_fail_fast_through_plan() -> None:
+def test_huge_sparse_gpu_ranks_fail_fast_through_place() -> None:
     """A rank near 10**9 leaves a billion unused ranks: reported, not materialised."""
     start = time.perf_counter()
     cfg = {
@@ -296,6 +296,6 @@ def test_huge_sparse_gpu_ranks_fail_fast_through_plan() -> None:
         }
     }
     with pytest.raises(ConfigError, match=r"are in no role's device_mapping") as e:
-        plan(cfg)
+        place(cfg)
     assert "[1, 2, 3" in str(e.value)
     assert time.perf_counter() - start < 1.0

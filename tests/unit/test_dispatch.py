@@ -4,7 +4,7 @@ one replica share one."""
 
 from __future__ import annotations
 
-from rlbatch.placement import plan
+from rlbatch.placement import place
 from rlbatch.scheduler.controller import shards
 
 
@@ -13,7 +13,7 @@ def _role(backend: str, ranks: list[int], name: str = "actor_train"):  # type: i
         "actor_train": {"device_mapping": ranks, "backend": backend},
         "actor_infer": {"device_mapping": ranks, "backend": f"hf:d{len(ranks)}"},
     }}
-    role = plan(cfg).role(name)
+    role = place(cfg).role(name)
     return role, role.gpu_ranks
 
 
@@ -34,7 +34,7 @@ def test_inference_workers_are_the_shards() -> None:
         "actor_train": {"device_mapping": [0, 1, 2, 3], "backend": "fsdp:d4"},
         "actor_infer": {"device_mapping": [0, 1, 2, 3], "backend": "vllm:d2t2"},
     }}
-    role = plan(cfg).role("actor_infer")
+    role = place(cfg).role("actor_infer")
     assert shards(role, role.gpu_ranks) == [tuple(w) for w in role.workers] == [(0, 1), (2, 3)]
 
 
@@ -44,6 +44,6 @@ def test_cpu_workers_are_one_rank_each() -> None:
         "actor_infer": {"device_mapping": [0, 1], "backend": "hf:d2"},
         "reward": {"world_size": 2},
     }}
-    role = plan(cfg).role("reward")
+    role = place(cfg).role("reward")
     ranks = tuple(w[0] for w in role.workers)
     assert shards(role, ranks) == [(r,) for r in ranks]

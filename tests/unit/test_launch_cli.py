@@ -124,7 +124,7 @@ def test_dry_run_imports_no_engine(tmp_path: Path, cli_env: dict[str, str]) -> N
 def test_plan_imports_no_engine(tmp_path: Path, cli_env: dict[str, str]) -> None:
     code = (
         "import sys\n"
-        "from rlbatch.placement import plan\n"
+        "from rlbatch.placement import place\n"
         "from rlbatch.config.validate import check\n"
         "cfg = {'resume': 'auto', 'roles': {"
         "'actor_train': {'device_mapping': 'range(16)', 'backend': 'megatron:d2p2t4e4'},"

@@ -14,7 +14,7 @@ measures on GPU 0, in a world-size-1 NCCL process group:
   offload   the trained engine's state (params, grads, AdamW moments, all fp32) through its
             TensorStashes to host and back. Limit: raw copy_(non_blocking=True) of the same
             tensors to and from pinned buffers, measured in the same run (target: >= 80%).
-Peak FLOP/s and HBM bandwidth come from conf/hardware/<profile>.yaml, picked by device name;
+Peak FLOP/s and HBM bandwidth come from rlbatch/conf/hardware/<profile>.yaml, picked by device name;
 --hardware picks another profile and --peak-tflops overrides the peak. Without CUDA it exits
 with code 2 (--cpu-smoke runs the same code on the CPU with a tiny model: the figures mean
 nothing, the run checks the code path).
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     profile = args.hardware or (profile_for_device(name) if cuda else "cpu")
     if profile is None:
         print(f"gpu.py: no hardware profile for {name!r} (known: {DEVICE_PROFILES}); pass --hardware "
-              "with a profile from conf/hardware/ or a .yaml path", file=sys.stderr)
+              "with a profile from rlbatch/conf/hardware/ or a .yaml path", file=sys.stderr)
         return 2
     try:
         hw = load_hardware(profile, {"peak_flops": args.peak_tflops * 1e12} if args.peak_tflops else None)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128, help="generate: prompt tokens (train: of --seq)")
     p.add_argument("--new-tokens", type=int, default=256, help="generate: new tokens per prompt")
     p.add_argument("--iters", type=int, default=3, help="generate, offload: timed repetitions (median)")
-    p.add_argument("--hardware", help="profile in conf/hardware/ (or .yaml path); default: by device name")
+    p.add_argument("--hardware", help="profile in rlbatch/conf/hardware/ (or .yaml path); default: by device name")
     p.add_argument("--peak-tflops", type=float, help="override the profile's dense bf16 peak, TFLOP/s")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     p.add_argument("--cpu-smoke", action="store_true", help="run on the CPU with a tiny model (checks the code path)")

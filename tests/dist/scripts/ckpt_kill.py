@@ -15,8 +15,8 @@ from ckpt_common import build, comm, full_state, init, seed_all, train_step, wri
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from rlbatch.checkpoint import CheckpointStore
-from rlbatch.checkpoint.layout import write_controller
 from rlbatch.checkpoint.engine_state import save_rank
+from rlbatch.checkpoint.files import write_controller
 
 out = Path(sys.argv[2])
 mesh = init()

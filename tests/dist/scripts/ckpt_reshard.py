@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from ckpt_common import assert_same, build, comm, full_state, init, train_step
+from mpi_exit import end_script
 from omegaconf import OmegaConf
 
 from rlbatch.checkpoint import open_checkpoint
-from rlbatch.checkpoint.layout import CONFIG
 from rlbatch.checkpoint.engine_state import load_rank
-from rlbatch.runtime.world import end_script
+from rlbatch.checkpoint.files import CONFIG
 
 mesh = init()
 ck = open_checkpoint(Path(sys.argv[2]))

@@ -12,13 +12,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from ckpt_common import assert_same, build, comm, full_state, init, probe, seed_all, train_step, write_config
+from mpi_exit import end_script
 
 from rlbatch.checkpoint import CheckpointStore
-from rlbatch.checkpoint.layout import write_controller
 from rlbatch.checkpoint.engine_state import load_rank, save_rank
-from rlbatch.runtime.world import end_script
+from rlbatch.checkpoint.files import write_controller
 
 out = Path(sys.argv[2])
 mesh = init()

@@ -6,9 +6,9 @@ import sys
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from mpi_exit import end_script
 
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
-from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

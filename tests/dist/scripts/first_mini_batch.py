@@ -7,15 +7,15 @@ import sys
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlbatch.engines.model import load_tokenizer
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import FSDPArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.launch.compose import compose
-from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

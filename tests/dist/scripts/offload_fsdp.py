@@ -6,11 +6,11 @@ import sys
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from rlbatch.engines.offload import TensorStash, grad_tensors, optimizer_tensors
-from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from mpi_exit import end_script
 
 from rlbatch.engines.flat import flatten_parameters
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.runtime.world import SYNC
 from rlbatch.scheduler.weightsync import WeightBroadcast
-from rlbatch.runtime.world import end_script
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

@@ -1,4 +1,4 @@
-"""Helpers for the planner tests: configs as plain dicts, placed by plan() (no Hydra, no torch)."""
+"""Helpers for the planner tests: configs as plain dicts, placed by place() (no Hydra, no torch)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.placement import plan
+from rlbatch.placement import place
 from rlbatch.plan.hardware import Hardware, load_hardware
 from rlbatch.plan.layout import Layout, from_placement
 
@@ -31,7 +31,7 @@ def make_config(**over: Any) -> dict[str, Any]:
 
 
 def make_layout(cfg: dict[str, Any]) -> Layout:
-    return from_placement(plan(cfg), int(cfg["cluster"].get("cpus_per_task") or 1))
+    return from_placement(place(cfg), int(cfg["cluster"].get("cpus_per_task") or 1))
 
 
 def roles(train: str, infer: str, train_ranks: list[int] | str, infer_ranks: list[int] | str,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from rlbatch.placement import plan
+from rlbatch.placement import place
 from rlbatch.placement.io import save_placement
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.hardware import load_hardware
@@ -38,7 +38,7 @@ def write_run(path: Path, cfg: dict[str, Any], truth: Coefficients = TRUTH, step
               noise: float = 0.02) -> Path:
     """A run directory whose metrics the planner with ``truth`` would measure, plus noise."""
     path.mkdir(parents=True, exist_ok=True)
-    placement = plan(cfg)
+    placement = place(cfg)
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
     save_placement(placement, path / "placement.json")
     (path / "logs").mkdir(exist_ok=True)

@@ -1,4 +1,4 @@
-"""Register the schema with Hydra's ConfigStore, so YAML in ``conf/`` is type-checked against it."""
+"""Register the schema with Hydra's ConfigStore, so YAML in ``rlbatch/conf/`` is type-checked against it."""
 
 from __future__ import annotations
 
@@ -10,5 +10,5 @@ SCHEMA_NAME = "rlbatch_schema"
 
 
 def register() -> None:
-    """Store the schema as ``rlbatch_schema``; ``conf/config.yaml`` lists it first in its defaults."""
+    """Store the schema as ``rlbatch_schema``; ``rlbatch/conf/config.yaml`` lists it first in its defaults."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RLBatchConfig)

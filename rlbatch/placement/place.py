@@ -1,4 +1,4 @@
-"""``plan(cfg) -> Placement``: validate the roles and cluster of a config and place them.
+"""``place(cfg) -> Placement``: validate the roles and cluster of a config and place them.
 
 Pure: no torch, no engines, no GPUs, no I/O. Every problem found is collected and raised as one
 ConfigError, each naming role, field and numbers, so a user fixes a config in one pass.
@@ -249,7 +249,7 @@ def _colocated_sets(gpu: list[_GpuRole]) -> list[tuple[str, ...]]:
     return [tuple(s) for s in sets.values() if len(s) > 1]
 
 
-def plan(cfg: Any) -> Placement:
+def place(cfg: Any) -> Placement:
     """Validate ``cfg.roles`` and ``cfg.cluster`` and place every role. Raises ConfigError."""
     cfg = to_plain(cfg)
     problems: list[str] = []

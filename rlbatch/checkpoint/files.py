@@ -1,4 +1,4 @@
-"""Names inside a checkpoint directory, in one place (writers and readers both use these).
+"""Names inside a checkpoint directory and its small files, in one place (writers and readers both use these).
 
     <run_dir>/checkpoints/step_000012/
         manifest.json            written last by CheckpointStore.commit: files, sizes, sha256, meta

@@ -1,4 +1,4 @@
-"""``plan(cfg) -> Placement``: the reference examples, every validation rule, and properties."""
+"""``place(cfg) -> Placement``: the reference examples, every validation rule, and properties."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from rlbatch import ConfigError
 from rlbatch.config.validate import check
-from rlbatch.placement import Placement, ProcessKind, SlurmRequest, parse_backend, parse_device_mapping, plan
+from rlbatch.placement import Placement, ProcessKind, SlurmRequest, parse_backend, parse_device_mapping, place
 
 DELETE = object()
 """In a patch: remove this key from the base config."""
@@ -46,7 +46,7 @@ def cfg_with(roles: dict[str, Any] | None = None, cluster: dict[str, Any] | None
 
 def problems_of(cfg: Any) -> list[str]:
     with pytest.raises(ConfigError) as e:
-        plan(cfg)
+        place(cfg)
     assert e.value.problems, "a ConfigError must carry its problems"
     return e.value.problems
 
@@ -74,7 +74,7 @@ def assert_json_round_trip(p: Placement) -> dict[str, Any]:
 
 def test_roll_24_gpu_split() -> None:
     """actor_train on GPUs [0,16), actor_infer on [16,24): 24 GPUs, 3 nodes, nothing shared."""
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "list(range(0,16))", "backend": "fsdp:d16"},
         "actor_infer": {"device_mapping": "list(range(16,24))", "backend": "vllm:d8"},
     }))
@@ -98,7 +98,7 @@ def test_roll_24_gpu_split() -> None:
 
 def test_roll_mixed_16_gpu_train_12_gpu_infer_8_cpu_sandbox() -> None:
     """ROLL's complete example: world sizes 16 (train), 6 (infer, 2 GPUs each), 8 (CPU)."""
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "list(range(0,16))", "backend": "fsdp:d16"},
         "actor_infer": {"num_gpus_per_worker": 2, "device_mapping": "list(range(0,12))", "backend": "vllm:d6t2"},
         "code_sandbox": {"world_size": 8},
@@ -132,7 +132,7 @@ def test_roll_mixed_16_gpu_train_12_gpu_infer_8_cpu_sandbox() -> None:
 
 
 def test_roll_num_gpus_per_worker_is_derived_from_vllm_tp() -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "list(range(0,12))", "backend": "fsdp:d12"},
         "actor_infer": {"device_mapping": "list(range(0,12))", "backend": "vllm:d6t2"},
     }))
@@ -144,7 +144,7 @@ def test_roll_num_gpus_per_worker_is_derived_from_vllm_tp() -> None:
     [({"world_size": 4}, 2, 4), ({"num_gpus_per_worker": 2}, 2, 4), ({"num_gpus_per_worker": 2, "world_size": 4}, 2, 4), ({}, 2, 4)],
 )
 def test_only_one_of_gpus_per_worker_or_world_size_derives_the_other(given_fields: dict[str, int], ngpw: int, world: int) -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "range(8)", "backend": "fsdp:d8", "world_size": 8},
         "actor_infer": {"device_mapping": "range(8)", "backend": "vllm:d4t2", **given_fields},
     }))
@@ -154,7 +154,7 @@ def test_only_one_of_gpus_per_worker_or_world_size_derives_the_other(given_field
 
 
 def test_roll_colocated_8_gpus() -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "list(range(0,8))", "backend": "fsdp:d8"},
         "actor_infer": {"device_mapping": "list(range(0,8))", "backend": "vllm:d8"},
         "reference": {"device_mapping": "list(range(0,8))", "backend": ""},
@@ -169,7 +169,7 @@ def test_roll_colocated_8_gpus() -> None:
 
 
 def test_roll_disaggregated_8_gpus() -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "list(range(0,4))", "backend": "fsdp:d4"},
         "actor_infer": {"device_mapping": "list(range(4,8))", "backend": "vllm:d4"},
     }))
@@ -181,7 +181,7 @@ def test_roll_disaggregated_8_gpus() -> None:
 
 def test_colocated_sets_join_through_shared_ranks() -> None:
     """a shares with b, b with c: one set of three although a and c share nothing."""
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": [0, 1], "backend": "fsdp:d2"},
         "actor_infer": {"device_mapping": [1, 2], "backend": "hf:d2"},
         "reference": {"device_mapping": [2, 3], "backend": "fsdp:d2"},
@@ -192,7 +192,7 @@ def test_colocated_sets_join_through_shared_ranks() -> None:
 
 
 def test_device_mapping_order_is_kept() -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "[3, 2, 1, 0]", "backend": "fsdp:d4"},
         "actor_infer": {"device_mapping": "[2, 3] + [0, 1]", "backend": "vllm:d2t2"},
     }))
@@ -216,7 +216,7 @@ def test_device_mapping_order_is_kept() -> None:
 def test_areal_table(backend: str, gpus: int, world: int, gpus_per_worker: int, first_worker: tuple[int, ...]) -> None:
     role = "actor_infer" if backend.startswith("sglang") else "actor_train"
     other = "actor_train" if role == "actor_infer" else "actor_infer"
-    p = plan(cfg_with({
+    p = place(cfg_with({
         role: {"device_mapping": f"list(range(0,{gpus}))", "backend": backend},
         other: {"device_mapping": f"list(range(0,{gpus}))", "backend": "hf:d" + str(gpus) if other == "actor_infer" else f"fsdp:d{gpus}"},
     }))
@@ -227,7 +227,7 @@ def test_areal_table(backend: str, gpus: int, world: int, gpus_per_worker: int, 
 
 
 def test_areal_16_gpu_full_example() -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_infer": {"device_mapping": "list(range(0,8))", "backend": "sglang:d2t4"},
         "actor_train": {"device_mapping": "list(range(8,16))", "backend": "fsdp:d4t2"},
     }))
@@ -240,7 +240,7 @@ def test_areal_16_gpu_full_example() -> None:
 
 @pytest.mark.parametrize("ffn", ["d2p2t4e2", "p2t4e2"])
 def test_areal_moe_hybrid_32_gpus(ffn: str) -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "list(range(0,32))", "backend": f"megatron:(attn:d4p2t2c2|ffn:{ffn})"},
         "actor_infer": {"device_mapping": "list(range(0,32))", "backend": "vllm:d4t8"},
         "reference": {"device_mapping": "list(range(0,32))", "backend": ""},
@@ -256,7 +256,7 @@ def test_areal_moe_hybrid_32_gpus(ffn: str) -> None:
 
 @pytest.mark.parametrize("role", ["reference", "critic"])
 def test_reference_and_critic_inherit_actor_train_backend(role: str) -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "range(4)", "backend": "fsdp:d2t2"},
         "actor_infer": {"device_mapping": "range(4)", "backend": "vllm:d4"},
         role: {"device_mapping": "range(4)", "backend": ""},
@@ -266,19 +266,19 @@ def test_reference_and_critic_inherit_actor_train_backend(role: str) -> None:
 
 
 def test_reward_is_a_gpu_role_only_when_given_gpus() -> None:
-    cpu = plan(cfg_with({"reward": {"world_size": 3}}))
-    gpu = plan(cfg_with({"reward": {"device_mapping": [0, 1], "backend": "hf:d2"}}))
+    cpu = place(cfg_with({"reward": {"world_size": 3}}))
+    gpu = place(cfg_with({"reward": {"device_mapping": [0, 1], "backend": "hf:d2"}}))
     assert not cpu.role("reward").is_gpu and cpu.role("reward").world_size == 3
     assert gpu.role("reward").is_gpu and ("actor_train", "actor_infer", "reward") in gpu.colocated_sets
 
 
 def test_disabled_and_null_roles_are_left_out() -> None:
-    p = plan(cfg_with({"critic": {"enabled": False, "device_mapping": "[0, 0]"}, "reference": None}))
+    p = place(cfg_with({"critic": {"enabled": False, "device_mapping": "[0, 0]"}, "reference": None}))
     assert set(p.roles) == {"actor_train", "actor_infer"}
 
 
 def test_cluster_nodes_and_cpus_reach_the_slurm_request() -> None:
-    p = plan(cfg_with({"code_sandbox": {"world_size": 5}}, {"nodes": 3, "cpus_per_task": 4, "gpus_per_node": 4}))
+    p = place(cfg_with({"code_sandbox": {"world_size": 5}}, {"nodes": 3, "cpus_per_task": 4, "gpus_per_node": 4}))
     assert p.num_nodes == 3
     # 2 GPU ranks on node 0 + controller; 5 CPU workers spread to the emptier nodes first.
     assert Counter(p.role("code_sandbox").nodes) == {0: 1, 1: 2, 2: 2}
@@ -292,7 +292,7 @@ def test_plan_is_pure_and_deterministic() -> None:
         "code_sandbox": {"world_size": 8, "engine_args": {"timeout": 3}},
     })
     before = copy.deepcopy(cfg)
-    a, b = plan(cfg), plan(cfg)
+    a, b = place(cfg), place(cfg)
     assert cfg == before
     assert a == b and a.to_dict() == b.to_dict()
     assert a.role("code_sandbox").engine_args == {"timeout": 3}
@@ -303,15 +303,15 @@ def test_plan_accepts_the_schema_defaults_and_omegaconf() -> None:
 
     from rlbatch.config.schema import RLBatchConfig
 
-    p = plan(RLBatchConfig())
-    q = plan(OmegaConf.structured(RLBatchConfig(run_dir="runs/x")))
+    p = place(RLBatchConfig())
+    q = place(OmegaConf.structured(RLBatchConfig(run_dir="runs/x")))
     assert p == q
     assert set(p.roles) == {"actor_train", "actor_infer", "reference", "reward"}
     assert p.colocated_sets == (("actor_train", "actor_infer", "reference"),)
 
 
 def test_slot_at_finds_every_process_and_reports_spares() -> None:
-    p = plan(cfg_with({
+    p = place(cfg_with({
         "actor_train": {"device_mapping": "list(range(0,16))", "backend": "fsdp:d16"},
         "actor_infer": {"device_mapping": "list(range(0,16))", "backend": "hf:d16"},
         "code_sandbox": {"world_size": 1},
@@ -495,7 +495,7 @@ def test_invalid_input_is_reported(kind: str, value: Any, prefix: str, fragments
         assert e.value.problems[0].startswith(prefix), e.value.problems
         for fragment in fragments:
             assert fragment in str(e.value), (fragment, e.value.problems)
-        # ... and through plan(), in actor_train.
+        # ... and through place(), in actor_train.
         cfg = merge(BASE, {"roles": {"actor_train": {kind: value}}})
     problems = problems_of(cfg)
     matching = [p for p in problems if p.startswith(prefix) and all(f in p for f in fragments)]
@@ -528,7 +528,7 @@ def test_every_problem_is_reported_at_once() -> None:
     for fragment in fragments:
         assert sum(p.startswith(fragment) for p in problems) == 1, (fragment, problems)
     with pytest.raises(ConfigError) as e:
-        plan(cfg)
+        place(cfg)
     assert str(e.value).startswith(f"{len(fragments)} problems in the configuration:")
 
 
@@ -646,7 +646,7 @@ configs = st.one_of(
 @given(configs)
 def test_plan_raises_nothing_but_config_error(cfg: Any) -> None:
     try:
-        p = plan(cfg)
+        p = place(cfg)
     except ConfigError as e:
         assert e.problems and all(isinstance(x, str) and x for x in e.problems)
         return
@@ -707,7 +707,7 @@ def valid_configs(draw: st.DrawFn) -> tuple[dict[str, Any], int]:
 @given(valid_configs())
 def test_valid_placements_are_consistent(case: tuple[dict[str, Any], int]) -> None:
     cfg, needed = case
-    p = plan(cfg)
+    p = place(cfg)
     gpn, n = cfg["cluster"]["gpus_per_node"], len(cfg["roles"]["actor_train"]["device_mapping"])
     assert p.num_gpus == n and p.gpus_per_node == gpn
     assert p.num_nodes == p.slurm.nodes == cfg["cluster"].get("nodes", needed)

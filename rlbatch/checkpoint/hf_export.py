@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from rlbatch.checkpoint.layout import CONFIG, role_dir
+from rlbatch.checkpoint.files import CONFIG, role_dir
 from rlbatch.checkpoint.store import Checkpoint, CheckpointError, open_checkpoint
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
