@@ -48,8 +48,8 @@ def main(run_dir: str) -> int:
         return 1
 
     from mpi4py import MPI
-    from omegaconf import OmegaConf
 
+    from rlbatch.config.load import load_config
     from rlbatch.placement.io import load_placement
     from rlbatch.runtime.env import read_env
     from rlbatch.runtime.logs import RankLog
@@ -57,7 +57,7 @@ def main(run_dir: str) -> int:
     from rlbatch.runtime.world import build_world, identify, shutdown
 
     placement = load_placement(run.placement)
-    cfg = OmegaConf.load(run.config)
+    cfg = load_config(run.config)
     env = read_env()
     slot = identify(placement, env, MPI.COMM_WORLD.Get_rank())
     if slot is None:  # a spare Slurm slot: take part in the communicator split, then leave
@@ -75,7 +75,7 @@ def main(run_dir: str) -> int:
     try:
         from rlbatch.plugins import import_plugins
 
-        if problems := import_plugins(list(getattr(cfg, "plugins", None) or [])):  # they register engines, algorithm parts
+        if problems := import_plugins(list(cfg.plugins)):  # they register engines, algorithm parts
             raise ImportError("; ".join(problems))
         c = cfg.cluster
         torch_threads = int(os.environ.get("OMP_NUM_THREADS", c.cpus_per_task))

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rlbatch.config.schema import AlgoConfig, ModelConfig
 from rlbatch.engines.offload import Transfer
 from rlbatch.engines.registry import spec_of
 
@@ -60,10 +61,10 @@ class EngineContext:
     role: str
     args: Any
     """The engine's typed engine_args (a dataclass from the registry)."""
-    model: Any
-    """The run's ModelConfig."""
-    algo: Any
-    """The run's AlgoConfig (optimizer settings, mini-batches, epochs, ...)."""
+    model: ModelConfig
+    """The run's model."""
+    algo: AlgoConfig
+    """The run's algorithm settings (optimizer, mini-batches, epochs, ...)."""
     tokenizer: Any
     device: torch.device
     seed: int

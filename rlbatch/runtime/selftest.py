@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.runtime.control import Controller
 from rlbatch.runtime.env import read_env
 from rlbatch.runtime.faults import maybe_fault
@@ -60,7 +61,7 @@ def _sums(world: World) -> dict[str, float]:
     return out
 
 
-def handlers(world: World, cfg: Any, run: RunDir) -> dict[str, Any]:
+def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
     def sums() -> dict[str, float]:
         maybe_fault("selftest", world.rank)
         return _sums(world)
@@ -107,7 +108,7 @@ def _check_report(world: World, r: int, rep: dict[str, Any]) -> list[str]:
     return bad
 
 
-def controller(world: World, cfg: Any, run: RunDir) -> None:
+def controller(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     p = world.placement
     ctl = Controller(world.comm, world.timeout_s, lambda r: describe_rank(p, r))
     workers = [r for r in range(p.world_size) if r != world.rank]

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from rlbatch.checkpoint.files import read_controller, write_controller
 from rlbatch.checkpoint.store import CheckpointError, CheckpointStore
-from rlbatch.config.schema import TRAINABLE_ROLES
+from rlbatch.config.schema import TRAINABLE_ROLES, RLBatchConfig
 from rlbatch.data.synthetic import PromptStream
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.scheduler.controller import Pipeline
@@ -23,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    def __init__(self, pipe: Pipeline, run: RunDir, cfg: Any, data: PromptStream, data_fingerprint: str) -> None:
+    def __init__(self, pipe: Pipeline, run: RunDir, cfg: RLBatchConfig, data: PromptStream, data_fingerprint: str) -> None:
         self.pipe, self.run, self.cfg = pipe, run, cfg
         self.data, self.fingerprint = data, data_fingerprint
         self.store = CheckpointStore(run.path / "checkpoints", keep=int(cfg.keep_checkpoints))

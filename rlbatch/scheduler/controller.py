@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.engines.registry import engine_args, spec_of
 from rlbatch.phases import PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
@@ -65,7 +66,7 @@ def assign_local_first(ids: list[int], ranks: tuple[int, ...], holder: dict[int,
 
 
 class Pipeline:
-    def __init__(self, world: World, cfg: Any) -> None:
+    def __init__(self, world: World, cfg: RLBatchConfig) -> None:
         self.world, self.cfg, self.p = world, cfg, world.placement
         self.ctl = Controller(world.comm, world.timeout_s, lambda r: describe_rank(self.p, r))
         self.where: dict[tuple[int, str], set[int]] = {}

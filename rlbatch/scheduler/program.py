@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import make_stream
 from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
@@ -31,15 +32,15 @@ from rlbatch.scheduler.preemption import Preemption
 from rlbatch.scheduler.rank_runtime import RankRuntime
 
 
-def handlers(world: World, cfg: Any, run: RunDir) -> dict[str, Any]:
+def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
     return RankRuntime(world, cfg).handlers()
 
 
-def controller(world: World, cfg: Any, run: RunDir) -> None:
+def controller(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     PROGRAMS.get(str(cfg.algo.name))(world, cfg, run)
 
 
-def policy_gradient(world: World, cfg: Any, run: RunDir) -> None:
+def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     """The critic-free loop (GRPO and its relatives): advantages from the rewards alone."""
     a = cfg.algo
     estimate_advantages = ADVANTAGES.get(str(a.advantage))

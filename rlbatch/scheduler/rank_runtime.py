@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.algos.registry import KL_ESTIMATORS
-from rlbatch.config.schema import TRAINABLE_ROLES
+from rlbatch.config.schema import TRAINABLE_ROLES, RLBatchConfig
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class RankRuntime:
-    def __init__(self, world: World, cfg: Any) -> None:
+    def __init__(self, world: World, cfg: RLBatchConfig) -> None:
         self.world, self.cfg = world, cfg
         self.store = SampleStore()
         self.tokenizer = load_tokenizer(cfg.model)
