@@ -1,5 +1,5 @@
-"""tools/bench/ end to end on tiny workloads: vs_trl.py runs TRL and rlbatch (1 and 2 ranks) and
-ends with the speedup line; overheads.py prints every ratio."""
+"""tools/bench/ end to end on tiny workloads: vs_trl.py runs TRL and rlbatch (1 and 2 ranks, and a
+--baseline checkout beside each) and ends with the speedup line; overheads.py prints every ratio."""
 
 from __future__ import annotations
 
@@ -17,16 +17,19 @@ pytestmark = pytest.mark.dist
 
 def test_vs_trl_runs_both_frameworks_on_the_same_workload(run_root: Path) -> None:
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/vs_trl.py"), "--steps", "3", "--prompts", "4",
-                          "--samples", "4", "--out", str(run_root / "bench")],
+                          "--samples", "4", "--out", str(run_root / "bench"), "--baseline", str(REPO_ROOT)],
                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("speedup vs TRL: ") and last.endswith("x"), last
     result = json.loads((run_root / "bench" / "results.json").read_text())
-    assert [r["name"] for r in result["results"]] == ["TRL GRPOTrainer", "rlbatch 1 rank", "rlbatch 2 ranks"]
+    assert [r["name"] for r in result["results"]] == ["TRL GRPOTrainer", "rlbatch 1 rank", "baseline 1 rank",
+                                                      "rlbatch 2 ranks", "baseline 2 ranks"]
     assert all(r["steps"] == 3 and r["samples_per_s"] > 0 for r in result["results"])
+    assert "this checkout vs --baseline: " in out.stdout  # --baseline: here the same checkout, run alongside
     assert result["settings"]["samples_per_prompt"] == 4 and result["settings"]["prompts_per_step"] == 4
-    speedup = max(r["samples_per_s"] for r in result["results"][1:]) / result["results"][0]["samples_per_s"]
+    ours = [r for r in result["results"] if r["name"].startswith("rlbatch")]
+    speedup = max(r["samples_per_s"] for r in ours) / result["results"][0]["samples_per_s"]
     assert last == f"speedup vs TRL: {speedup:.2f}x"
     assert (run_root / "bench" / "reward_curves.png").stat().st_size > 0
 

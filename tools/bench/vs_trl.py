@@ -1,6 +1,6 @@
 """rlbatch against TRL's GRPOTrainer: the same GRPO workload, one after the other, one machine.
 
-    python tools/bench/vs_trl.py [--steps 80] [--ranks 1,2] [--out .bench-runs/vs_trl]
+    python tools/bench/vs_trl.py [--steps 80] [--ranks 1,2] [--out .bench-runs/vs_trl] [--baseline ../rlbatch-old]
 
 Needs the `bench` extra (`pip install -e ".[bench]"`: trl, matplotlib). Both frameworks get
 the same random-initialised Qwen2 weights and character tokenizer (saved once as an ordinary
@@ -93,8 +93,10 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], Path, 
 # ----------------------------------------------------------------------------- rlbatch
 
 
-def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int) -> dict[str, Any]:
-    run_dir = out / f"rlbatch-{ranks}rank"
+def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int, root: Path = ROOT,
+                label: str = "rlbatch") -> dict[str, Any]:
+    """rlbatch from the checkout ``root`` (this one, or --baseline's) on the workload."""
+    run_dir = out / f"{label}-{ranks}rank"
     placement = ONE_RANK if ranks == 1 else [] if ranks == 2 else None
     if placement is None:
         sys.exit(f"--ranks: 1 or 2 GPU ranks, got {ranks}")
@@ -102,9 +104,9 @@ def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int
     cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), *placement,
            "model=hf_local", f"model.path={model_dir}", f"run_dir={run_dir}", "resume=never",
            f"cluster.cpus_per_task={threads}"]
-    print(f"\n== rlbatch, {ranks} GPU rank(s), {threads} thread(s) each\n$ {' '.join(cmd[1:])}", flush=True)
+    print(f"\n== {label} ({root}), {ranks} GPU rank(s), {threads} thread(s) each\n$ {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    subprocess.run(cmd, check=True, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = []
@@ -114,7 +116,7 @@ def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int
         known["other"] = max(0.0, r["time/step"] - sum(known.values()))
         steps.append({"seconds": r["time/step"], "reward": r["reward_mean"], "gen_tokens": r["tokens/generated"],
                       "phases": known})
-    return {"name": f"rlbatch {ranks} rank{'s' if ranks > 1 else ''}", "wall": wall, "steps": steps}
+    return {"name": f"{label} {ranks} rank{'s' if ranks > 1 else ''}", "wall": wall, "steps": steps}
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -262,6 +264,11 @@ def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path) -> float
     best = max((r for r in results if r["name"].startswith("rlbatch")), key=lambda r: r["samples_per_s"])
     speedup = best["samples_per_s"] / trl["samples_per_s"]
     print(f"\nresults: {out / 'results.json'}")
+    base = [r for r in results if r["name"].startswith("baseline")]
+    if base:
+        best_base = max(base, key=lambda r: r["samples_per_s"])
+        print(f"this checkout vs --baseline: {best['samples_per_s']:.1f} vs {best_base['samples_per_s']:.1f} samples/s "
+              f"= {best['samples_per_s'] / best_base['samples_per_s']:.2f}x (TRL: {trl['samples_per_s']:.1f})")
     print(f"speedup vs TRL: {speedup:.2f}x")
     return speedup
 
@@ -299,6 +306,8 @@ def main() -> int:
                    help="CPU threads per framework (split between rlbatch's GPU ranks)")
     p.add_argument("--out", type=Path, default=ROOT / ".bench-runs" / "vs_trl")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override for the workload")
+    p.add_argument("--baseline", type=Path, help="another rlbatch checkout to run on the same workload, "
+                   "alternating with this one (e.g. a worktree of the previous release): before/after in one run")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_worker:
@@ -314,7 +323,10 @@ def main() -> int:
     s, model_dir, prompts = prepare(args, out)
     batch = s["prompts_per_step"] * s["samples_per_prompt"]
     runs = [run_trl(args, out, s, model_dir, prompts)]
-    runs += [run_rlbatch(args, out, model_dir, int(n)) for n in args.ranks.split(",")]
+    for n in args.ranks.split(","):
+        runs.append(run_rlbatch(args, out, model_dir, int(n)))
+        if args.baseline:
+            runs.append(run_rlbatch(args, out, model_dir, int(n), args.baseline.resolve(), "baseline"))
     report(s, [summarise(r, batch) for r in runs], out)
     return 0
 
