@@ -77,6 +77,7 @@ class VLLMEngine:
         self.device, self.tokenizer = ctx.device, ctx.tokenizer
         self.on_cpu = ctx.device.type != "cuda"
         dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _DTYPE_NAMES[a.dtype]
+        self.world = PrivateWorld()
         tmp = None
         if ctx.model.path:
             path = str(ctx.model.path)
@@ -85,8 +86,9 @@ class VLLMEngine:
             model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
             self.expected = {n for n, _ in model.named_parameters()}
             path = tmp = tempfile.mkdtemp(prefix="rlbatch-vllm-")
-            model.save_pretrained(tmp)
-            ctx.tokenizer.save_pretrained(tmp)
+            with self.world.active():  # transformers saves on torch rank 0 only, when a world exists
+                model.save_pretrained(tmp)
+                ctx.tokenizer.save_pretrained(tmp)
             del model
         kwargs: dict[str, Any] = dict(
             model=path, tokenizer=path, dtype=dtype, seed=ctx.seed, max_num_seqs=a.max_num_seqs,
@@ -102,7 +104,6 @@ class VLLMEngine:
             kwargs |= {"gpu_memory_utilization": a.gpu_memory_utilization, "enable_sleep_mode": True}
         # Engine core in this process (no background process to ship weights to).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.world = PrivateWorld()
         start = time.perf_counter()
         try:
             from vllm import LLM
