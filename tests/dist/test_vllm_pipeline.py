@@ -11,8 +11,6 @@ import pytest
 
 from tests.conftest import launch
 
-pytest.importorskip("vllm")
-
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # vLLM's CPU attention needs head_dim >= 32: the default tiny model (hidden 64) with 2 heads
 MODEL = ["model.num_heads=2", "model.num_kv_heads=1"]

@@ -70,10 +70,8 @@ def test_the_default_experiment_is_runnable(cfg: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("train", "infer", "line"),
     [
-        ("fsdp:d2", "vllm:d2", "roles.actor_infer.backend: engine 'vllm' (in 'vllm:d2') is not built: the vLLM "
-                               "engine is not in this build; built inference engines: ['hf']"),
         ("fsdp:d2", "sglang:d2", "roles.actor_infer.backend: engine 'sglang' (in 'sglang:d2') is not built: the "
-                                 "SGLang engine is not in this build; built inference engines: ['hf']"),
+                                 "SGLang engine is not in this build; built inference engines: ['hf', 'vllm']"),
         ("deepspeed:d2", "hf:d2", "roles.actor_train.backend: engine 'deepspeed' (in 'deepspeed:d2') is not built: "
                                   "the DeepSpeed engine is not in this build; built training engines: ['fsdp']"),
         ("megatron:d2", "hf:d2", "roles.actor_train.backend: engine 'megatron' (in 'megatron:d2') is not built: "
@@ -100,7 +98,7 @@ def test_dims_the_built_engine_does_not_split_over_are_refused(cfg: dict[str, An
 def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]) -> None:
     assert problems(on_ranks(cfg, 2, "fsdp:d2", "fsdp:d2")) == [
         "roles.actor_infer.backend: 'fsdp:d2' names a training engine, but actor_infer runs generate, which needs "
-        "an inference engine; built: ['hf']"]
+        "an inference engine; built: ['hf', 'vllm']"]
     assert problems(on_ranks(cfg, 2, "hf:d2", "hf:d2")) == [
         "roles.actor_train.backend: 'hf:d2' names an inference engine, but actor_train runs logprobs and train, "
         "which needs a training engine; built: ['fsdp']"]
@@ -128,10 +126,10 @@ def test_engine_args_are_read_by_the_engines_typed_arguments(cfg: dict[str, Any]
 
 
 def test_engine_args_of_an_engine_that_is_not_built_are_still_typed(cfg: dict[str, Any]) -> None:
-    c = set_(on_ranks(cfg, 2, "fsdp:d2", "vllm:d2"), roles__actor_infer__engine_args={"gpu_mem": 0.5})
+    c = set_(on_ranks(cfg, 2, "fsdp:d2", "sglang:d2"), roles__actor_infer__engine_args={"gpu_mem": 0.5})
     assert problems(c, runnable=False) == [
-        "roles.actor_infer.engine_args: unknown key(s) ['gpu_mem'] for engine 'vllm'; it accepts "
-        "['gpu_memory_utilization', 'max_num_batched_tokens', 'max_num_seqs']"]
+        "roles.actor_infer.engine_args: unknown key(s) ['gpu_mem'] for engine 'sglang'; it accepts "
+        "['max_num_batched_tokens', 'max_num_seqs', 'mem_fraction_static']"]
 
 
 # ---------------------------------------------------------------------------------- algorithm
@@ -358,7 +356,7 @@ def test_selftest_starts_no_engine_so_only_the_placement_and_run_directory_count
 
 
 def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
-    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d4"), algo__loss_agg="mean", model__path="/nonexistent/model",
+    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2t2"), algo__loss_agg="mean", model__path="/nonexistent/model",
              data__reward_fn="nosuch.module:fn", resume="yes", plugins=["rlbatch_test_missing"], cluster__name="slurm",
              run_dir="/tmp/runs/a", roles__actor_train__engine_args={"bogus": 1})
     fields = [line.split(":", 1)[0] for line in problems(c)]
