@@ -1,0 +1,104 @@
+"""Which containment this node allows, and the command line that applies it.
+
+Namespaces come from util-linux ``unshare`` (present on every Linux node; no daemon, no setuid
+helper): ``--user --map-root-user`` works for an unprivileged user where the kernel allows
+unprivileged user namespaces, and for root. The probe runs once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+log = logging.getLogger(__name__)
+
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+INTERPRETERS = (os.path.realpath(getattr(sys, "_base_executable", sys.executable)), "/usr/bin/python3")
+"""Candidates for the executions' interpreter, in order: this one's base (the harness needs the
+standard library only, ``-I -S``), else the system's (as ``nobody``, an interpreter under root's
+home cannot be run)."""
+NOBODY = 65534
+NAMESPACE_FLAGS = ("--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount",
+                   "--mount-proc", "--ipc", "--uts")
+
+
+def _as_nobody() -> list[str]:
+    """As root, the code runs as ``nobody`` (so RLIMIT_NPROC applies and root's files stay root's)."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() == 0 and setpriv:
+        return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    return []
+
+
+def _runs(cmd: list[str]) -> str:
+    """'' when ``cmd`` exits 0, else why not."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return "" if proc.returncode == 0 else proc.stderr.decode(errors="replace").strip()[:200] or f"exit {proc.returncode}"
+
+
+@functools.lru_cache(maxsize=2)
+def interpreter(mode: str) -> str:
+    """The first interpreter an execution under ``mode`` can start."""
+    prefix = [*_as_nobody(), shutil.which("unshare") or "unshare", *NAMESPACE_FLAGS] if mode == "namespaces" else []
+    why = {}
+    for python in INTERPRETERS:
+        if os.path.exists(python):
+            why[python] = _runs([*prefix, python, "-I", "-S", "-c", "pass"])
+            if not why[python]:
+                return python
+    raise RuntimeError(f"sandbox ({mode}): no interpreter starts: {why}")
+
+
+@functools.lru_cache(maxsize=1)
+def namespaces_available() -> tuple[bool, str]:
+    """Whether ``unshare`` can give an execution its own namespaces here, and why not."""
+    if shutil.which("unshare") is None:
+        return False, "util-linux unshare not found"
+    try:
+        interpreter("namespaces")
+    except RuntimeError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def resolve(isolation: str) -> str:
+    """``auto`` -> ``namespaces`` or ``process``; ``namespaces`` where unavailable is an error."""
+    if isolation not in ("auto", "namespaces", "process"):
+        raise ValueError(f"sandbox.isolation must be auto, namespaces or process, got {isolation!r}")
+    if isolation == "process":
+        return "process"
+    ok, why = namespaces_available()
+    if ok:
+        return "namespaces"
+    if isolation == "namespaces":
+        raise RuntimeError(f"sandbox.isolation=namespaces is not available on this node: {why}")
+    log.warning("sandbox: namespaces unavailable (%s); executions run as plain processes with resource limits: "
+                "the network and the file system are NOT isolated", why)
+    return "process"
+
+
+@functools.lru_cache(maxsize=1)
+def _harness_source() -> str:
+    """Passed with ``-c``: the child needs no read access to this installation."""
+    with open(HARNESS, encoding="utf-8") as f:
+        return f.read()
+
+
+def command(mode: str) -> list[str]:
+    """The command that runs the harness under ``mode``."""
+    python = [interpreter(mode), "-I", "-S", "-c", _harness_source()]
+    if mode == "namespaces":
+        return [*_as_nobody(), shutil.which("unshare") or "unshare", *NAMESPACE_FLAGS, *python]
+    return python
+
+
+SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+            "PYTHONDONTWRITEBYTECODE": "1"}
+"""The whole environment an execution sees (no Slurm, MPI, proxy or token variables)."""
