@@ -60,6 +60,7 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("generate", "actor_infer", "generate", ("params", "kv_cache"), (),
               ("prompt", "response", "behaviour_logprobs"), Dispatch.WORKERS, "generate"),
     PhaseSpec("score", "reward", "score", ("params",), ("response",), ("reward",), Dispatch.RANKS, "reward"),
+    PhaseSpec("execute", "code_sandbox", "score", (), ("response",), ("code_reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("values", "critic", "values", ("params",), ("prompt", "response"), ("values",),
@@ -87,12 +88,14 @@ def phase(name: str) -> PhaseSpec:
 
 
 def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reuse_batch: bool,
-                kl_in_reward: bool) -> list[str]:
+                kl_in_reward: bool, code_sandbox: bool = False, rule_reward: bool = True) -> list[str]:
     """The phases one step of the policy-gradient loop runs, in the controller's order.
 
     ``reuse_batch``: more than one optimizer step per batch, so the policy before the updates must
-    be recorded (old_logprobs); ``kl_in_reward`` needs it too (the KL is taken before updating)."""
-    out = ["generate", "score"]
+    be recorded (old_logprobs); ``kl_in_reward`` needs it too (the KL is taken before updating).
+    ``code_sandbox``: responses also run against their tests (``execute``); ``rule_reward``: the
+    reward role scores them with data.reward_fn."""
+    out = ["generate", *(["score"] if rule_reward else []), *(["execute"] if code_sandbox else [])]
     if kl_to_reference and has_reference:
         out.append("ref_logprobs")
     if critic:

@@ -165,10 +165,11 @@ def program_problems(plain: Mapping[str, Any]) -> list[str]:
         problems.append(f"roles.critic: enabled, but algo.name={name} does not use a critic: only PPO does, and "
                         f"PPO is not built yet; set roles.critic.enabled=false")
     reward = roles.get("reward")
-    if not _enabled(reward):
+    sandbox_scores = _enabled(roles.get("code_sandbox"))
+    if not _enabled(reward) and not sandbox_scores:
         problems.append("roles.reward: program=train scores every response with data.reward_fn on the reward "
                         "role's CPU workers; enable it, e.g. roles.reward.world_size=1")
-    elif reward.get("device_mapping") is not None or reward.get("backend") not in (None, ""):
+    elif _enabled(reward) and (reward.get("device_mapping") is not None or reward.get("backend") not in (None, "")):
         problems.append("roles.reward: a reward model on GPUs is not built; this build scores responses with "
                         "data.reward_fn on CPU workers: give roles.reward only a world_size")
     return problems

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlbatch.sandbox.limits import Limits
+
 GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
 """Roles that always hold a model on GPUs. ``reward`` may be a GPU model or a CPU rule; any other
 role name is a CPU role (e.g. ``code_sandbox``)."""
@@ -229,7 +231,8 @@ class DataConfig:
     """Where prompts come from: the built-in synthetic task, or a jsonl/parquet file."""
 
     name: str = "synthetic"
-    """'synthetic' (built-in arithmetic task) or 'file'."""
+    """'synthetic' (built-in arithmetic task), 'file', 'synthetic_code' (built-in code task) or
+    'code_file' (MBPP/HumanEval-style records with tests; see rlbatch/data/code.py)."""
     path: str | None = None
     """jsonl or parquet file for name=file."""
     check_path: bool = True
@@ -243,6 +246,27 @@ class DataConfig:
     """Prompt template; '{question}' is replaced by the record's question."""
     reward_fn: str = "rlbatch.rewards.rules:exact_match"
     """Dotted path 'module:function' of the reward function (completion, answer) -> float."""
+
+
+@dataclass
+class SandboxConfig:
+    """How the ``code_sandbox`` role runs responses against their tests (docs/sandbox.md)."""
+
+    isolation: str = "auto"
+    """'namespaces' (own user/mount/pid/network namespaces via util-linux unshare: no network, a
+    read-only view of the node, private /tmp), 'process' (resource limits and a private directory
+    only), or 'auto' (namespaces where the node allows them; the log says which is in force)."""
+    scoring: str = "fraction"
+    """Reward of a response: 'fraction' of its tests passed, or 'all' (1 only when every test passes)."""
+    code_weight: float = 1.0
+    """Weight of the sandbox's reward in the total reward."""
+    rule_weight: float = 0.0
+    """Weight of data.reward_fn (scored by the reward role, which must then be enabled) in the total."""
+    workers: int = 0
+    """Executions at once per code_sandbox process (0: the CPUs it may use)."""
+    cache: int = 100_000
+    """Outcomes kept per process, keyed by program and tests (0: run every response)."""
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass
@@ -281,3 +305,4 @@ class RLBatchConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)

@@ -35,7 +35,9 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbat
     "cluster.preempt_signal": ("USR2", "TERM", "INT", "HUP", "URG", "XCPU"),
     "model.arch": ("qwen2", "llama"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "data.name": ("synthetic", "file"),
+    "data.name": ("synthetic", "file", "synthetic_code", "code_file"),
+    "sandbox.isolation": ("auto", "namespaces", "process"),
+    "sandbox.scoring": ("fraction", "all"),
 }
 MINIMUMS: dict[str, float] = {
     "steps": 1, "save_every": 0, "keep_checkpoints": 1, "cluster.signal_delay_s": 0, "cluster.deadline_margin_s": 0, "cluster.time_min": 1, "cluster.timeout_s": 1e-3,
@@ -44,6 +46,38 @@ MINIMUMS: dict[str, float] = {
     "algo.grad_accum": 1, "algo.clip_low": 0.0, "algo.clip_high": 0.0, "algo.kl_coef": 0.0,
     "algo.grad_clip": 0.0, "algo.warmup_steps": 0,
 }
+
+
+def _code_task_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """A code task is scored by a code_sandbox role, and a code_sandbox role needs a code task."""
+    code_task = _get(cfg, "data.name") in ("synthetic_code", "code_file")
+    sandbox = _enabled(cfg, "code_sandbox")
+    out = []
+    if code_task and not sandbox:
+        out.append(f"roles.code_sandbox: data.name={_get(cfg, 'data.name')} is scored by running the responses' code: "
+                   f"add the role, e.g. +roles.code_sandbox.world_size=1 (or experiment=code)")
+    if sandbox and not code_task:
+        out.append(f"roles.code_sandbox: runs code against a problem's tests, but data.name={_get(cfg, 'data.name')} "
+                   f"has none; use data.name=synthetic_code or code_file")
+    sb = _get(cfg, "sandbox")
+    if sandbox and isinstance(sb, Mapping):
+        weights = {k: sb.get(k) for k in ("code_weight", "rule_weight")}
+        if any(not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0 for w in weights.values()):
+            out.append(f"sandbox: code_weight and rule_weight must be numbers >= 0, got {weights}")
+        elif not any(weights.values()):
+            out.append(f"sandbox: code_weight and rule_weight are both 0 ({weights}): nothing would score the responses")
+        elif weights["rule_weight"] and not _enabled(cfg, "reward"):
+            out.append(f"roles.reward: sandbox.rule_weight={weights['rule_weight']} adds data.reward_fn's score, "
+                       f"which the reward role computes; enable it or set sandbox.rule_weight=0")
+        limits = sb.get("limits")
+        if isinstance(limits, Mapping):
+            from rlbatch.sandbox.limits import Limits
+
+            try:
+                Limits(**dict(limits)).check("sandbox.limits")
+            except (TypeError, ValueError) as exc:
+                out.append(str(exc))
+    return out
 
 
 def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
@@ -129,9 +163,10 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
             f"roles.reference: algo.kl_coef={algo.get('kl_coef')} needs the reference role; "
             f"enable it or set algo.kl_coef=0"
         )
-    if _get(cfg, "data.name") == "file":
+    problems += _code_task_problems(cfg)
+    if _get(cfg, "data.name") in ("file", "code_file"):
         if not _get(cfg, "data.path"):
-            problems.append("data.path: data.name=file needs a jsonl or parquet path")
+            problems.append(f"data.path: data.name={_get(cfg, 'data.name')} needs a jsonl or parquet path")
         if not _get(cfg, "model.path"):
             problems.append("model.path: data.name=file needs a real model and tokenizer; set model.path=<local HF directory>")
     if placement is not None and "actor_train" in placement.roles:

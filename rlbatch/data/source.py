@@ -48,7 +48,19 @@ def fingerprint(problems: tuple[Sample, ...]) -> str:
     return f"{len(problems)}:{h.hexdigest()[:16]}"
 
 
+def problems_of(data_cfg: Any) -> tuple[Sample, ...]:
+    """The problem set ``data.name`` names: synthetic, file, synthetic_code or code_file."""
+    from rlbatch.data import code
+
+    build = {"synthetic": lambda: arithmetic_problems(), "file": lambda: file_problems(data_cfg),
+             "synthetic_code": lambda: code.synthetic_code_problems(),
+             "code_file": lambda: code.code_file_problems(data_cfg)}
+    if data_cfg.name not in build:
+        raise ConfigError(f"data.name: {data_cfg.name!r} is not one of {sorted(build)}")
+    return build[data_cfg.name]()
+
+
 def make_stream(data_cfg: Any, seed: int) -> tuple[PromptStream, str]:
     """The prompt stream and the dataset's fingerprint."""
-    problems = arithmetic_problems() if data_cfg.name == "synthetic" else file_problems(data_cfg)
+    problems = problems_of(data_cfg)
     return PromptStream(problems, seed=seed), fingerprint(problems)

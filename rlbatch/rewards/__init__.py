@@ -1,25 +1,27 @@
-"""Rule-based rewards ``fn(completion, answer) -> float`` and loading them by dotted path."""
+"""Rewards: rule functions (``rules``), the code sandbox (``code``), and which scores for which CPU role.
 
-from rlbatch.rewards.rules import (
-    STOP_MARKERS,
-    RewardFn,
-    exact_match,
-    exact_match_with_format,
-    extract_answer,
-    format_reward,
-    leading_number_match,
-    load_reward_fn,
-    split_at_stop,
-)
+A CPU role that works in a ``score`` phase of the phase table gets the scorer named here: a
+callable ``(completions, answers) -> (rewards, counts)``, where ``counts`` are per-step metrics.
+"""
 
-__all__ = [
-    "STOP_MARKERS",
-    "RewardFn",
-    "exact_match",
-    "exact_match_with_format",
-    "extract_answer",
-    "format_reward",
-    "leading_number_match",
-    "load_reward_fn",
-    "split_at_stop",
-]
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+Scorer = Callable[[list[str], list[str]], tuple[list[float], dict[str, int]]]
+
+SCORERS: dict[str, str] = {
+    "reward": "rlbatch.rewards.rules:rule_scorer",
+    "code_sandbox": "rlbatch.rewards.code:code_scorer",
+}
+"""CPU role -> ``module:factory``; ``factory(cfg) -> Scorer``."""
+
+
+def build_scorer(role: str, cfg: Any) -> Scorer:
+    if role not in SCORERS:
+        raise KeyError(f"role {role!r} scores responses but no scorer is registered for it; scorers: {sorted(SCORERS)}")
+    module, _, name = SCORERS[role].partition(":")
+    factory: Callable[[Any], Scorer] = getattr(importlib.import_module(module), name)
+    return factory(cfg)

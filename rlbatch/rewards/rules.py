@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 RewardFn = Callable[[str, str], float]
 
@@ -103,3 +104,13 @@ def load_reward_fn(path: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"reward function {path!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def rule_scorer(cfg: Any) -> Callable[[list[str], list[str]], tuple[list[float], dict[str, int]]]:
+    """The reward role's scorer: ``data.reward_fn`` on each (completion, answer)."""
+    fn = load_reward_fn(str(cfg.data.reward_fn))
+
+    def score(completions: list[str], answers: list[str]) -> tuple[list[float], dict[str, int]]:
+        return [float(fn(c, a)) for c, a in zip(completions, answers, strict=True)], {}
+
+    return score

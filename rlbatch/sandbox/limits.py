@@ -14,8 +14,10 @@ but the network and the file system as the worker's user sees them. ``auto``: na
 node allows them, else process (the log says which)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Limits:
+    """Resource limits of one execution (``sandbox.limits.*`` in the config)."""
+
     timeout_s: float = 10.0
     """Wall-clock seconds for one execution (code and all its tests); then the whole process tree is killed."""
     test_timeout_s: float = 4.0

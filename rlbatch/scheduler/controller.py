@@ -177,9 +177,16 @@ class Scores:
     def __init__(self, pending: PendingPhase, ids: list[int]) -> None:
         self.pending, self.ids = pending, ids
 
+        self.counts: dict[str, int] = {}
+
     def result(self) -> torch.Tensor:
-        merged = {k: v for o in self.pending.result().values() for k, v in o.items()}
-        return torch.tensor([merged[i] for i in self.ids])
+        """The rewards; ``counts`` then holds the scorers' per-step counts, summed over ranks."""
+        outs = self.pending.result().values()
+        merged = {k: v for o in outs for k, v in o["rewards"].items()}
+        for o in outs:
+            for k, v in o["counts"].items():
+                self.counts[k] = self.counts.get(k, 0) + v
+        return torch.tensor([merged[i] for i in self.ids], dtype=torch.float32)
 
 
 def shards(role: RolePlacement, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -30,6 +30,7 @@ from rlbatch.scheduler.controller import Pipeline, Role
 from rlbatch.scheduler.metrics import Metrics, step_row
 from rlbatch.scheduler.preemption import Preemption
 from rlbatch.scheduler.rank_runtime import RankRuntime
+from rlbatch.scheduler.scoring import Scoring
 
 
 def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     estimate_advantages = ADVANTAGES.get(str(a.advantage))
     pipe = Pipeline(world, cfg)
     print(f"engines ready on every rank in {pipe.wait_ready():.1f}s", flush=True)
-    actor_infer, actor_train, reward = Role(pipe, "actor_infer"), Role(pipe, "actor_train"), Role(pipe, "reward")
+    actor_infer, actor_train, scoring = Role(pipe, "actor_infer"), Role(pipe, "actor_train"), Scoring(pipe, cfg)
     reference = Role(pipe, "reference") if "reference" in world.placement.roles else None
     data, fingerprint = make_stream(cfg.data, int(cfg.seed))
     ckpt = Checkpointer(pipe, run, cfg, data, fingerprint)
@@ -65,14 +66,14 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
         t0 = time.perf_counter()
         prompts = data.next_batch(int(a.prompts_per_step))
         rollouts = actor_infer.generate(prompts, n, first_id=step * per_step, seed=int(cfg.seed) * 100_003 + step)
-        scores = reward.score(rollouts)  # scored alongside the log-prob phases
+        scoring.start(rollouts)  # scored alongside the log-prob phases
         if reference is not None and a.kl_coef > 0:
             reference.logprobs(rollouts)
         kl = None
         if reuse_batch or a.kl_in_reward:  # the policy before this step's updates
             kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if a.kl_in_reward else None,
                                       skip_first_mini_batch=a.epochs == 1 and not a.kl_in_reward)
-        rewards = scores.result()
+        rewards, counts = scoring.result()
         shaped = rewards
         if a.kl_in_reward and kl is not None:
             shaped = rewards - a.kl_coef * torch.tensor([kl[i] for i in rollouts.ids])
@@ -81,7 +82,7 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
         actor_train.sync_weights(actor_infer)
         pipe.forget(rollouts.ids)
         step_s = time.perf_counter() - t0
-        metrics.log(step_row(step, rewards, rollouts, stats, pipe.phase_seconds, pipe.records, step_s))
+        metrics.log(step_row(step, rewards, rollouts, stats, pipe.phase_seconds, pipe.records, step_s) | counts)
 
         last = step == int(cfg.steps) - 1
         stop = None if last else preemption.reason_to_stop(step_s, ckpt.last_save_s)

@@ -24,6 +24,7 @@ from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args
 from rlbatch.phases import PHASES, PhaseSpec
+from rlbatch.rewards import Scorer, build_scorer
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
@@ -32,6 +33,13 @@ from rlbatch.scheduler.residency import Residency
 from rlbatch.scheduler.weightsync import WeightBroadcast
 
 log = logging.getLogger(__name__)
+
+
+def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Scorer]:
+    """This rank's CPU roles that score responses (phases whose op is ``score``), each with the
+    scorer ``rlbatch.rewards.SCORERS`` names for it."""
+    return {spec.role: build_scorer(spec.role, cfg) for spec in PHASES.values()
+            if spec.op == "score" and spec.role in world.roles and not world.placement.roles[spec.role].is_gpu}
 
 
 class RankRuntime:
@@ -49,12 +57,7 @@ class RankRuntime:
                                 world.device, int(cfg.seed), world.meshes.get(role), role in TRAINABLE_ROLES)
             self.engines[role] = build_engine(rp.engine, ctx)
             log.info("built %s engine for %s", rp.engine, role)
-        self.reward_fn = None
-        scorer = PHASES["score"].role
-        if scorer in world.roles and not p.roles[scorer].is_gpu:
-            from rlbatch.rewards.rules import load_reward_fn
-
-            self.reward_fn = load_reward_fn(str(cfg.data.reward_fn))
+        self.scorers = scorers(world, cfg)
         self.objective = PolicyObjective(cfg.algo)
         offload = {r: p.roles[r].offload for r in self.engines}
         self.residency = Residency(self.engines, offload, world.device)
@@ -101,13 +104,12 @@ class RankRuntime:
             out[sid] = (len(tokens[text]), len(gen.tokens))
         return out
 
-    def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str]) -> dict[int, float]:
-        assert self.reward_fn is not None
-        out = {}
-        for sid, answer in zip(ids, answers, strict=True):
-            completion = self.tokenizer.decode(self.store.samples[sid]["response"].tolist(), skip_special_tokens=False)
-            out[sid] = float(self.reward_fn(completion, answer))
-        return out
+    def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str]) -> dict[str, Any]:
+        """This rank's scorer for the phase's role: ``{"rewards": {sid: float}, "counts": {name: int}}``."""
+        completions = [self.tokenizer.decode(self.store.samples[sid]["response"].tolist(), skip_special_tokens=False)
+                       for sid in ids]
+        rewards, counts = self.scorers[spec.role](completions, answers)
+        return {"rewards": dict(zip(ids, rewards, strict=True)), "counts": counts}
 
     def _per_token(self, spec: PhaseSpec, ids: list[int], compute: str) -> list[torch.Tensor]:
         """Run the engine's ``compute`` (logprobs / values) on ``ids`` and keep the result as the

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.rewards import (
+from rlbatch.rewards.rules import (
     exact_match,
     exact_match_with_format,
     extract_answer,

@@ -133,7 +133,7 @@ def trl_worker(spec_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlbatch.rewards import load_reward_fn
+    from rlbatch.rewards.rules import load_reward_fn
 
     score_one = load_reward_fn(s["reward_fn"])
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])

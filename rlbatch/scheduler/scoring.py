@@ -1,0 +1,43 @@
+"""The reward of a response: the weighted sum of what each scoring role gives it.
+
+The reward role scores with ``data.reward_fn``; a ``code_sandbox`` role runs the response against
+its tests. With no code_sandbox role the reward role's score is the reward (weight 1); with one,
+``sandbox.code_weight`` and ``sandbox.rule_weight`` weigh the two (a weight of 0 skips its phase).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlbatch.scheduler.controller import Pipeline, Role, Scores
+
+
+def weights(roles: Any, sandbox: Any) -> dict[str, float]:
+    """Scoring role -> weight, for the roles present (``roles``: names of the run's roles)."""
+    if "code_sandbox" not in roles:
+        return {"reward": 1.0}
+    out = {"code_sandbox": float(sandbox.code_weight), "reward": float(sandbox.rule_weight)}
+    return {r: w for r, w in out.items() if w != 0 and r in roles}
+
+
+class Scoring:
+    def __init__(self, pipe: Pipeline, cfg: Any) -> None:
+        self.roles = [(Role(pipe, r), w) for r, w in weights(pipe.p.roles, cfg.sandbox).items()]
+        self.pending: list[tuple[float, Scores]] = []
+
+    def start(self, rollouts: Any) -> None:
+        """Start every scoring role at once (they run alongside the log-prob phases)."""
+        self.pending = [(w, role.score(rollouts)) for role, w in self.roles]
+
+    def result(self) -> tuple[torch.Tensor, dict[str, int]]:
+        """The rewards (in the rollouts' order) and the scorers' counts for the metrics."""
+        total: torch.Tensor | None = None
+        counts: dict[str, int] = {}
+        for w, scores in self.pending:
+            part = w * scores.result()
+            total = part if total is None else total + part
+            counts |= scores.counts
+        assert total is not None
+        return total, counts
