@@ -65,9 +65,8 @@ def synthetic_code_problems(ops: str = "+-", constants: range = range(10)) -> tu
 
 def _record_problem(r: dict[str, Any], template: str) -> Sample:
     if "test_list" in r or "tests" in r:  # MBPP
-        tests = r.get("test_list") or r.get("tests")
-        if isinstance(tests, str):
-            tests = [t for t in tests.splitlines() if t.strip()]
+        given = r.get("test_list") or r.get("tests") or []
+        tests = [t for t in given.splitlines() if t.strip()] if isinstance(given, str) else [str(t) for t in given]
         setup = str(r.get("test_setup_code") or "")
         text = r.get("text") or r.get("prompt") or r.get("question")
         return Sample(template.format(question=text), encode_tests("", [*([setup] if setup else []), *tests]))

@@ -1,4 +1,4 @@
-"""The child side of one sandboxed execution: standard library only, run as ``python -I -S harness.py``.
+"""The child side of one sandboxed execution: standard library only, its source run as ``python -I -S -c``.
 
 It reads one job (JSON) from stdin, then, before any of the job's code runs:
 

@@ -128,3 +128,17 @@ def test_validation(tmp_path) -> None:
     c["sandbox"]["limits"]["memory_mb"] = 8
     assert any(p.startswith("sandbox.limits.memory_mb") and "got 8" in p for p in _problems(c))
     assert any("sandbox.isolation" in p and "docker" in p for p in _problems(_code_cfg(tmp_path, isolation="docker")))
+
+
+def test_sandbox_bench_prints_each_ratio() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/sandbox.py"), "--snippets", "4", "--parallel", "1",
+                          "2", "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2].split()[0] == "1" and lines[-1].split()[0] == "2"
+    assert all(line.count("x)") == 2 for line in lines[-2:]), lines  # namespaces and process, each against the floor
