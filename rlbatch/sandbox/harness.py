@@ -1,6 +1,6 @@
 """The child side of one sandboxed execution: standard library only, its source run as ``python -I -S -c``.
 
-It reads one job (JSON) from stdin, then, before any of the job's code runs:
+It reads one job (a ``marshal``-ed dict: a built-in module, nothing to import) from stdin, then, before any of the job's code runs:
 
 1. with ``isolate_fs`` (inside fresh user, mount, pid and network namespaces): every mount is
    remounted read-only, private empty tmpfs mounts cover ``/tmp``, ``/var/tmp`` and ``/dev/shm``,
@@ -14,8 +14,7 @@ result descriptor: ``<nonce> <index> pass|fail <reason>``, flushed after each te
 before a crash are kept. Outcomes are judged by the parent from these lines and the exit status.
 """
 
-import ctypes
-import json
+import marshal
 import os
 import resource
 import signal
@@ -27,12 +26,18 @@ MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 
 _FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
           "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
-_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _libc():
+    import ctypes  # only under namespaces: importing it costs as much as starting the interpreter
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
 
 
 def _mount(src, target, fstype, flags, data):
+    ctypes, libc = _libc()
     enc = [x.encode() if isinstance(x, str) else x for x in (src, target, fstype, data)]
-    if _LIBC.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]) != 0:
+    if libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
@@ -69,10 +74,11 @@ def isolate_filesystem(tmp_mb):
 
 
 def drop_capabilities():
-    if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    ctypes, libc = _libc()
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     for cap in range(64):
-        if _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break  # past the kernel's last capability
 
     class Header(ctypes.Structure):
@@ -82,7 +88,7 @@ def drop_capabilities():
         _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
     header, data = Header(0x20080522, 0), (Data * 2)()
-    if _LIBC.capset(ctypes.byref(header), data) != 0:
+    if libc.capset(ctypes.byref(header), data) != 0:
         raise OSError(ctypes.get_errno(), "capset")
 
 
@@ -107,11 +113,14 @@ def _alarm(signum, frame):
 
 
 def main():
-    job = json.loads(sys.stdin.read())
+    job = marshal.loads(sys.stdin.buffer.read())
     sys.stdin.close()
     nonce, result_fd = job.pop("nonce"), job.pop("result_fd")
     results = os.fdopen(result_fd, "w", buffering=1)
     if job["isolate_fs"]:
+        # A session of its own inside the pid namespace: kill(0, ...) then reaches nothing outside
+        # (the launcher that started the namespace shares the caller's process group otherwise).
+        os.setsid()
         isolate_filesystem(job["limits"]["tmp_mb"])
     if job["drop_caps"]:
         drop_capabilities()

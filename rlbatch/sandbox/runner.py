@@ -12,7 +12,7 @@ from the harness's per-test lines (tagged with a random nonce), never from the c
 
 from __future__ import annotations
 
-import json
+import marshal
 import os
 import secrets
 import shutil
@@ -92,10 +92,9 @@ class Sandbox:
         os.mkdir(work, 0o700)
         env = dict(isolation.SAFE_ENV, HOME="/tmp/work" if namespaced else work,
                    TMPDIR="/tmp/work" if namespaced else work)
-        payload = json.dumps({"nonce": nonce, "code": job.code, "tests": tests, "limits": lim.as_dict(),
-                              "isolate_fs": namespaced, "drop_caps": namespaced, "result_fd": 0}).encode()
         with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "res"), "w+b") as res:
-            payload = payload.replace(b'"result_fd": 0', f'"result_fd": {res.fileno()}'.encode())
+            payload = marshal.dumps({"nonce": nonce, "code": job.code, "tests": tests, "limits": lim.as_dict(),
+                                     "isolate_fs": namespaced, "drop_caps": namespaced, "result_fd": res.fileno()}, 4)
             proc = subprocess.Popen(isolation.command(self.mode), stdin=subprocess.PIPE, stdout=out, stderr=out,
                                     pass_fds=(res.fileno(),), cwd=work, env=env, start_new_session=True)
             timed_out = False

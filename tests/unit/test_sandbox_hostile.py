@@ -22,7 +22,8 @@ from rlbatch.sandbox.runner import Job, Outcome, Sandbox
 SENTINEL_DIR = "/var/tmp/rlbatch-sandbox-sentinel"
 SENTINEL = os.path.join(SENTINEL_DIR, "keep.txt")
 SECRET = "sentinel-secret-4711"
-LIMITS = Limits(timeout_s=8.0, test_timeout_s=3.0, cpu_s=4, memory_mb=256, file_mb=4, tmp_mb=8, processes=16,
+# Timeouts leave a loaded 2-core machine room: only the looping snippets reach them.
+LIMITS = Limits(timeout_s=20.0, test_timeout_s=5.0, cpu_s=4, memory_mb=256, file_mb=4, tmp_mb=8, processes=16,
                 open_files=32, output_kb=4)
 
 
