@@ -76,7 +76,8 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
         if a.dynamic_sampling:  # DAPO: rounds of generate + score until the batch's groups vary
-            rollouts, rewards, extra = dynamic_batch(actor_infer, reward, data, step, int(cfg.seed), a)
+            rollouts, rewards, generated, extra = dynamic_batch(actor_infer, reward, data, step, int(cfg.seed), a)
+            extra["reward_batch_mean"] = float(rewards.mean())
             scores = None
         else:
             prompts = data.next_batch(int(a.prompts_per_step))
@@ -89,7 +90,7 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
             kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if kl_in_reward else None,
                                       skip_first_mini_batch=a.epochs == 1 and not kl_in_reward)
         if scores is not None:
-            rewards = scores.result()
+            rewards = generated = scores.result()
             extra["sampling/zero_variance_frac"] = float(zero_variance_groups(rewards, n).float().mean())
         lengths = [rollouts.response_len[i] for i in rollouts.ids]
         shaped = rewards + overlong_penalty(torch.tensor(lengths), int(a.max_new_tokens), int(a.overlong_buffer),
@@ -101,7 +102,8 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
         pipe.forget(rollouts.ids)
         step_s = time.perf_counter() - t0
         extra |= advantage_stats(advantages) | {"reward_shaped_mean": float(shaped.mean())}
-        metrics.log(step_row(step, rewards, rollouts, stats, pipe.phase_seconds, pipe.records, step_s) | extra)
+        # reward_mean: over every sample generated this step (dynamic sampling trains on a biased subset)
+        metrics.log(step_row(step, generated, rollouts, stats, pipe.phase_seconds, pipe.records, step_s) | extra)
 
         last = step == int(cfg.steps) - 1
         stop = None if last else preemption.reason_to_stop(step_s, ckpt.last_save_s)

@@ -78,8 +78,11 @@ def select(parts: list[tuple[Rollouts, torch.Tensor]], groups: list[int]) -> tup
 
 
 def dynamic_batch(actor_infer: Role, reward: Role, data: Any, step: int, seed: int, algo: Any,
-                  ) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
-    """Rounds of generate + score until ``prompts_per_step`` varied groups (or the round cap)."""
+                  ) -> tuple[Rollouts, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Rounds of generate + score until ``prompts_per_step`` varied groups (or the round cap).
+
+    Returns the batch's rollouts and rewards, the rewards of every sample generated (the policy's
+    unfiltered reward: the batch's own is biased, as all-right groups are left out) and stats."""
     p, n = int(algo.prompts_per_step), int(algo.samples_per_prompt)
     cap = int(algo.max_sampling_rounds)
     picker = GroupPicker(p)
@@ -93,4 +96,4 @@ def dynamic_batch(actor_infer: Role, reward: Role, data: Any, step: int, seed: i
         parts.append((ro, rewards))
     rollouts, rewards, dropped = select(parts, picker.picked())
     actor_infer.pipe.forget(dropped)
-    return rollouts, rewards, picker.stats()
+    return rollouts, rewards, torch.cat([r for _, r in parts]), picker.stats()
