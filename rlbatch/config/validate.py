@@ -121,8 +121,8 @@ def _check_groups(algo: Mapping[str, Any]) -> list[str]:
     if small and algo.get("dynamic_sampling") is True:
         problems.append(f"algo.samples_per_prompt: algo.dynamic_sampling keeps groups whose rewards differ, so it "
                         f"needs at least 2 samples per prompt, got {spp}")
-    rounds = algo.get("max_sampling_rounds")
-    if algo.get("dynamic_sampling") is True and _int(rounds) is not None and rounds < 1:
+    rounds = _int(algo.get("max_sampling_rounds"))
+    if algo.get("dynamic_sampling") is True and rounds is not None and rounds < 1:
         problems.append(f"algo.max_sampling_rounds: dynamic sampling needs a cap of at least one generation round "
                         f"per step, got {rounds}")
     buffer, longest = _int(algo.get("overlong_buffer")), _int(algo.get("max_new_tokens"))
