@@ -7,6 +7,7 @@ trainer, the tests and any other backend can share them. Shapes use ``B`` for se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,7 +15,8 @@ import torch
 from torch import Tensor
 
 KLKind = Literal["k1", "k2", "k3", "abs"]
-LossAgg = Literal["token", "seq"]
+LossAgg = Literal["token", "seq", "seq_sum"]
+Aggregator = LossAgg | Callable[[Tensor, Tensor], Tensor]
 
 # exp() of a log-ratio above this overflows float32 long before it carries information; clamping
 # keeps one badly off-policy token from turning the whole loss into inf/nan.
@@ -37,12 +39,15 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return total / count.clamp(min=1.0)
 
 
-def aggregate(per_token: Tensor, mask: Tensor, agg: LossAgg = "token") -> Tensor:
+def aggregate(per_token: Tensor, mask: Tensor, agg: LossAgg = "token", norm: float | None = None) -> Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar.
 
     ``"token"`` averages over all valid tokens of the batch, so long completions weigh more
     (DAPO style). ``"seq"`` averages inside each sequence first and then over the sequences
     that have at least one valid token, so every sequence weighs the same (original GRPO).
+    ``"seq_sum"`` sums each sequence's tokens and divides by the constant ``norm`` (Dr.GRPO uses
+    the longest possible response), then averages over the ``B`` sequences: no length bias either
+    way, since a token's weight never depends on the length of its sequence.
     """
     if agg == "token":
         return masked_mean(per_token, mask)
@@ -50,7 +55,15 @@ def aggregate(per_token: Tensor, mask: Tensor, agg: LossAgg = "token") -> Tensor
         per_seq = masked_mean(per_token, mask, dim=-1)
         has_tokens = (mask.sum(-1) > 0).to(per_token.dtype)
         return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    raise ValueError(f"unknown loss aggregation {agg!r}; expected 'token' or 'seq'")
+    if agg == "seq_sum":
+        if norm is None or norm <= 0:
+            raise ValueError(f"loss aggregation 'seq_sum' needs a positive constant norm, got {norm}")
+        return (per_token * mask.to(per_token.dtype)).sum() / (norm * max(per_token.shape[0], 1))
+    raise ValueError(f"unknown loss aggregation {agg!r}; expected 'token', 'seq' or 'seq_sum'")
+
+
+def _reduce(per_token: Tensor, mask: Tensor, agg: Aggregator) -> Tensor:
+    return agg(per_token, mask) if callable(agg) else aggregate(per_token, mask, agg)
 
 
 def grpo_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True) -> Tensor:
@@ -115,7 +128,7 @@ def ppo_clip_loss(
     mask: Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    agg: LossAgg = "token",
+    agg: Aggregator = "token",
 ) -> tuple[Tensor, ClipStats]:
     """PPO clipped surrogate loss (to minimise) with separate lower/upper clip ranges.
 
@@ -127,10 +140,39 @@ def ppo_clip_loss(
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
+    return _clipped_surrogate(torch.exp(log_ratio), logp, old_logp, advantages, mask, clip_low, clip_high, agg)
+
+
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: Aggregator = "seq",
+) -> tuple[Tensor, ClipStats]:
+    """GSPO: the clipped surrogate with one importance ratio per sequence.
+
+    The sequence ratio is ``s_i = exp(mean_t(logp - old_logp))`` over the sequence's valid tokens
+    (the length-normalised likelihood ratio), and the clip acts on it, so a sequence is kept or
+    clipped as a whole. Per token the ratio is ``sg[s_i] * exp(logp_t - sg[logp_t])`` (GSPO-token):
+    equal to ``s_i`` in value, with the gradient ``s_i * grad logp_t``; averaged per sequence
+    (``agg='seq'``) that is GSPO's gradient, and per-token advantages still work. Its clip ranges
+    are in units of a per-token-averaged ratio, hence far smaller than PPO's (3e-4 / 4e-4).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logp)
+    seq_log_ratio = masked_mean(logp.detach() - old_logp, mask, dim=-1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(seq_log_ratio[:, None] + logp - logp.detach())
+    return _clipped_surrogate(ratio, logp, old_logp, advantages, mask, clip_low, clip_high, agg)
+
+
+def _clipped_surrogate(ratio: Tensor, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                       clip_low: float, clip_high: float, agg: Aggregator) -> tuple[Tensor, ClipStats]:
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = aggregate(torch.maximum(unclipped, clipped), mask, agg)
+    loss = _reduce(torch.maximum(unclipped, clipped), mask, agg)
 
     with torch.no_grad():
         was_clipped = (clipped > unclipped).to(logp.dtype)

@@ -1,5 +1,11 @@
 """The registered algorithm parts (see ``rlbatch.algos.registry``): thin adapters from the
-config to the pure tensor functions of ``rlbatch.algos.core``."""
+config to the pure tensor functions of ``rlbatch.algos.core`` and ``rlbatch.algos.advantages``.
+
+Advantage estimators take ``(rewards [N], group_size, algo, *, lengths, kl)``: ``lengths`` are the
+response lengths, ``kl`` the per-token KL to the reference of each response when
+``algo.kl_in_reward`` (else None). Sequence-level estimators subtract ``kl_coef * sum_t KL_t`` from
+the reward; token-level ones put ``-kl_coef * KL_t`` on each token.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +14,84 @@ from typing import Any
 
 from torch import Tensor
 
+from rlbatch.algos import advantages as adv
 from rlbatch.algos import core
 
 
-def grpo(rewards: Tensor, group_size: int, algo: Any) -> Tensor:
+def _kl_shaped(rewards: Tensor, kl: list[Tensor] | None, algo: Any) -> Tensor:
+    if kl is None:
+        return rewards.float()
+    return rewards.float() - float(algo.kl_coef) * Tensor([float(k.sum()) for k in kl])
+
+
+def grpo(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int] | None = None,
+         kl: list[Tensor] | None = None) -> Tensor:
     """Group-relative: each reward minus its group's mean, over the group's std (+ adv_eps)."""
-    return core.grpo_advantages(rewards, group_size, float(algo.adv_eps))
+    return core.grpo_advantages(_kl_shaped(rewards, kl, algo), group_size, float(algo.adv_eps))
+
+
+def dr_grpo(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int] | None = None,
+            kl: list[Tensor] | None = None) -> Tensor:
+    """Dr.GRPO: each reward minus its group's mean, not divided by the std (no difficulty bias)."""
+    return core.grpo_advantages(_kl_shaped(rewards, kl, algo), group_size, std_normalize=False)
+
+
+def rloo(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int] | None = None,
+         kl: list[Tensor] | None = None) -> Tensor:
+    """RLOO: each reward minus the mean of the other samples of its group."""
+    return adv.rloo_advantages(_kl_shaped(rewards, kl, algo), group_size)
+
+
+def _lengths(lengths: list[int] | None) -> list[int]:
+    if lengths is None:
+        raise ValueError("per-token advantage estimators need the response lengths")
+    return lengths
+
+
+def reinforce_pp(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int] | None = None,
+                 kl: list[Tensor] | None = None) -> list[Tensor]:
+    """REINFORCE++: per-token returns (KL on each token when kl_in_reward), whitened over the batch."""
+    return adv.reinforce_pp_advantages(rewards, _lengths(lengths), kl, float(algo.kl_coef), float(algo.gamma),
+                                       None, float(algo.adv_eps))
+
+
+def reinforce_pp_baseline(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int] | None = None,
+                          kl: list[Tensor] | None = None) -> list[Tensor]:
+    """REINFORCE++-baseline: REINFORCE++ after subtracting each group's mean reward."""
+    return adv.reinforce_pp_advantages(rewards, _lengths(lengths), kl, float(algo.kl_coef), float(algo.gamma),
+                                       group_size, float(algo.adv_eps))
 
 
 def ppo_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, algo: Any,
-             agg: str) -> tuple[Tensor, core.ClipStats]:
+             agg: core.Aggregator) -> tuple[Tensor, core.ClipStats]:
     """PPO's clipped surrogate with separate low/high clip ranges (DAPO's clip-higher)."""
-    return core.ppo_clip_loss(logp, old_logp, advantages, mask, float(algo.clip_low), float(algo.clip_high),
-                              agg)  # type: ignore[arg-type]
+    return core.ppo_clip_loss(logp, old_logp, advantages, mask, float(algo.clip_low), float(algo.clip_high), agg)
 
 
-# The KL estimators and aggregations of core, one registry entry each.
+def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, algo: Any,
+         agg: core.Aggregator) -> tuple[Tensor, core.ClipStats]:
+    """GSPO: one importance ratio per sequence, clipped with clip_low/clip_high."""
+    return core.gspo_loss(logp, old_logp, advantages, mask, float(algo.clip_low), float(algo.clip_high), agg)
+
+
+# The KL estimators of core, one registry entry each.
 kl_k1 = partial(core.kl_penalty, kind="k1")
 kl_k2 = partial(core.kl_penalty, kind="k2")
 kl_k3 = partial(core.kl_penalty, kind="k3")
 kl_abs = partial(core.kl_penalty, kind="abs")
-agg_token = partial(core.aggregate, agg="token")
-agg_seq = partial(core.aggregate, agg="seq")
+
+
+# Aggregations: (per_token [B, T], mask, algo) -> scalar.
+def agg_token(per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
+    return core.aggregate(per_token, mask, "token")
+
+
+def agg_seq(per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
+    return core.aggregate(per_token, mask, "seq")
+
+
+def agg_seq_sum(per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
+    """Dr.GRPO: token sums over the constant max_new_tokens, averaged over sequences."""
+    if algo is None:
+        raise ValueError("loss aggregation 'seq_sum' divides by algo.max_new_tokens: pass the algorithm config")
+    return core.aggregate(per_token, mask, "seq_sum", float(algo.max_new_tokens))

@@ -38,8 +38,8 @@ class PolicyObjective:
     by the engine and averaged over updates."""
 
     def __init__(self, algo: Any) -> None:
-        self.agg_name = str(algo.loss_agg)
-        self.agg = AGGREGATIONS.get(self.agg_name)
+        agg = AGGREGATIONS.get(str(algo.loss_agg))
+        self.agg = lambda per_token, mask: agg(per_token, mask, algo)
         self.policy_loss = POLICY_LOSSES.get(str(getattr(algo, "policy_loss", "ppo_clip")))
         self.kl = KL_ESTIMATORS.get(str(algo.kl_estimator))
         self.kl_coef = float(algo.kl_coef) if not algo.kl_in_reward else 0.0
@@ -54,8 +54,9 @@ class PolicyObjective:
         # Without old log-probs the batch is on-policy: old = current, detached (exact only before
         # the first update; the engine refuses it after).
         old = x.fields.get("old_logprobs", x.logp.detach())
-        loss, clip = self.policy_loss(x.logp, old, x.advantages, x.mask, self.algo, self.agg_name)
-        stats = {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "approx_kl_old": clip.approx_kl.item()}
+        loss, clip = self.policy_loss(x.logp, old, x.advantages, x.mask, self.algo, self.agg)
+        stats = {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "clip_frac_low": clip.clip_frac_low.item(),
+                 "clip_frac_high": clip.clip_frac_high.item(), "approx_kl_old": clip.approx_kl.item()}
         if self.kl_coef > 0 and "ref_logprobs" in x.fields:
             kl = self.agg(self.kl(x.logp, x.fields["ref_logprobs"]), x.mask)
             loss = loss + self.kl_coef * kl

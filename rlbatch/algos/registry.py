@@ -6,10 +6,11 @@ checks names before anything starts without importing torch. An algorithm is add
 registering its parts here (or from a plugin module with ``register``) and, only where its loop
 differs, a program; no engine changes.
 
-    ADVANTAGES      (rewards [N], group_size, algo cfg) -> advantages [N] or per-token [N][T]
-    POLICY_LOSSES   (logp, old_logp, advantages [B,T], mask, algo cfg) -> (loss, stats)
+    ADVANTAGES      (rewards [N], group_size, algo cfg, *, lengths, kl) -> advantages [N] or
+                    per-token (N tensors); kl: per-token KL of each response when algo.kl_in_reward
+    POLICY_LOSSES   (logp, old_logp, advantages [B,T], mask, algo cfg, aggregate) -> (loss, ClipStats)
     KL_ESTIMATORS   (logp, ref_logp) -> per-token KL estimate
-    AGGREGATIONS    (per_token [B,T], mask) -> scalar
+    AGGREGATIONS    (per_token [B,T], mask, algo cfg) -> scalar
     PROGRAMS        the controller loop for algo.name
 """
 
@@ -55,9 +56,14 @@ class Registry:
 
 ADVANTAGES = Registry("advantage estimator", "algo.advantage", {
     "grpo": "rlbatch.algos.estimators:grpo",
+    "dr_grpo": "rlbatch.algos.estimators:dr_grpo",
+    "rloo": "rlbatch.algos.estimators:rloo",
+    "reinforce_pp": "rlbatch.algos.estimators:reinforce_pp",
+    "reinforce_pp_baseline": "rlbatch.algos.estimators:reinforce_pp_baseline",
 })
 POLICY_LOSSES = Registry("policy loss", "algo.policy_loss", {
     "ppo_clip": "rlbatch.algos.estimators:ppo_clip",
+    "gspo": "rlbatch.algos.estimators:gspo",
 })
 KL_ESTIMATORS = Registry("KL estimator", "algo.kl_estimator", {
     "k1": "rlbatch.algos.estimators:kl_k1",
@@ -68,12 +74,19 @@ KL_ESTIMATORS = Registry("KL estimator", "algo.kl_estimator", {
 AGGREGATIONS = Registry("loss aggregation", "algo.loss_agg", {
     "token": "rlbatch.algos.estimators:agg_token",
     "seq": "rlbatch.algos.estimators:agg_seq",
+    "seq_sum": "rlbatch.algos.estimators:agg_seq_sum",
 })
 PROGRAMS = Registry("algorithm (program)", "algo.name", {
-    "grpo": "rlbatch.scheduler.program:policy_gradient",
+    **{name: "rlbatch.scheduler.program:policy_gradient"
+       for name in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")},
 })
-"""algo.name -> the controller loop. 'grpo' is the critic-free policy-gradient loop: generate,
-score, reference/old log-probs, advantages from rewards, train, sync."""
+"""algo.name -> the controller loop. The critic-free family shares one policy-gradient loop
+(generate, score, reference/old log-probs, advantages from rewards, train, sync; DAPO's dynamic
+sampling is its ``algo.dynamic_sampling`` switch); the name says which preset the run follows."""
+
+GROUP_ADVANTAGES: set[str] = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"}
+"""Advantage estimators that compare the samples of one prompt's group: they need
+samples_per_prompt >= 2. A plugin adds the name of such an estimator it registers."""
 
 ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, PROGRAMS)
 

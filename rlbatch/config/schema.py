@@ -174,13 +174,16 @@ class AlgoConfig:
     """The RL algorithm: GRPO by default (group-normalised advantages, PPO-clip, KL to reference)."""
 
     name: str = "grpo"
-    """The program (controller loop) from ``rlbatch.algos.registry.PROGRAMS``: 'grpo' is the
-    critic-free policy-gradient loop."""
+    """The program (controller loop) from ``rlbatch.algos.registry.PROGRAMS``: 'grpo', 'dr_grpo',
+    'dapo', 'gspo', 'rloo' and 'reinforce_pp' all run the critic-free policy-gradient loop (the
+    presets in conf/algo/ set the parts below)."""
     advantage: str = "grpo"
-    """Advantage estimator from ``rlbatch.algos.registry.ADVANTAGES`` ('grpo': group-normalised)."""
+    """Advantage estimator from ``rlbatch.algos.registry.ADVANTAGES``: 'grpo' (group mean and std),
+    'dr_grpo' (group mean only), 'rloo' (leave-one-out mean), 'reinforce_pp' (per-token returns
+    whitened over the batch), 'reinforce_pp_baseline' (the same after the group mean)."""
     policy_loss: str = "ppo_clip"
-    """Policy loss from ``rlbatch.algos.registry.POLICY_LOSSES`` ('ppo_clip': clipped surrogate
-    with clip_low/clip_high)."""
+    """Policy loss from ``rlbatch.algos.registry.POLICY_LOSSES``: 'ppo_clip' (per-token ratio, clipped
+    with clip_low/clip_high) or 'gspo' (one length-normalised ratio per sequence, clipped as a whole)."""
     prompts_per_step: int = 16
     """Prompts drawn per step."""
     samples_per_prompt: int = 8
@@ -214,14 +217,29 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     """KL estimator from ``rlbatch.algos.registry.KL_ESTIMATORS``: 'k1', 'k2', 'k3' or 'abs'."""
     kl_in_reward: bool = False
-    """Subtract the KL from the reward instead of adding it to the loss."""
+    """Subtract kl_coef * KL from the reward instead of adding it to the loss: per token for the
+    per-token estimators (reinforce_pp*), summed over the response for the sequence-level ones."""
+    gamma: float = 1.0
+    """Discount of the per-token returns (reinforce_pp*), in (0, 1]."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     loss_agg: str = "token"
-    """Loss aggregation from ``rlbatch.algos.registry.AGGREGATIONS``: 'token' (mean over all tokens)
-    or 'seq' (mean over sequences of per-sequence means)."""
+    """Loss aggregation from ``rlbatch.algos.registry.AGGREGATIONS``: 'token' (mean over all tokens),
+    'seq' (mean over sequences of per-sequence means) or 'seq_sum' (per-sequence token sums over
+    the constant max_new_tokens, averaged over sequences: Dr.GRPO)."""
     adv_eps: float = 1e-6
-    """Added to the group std when normalising advantages."""
+    """Added to the std when normalising advantages (group std, or the batch's token std)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong shaping: responses longer than max_new_tokens - overlong_buffer tokens lose up
+    to overlong_penalty reward, linearly over the buffer. 0 disables it."""
+    overlong_penalty: float = 1.0
+    """The reward lost by a response of max_new_tokens tokens under overlong shaping."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: generate and score more rounds of prompts_per_step prompts until
+    the batch holds prompts_per_step groups whose rewards are not all equal."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling's cap on generation rounds per step (>= 1; at the cap a short batch is
+    filled with zero-variance groups)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
 

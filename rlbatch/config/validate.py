@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, GROUP_ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
 from rlbatch.config.plain import to_plain
 from rlbatch.config.runnable import (
     engine_args_problems,
@@ -44,7 +44,8 @@ MINIMUMS: dict[str, float] = {
     "algo.prompts_per_step": 1, "algo.samples_per_prompt": 1, "algo.max_new_tokens": 1,
     "algo.temperature": 0.0, "algo.lr": 0.0, "algo.mini_batches": 1, "algo.epochs": 1,
     "algo.grad_accum": 1, "algo.clip_low": 0.0, "algo.clip_high": 0.0, "algo.kl_coef": 0.0,
-    "algo.grad_clip": 0.0, "algo.warmup_steps": 0,
+    "algo.grad_clip": 0.0, "algo.warmup_steps": 0, "algo.overlong_buffer": 0, "algo.overlong_penalty": 0.0,
+    "algo.max_sampling_rounds": 0,
 }
 
 
@@ -143,6 +144,31 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _check_groups(algo: Mapping[str, Any]) -> list[str]:
+    """The group-relative parts need groups; dynamic sampling and overlong shaping need sane sizes."""
+    problems = []
+    spp, adv = algo.get("samples_per_prompt"), algo.get("advantage")
+    small = spp is None or (_int(spp) is not None and spp < 2)
+    if small and isinstance(adv, str) and adv in GROUP_ADVANTAGES:
+        problems.append(f"algo.samples_per_prompt: algo.advantage={adv} compares each sample with the others of "
+                        f"its prompt's group, so it needs at least 2 samples per prompt, got {spp}")
+    if small and algo.get("dynamic_sampling") is True:
+        problems.append(f"algo.samples_per_prompt: algo.dynamic_sampling keeps groups whose rewards differ, so it "
+                        f"needs at least 2 samples per prompt, got {spp}")
+    rounds = _int(algo.get("max_sampling_rounds"))
+    if algo.get("dynamic_sampling") is True and rounds is not None and rounds < 1:
+        problems.append(f"algo.max_sampling_rounds: dynamic sampling needs a cap of at least one generation round "
+                        f"per step, got {rounds}")
+    buffer, longest = _int(algo.get("overlong_buffer")), _int(algo.get("max_new_tokens"))
+    if buffer is not None and longest is not None and buffer > longest:
+        problems.append(f"algo.overlong_buffer: {buffer} tokens is longer than algo.max_new_tokens = {longest}; "
+                        f"the shaping buffer must fit inside the longest response")
+    gamma = algo.get("gamma")
+    if isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and not 0 < gamma <= 1:
+        problems.append(f"algo.gamma: the discount must be in (0, 1], got {gamma}")
+    return problems
+
+
 def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) -> list[str]:
     problems = []
     algo = _get(cfg, "algo")
@@ -150,11 +176,7 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
         problems.append(f"algo: expected a mapping of algorithm settings, got {type(algo).__name__} {algo!r}"[:200])
     algo = algo if isinstance(algo, Mapping) else {}
     spp = algo.get("samples_per_prompt")
-    if algo.get("name") == "grpo" and (spp is None or (_int(spp) is not None and spp < 2)):
-        problems.append(
-            f"algo.samples_per_prompt: GRPO normalises rewards within each prompt's group, so it "
-            f"needs at least 2 samples per prompt, got {algo.get('samples_per_prompt')}"
-        )
+    problems.extend(_check_groups(algo))
     if algo.get("name") == "ppo" and not _enabled(cfg, "critic"):
         problems.append("roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping")
     kl = algo.get("kl_coef")

@@ -279,9 +279,9 @@ class Role:
         return {sh: out[sh[0]] for sh in assign}
 
     def logprobs(self, ro: Rollouts, kl_estimator: str | None = None, skip_first_mini_batch: bool = False,
-                 ) -> dict[int, float]:
+                 ) -> dict[int, Any]:
         """This role's log-probs of the rollouts (reference: ref_logprobs; actor_train: old_logprobs),
-        kept on its ranks; returns per-sample KL sums to the reference with ``kl_estimator``.
+        kept on its ranks; returns each sample's per-token KL to the reference with ``kl_estimator``.
 
         ``skip_first_mini_batch``: leave out the samples each shard will train on first. The first
         mini-batch of a single epoch is trained before any update, so its old log-probs are the

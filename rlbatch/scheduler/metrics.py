@@ -112,6 +112,7 @@ def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, f
         "step": step,
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "samples": len(rollouts.ids),
         "response_len_mean": sum(rlen) / len(rlen),
         "tokens/generated": sum(rlen),
         "tokens/response_max": max(rlen),

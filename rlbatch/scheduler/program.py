@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlbatch.algos.advantages import overlong_penalty, zero_variance_groups
 from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import make_stream
@@ -30,7 +31,16 @@ from rlbatch.scheduler.controller import Pipeline, Role
 from rlbatch.scheduler.metrics import Metrics, step_row
 from rlbatch.scheduler.preemption import Preemption
 from rlbatch.scheduler.rank_runtime import RankRuntime
+from rlbatch.scheduler.sampling import dynamic_batch
 from rlbatch.scheduler.scoring import Scoring
+
+
+def advantage_stats(advantages: torch.Tensor | list[torch.Tensor]) -> dict[str, float]:
+    """Mean and std of the advantages over samples (per-sequence) or over tokens (per-token)."""
+    flat = advantages if isinstance(advantages, torch.Tensor) else torch.cat([x.reshape(-1) for x in advantages])
+    flat = flat.float()
+    return {"adv_mean": float(flat.mean()) if flat.numel() else 0.0,
+            "adv_std": float(flat.std()) if flat.numel() > 1 else 0.0}
 
 
 def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
@@ -59,30 +69,45 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     metrics = Metrics(run, int(cfg.steps), start)
     n, per_step = int(a.samples_per_prompt), int(a.prompts_per_step) * int(a.samples_per_prompt)
     reuse_batch = a.mini_batches > 1 or a.epochs > 1
+    kl_in_reward = bool(a.kl_in_reward) and a.kl_coef > 0 and reference is not None
     stop = None
 
     for step in metrics.progress(range(start, int(cfg.steps))):
         pipe.begin_step()
         t0 = time.perf_counter()
-        prompts = data.next_batch(int(a.prompts_per_step))
-        rollouts = actor_infer.generate(prompts, n, first_id=step * per_step, seed=int(cfg.seed) * 100_003 + step)
-        scoring.start(rollouts)  # scored alongside the log-prob phases
+        extra: dict[str, float] = {}
+        if a.dynamic_sampling:  # DAPO: rounds of generate + score until the batch's groups vary
+            rollouts, rewards, generated, extra = dynamic_batch(actor_infer, scoring, data, step, int(cfg.seed), a)
+            extra["reward_batch_mean"] = float(rewards.mean())
+            scoring_pending = False
+        else:
+            prompts = data.next_batch(int(a.prompts_per_step))
+            rollouts = actor_infer.generate(prompts, n, first_id=step * per_step, seed=int(cfg.seed) * 100_003 + step)
+            scoring.start(rollouts)  # scored alongside the log-prob phases
+            scoring_pending = True
         if reference is not None and a.kl_coef > 0:
             reference.logprobs(rollouts)
         kl = None
-        if reuse_batch or a.kl_in_reward:  # the policy before this step's updates
-            kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if a.kl_in_reward else None,
-                                      skip_first_mini_batch=a.epochs == 1 and not a.kl_in_reward)
-        rewards, counts = scoring.result()
-        shaped = rewards
-        if a.kl_in_reward and kl is not None:
-            shaped = rewards - a.kl_coef * torch.tensor([kl[i] for i in rollouts.ids])
-        advantages = estimate_advantages(shaped, n, a)
+        if reuse_batch or kl_in_reward:  # the policy before this step's updates
+            kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if kl_in_reward else None,
+                                      skip_first_mini_batch=a.epochs == 1 and not kl_in_reward)
+        if scoring_pending:
+            rewards, counts = scoring.result()
+            generated = rewards
+            extra |= counts
+            extra["sampling/zero_variance_frac"] = float(zero_variance_groups(rewards, n).float().mean())
+        lengths = [rollouts.response_len[i] for i in rollouts.ids]
+        shaped = rewards + overlong_penalty(torch.tensor(lengths), int(a.max_new_tokens), int(a.overlong_buffer),
+                                            float(a.overlong_penalty))
+        token_kl = [torch.tensor(kl[i]) for i in rollouts.ids] if kl_in_reward and kl is not None else None
+        advantages = estimate_advantages(shaped, n, a, lengths=lengths, kl=token_kl)
         stats = actor_train.train(rollouts, advantages)
         actor_train.sync_weights(actor_infer)
         pipe.forget(rollouts.ids)
         step_s = time.perf_counter() - t0
-        metrics.log(step_row(step, rewards, rollouts, stats, pipe.phase_seconds, pipe.records, step_s) | counts)
+        extra |= advantage_stats(advantages) | {"reward_shaped_mean": float(shaped.mean())}
+        # reward_mean: over every sample generated this step (dynamic sampling trains on a biased subset)
+        metrics.log(step_row(step, generated, rollouts, stats, pipe.phase_seconds, pipe.records, step_s) | extra)
 
         last = step == int(cfg.steps) - 1
         stop = None if last else preemption.reason_to_stop(step_s, ckpt.last_save_s)

@@ -120,14 +120,14 @@ class RankRuntime:
             self.store.put(sid, spec.writes[0], v)
         return values
 
-    def _logprobs(self, spec: PhaseSpec, ids: list[int], kl_estimator: str | None = None) -> dict[int, float]:
-        """Log-probs into the phase's field; with ``kl_estimator``, per-sample sums of the KL to the
-        reference's log-probs (for a KL penalty in the reward), else lengths."""
+    def _logprobs(self, spec: PhaseSpec, ids: list[int], kl_estimator: str | None = None) -> dict[int, Any]:
+        """Log-probs into the phase's field; with ``kl_estimator``, each sample's per-token KL to
+        the reference's log-probs (for a KL penalty in the reward), else lengths."""
         values = self._per_token(spec, ids, "logprobs")
         if kl_estimator is None:
             return {sid: float(len(v)) for sid, v in zip(ids, values, strict=True)}
         kl = KL_ESTIMATORS.get(kl_estimator)
-        return {sid: float(kl(logp, self.store.samples[sid]["ref_logprobs"]).sum())
+        return {sid: kl(logp, self.store.samples[sid]["ref_logprobs"]).tolist()
                 for sid, logp in zip(ids, values, strict=True)}
 
     def _values(self, spec: PhaseSpec, ids: list[int]) -> dict[int, float]:

@@ -31,3 +31,38 @@ def test_default_experiment_learns_the_task(run_root: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     r = rewards(run_root / "run")
     assert r[0] <= 0.2 and r[-1] >= 0.8, r
+
+
+STEP_BUDGET = {"grpo": 45, "dr_grpo": 80, "dapo": 50, "gspo": 50, "rloo": 55}
+"""Steps each preset gets to reach 0.8 on the default task: about 1.25x the step by which its mean
+reward over 3 consecutive steps did in ``tools/bench/algos.py`` (docs/algorithms.md). Runs are
+deterministic with the seed and the learning rate is constant after warm-up, so a shorter run is a
+prefix of the bench's. reinforce_pp does not reach 0.8 on this task in 80 steps (docs/algorithms.md),
+and reinforce_pp_baseline is not measured yet: neither is listed."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", sorted(STEP_BUDGET))
+def test_each_algorithm_learns_the_default_task(run_root: Path, algo: str) -> None:
+    """From chance to a mean reward >= 0.8 over 3 consecutive steps within the preset's budget."""
+    out = launch([f"algo={algo}", f"steps={STEP_BUDGET[algo]}", f"run_dir={run_root / 'run'}"], run_root,
+                 timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = rewards(run_root / "run")
+    best = max(sum(r[k - 3 : k]) / 3 for k in range(3, len(r) + 1))
+    assert r[0] <= 0.2 and best >= 0.8, r
+
+
+def test_dynamic_sampling_generates_more_rounds_up_to_the_cap(run_root: Path) -> None:
+    """At chance, a group of 4 rarely holds a right answer: almost every group has zero reward
+    variance, so dynamic sampling generates the extra rounds, stops at the cap, and fills the batch."""
+    out = launch(["algo=dapo", "steps=2", "algo.prompts_per_step=8", "algo.samples_per_prompt=4",
+                  "algo.max_sampling_rounds=3", f"run_dir={run_root / 'run'}"], run_root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_root / "run" / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["sampling/rounds"] == 3 and row["sampling/groups_generated"] == 24, row
+        assert row["sampling/zero_variance_frac"] > 0.5, row
+        assert row["samples"] == 32, row  # the batch is full: 8 groups of 4
+        varied = round(24 * (1 - row["sampling/zero_variance_frac"]))
+        assert row["sampling/zero_variance_in_batch"] == 8 - min(varied, 8), row

@@ -155,7 +155,7 @@ def test_override_errors_reach_check_through_the_config() -> None:
         (["algo=ppo"], "algo.name=ppo needs the critic role"),
         (["roles.reference.enabled=false"], "algo.kl_coef=0.01 needs the reference role"),
         (["algo.prompts_per_step=3", "algo.samples_per_prompt=3"], "9 samples cannot be split evenly"),
-        (["algo.name=dpo"], "algo.name: 'dpo' is not a registered algorithm (program); registered: ['grpo']"),
+        (["algo.name=dpo"], "algo.name: 'dpo' is not a registered algorithm (program); registered: ['dapo', "),
         (["cluster.name=k8s"], "cluster.name: 'k8s' is not one of"),
         (["algo.top_p=0"], "algo.top_p: must be in (0, 1]"),
         (["cluster.port_range=[80,90]"], "cluster.port_range"),

@@ -138,12 +138,14 @@ def test_engine_args_of_an_engine_that_is_not_built_are_still_typed(cfg: dict[st
 @pytest.mark.parametrize(
     ("field", "value", "line"),
     [
-        ("advantage", "gae", "algo.advantage: 'gae' is not a registered advantage estimator; registered: ['grpo']"),
-        ("policy_loss", "gspo", "algo.policy_loss: 'gspo' is not a registered policy loss; registered: ['ppo_clip']"),
+        ("advantage", "gae", "algo.advantage: 'gae' is not a registered advantage estimator; registered: "
+                             "['dr_grpo', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
+        ("policy_loss", "cispo", "algo.policy_loss: 'cispo' is not a registered policy loss; registered: "
+                                 "['gspo', 'ppo_clip']"),
         ("kl_estimator", "k9", "algo.kl_estimator: 'k9' is not a registered KL estimator; registered: "
                                "['abs', 'k1', 'k2', 'k3']"),
         ("loss_agg", "seq-mean", "algo.loss_agg: 'seq-mean' is not a registered loss aggregation; registered: "
-                                 "['seq', 'token']"),
+                                 "['seq', 'seq_sum', 'token']"),
         ("loss_agg", 3, "algo.loss_agg: expected the name of a loss aggregation, got int 3"),
     ],
 )
@@ -157,15 +159,48 @@ def test_every_registered_kl_estimator_is_accepted(cfg: dict[str, Any]) -> None:
         check(set_(cfg, algo__kl_estimator=name))
 
 
+PROGRAMS = "['dapo', 'dr_grpo', 'grpo', 'gspo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"
+
+
 def test_ppo_is_refused_as_not_built_but_planned(cfg: dict[str, Any]) -> None:
     c = set_(cfg, algo__name="ppo", roles__critic={"enabled": True, "device_mapping": [0, 1], "backend": ""})
     assert problems(c) == ["algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is "
-                           "modelled by the planner only; registered programs: ['grpo']"]
+                           f"modelled by the planner only; registered programs: {PROGRAMS}"]
     check(c, runnable=False)
     check(set_(c, program="selftest"))  # a selftest runs no algorithm
     assert problems(set_(cfg, algo__name="dpo"), runnable=False) == [
-        "algo.name: 'dpo' is not a registered algorithm (program); registered: ['grpo'] (the planner also models "
-        "['ppo'])"]
+        f"algo.name: 'dpo' is not a registered algorithm (program); registered: {PROGRAMS} (the planner also "
+        "models ['ppo'])"]
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_advantages_need_two_samples_per_prompt(cfg: dict[str, Any], advantage: str) -> None:
+    assert problems(set_(cfg, algo__advantage=advantage, algo__samples_per_prompt=1)) == [
+        f"algo.samples_per_prompt: algo.advantage={advantage} compares each sample with the others of its "
+        "prompt's group, so it needs at least 2 samples per prompt, got 1"]
+
+
+def test_reinforce_pp_runs_with_one_sample_per_prompt(cfg: dict[str, Any]) -> None:
+    check(set_(cfg, algo__advantage="reinforce_pp", algo__samples_per_prompt=1))
+
+
+def test_dynamic_sampling_needs_groups_and_a_round(cfg: dict[str, Any]) -> None:
+    c = set_(cfg, algo__advantage="reinforce_pp", algo__dynamic_sampling=True)
+    assert problems(set_(c, algo__samples_per_prompt=1, algo__max_sampling_rounds=0)) == [
+        "algo.samples_per_prompt: algo.dynamic_sampling keeps groups whose rewards differ, so it needs at least "
+        "2 samples per prompt, got 1",
+        "algo.max_sampling_rounds: dynamic sampling needs a cap of at least one generation round per step, got 0"]
+    check(set_(c, algo__max_sampling_rounds=1))
+    check(set_(c, algo__dynamic_sampling=False, algo__max_sampling_rounds=0))  # unused without dynamic sampling
+
+
+def test_overlong_buffer_and_gamma_are_checked(cfg: dict[str, Any]) -> None:
+    assert problems(set_(cfg, algo__max_new_tokens=8, algo__overlong_buffer=9, algo__gamma=0.0)) == [
+        "algo.overlong_buffer: 9 tokens is longer than algo.max_new_tokens = 8; the shaping buffer must fit "
+        "inside the longest response",
+        "algo.gamma: the discount must be in (0, 1], got 0.0"]
+    assert problems(set_(cfg, algo__overlong_buffer=-1)) == ["algo.overlong_buffer: must be >= 0, got -1"]
+    check(set_(cfg, algo__max_new_tokens=8, algo__overlong_buffer=8, algo__gamma=0.99))
 
 
 def test_a_critic_that_nothing_uses_is_refused(cfg: dict[str, Any]) -> None:

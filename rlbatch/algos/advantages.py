@@ -1,0 +1,106 @@
+"""Advantage estimators of the critic-free family, and the reward shaping they share.
+
+Pure tensor functions. Rewards are ``[N]`` with the ``group_size`` samples of one prompt
+adjacent; per-token quantities are lists of N 1-D tensors (one per response, possibly empty).
+
+    RLOO            r_i - mean of the other samples of its group
+    REINFORCE++     per-token returns of (task reward on the last token - kl_coef * KL_t),
+                    whitened over every token of the batch
+    REINFORCE++-baseline  the same after subtracting the group mean from the task reward
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    return rewards.float().view(-1, group_size)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Leave-one-out baseline: ``A_i = r_i - (sum_j r_j - r_i) / (G - 1)`` within each group.
+
+    Equal to ``G / (G - 1)`` times the centred reward. A group of one has no other sample to
+    compare with, so it is refused rather than given a silent zero."""
+    if group_size < 2:
+        raise ValueError(f"RLOO needs at least 2 samples per group (a leave-one-out baseline), got {group_size}")
+    g = _groups(rewards, group_size)
+    others = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - others).view(-1)
+
+
+def zero_variance_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """``[N / group_size]`` bool: the groups whose rewards are all equal (no learning signal for a
+    group-relative estimator; DAPO's dynamic sampling replaces them)."""
+    g = _groups(rewards, group_size)
+    return (g == g[:, :1]).all(dim=1)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, ``<= 0`` per response, added to the reward.
+
+    0 up to ``max_len - buffer`` tokens, then falling linearly to ``-factor`` at ``max_len``
+    (``factor * ((max_len - buffer) - length) / buffer``), and ``-factor`` beyond it. ``buffer=0``
+    disables it."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    if buffer > max_len:
+        raise ValueError(f"overlong buffer {buffer} is longer than the longest response {max_len}")
+    over = (lengths.float() - (max_len - buffer)).clamp(min=0.0)
+    return -factor * (over / buffer).clamp(max=1.0)
+
+
+def token_rewards(rewards: Tensor, lengths: list[int], kl: list[Tensor] | None, kl_coef: float) -> list[Tensor]:
+    """Per-token rewards: the sequence's reward on its last token, minus ``kl_coef * KL_t`` on
+    every token (InstructGPT's KL-in-reward). An empty response has no token to carry either."""
+    out = []
+    for i, n in enumerate(lengths):
+        r = torch.zeros(n, dtype=torch.float32)
+        if kl is not None:
+            if kl[i].numel() != n:
+                raise ValueError(f"sample {i}: {kl[i].numel()} per-token KL values for a response of {n} tokens")
+            r -= kl_coef * kl[i].float()
+        if n:
+            r[-1] += rewards[i].float()
+        out.append(r)
+    return out
+
+
+def returns_to_go(per_token: list[Tensor], gamma: float) -> list[Tensor]:
+    """``G_t = r_t + gamma * G_{t+1}`` within each response (no bootstrap past its end)."""
+    out = []
+    for r in per_token:
+        g = torch.zeros_like(r)
+        running = torch.zeros((), dtype=r.dtype)
+        for t in range(r.numel() - 1, -1, -1):
+            running = r[t] + gamma * running
+            g[t] = running
+        out.append(g)
+    return out
+
+
+def whiten_tokens(per_token: list[Tensor], eps: float = 1e-8) -> list[Tensor]:
+    """Subtract the mean and divide by the (unbiased) std over every token of the batch (the global
+    normalisation of REINFORCE++). Fewer than two tokens: centred only."""
+    flat = torch.cat([t.float() for t in per_token]) if per_token else torch.zeros(0)
+    if flat.numel() == 0:
+        return [t.float() for t in per_token]
+    mean = flat.mean()
+    std = flat.std() if flat.numel() > 1 else torch.ones(())
+    return [(t.float() - mean) / (std + eps) for t in per_token]
+
+
+def reinforce_pp_advantages(rewards: Tensor, lengths: list[int], kl: list[Tensor] | None, kl_coef: float,
+                            gamma: float, group_size: int | None = None, eps: float = 1e-8) -> list[Tensor]:
+    """REINFORCE++ (``group_size=None``) or REINFORCE++-baseline (the group's mean reward
+    subtracted first): per-token returns of the shaped rewards, whitened over the batch's tokens."""
+    if group_size is not None:
+        g = _groups(rewards, group_size)
+        rewards = (g - g.mean(dim=1, keepdim=True)).view(-1)
+    return whiten_tokens(returns_to_go(token_rewards(rewards, lengths, kl, kl_coef), gamma), eps)
