@@ -3,6 +3,8 @@
 - HF -> GPTModel -> HF is exact (export at TP=1 and TP=2 gives the HF weights bit for bit);
 - TP=2 and TP=1 log-probs equal the transformers model's within float tolerance;
 - exact resume at TP=2: 3 steps, checkpoint through the DCP store, 3 more == 6 steps, bitwise;
+- weight sync from the TP=2 trainer into the hf engine: greedy output equals transformers with
+  the same weights;
 - an fsdp checkpoint loads into the TP=2 engine and its checkpoint loads back into fsdp
   (same weights and Adam moments, bitwise).
 """
@@ -22,10 +24,11 @@ import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs i
 from rlbatch import algos
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.checkpoint.dcp import load_state, save_state
-from rlbatch.engines.base import EngineContext
+from rlbatch.engines.base import EngineContext, SamplingParams
 from rlbatch.engines.batch import pack, response_logits, unpack
+from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.registry import FSDPArgs, MegatronArgs
+from rlbatch.engines.registry import FSDPArgs, HFArgs, MegatronArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.engines.train.megatron import MegatronEngine
 from rlbatch.launch.compose import compose
@@ -116,6 +119,26 @@ restore(resumed, TMP / "mcore3")
 train(resumed, range(3, 6))
 same(weights(resumed), weights(tp2), "TP=2 resume 3+3 vs 6")
 assert not torch.equal(weights(tp2)["model.norm.weight"], hf_weights["model.norm.weight"]), "training changed nothing"
+
+# -- weight sync from the TP=2 trainer to the hf engine: greedy output equals transformers' -------
+trained = weights(tp2)
+gen = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, tok, torch.device("cpu"),
+                                      seed=SEED + 1, mesh=mesh_dp2))  # other initial weights: only sync makes them equal
+with tp2.export_weights() as named:
+    gen.load_weights(named)
+ref_model = load_model(cfg.model, tok, SEED + 1)
+ref_model.load_state_dict(trained, strict=False)  # tied: lm_head is embed_tokens
+ref_model.eval()
+g = torch.Generator().manual_seed(7)
+prompts = [torch.randint(4, 18, (3 + k % 3,), generator=g).tolist() for k in range(6)]
+got = [x.tokens for x in gen.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0))]
+want = []
+with torch.no_grad():
+    for p in prompts:
+        out = ref_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        want.append(out[0, len(p):].tolist())
+assert got == want, f"greedy after weight sync {got} != transformers {want}"
 
 # -- fsdp <-> megatron checkpoints ---------------------------------------------------------------
 f = fsdp(mesh_dp2)
