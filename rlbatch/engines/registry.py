@@ -94,10 +94,12 @@ class DeepSpeedArgs:
 
 @dataclass(frozen=True)
 class MegatronArgs:
-    """engine_args of the ``megatron`` training engine (modelled by the planner)."""
+    """engine_args of the ``megatron`` training engine (megatron-core GPTModel; docs/megatron.md)."""
 
     micro_batch: int = 0
+    """Sequences per forward (0: the replica's whole share in one pass)."""
     sync_bucket_mb: int = 256
+    """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
 
 
 @dataclass(frozen=True)
@@ -230,5 +232,9 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.v
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, None, dims="d",
                     note="the DeepSpeed engine is not in this build"))
-register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, None, dims="dtpce", data_axes=("dp",),
-                    note="the Megatron-core engine is not in this build"))
+# dims "dt": tensor and data parallel; the placement language keeps "dtpce" so plans with pipeline,
+# context and expert parallelism are still modelled (and refused with the note before submit).
+register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
+                    dims="dt", data_axes=("dp",),
+                    note="megatron: pipeline (p), context (c) and expert (e) parallelism are not built yet: "
+                         "use megatron:dXtY"))

@@ -32,8 +32,7 @@ GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob(
 PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
 VLLM_T = "roles.actor_infer.backend: engine 'vllm' supports d (data) only in this build; got t={} in '{}'"
-MEGATRON = ("engine 'megatron' (in '{}') is not built: the Megatron-core engine is not in this build; "
-            "built training engines: ['fsdp']")
+MEGATRON = "engine 'megatron' supports d (data), t (tensor) only in this build; got {} in '{}'"
 FSDP_T2 = "roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; got t=2 in '{}'"
 
 
@@ -42,8 +41,9 @@ def infer(spec: str) -> str:
     return VLLM_T.format(spec.rpartition("t")[2], spec)
 
 
-def train(spec: str, role: str = "actor_train") -> str:
-    return f"roles.{role}.backend: " + MEGATRON.format(spec)
+def train(spec: str, got: str, role: str = "actor_train") -> str:
+    """Megatron with pipeline, context or expert parallelism: this build runs d and t."""
+    return f"roles.{role}.backend: " + MEGATRON.format(got, spec)
 
 
 REFUSED: dict[tuple[str, str], list[str]] = {
@@ -52,9 +52,10 @@ REFUSED: dict[tuple[str, str], list[str]] = {
         "algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is modelled by the planner only",
     ],
     ("roles", "areal_16gpu"): [FSDP_T2.format("fsdp:d4t2"), infer("vllm:d2t4")],
-    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4"), infer("vllm:d4t4"),
-                                        train("megatron:d2p2t4", "reference")],
-    ("roles", "areal_moe_hybrid_32gpu"): [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)"), infer("vllm:d4t8")],
+    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4", "p=2, e=4"), infer("vllm:d4t4"),
+                                        train("megatron:d2p2t4", "p=2", "reference")],
+    ("roles", "areal_moe_hybrid_32gpu"): [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "p=2, c=2, e=2"),
+                                          infer("vllm:d4t8")],
     ("roles", "ppo_critic_8gpu"): [
         FSDP_T2.format("fsdp:d4t2"), infer("vllm:d4t2"),
         "roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and PPO is not built yet",

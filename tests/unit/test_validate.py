@@ -73,9 +73,8 @@ def test_the_default_experiment_is_runnable(cfg: dict[str, Any]) -> None:
         ("fsdp:d2", "sglang:d2", "roles.actor_infer.backend: engine 'sglang' (in 'sglang:d2') is not built: the "
                                  "SGLang engine is not in this build; built inference engines: ['hf', 'vllm']"),
         ("deepspeed:d2", "hf:d2", "roles.actor_train.backend: engine 'deepspeed' (in 'deepspeed:d2') is not built: "
-                                  "the DeepSpeed engine is not in this build; built training engines: ['fsdp']"),
-        ("megatron:d2", "hf:d2", "roles.actor_train.backend: engine 'megatron' (in 'megatron:d2') is not built: "
-                                 "the Megatron-core engine is not in this build; built training engines: ['fsdp']"),
+                                  "the DeepSpeed engine is not in this build; built training engines: "
+                                  f"{engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"),
     ],
 )
 def test_an_engine_that_is_not_built_is_refused_with_the_built_ones(cfg: dict[str, Any], train: str, infer: str,
@@ -101,15 +100,26 @@ def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]
         "an inference engine; built: ['hf', 'vllm']"]
     assert problems(on_ranks(cfg, 2, "hf:d2", "hf:d2")) == [
         "roles.actor_train.backend: 'hf:d2' names an inference engine, but actor_train runs logprobs and train, "
-        "which needs a training engine; built: ['fsdp']"]
+        f"which needs a training engine; built: {engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"]
 
 
-def test_the_hybrid_megatron_layout_is_refused_as_megatron(cfg: dict[str, Any]) -> None:
+def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_not_built(cfg: dict[str, Any]) -> None:
     c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
-    (line,) = problems(c)
-    assert line.startswith("roles.actor_train.backend: engine 'megatron' (in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)') "
-                           "is not built")
+    assert problems(c) == ["roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor) only in this "
+                           "build; got p=2, c=2, e=2 in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'"]
     check(c, runnable=False)
+
+
+def test_megatron_runs_tensor_and_data_parallel_and_refuses_pipeline_context_expert(cfg: dict[str, Any]) -> None:
+    assert set(check(on_ranks(cfg, 2, "megatron:t2", "hf:d2")).roles) >= {"actor_train", "reference"}
+    assert check(on_ranks(cfg, 4, "megatron:d2t2", "hf:d4")).roles["actor_train"].mesh == (
+        ("pp", 1), ("dp", 2), ("cp", 1), ("tp", 2))
+    assert problems(on_ranks(cfg, 4, "megatron:d2p2", "hf:d4")) == [
+        "roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor) only in this build; "
+        "got p=2 in 'megatron:d2p2'"]
+    assert problems(on_ranks(cfg, 2, "megatron:c2", "hf:d2")) == [
+        "roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor) only in this build; "
+        "got c=2 in 'megatron:c2'"]
 
 
 def test_engine_args_are_read_by_the_engines_typed_arguments(cfg: dict[str, Any]) -> None:

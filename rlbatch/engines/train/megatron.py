@@ -1,0 +1,237 @@
+"""``megatron`` training engine: megatron-core's GPTModel, tensor-parallel over the role's tp axis
+and data-parallel over its dp axis (``megatron:dXtY``).
+
+Also serves forward-only roles (reference). The model is built from the run's transformers
+Qwen2/Llama model (a local HF directory or the random-init one every engine builds from the seed)
+and its weights converted in (``megatron_convert``); weights leave it, for weight sync, export and
+checkpoints, as full tensors under Hugging Face names, so any inference engine loads them and a
+checkpoint of this engine loads into the fsdp engine and back. AdamW with the fsdp engine's
+warm-up, gradient clipping over the TP shards and gradient accumulation; gradients are averaged
+over dp. bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-only shim, see
+``megatron_device``). Pipeline, context and expert parallelism are refused by the registry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from rlbatch import algos
+from rlbatch.algos.objective import LossInput, PolicyObjective
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample
+from rlbatch.engines.batch import Full, Packed, pack, unpack
+from rlbatch.engines.model import load_model
+from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
+from rlbatch.engines.train import megatron_convert as convert
+from rlbatch.engines.train.megatron_device import check_device
+from rlbatch.engines.train.megatron_model import build_gpt, process_groups, role_group
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class MegatronEngine(StashedState):
+    """A role's model as a megatron-core GPTModel over its tp and dp axes (see the module docstring)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        check_device(ctx.device)
+        dims = dict(zip(ctx.mesh.mesh_dim_names, ctx.mesh.mesh.shape, strict=True))
+        if dims.get("pp", 1) > 1 or dims.get("cp", 1) > 1:
+            raise NotImplementedError(f"megatron engine: pipeline and context parallelism are not built, got mesh {dims}")
+        self.device, self.algo, self.tokenizer = ctx.device, ctx.algo, ctx.tokenizer
+        self.micro_batch = int(ctx.args.micro_batch)
+        self.tp_group, self.dp_group = ctx.group("tp"), ctx.group("dp")
+        self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+        self.group = role_group(ctx.mesh)
+        hf = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+        self.hf_config = hf.config
+        self.lay = convert.layout(hf.config, self.tp)
+        if bad := convert.problems(self.lay):
+            raise ValueError(f"megatron engine, role {ctx.role}: " + "; ".join(bad))
+        self.hf_names = [n for n, _ in hf.named_parameters()]
+        dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+        self.model = build_gpt(hf.config, process_groups(ctx), self.tp, self.lay.padded_vocab, dtype).to(ctx.device)
+        self.params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            self._load_full({n: p.detach() for n, p in hf.named_parameters()})
+        del hf
+        self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
+        self.optimizer: torch.optim.Optimizer | None = None
+        if ctx.trainable:
+            self.model.train()
+            a = ctx.algo
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=True)
+            warmup = int(a.warmup_steps)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+            opt = self.optimizer
+            self.state.add("grads", TensorStash("grads", lambda: grad_tensors(self.model)))
+            self.state.add("optimizer", TensorStash("optimizer", lambda: optimizer_tensors(opt)))
+        else:
+            self.model.eval()
+
+    # -- weights in and out -------------------------------------------------------------------
+    def _load_full(self, hf: dict[str, torch.Tensor]) -> None:
+        local = convert.to_megatron(hf, self.lay, self.tp_rank)
+        if missing := sorted(set(self.params) ^ set(local)):
+            raise RuntimeError(f"megatron engine: GPTModel and the HF mapping disagree on {missing}")
+        for name, p in self.params.items():
+            p.copy_(local[name])
+
+    def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors from this rank's GPTModel-shaped tensors (collective over tp)."""
+        shards: dict[str, list[torch.Tensor]] = {}
+        for name, t in local.items():
+            t = t.detach().contiguous()
+            if self.tp == 1:
+                shards[name] = [t]
+                continue
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t, group=self.tp_group)
+            shards[name] = parts
+        return convert.to_hf(shards, self.lay)
+
+    @contextmanager
+    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every weight in full under its Hugging Face name (gathered over tp), in the HF model's order."""
+        with torch.no_grad():
+            full = self._gather(self.params)
+            yield [(n, full[n]) for n in self.hf_names]
+
+    # -- forward ------------------------------------------------------------------------------
+    def _chunks(self, samples: list[Sample]) -> list[list[Sample]]:
+        size = self.micro_batch or len(samples)
+        return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+    def _pack(self, chunk: list[Sample]) -> Packed:
+        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=False)
+
+    def _logits(self, b: Packed) -> torch.Tensor:
+        """[B, R, V] logits scoring each response token. Sequences are right-padded, so the causal
+        mask alone keeps pads out of every real position."""
+        x = b.inputs
+        assert isinstance(x, Full)
+        ids = x.input_ids
+        pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
+        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=None)[..., : self.lay.vocab]
+        return logits.gather(1, x.index[:, :, None].expand(-1, -1, logits.shape[-1]))
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for chunk in self._chunks(samples):
+            b = self._pack(chunk)
+            out += unpack(algos.token_logprobs(self._logits(b).float(), b.targets), b.lengths)
+        return out
+
+    def values(self, samples: list[Sample]) -> list[torch.Tensor]:
+        raise NotImplementedError("megatron engine: this model has no value head (a critic is not in this build)")
+
+    # -- training -----------------------------------------------------------------------------
+    def _loss(self, chunk: list[Sample], objective: PolicyObjective) -> tuple[torch.Tensor, dict[str, float]]:
+        b = self._pack(chunk)
+        logits = self._logits(b).float()
+        logp = algos.token_logprobs(logits, b.targets)
+        return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
+                                   logits if objective.needs_logits else None))
+
+    def _reduce_grads(self) -> None:
+        """Average gradients over dp (each dp rank's loss is the mean over its own share)."""
+        if dist.get_world_size(self.dp_group) == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= dist.get_world_size(self.dp_group)
+        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+
+    def _clip(self, max_norm: float) -> float:
+        """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once."""
+        split = [p.grad for p in self.model.parameters() if p.grad is not None and getattr(p, "tensor_model_parallel", False)]
+        repl = [p.grad for p in self.model.parameters() if p.grad is not None and not getattr(p, "tensor_model_parallel", False)]
+        sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros(())
+        if self.tp > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        if repl:
+            sq = sq + torch.stack([g.float().pow(2).sum() for g in repl]).sum()
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(split + repl, coef)
+        return float(norm)
+
+    def train(self, samples: list[Sample], objective: PolicyObjective) -> dict[str, float]:
+        """Mini-batches x epochs of updates minimising ``objective`` over this replica's share (the tp
+        peers of a replica receive the same samples)."""
+        assert self.optimizer is not None, "train() on a forward-only engine"
+        a = self.algo
+        per_mb = len(samples) // a.mini_batches
+        totals: dict[str, float] = {}
+        updates = 0
+        for epoch in range(a.epochs):
+            for m in range(a.mini_batches):
+                mb = samples[m * per_mb : (m + 1) * per_mb]
+                missing = sum("old_logprobs" not in s for s in mb)
+                if missing and (epoch, m) != (0, 0):
+                    raise ValueError(f"train: {missing} samples of mini-batch {m} (epoch {epoch}) have no old "
+                                     f"log-probs; only the first mini-batch of the first epoch may leave them out")
+                micro = math.ceil(len(mb) / a.grad_accum)
+                self.optimizer.zero_grad(set_to_none=False)
+                for k in range(0, len(mb), micro):
+                    loss, stats = self._loss(mb[k : k + micro], objective)
+                    (loss / a.grad_accum).backward()
+                    for key, v in stats.items():
+                        totals[key] = totals.get(key, 0.0) + v / a.grad_accum
+                self._reduce_grads()
+                if a.grad_clip > 0:
+                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._clip(a.grad_clip)
+                self.optimizer.step()
+                self.scheduler.step()
+                updates += 1
+        out = {k: v / updates for k, v in totals.items()}
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        return out
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def checkpoint_state(self) -> CheckpointState | None:
+        """Weights and AdamW state as full HF-named plain tensors (``model.<hf>``, ``optim.<hf>.<key>``),
+        the layout the fsdp engine's checkpoints have once resharded, so either loads the other's.
+        Every rank of the role holds the same tensors; DCP writes each once."""
+        if self.optimizer is None:
+            return None
+        with torch.no_grad():
+            tensors = {f"model.{n}": t.clone() for n, t in self._gather(self.params).items()}
+            if self.lay.tied:  # a transformers state dict names the shared matrix twice
+                tensors["model.lm_head.weight"] = tensors["model.model.embed_tokens.weight"]
+            by_param = {p: n for n, p in self.params.items()}
+            state = self.optimizer.state
+            for key in ADAM_KEYS:
+                local = {by_param[p]: state[p][key] if key in state.get(p, {}) else torch.zeros_like(p)
+                         for p in self.params.values()}
+                tensors.update({f"optim.{n}.{key}": t.clone() for n, t in self._gather(local).items()})
+            step = next((s["step"] for s in state.values() if "step" in s), torch.zeros((), dtype=torch.float32))
+            tensors.update({f"optim.{n}.step": step.detach().clone().float() for n in self.hf_names})
+        group = self.optimizer.param_groups[0]
+        meta = {"engine": "megatron", "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+                                                         "params": list(self.hf_names)}],
+                "scheduler": self.scheduler.state_dict()}
+        return CheckpointState(tensors, meta, self.group)
+
+    def load_checkpoint_state(self, state: CheckpointState) -> None:
+        assert self.optimizer is not None, "load_checkpoint_state on a forward-only engine"
+        t = state.tensors
+        with torch.no_grad():
+            self._load_full({n: t[f"model.{n}"] for n in self.hf_names})
+            moments = {key: convert.to_megatron({n: t[f"optim.{n}.{key}"] for n in self.hf_names}, self.lay,
+                                                self.tp_rank) for key in ADAM_KEYS}
+            step = t[f"optim.{self.hf_names[0]}.step"]
+            for name, p in self.params.items():
+                self.optimizer.state[p] = {"step": step.detach().clone().float().reshape(()),
+                                           **{k: moments[k][name].clone().to(p.device) for k in ADAM_KEYS}}
+        saved = state.meta["param_groups"][0]
+        for group in self.optimizer.param_groups:
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if state.meta.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state.meta["scheduler"])

@@ -1,0 +1,84 @@
+"""Build a megatron-core GPTModel (local spec: no TransformerEngine needed) from a transformers
+Qwen2/Llama config, over explicit process groups (no global ``parallel_state`` world).
+
+The groups come from the role's DeviceMesh (axes pp, dp, cp, tp) that ``rlbatch.runtime.world``
+carves on every rank in the same order; megatron-core receives them as a ``ProcessGroupCollection``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ROLE_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def role_group(mesh: Any) -> Any:
+    """One process group over all ranks of the role's mesh (checkpoint writes, export). Created with
+    group-local synchronisation, so only the role's ranks call it and the global group numbering
+    that ``world`` relies on is untouched; cached per rank set (colocated roles share it)."""
+    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    if ranks not in _ROLE_GROUPS:
+        _ROLE_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _ROLE_GROUPS[ranks]
+
+
+def process_groups(ctx: Any) -> Any:
+    """megatron-core's ProcessGroupCollection from the role's mesh (pp = cp = 1 here: the tp group
+    is also the model-parallel group, dp the data-parallel one)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection()
+    tp, dp = ctx.group("tp"), ctx.group("dp")
+    pgc.tp, pgc.pp, pgc.cp, pgc.dp = tp, ctx.group("pp"), ctx.group("cp"), dp
+    pgc.mp, pgc.tp_cp, pgc.dp_cp = tp, tp, dp
+    pgc.embd = ctx.group("pp")  # one stage: the embedding group is that stage alone
+    pgc.pos_embd = ctx.group("pp")
+    return pgc
+
+
+def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        ffn_hidden_size=hf_config.intermediate_size, kv_channels=head_dim,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, sequence_parallel=False,
+        use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16,
+    )
+
+
+def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype) -> Any:
+    """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller)."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # scratch space of the TP layers, once per process
+        parallel_state._set_global_memory_buffer()
+    # Dropout is 0 and nothing is recomputed, so the model-parallel RNG tracker has no work: the
+    # no-op tracker avoids seeding CUDA generators (model_parallel_cuda_manual_seed).
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)
+    return GPTModel(
+        config=transformer_config(hf_config, tp, dtype),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=True, post_process=True, parallel_output=False,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope", rotary_base=int(rope), pg_collection=pgc,
+    )

@@ -1,0 +1,17 @@
+"""The megatron engine on real megatron-core, 2 ranks with gloo on CPU (the test-only shim
+``tests/plugins/megatron_cpu.py`` is imported by the scripts; docs/megatron.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.test_mechanisms import mpirun
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.slow
+def test_megatron_engine_converts_exactly_matches_transformers_resumes_bitwise_and_shares_checkpoints_with_fsdp() -> None:
+    out = mpirun("megatron_engine.py", 2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron engine ok") == 2, out.stdout[-2000:]

@@ -1,0 +1,78 @@
+"""The HF <-> megatron-core weight mapping (pure tensors, no megatron-core needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlbatch.engines.train import megatron_convert as convert
+from rlbatch.engines.train.megatron_convert import Layout
+
+
+def hf_weights(lay: Layout, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    H, d = lay.hidden, lay.head_dim
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    w = {"model.embed_tokens.weight": r(lay.vocab, H), "model.norm.weight": r(H)}
+    if not lay.tied:
+        w["lm_head.weight"] = r(lay.vocab, H)
+    for i in range(lay.layers):
+        a = f"model.layers.{i}.self_attn."
+        w |= {a + "q_proj.weight": r(lay.heads * d, H), a + "k_proj.weight": r(lay.groups * d, H),
+              a + "v_proj.weight": r(lay.groups * d, H), a + "o_proj.weight": r(H, lay.heads * d)}
+        if lay.qkv_bias:
+            w |= {a + "q_proj.bias": r(lay.heads * d), a + "k_proj.bias": r(lay.groups * d),
+                  a + "v_proj.bias": r(lay.groups * d)}
+        m = f"model.layers.{i}."
+        w |= {m + "mlp.gate_proj.weight": r(lay.ffn, H), m + "mlp.up_proj.weight": r(lay.ffn, H),
+              m + "mlp.down_proj.weight": r(H, lay.ffn), m + "input_layernorm.weight": r(H),
+              m + "post_attention_layernorm.weight": r(H)}
+    return w
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(("tied", "bias"), [(True, True), (False, False)])  # Qwen2-like, Llama-like
+def test_hf_to_megatron_to_hf_is_exact_for_every_tp(tp: int, tied: bool, bias: bool) -> None:
+    lay = Layout(layers=2, hidden=8, heads=8, groups=4, head_dim=2, ffn=12, vocab=18, tied=tied, qkv_bias=bias, tp=tp)
+    hf = hf_weights(lay)
+    per_rank = [convert.to_megatron(hf, lay, r) for r in range(tp)]
+    shards = {name: [p[name] for p in per_rank] for name in per_rank[0]}
+    back = convert.to_hf(shards, lay)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    # the vocabulary is padded to a multiple of tp with zero rows, split evenly
+    emb = shards["embedding.word_embeddings.weight"]
+    assert [e.shape[0] for e in emb] == [lay.padded_vocab // tp] * tp
+    assert lay.padded_vocab % tp == 0 and torch.count_nonzero(torch.cat(emb)[lay.vocab:]) == 0
+
+
+def test_qkv_is_interleaved_per_query_group_and_groups_split_contiguously_over_tp() -> None:
+    # 4 query heads in 2 groups, head_dim 1, hidden 1: q rows 0..3, k rows 10, 11, v rows 20, 21
+    lay = Layout(layers=1, hidden=1, heads=4, groups=2, head_dim=1, ffn=2, vocab=2, tied=True, qkv_bias=False, tp=1)
+    hf = hf_weights(lay)
+    a = "model.layers.0.self_attn."
+    hf[a + "q_proj.weight"] = torch.tensor([[0.0], [1.0], [2.0], [3.0]])
+    hf[a + "k_proj.weight"] = torch.tensor([[10.0], [11.0]])
+    hf[a + "v_proj.weight"] = torch.tensor([[20.0], [21.0]])
+    qkv = convert.to_megatron(hf, lay, 0)["decoder.layers.0.self_attention.linear_qkv.weight"].flatten().tolist()
+    assert qkv == [0, 1, 10, 20, 2, 3, 11, 21]
+    lay2 = Layout(**{**lay.__dict__, "tp": 2})
+    ranks = [convert.to_megatron(hf, lay2, r)["decoder.layers.0.self_attention.linear_qkv.weight"].flatten().tolist()
+             for r in range(2)]
+    assert ranks == [[0, 1, 10, 20], [2, 3, 11, 21]]
+    # fc1 per rank: [gate shard; up shard]
+    hf["model.layers.0.mlp.gate_proj.weight"] = torch.tensor([[1.0], [2.0]])
+    hf["model.layers.0.mlp.up_proj.weight"] = torch.tensor([[5.0], [6.0]])
+    fc1 = [convert.to_megatron(hf, lay2, r)["decoder.layers.0.mlp.linear_fc1.weight"].flatten().tolist() for r in range(2)]
+    assert fc1 == [[1, 5], [2, 6]]
+
+
+def test_what_tp_cannot_split_is_named_with_the_numbers() -> None:
+    lay = Layout(layers=1, hidden=8, heads=6, groups=3, head_dim=2, ffn=10, vocab=7, tied=True, qkv_bias=True, tp=4)
+    assert convert.problems(lay) == [
+        "num_key_value_heads = 3 is not divisible by tensor parallel t = 4",
+        "num_attention_heads = 6 is not divisible by tensor parallel t = 4",
+        "intermediate_size = 10 is not divisible by tensor parallel t = 4"]
