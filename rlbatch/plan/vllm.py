@@ -38,18 +38,14 @@ from rlbatch.plan import activations as act
 from rlbatch.plan import comm
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
+from rlbatch.plan.memory import VLLM_GPU_MEMORY_UTILIZATION as GPU_MEMORY_UTILIZATION
+from rlbatch.plan.memory import VLLM_MAX_NUM_BATCHED_TOKENS as MAX_NUM_BATCHED_TOKENS
+from rlbatch.plan.memory import VLLM_MAX_NUM_SEQS as MAX_NUM_SEQS
 from rlbatch.plan.memory import RoleMemory
 from rlbatch.plan.model import OPS_PER_MODEL_FWD, ModelShape
+from rlbatch.plan.timing import VLLM_STEP_S, _tp_link, rates
 from rlbatch.plan.workload import Workload
 
-GPU_MEMORY_UTILIZATION = 0.9
-"""vLLM's default gpu_memory_utilization (EngineArgs; rlbatch's VLLMArgs keeps it)."""
-MAX_NUM_BATCHED_TOKENS = 8192
-"""rlbatch's VLLMArgs default: tokens per scheduler step (chunked prefill)."""
-MAX_NUM_SEQS = 256
-"""rlbatch's VLLMArgs default: sequences decoded together."""
-VLLM_STEP_S = 0.5e-3
-"""Assumed host cost of one vLLM engine step on a GPU (scheduler, CUDA-graph replay, sampler launch)."""
 VLLM_CPU_OPS_PER_LAYER = 60
 """Op-equivalents one decoder layer costs vLLM per step on CPU (eager torch plus its custom CPU
 kernels; fewer than HF's ~150-200: fused qkv and gate/up, one attention call per layer)."""
@@ -130,8 +126,6 @@ def decode_batches(seqs: int, conc: int, survival: np.ndarray) -> np.ndarray:
 def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
              layout: Layout) -> dict[str, float]:
     """Features of one generate phase on the busiest vLLM engine."""
-    from rlbatch.plan.timing import _tp_link, rates  # timing imports this module's callers
-
     b = r.backend
     assert b is not None
     e = dtype_bytes(r, e)
