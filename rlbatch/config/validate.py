@@ -24,6 +24,7 @@ from rlbatch.config.runnable import (
     runnable_problems,
 )
 from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RLBatchConfig
+from rlbatch.config.vllm_rules import vllm_problems
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
@@ -258,6 +259,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(_check_model_shape(plain.get("model")))
     engines = role_engines(plain)
     problems.extend(engine_args_problems(plain, engines))
+    problems.extend(vllm_problems(plain, engines, placement, runnable and plain.get("program", "train") == "train"))
     if runnable:
         problems.extend(runnable_problems(plain, engines))
     if problems:

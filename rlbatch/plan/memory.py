@@ -178,9 +178,13 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
 
 
 def infer_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) -> RoleMemory:
-    """vllm / sglang reserve a share of the GPU; hf allocates what the batch needs."""
+    """vllm (``rlbatch.plan.vllm``) and sglang reserve a share of the GPU; hf allocates what the batch needs."""
     assert r.backend is not None
     b = r.backend
+    if b.engine == "vllm":
+        from rlbatch.plan import vllm
+
+        return vllm.memory(r, shape, w, e, hw)
     tp, pp, engines = b.t, b.p, max(1, b.d)
     weights = e * shape.params / (tp * pp)
     kv_heads_per_gpu = max(1, shape.kv_heads // tp) if tp <= shape.kv_heads else 1  # replicated when t > kv heads

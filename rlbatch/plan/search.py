@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlbatch.engines.vllm_limits import tp_heads_problem
 from rlbatch.errors import ConfigError
 from rlbatch.placement import parse_backend
 from rlbatch.plan.coefficients import Coefficients
@@ -71,12 +72,13 @@ def train_dims(engine: str, n: int, gpn: int, shape: ModelShape, w: Workload) ->
 
 
 def infer_dims(engine: str, n: int, gpn: int, shape: ModelShape) -> list[str]:
-    """Backend strings for an inference engine on ``n`` GPUs: TP within a node, PP only across full nodes."""
+    """Backend strings for an inference engine on ``n`` GPUs: TP within a node (vLLM: the sizes it
+    splits the model's query and KV heads over), PP only across full nodes."""
     if engine == "hf":
         return [f"hf:d{n}"]
     out = []
     for t in _pow2_upto(gpn):
-        if n % t or shape.heads % t:
+        if n % t or shape.heads % t or (engine == "vllm" and tp_heads_problem(t, shape.heads, shape.kv_heads)):
             continue
         for p in ([1, 2, 4, 8] if engine == "vllm" and t == gpn else [1]):
             if n % (t * p) or shape.layers % p:

@@ -126,9 +126,14 @@ def _tp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> comm.Link:
 
 def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
              layout: Layout) -> Features:
-    """Prefill, then decode step by step; the busiest engine sets the phase time."""
+    """Prefill, then decode step by step; the busiest engine sets the phase time. vLLM has a model
+    of its own (``rlbatch.plan.vllm``: continuous batching, prefix caching, its host costs)."""
     b = r.backend
     assert b is not None
+    if b.engine == "vllm":
+        from rlbatch.plan import vllm
+
+        return vllm.generate(r, mem, shape, w, e, hw, layout)
     tp, pp = b.t, b.p
     seqs = math.ceil(w.sequences / max(1, b.d))
     rt = rates(hw, layout, layout.ranks_per_node(r.ranks), sum(mem.transient.get("generate", {}).values()))

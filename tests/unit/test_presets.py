@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from rlbatch.config.validate import check
+from rlbatch.config.vllm_rules import on_cpu
 from rlbatch.launch.__main__ import main
 from rlbatch.launch.compose import CONF_DIR, compose
 from tests.unit.test_sbatch_golden import CASES, GOLDEN
@@ -46,31 +47,41 @@ def train(spec: str, got: str, role: str = "actor_train") -> str:
     return f"roles.{role}.backend: " + MEGATRON.format(got, spec)
 
 
+VLLM_T8 = "roles.actor_infer.backend: 'vllm:d4t8' splits attention over t=8 tensor-parallel ranks, but num_heads=4"
+"""vLLM cannot split the tiny model's 4 heads over 8 ranks (a preset for a real model.path)."""
+CPU_HEAD_DIM = ["roles.actor_infer: vllm on CPU needs head_dim in"] if on_cpu({"cluster": {"name": "local"}}) else []
+"""cluster=local on a machine without a GPU runs vLLM's CPU build, which has no kernel for the tiny
+model's head_dim 16 (a Slurm job's nodes are not judged)."""
+
+GOLDEN_REFUSED: dict[str, list[str]] = {
+    "areal_16gpu": [FSDP_T2.format("fsdp:d4t2"), infer("vllm:d2t4")],
+    "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "p=2, c=2, e=2"), infer("vllm:d4t8"),
+                               VLLM_T8],
+    "roll_mixed_cpu_sandbox": [infer("vllm:d6t2")],
+}
+"""Golden sbatch cases (cluster=slurm) this build cannot run -> the start of each line."""
+
 REFUSED: dict[tuple[str, str], list[str]] = {
     ("algo", "ppo"): [
         "roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping",
         "algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is modelled by the planner only",
     ],
-    ("roles", "areal_16gpu"): [FSDP_T2.format("fsdp:d4t2"), infer("vllm:d2t4")],
+    ("roles", "areal_16gpu"): [*GOLDEN_REFUSED["areal_16gpu"], *CPU_HEAD_DIM],
     ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4", "p=2, e=4"), infer("vllm:d4t4"),
-                                        train("megatron:d2p2t4", "p=2", "reference")],
-    ("roles", "areal_moe_hybrid_32gpu"): [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "p=2, c=2, e=2"),
-                                          infer("vllm:d4t8")],
+                                        train("megatron:d2p2t4", "p=2", "reference"), *CPU_HEAD_DIM],
+    ("roles", "areal_moe_hybrid_32gpu"): [*GOLDEN_REFUSED["areal_moe_hybrid_32gpu"], *CPU_HEAD_DIM],
     ("roles", "ppo_critic_8gpu"): [
         FSDP_T2.format("fsdp:d4t2"), infer("vllm:d4t2"),
         "roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and PPO is not built yet",
+        *CPU_HEAD_DIM,
     ],
-    ("roles", "roll_mixed_cpu_sandbox"): [infer("vllm:d6t2")],
+    ("roles", "roll_mixed_cpu_sandbox"): [*GOLDEN_REFUSED["roll_mixed_cpu_sandbox"], *CPU_HEAD_DIM],
+    **({("roles", name): CPU_HEAD_DIM for name in ("roll_colocated_8gpu", "roll_disaggregated_8gpu",
+                                                    "roll_disaggregated_24gpu")} if CPU_HEAD_DIM else {}),
 }
 """Presets this build cannot run -> the start of each line the launcher prints (all of them)."""
 PLANNER_COMPANIONS = {("algo", "ppo"): ["roles=ppo_critic_8gpu"]}
 """What a refused preset needs beside it for the planner to model it."""
-
-GOLDEN_REFUSED: dict[str, list[str]] = {
-    "areal_16gpu": REFUSED[("roles", "areal_16gpu")],
-    "areal_moe_hybrid_32gpu": REFUSED[("roles", "areal_moe_hybrid_32gpu")],
-    "roll_mixed_cpu_sandbox": REFUSED[("roles", "roll_mixed_cpu_sandbox")],
-}
 
 
 @pytest.fixture(scope="module")
