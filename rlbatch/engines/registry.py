@@ -84,12 +84,21 @@ class SGLangArgs:
 
 @dataclass(frozen=True)
 class DeepSpeedArgs:
-    """engine_args of the ``deepspeed`` training engine (modelled by the planner)."""
+    """engine_args of the ``deepspeed`` training engine (training and forward-only roles). See
+    docs/deepspeed.md."""
 
     zero_stage: int = 3
-    """ZeRO stage: 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters) sharded."""
+    """ZeRO stage: 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters) sharded over the dp group."""
     micro_batch: int = 0
+    """Sequences per log-prob forward (0: the rank's whole share in one pass)."""
+    share_prompts: bool = True
+    """Run each distinct prompt of a micro-batch once and its responses on its KV cache (as fsdp)."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: fp32 master weights and AdamW state live in host memory, stepped there."""
+    offload_params: bool = False
+    """ZeRO-3 only: parameter partitions live in host memory between uses."""
     sync_bucket_mb: int = 256
+    """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +237,7 @@ register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HF
 register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="d",
                     note="tensor/pipeline-parallel vLLM (t>1, p>1) is not built yet: use vllm:dN"))
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
-register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, None, dims="d",
-                    note="the DeepSpeed engine is not in this build"))
+register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
+                    dims="d", note="only data parallelism (deepspeed:dN) is built"))
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, None, dims="dtpce", data_axes=("dp",),
                     note="the Megatron-core engine is not in this build"))
