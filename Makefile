@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[deepspeed]"
 	$(MAKE) --no-print-directory vllm-install
 	touch $(STAMP)
 

@@ -100,6 +100,13 @@ class DeepSpeedArgs:
     sync_bucket_mb: int = 256
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
 
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage: must be 1, 2 or 3, got {self.zero_stage}")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params: needs zero_stage 3 (parameters are partitioned only there), "
+                             f"got zero_stage {self.zero_stage}")
+
 
 @dataclass(frozen=True)
 class MegatronArgs:
@@ -209,7 +216,10 @@ def parse_args(engine: str, raw: Mapping[str, Any] | None, where: str) -> ArgsCh
             values[k] = coerced
     if problems:
         return ArgsCheck(None, problems)
-    return ArgsCheck(spec.args(**values), [])
+    try:
+        return ArgsCheck(spec.args(**values), [])
+    except ValueError as e:  # a value the args refuse (their __post_init__): "<key>: <why>"
+        return ArgsCheck(None, [f"{where}.{e}"])
 
 
 def engine_args(engine: str, raw: Mapping[str, Any] | None) -> Any:

@@ -230,12 +230,12 @@ class DeepSpeedEngine:
         """Create the AdamW state of a fresh optimizer (zeros, step 0: what AdamW's first step creates)
         and link it to the parameters, so there is state to read into or to save."""
         assert self.optimizer is not None
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p not in self.optimizer.state or not self.optimizer.state[p]:
-                    self.optimizer.state[p] = {"step": torch.tensor(0.0),
-                                               "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                               "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        zero = self.engine.optimizer
+        masters = [*getattr(zero, "single_partition_of_fp32_groups", []), *getattr(zero, "fp32_partitioned_groups_flat", [])]
+        for p in masters:
+            state = self.optimizer.state[p]
+            if "exp_avg" not in state:
+                state.update({"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
         link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:
             link()
