@@ -8,6 +8,7 @@ and offload/reload gives back the same state.
 """
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -139,4 +140,7 @@ if comm.rank in ROLE:
         train(into_ds, range(3, 4))
         same(weights(trained_fsdp), weights(into_ds), f"fsdp -> {tag}: an update after the load", exact=False)
         print(f"rank {comm.rank}: {tag} ok", flush=True)
+done = comm.Ibarrier()  # rank 0 waits for the role's ranks without spinning on a core they need
+while not done.Test():
+    time.sleep(0.2)
 end_script(comm)
