@@ -33,7 +33,7 @@ PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / 
 
 VLLM_T = "roles.actor_infer.backend: engine 'vllm' supports d (data) only in this build; got t={} in '{}'"
 MEGATRON = ("engine 'megatron' (in '{}') is not built: the Megatron-core engine is not in this build; "
-            "built training engines: ['fsdp']")
+            "built training engines: ['deepspeed', 'fsdp']")
 FSDP_T2 = "roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; got t=2 in '{}'"
 
 
