@@ -166,7 +166,8 @@ class DeepSpeedEngine:
         """The module's weights: the local partition of each under ZeRO-3, else the parameter (under
         ZeRO-1/2 a view into DeepSpeed's flat buffer, moved whole)."""
         for p in self.params:
-            yield getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p
+            ds_tensor: torch.Tensor | None = getattr(p, "ds_tensor", None)
+            yield p if ds_tensor is None else ds_tensor
 
     def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
         """The fp32 master partitions and the AdamW state of them."""
