@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[deepspeed]"
 	$(MAKE) --no-print-directory vllm-install
 	$(MAKE) --no-print-directory megatron-install
 	touch $(STAMP)

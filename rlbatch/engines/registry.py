@@ -84,12 +84,28 @@ class SGLangArgs:
 
 @dataclass(frozen=True)
 class DeepSpeedArgs:
-    """engine_args of the ``deepspeed`` training engine (modelled by the planner)."""
+    """engine_args of the ``deepspeed`` training engine (training and forward-only roles). See
+    docs/deepspeed.md."""
 
     zero_stage: int = 3
-    """ZeRO stage: 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters) sharded."""
+    """ZeRO stage: 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters) sharded over the dp group."""
     micro_batch: int = 0
+    """Sequences per log-prob forward (0: the rank's whole share in one pass)."""
+    share_prompts: bool = True
+    """Run each distinct prompt of a micro-batch once and its responses on its KV cache (as fsdp)."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: fp32 master weights and AdamW state live in host memory, stepped there."""
+    offload_params: bool = False
+    """ZeRO-3 only: parameter partitions live in host memory between uses."""
     sync_bucket_mb: int = 256
+    """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage: must be 1, 2 or 3, got {self.zero_stage}")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params: needs zero_stage 3 (parameters are partitioned only there), "
+                             f"got zero_stage {self.zero_stage}")
 
 
 @dataclass(frozen=True)
@@ -202,7 +218,10 @@ def parse_args(engine: str, raw: Mapping[str, Any] | None, where: str) -> ArgsCh
             values[k] = coerced
     if problems:
         return ArgsCheck(None, problems)
-    return ArgsCheck(spec.args(**values), [])
+    try:
+        return ArgsCheck(spec.args(**values), [])
+    except ValueError as e:  # a value the args refuse (their __post_init__): "<key>: <why>"
+        return ArgsCheck(None, [f"{where}.{e}"])
 
 
 def engine_args(engine: str, raw: Mapping[str, Any] | None) -> Any:
@@ -230,8 +249,8 @@ register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HF
 register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="d",
                     note="tensor/pipeline-parallel vLLM (t>1, p>1) is not built yet: use vllm:dN"))
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
-register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, None, dims="d",
-                    note="the DeepSpeed engine is not in this build"))
+register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
+                    dims="d", note="only data parallelism (deepspeed:dN) is built"))
 # dims "dt": tensor and data parallel; the placement language keeps "dtpce" so plans with pipeline,
 # context and expert parallelism are still modelled (and refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",

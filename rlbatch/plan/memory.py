@@ -132,6 +132,16 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
             state = {"params": 2 * P} if forward_only else {
                 "params": 2 * P, "grads": 2 * P / (n if stage == 2 else 1), "optimizer": 12 * P / n}
             buffers = 0.0
+        # ZeRO-Offload (engine_args): fp32 masters, AdamW state and the fp32 gradient partitions they
+        # are stepped with live in host memory; offload_params (stage 3) moves the weights' partitions too.
+        if bool(ea.get("offload_optimizer", False)) and not forward_only:
+            state["optimizer"] = 0.0
+            if stage == 3:
+                state["grads"] = 0.0
+            notes.append("optimizer offloaded to host")
+        if bool(ea.get("offload_params", False)) and stage == 3:
+            state["params"] = 0.0
+            notes.append("parameters offloaded to host")
         notes.append(f"deepspeed ZeRO stage {stage}")
         layers_held = shape.layers
     else:  # megatron: Megatron-LM's theoretical memory, most loaded (first) pipeline stage

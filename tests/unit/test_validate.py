@@ -72,9 +72,6 @@ def test_the_default_experiment_is_runnable(cfg: dict[str, Any]) -> None:
     [
         ("fsdp:d2", "sglang:d2", "roles.actor_infer.backend: engine 'sglang' (in 'sglang:d2') is not built: the "
                                  "SGLang engine is not in this build; built inference engines: ['hf', 'vllm']"),
-        ("deepspeed:d2", "hf:d2", "roles.actor_train.backend: engine 'deepspeed' (in 'deepspeed:d2') is not built: "
-                                  "the DeepSpeed engine is not in this build; built training engines: "
-                                  f"{engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"),
     ],
 )
 def test_an_engine_that_is_not_built_is_refused_with_the_built_ones(cfg: dict[str, Any], train: str, infer: str,
@@ -82,6 +79,16 @@ def test_an_engine_that_is_not_built_is_refused_with_the_built_ones(cfg: dict[st
     c = on_ranks(cfg, 2, train, infer)
     assert problems(c) == [line]  # reference inherits actor_train's backend: reported once
     check(c, runnable=False)  # the planner models it
+
+
+def test_deepspeed_is_runnable_and_its_engine_args_are_checked_before_start(cfg: dict[str, Any]) -> None:
+    c = on_ranks(cfg, 2, "deepspeed:d2", "hf:d2")
+    assert set(check(c).roles) == {"actor_train", "actor_infer", "reference", "reward"}
+    c = set_(c, roles__actor_train__engine_args={"zero_stage": 4})
+    assert problems(c) == ["roles.actor_train.engine_args.zero_stage: must be 1, 2 or 3, got 4"]
+    c = set_(c, roles__actor_train__engine_args={"zero_stage": 2, "offload_params": True})
+    assert problems(c) == ["roles.actor_train.engine_args.offload_params: needs zero_stage 3 (parameters are "
+                           "partitioned only there), got zero_stage 2"]
 
 
 def test_dims_the_built_engine_does_not_split_over_are_refused(cfg: dict[str, Any]) -> None:

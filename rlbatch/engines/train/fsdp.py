@@ -8,7 +8,6 @@ activation checkpointing; bf16 compute with fp32 master weights on GPU, fp32 on 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,13 +15,13 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from rlbatch import algos
-from rlbatch.algos.objective import LossInput, PolicyObjective
+from rlbatch.algos.objective import PolicyObjective
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample
-from rlbatch.engines.batch import Packed, pack, response_logits, unpack
+from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import fsdp_single_unit, share_prompts
 from rlbatch.engines.model import load_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
+from rlbatch.engines.train import common
 from rlbatch.engines.train.state import load_module_state, module_state
 
 
@@ -62,76 +61,42 @@ class FSDPEngine(StashedState):
             self.model.train()
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
                                                foreach=True)  # one dispatch per step, not one per DTensor
-            warmup = int(algo.warmup_steps)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, common.warmup(int(algo.warmup_steps)))
             opt = self.optimizer
             self.state.add("grads", TensorStash("grads", lambda: grad_tensors(self.model)))
             self.state.add("optimizer", TensorStash("optimizer", lambda: optimizer_tensors(opt)))
         else:
             self.model.eval()
 
-    def _chunks(self, samples: list[Sample]) -> list[list[Sample]]:
-        size = self.micro_batch or len(samples)
-        return [samples[i : i + size] for i in range(0, len(samples), size)]
-
-    @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for chunk in self._chunks(samples):
-            b = self._pack(chunk)
-            out += unpack(algos.token_logprobs(response_logits(self.model, b).float(), b.targets), b.lengths)
-        return out
+        return common.logprobs(self.model, samples, self.micro_batch, self._pack)
 
     def _pack(self, chunk: list[Sample]) -> Packed:
         return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts)
-
-    def _loss(self, chunk: list[Sample], objective: PolicyObjective) -> tuple[torch.Tensor, dict[str, float]]:
-        b = self._pack(chunk)
-        logits = response_logits(self.model, b).float()
-        logp = algos.token_logprobs(logits, b.targets)
-        return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
-                                   logits if objective.needs_logits else None))
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
         raise NotImplementedError("fsdp engine: this model has no value head (a critic is not in this build)")
 
     def train(self, samples: list[Sample], objective: PolicyObjective) -> dict[str, float]:
-        """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch.
-
-        Samples without old log-probs are trained on-policy (old = current, detached): right
-        only before the first update, so only the first mini-batch of the first epoch may
-        leave them out."""
+        """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch
+        (``rlbatch.engines.train.common.updates``)."""
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
-        per_mb = len(samples) // a.mini_batches
-        totals: dict[str, float] = {}
-        updates = 0
-        for epoch in range(a.epochs):
-            for m in range(a.mini_batches):
-                mb = samples[m * per_mb : (m + 1) * per_mb]
-                missing = sum("old_logprobs" not in s for s in mb)
-                if missing and (epoch, m) != (0, 0):
-                    raise ValueError(f"train: {missing} samples of mini-batch {m} (epoch {epoch}) have no old "
-                                     f"log-probs; only the first mini-batch of the first epoch may leave them out")
-                micro = math.ceil(len(mb) / a.grad_accum)
-                self.optimizer.zero_grad(set_to_none=False)
-                for k in range(0, len(mb), micro):
-                    loss, stats = self._loss(mb[k : k + micro], objective)
-                    (loss / a.grad_accum).backward()
-                    for key, v in stats.items():
-                        totals[key] = totals.get(key, 0.0) + v / a.grad_accum
-                if a.grad_clip > 0:
-                    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
-                    total_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(total_norm)
-                self.optimizer.step()
-                self.scheduler.step()
-                updates += 1
-        out = {k: v / updates for k, v in totals.items()}
-        out["lr"] = float(self.scheduler.get_last_lr()[0])
-        return out
+        totals = common.Totals(a.grad_accum)
+        for micro_batches in common.updates(samples, a):
+            self.optimizer.zero_grad(set_to_none=False)
+            for chunk in micro_batches:
+                loss, stats = common.chunk_loss(self.model, self._pack(chunk), objective)
+                (loss / a.grad_accum).backward()
+                totals.add(stats)
+            if a.grad_clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+                total_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                totals.add({"grad_norm": float(total_norm)}, 1.0)
+            self.optimizer.step()
+            self.scheduler.step()
+            totals.updates += 1
+        return totals.result(float(self.scheduler.get_last_lr()[0]))
 
     @contextmanager
     def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:

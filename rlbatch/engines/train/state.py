@@ -47,3 +47,13 @@ def load_module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS)
     if scheduler is not None and state.meta.get("scheduler") is not None:
         scheduler.load_state_dict(state.meta["scheduler"])
+
+
+def param_groups_meta(optimizer: torch.optim.Optimizer, names: list[str]) -> list[dict[str, Any]]:
+    """The optimizer's param groups as ``get_state_dict`` writes them (hyper-parameters, and the
+    parameter names in place of the parameters), for an engine whose optimizer holds flattened or
+    partitioned tensors instead of the module's parameters. One group, holding every parameter."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if len(groups) != 1:
+        raise NotImplementedError(f"checkpoint state of {len(groups)} param groups (1 is supported)")
+    return [{**groups[0], "params": list(names)}]

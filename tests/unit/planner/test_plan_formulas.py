@@ -57,6 +57,21 @@ def test_planner_deepspeed_zero3_matches_deepspeeds_gpu_estimate(h100) -> None: 
     assert sum(m.state.values()) + gather == pytest.approx(ds.gpu_bytes, abs=8)
 
 
+@pytest.mark.parametrize(("offload_optimizer", "offload_params"), [(True, False), (True, True)])
+def test_planner_deepspeed_zero3_offload_matches_deepspeeds_gpu_estimate(h100, offload_optimizer: bool,  # type: ignore[no-untyped-def]
+                                                                         offload_params: bool) -> None:
+    shape = shape_from_config({"path": str(MODELS / "llama2_7b")})
+    cfg = make_config(roles=roles("deepspeed:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    cfg["roles"]["actor_train"]["engine_args"] = {"zero_stage": 3, "offload_optimizer": offload_optimizer,
+                                                  "offload_params": offload_params}
+    m = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_from_config(cfg), 2, h100)
+    ds = deepspeed_zero3_estimate(shape.params, shape.largest_module_params, 8, 1, offload_optimizer, offload_params)
+    # By hand: 4 bytes per largest-layer parameter, plus the 2-byte weight shards unless they are offloaded too.
+    by_hand = 4 * shape.largest_module_params + (0 if offload_params else int(2 * shape.params / 8))
+    assert ds.gpu_bytes == by_hand
+    assert sum(m.state.values()) + m.transient["train"]["gather_buffers"] == pytest.approx(by_hand, abs=8)
+
+
 def test_planner_megatron_matches_megatrons_theoretical_memory(h100) -> None:  # type: ignore[no-untyped-def]
     # megatron/training/theoretical_memory_usage.py, compute_weight_and_optimizer_memory, written
     # out for Llama-2-7B (RMSNorm: norm_size 1, SwiGLU: 3/2, no GQA) at tp=2, pp=2, dp=4 with the

@@ -1,0 +1,305 @@
+"""``deepspeed`` training engine: DeepSpeed ZeRO stage 1, 2 or 3 over the role's dp group.
+
+    python -m rlbatch.launch roles.actor_train.backend=deepspeed:d2
+
+DeepSpeed runs on the role's ranks only, whatever the rest of the job does: its data-parallel
+group is the role's (an ``mpu`` object hands it over) and every collective it would issue on
+the global world runs on the role's group instead (``rlbatch.engines.train.ds_world``).
+
+The optimizer is torch's AdamW given to DeepSpeed as a client optimizer, so no DeepSpeed op is
+compiled: DeepSpeed's fused/CPU Adam and its shared-memory all-reduce are JIT-built C++ (g++,
+ninja, about a minute), and the shared-memory all-reduce serves only DeepSpeed inference's
+tensor-parallel all-reduce, which training never calls, so it is not built. ZeRO-Offload
+(``offload_optimizer``, ``offload_params``) keeps the fp32 master weights and the AdamW state
+in host memory and steps them there with the same torch AdamW.
+
+Update schedule, loss, LR warm-up and gradient clipping are those of the fsdp engine
+(``rlbatch.engines.train.common``); bf16 compute with fp32 master weights on GPU, fp32 on CPU.
+Checkpoint state is full (gathered) fp32 tensors under the fsdp engine's names, so either
+engine resumes from the other's checkpoint. Forward-only roles (reference) are the plain model
+(ZeRO-3: partitioned, gathered layer by layer on forward).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlbatch.algos.objective import PolicyObjective
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample
+from rlbatch.engines.batch import Packed, pack
+from rlbatch.engines.defaults import share_prompts
+from rlbatch.engines.model import load_model
+from rlbatch.engines.offload import Stashes, TensorStash, Transfer
+from rlbatch.engines.train import common
+from rlbatch.engines.train.ds_world import role_world
+from rlbatch.engines.train.state import param_groups_meta
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class RoleMPU:
+    """The ``mpu`` DeepSpeed asks its groups from: the role's dp group, no model parallelism."""
+
+    def __init__(self, dp: Any, single: Any) -> None:
+        self.dp, self.single = dp, single
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return int(dist.get_world_size(self.dp))
+
+    def get_data_parallel_rank(self) -> int:
+        return int(dist.get_rank(self.dp))
+
+    def get_model_parallel_group(self) -> Any:
+        return self.single
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+def ds_config(args: Any, algo: Any, device: torch.device, trainable: bool) -> dict[str, Any]:
+    """The DeepSpeed config of a role. Gradient accumulation is driven by the engine (one optimizer
+    step per update of ``common.updates``), so DeepSpeed's own is 1."""
+    zero: dict[str, Any] = {"stage": int(args.zero_stage)}
+    if args.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    if args.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": device.type == "cuda"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if trainable:
+        cfg["gradient_clipping"] = float(algo.grad_clip)
+        cfg["zero_allow_untested_optimizer"] = True
+        cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW on the host partitions under offload
+    return cfg
+
+
+def _skip_shm_build() -> None:
+    """Mark DeepSpeed's shared-memory all-reduce op unavailable before its comm backend starts, so it is
+    not JIT-compiled (see the module docstring)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class DeepSpeedEngine:
+    """A role's model under DeepSpeed ZeRO on the role's ranks (see the module docstring)."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        mesh, algo, args = ctx.mesh, ctx.algo, ctx.args
+        dims = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
+        if any(dims.get(k, 1) > 1 for k in ("tp", "cp", "pp")):
+            raise NotImplementedError(f"deepspeed engine: only data parallelism (d) is implemented, got mesh {dims}")
+        if int(args.zero_stage) not in (1, 2, 3):
+            raise ValueError(f"deepspeed engine: engine_args.zero_stage must be 1, 2 or 3, got {args.zero_stage}")
+        import deepspeed
+
+        _skip_shm_build()
+        os.environ.setdefault("LOCAL_RANK", str(ctx.device.index or 0))  # read by DeepSpeed's ZeRO checks
+        self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
+        self.micro_batch, self.stage = int(args.micro_batch), int(args.zero_stage)
+        self.group = ctx.group("dp")
+        model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+        recompute = ctx.trainable and bool(algo.activation_checkpointing)
+        if recompute:
+            model.gradient_checkpointing_enable()
+        self.share_prompts = share_prompts(args) and not recompute
+        self.names = [n for n, _ in model.named_parameters()]
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        config = ds_config(args, algo, ctx.device, ctx.trainable)
+        mpu = RoleMPU(self.group, ctx.group("tp"))
+        with role_world(self.group):
+            if ctx.trainable:
+                model.train()
+                self.optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
+                                                   foreach=True)
+                self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, common.warmup(int(algo.warmup_steps)))
+                self.engine, *_ = deepspeed.initialize(model=model.to(ctx.device), optimizer=self.optimizer,
+                                                       config=config, mpu=mpu, dist_init_required=False)
+            elif self.stage == 3:
+                model.eval()
+                self.engine, *_ = deepspeed.initialize(model=model.to(ctx.device), config=config, mpu=mpu,
+                                                       dist_init_required=False)
+            else:
+                self.engine = model.to(ctx.device).eval()
+        self.module: torch.nn.Module = getattr(self.engine, "module", self.engine)
+        self.params = [p for _, p in self.module.named_parameters()]
+        # Checkpoint names are the module's state_dict keys, as the fsdp engine writes them: a tied
+        # weight (lm_head = embed_tokens) appears under both names; optimizer state once, by parameter.
+        by_id = {id(p): p for p in self.params}
+        self.model_keys = [(k, by_id[id(v)]) for k, v in self.module.state_dict(keep_vars=True).items()
+                           if id(v) in by_id]
+        self.state = Stashes({"params": TensorStash("params", self._param_tensors)})
+        if self.optimizer is not None:
+            self.state.add("optimizer", TensorStash("optimizer", self._optimizer_tensors))
+
+    # -- state by kind ------------------------------------------------------------------------------
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        return self.state.kinds
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.offload(kinds)
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        return self.state.reload(kinds)
+
+    def _param_tensors(self) -> Iterator[torch.Tensor]:
+        """The module's weights: the local partition of each under ZeRO-3, else the parameter (under
+        ZeRO-1/2 a view into DeepSpeed's flat buffer, moved whole)."""
+        for p in self.params:
+            ds_tensor: torch.Tensor | None = getattr(p, "ds_tensor", None)
+            yield p if ds_tensor is None else ds_tensor
+
+    def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        """The fp32 master partitions and the AdamW state of them."""
+        zero = self.engine.optimizer
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            yield from getattr(zero, name, [])
+        assert self.optimizer is not None
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    yield v
+
+    # -- forward and training -----------------------------------------------------------------------
+    def _pack(self, chunk: list[Sample]) -> Packed:
+        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts)
+
+    def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        with role_world(self.group):
+            return common.logprobs(self.engine, samples, self.micro_batch, self._pack)
+
+    def values(self, samples: list[Sample]) -> list[torch.Tensor]:
+        raise NotImplementedError("deepspeed engine: this model has no value head (a critic is not in this build)")
+
+    def train(self, samples: list[Sample], objective: PolicyObjective) -> dict[str, float]:
+        """Mini-batches x epochs of updates minimising ``objective`` (``common.updates``): DeepSpeed
+        reduces the gradients at the last micro-batch of each update, clips them and steps."""
+        assert self.optimizer is not None and self.scheduler is not None, "train() on a forward-only engine"
+        a = self.algo
+        totals = common.Totals(a.grad_accum)
+        with role_world(self.group):
+            for micro_batches in common.updates(samples, a):
+                for i, chunk in enumerate(micro_batches):
+                    self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
+                    loss, stats = common.chunk_loss(self.engine, self._pack(chunk), objective)
+                    self.engine.backward(loss / a.grad_accum, scale_wrt_gas=False)
+                    totals.add(stats)
+                self.engine.step()
+                if a.grad_clip > 0:
+                    norm = self.engine.get_global_grad_norm()
+                    totals.add({"grad_norm": float(norm) if norm is not None else 0.0}, 1.0)
+                self.scheduler.step()
+                totals.updates += 1
+        return totals.result(float(self.scheduler.get_last_lr()[0]))
+
+    # -- weights out ----------------------------------------------------------------------------------
+    @contextmanager
+    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every parameter in full under its Hugging Face name, valid inside the block (ZeRO-3:
+        gathered from the partitions, on every rank of the role)."""
+        with torch.no_grad(), role_world(self.group):
+            if self.stage == 3 and self.engine is not self.module:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters(self.params, modifier_rank=None):
+                    yield [(n, p.detach()) for n, p in zip(self.names, self.params, strict=True)]
+            else:
+                yield [(n, p.detach()) for n, p in zip(self.names, self.params, strict=True)]
+
+    # -- checkpoint state -----------------------------------------------------------------------------
+    def _ensure_optimizer_state(self) -> None:
+        """Create the AdamW state of a fresh optimizer (zeros, step 0: what AdamW's first step creates)
+        and link it to the parameters, so there is state to read into or to save."""
+        assert self.optimizer is not None
+        zero = self.engine.optimizer
+        masters = [*getattr(zero, "single_partition_of_fp32_groups", []), *getattr(zero, "fp32_partitioned_groups_flat", [])]
+        for p in masters:
+            state = self.optimizer.state[p]
+            if "exp_avg" not in state:
+                state.update({"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)})
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:
+            link()
+
+    def _step(self) -> torch.Tensor:
+        assert self.optimizer is not None
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        return torch.as_tensor(steps[0] if steps else 0.0, dtype=torch.float32).clone()
+
+    def checkpoint_state(self) -> CheckpointState | None:
+        """Full fp32 weights and AdamW state per Hugging Face name (``model.<name>``,
+        ``optim.<name>.{exp_avg,exp_avg_sq,step}``), gathered on every rank of the role: plain
+        tensors, written once by DCP. None when forward-only."""
+        if self.optimizer is None:
+            return None
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        tensors: dict[str, Any] = {}
+        with role_world(self.group):
+            self._ensure_optimizer_state()
+            step = self._step()
+            for key, p in self.model_keys:
+                tensors[f"model.{key}"] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            for name, p in zip(self.names, self.params, strict=True):
+                for key in ADAM_KEYS:
+                    tensors[f"optim.{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+                tensors[f"optim.{name}.step"] = step.clone()
+        meta = {"engine": "deepspeed", "param_groups": param_groups_meta(self.optimizer, self.names),
+                "scheduler": self.scheduler.state_dict()}
+        return CheckpointState(tensors, meta, self.group)
+
+    def load_checkpoint_state(self, state: CheckpointState) -> None:
+        """Set the weights (master and compute copies), the AdamW state and step, the LR schedule."""
+        assert self.optimizer is not None, "load_checkpoint_state on a forward-only engine"
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        t = state.tensors
+        with torch.no_grad(), role_world(self.group):
+            self._ensure_optimizer_state()
+            for key, p in self.model_keys:
+                full = t[f"model.{key}"].to(self.device)
+                safe_set_full_fp32_param(p, full)
+                self._set_compute_weight(p, full)
+            for name, p in zip(self.names, self.params, strict=True):
+                for key in ADAM_KEYS:
+                    safe_set_full_optimizer_state(p, t[f"optim.{name}.{key}"].to(self.device), key)
+            step = float(t[f"optim.{self.names[0]}.step"])
+            for s in self.optimizer.state.values():
+                s["step"].fill_(step)
+        hyper = state.meta.get("param_groups") or []
+        for group, saved in zip(self.optimizer.param_groups, hyper, strict=False):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if state.meta.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state.meta["scheduler"])
+
+    def _set_compute_weight(self, p: torch.Tensor, full: torch.Tensor) -> None:
+        """The copy forward reads: the partition under ZeRO-3, the whole parameter under ZeRO-1/2."""
+        ds_tensor = getattr(p, "ds_tensor", None)
+        if ds_tensor is None:
+            p.data.copy_(full.to(p.dtype))
+            return
+        flat = full.reshape(-1).to(ds_tensor.dtype)
+        part = ds_tensor.numel()
+        start = dist.get_rank(self.group) * part
+        n = max(0, min(part, flat.numel() - start))
+        ds_tensor.data[:n].copy_(flat[start : start + n])
