@@ -26,8 +26,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev]"
-	$(PY) -m pip install --quiet -e ".[deepspeed]"
+	$(PY) -m pip install --quiet -e ".[dev,deepspeed]"
 	$(MAKE) --no-print-directory vllm-install
 	$(MAKE) --no-print-directory megatron-install
 	touch $(STAMP)
