@@ -28,7 +28,7 @@ def test_code_sandbox_workers_on_both_nodes(run_root: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(r["sandbox/tests_run"] == 6 * 4 * 4 for r in rows)
+    assert all(r["sandbox/tests_run"] == 7 * 4 * 4 for r in rows)
     placed = json.loads((run / "placement.json").read_text())
     workers = [(r, p["node"]) for r, p in enumerate(placed["processes"]) if "code_sandbox" in p["roles"]]
     assert sorted(node for _, node in workers) == [0, 1], workers

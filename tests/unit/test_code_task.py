@@ -31,7 +31,7 @@ def test_synthetic_problems_are_distinct_and_solvable() -> None:
     for p in problems:
         assert set(p.prompt) <= set(DEFAULT_ALPHABET)
         prefix, tests = decode_tests(p.answer)
-        assert prefix == SYNTHETIC_PREFIX and len(tests) == 6
+        assert prefix == SYNTHETIC_PREFIX and len(tests) == 7
     plus3 = next(p for p in problems if p.prompt == "4=5=")
     ns: dict = {}
     exec(SYNTHETIC_PREFIX + "+3", ns)  # noqa: S102 (our own program)
