@@ -31,15 +31,9 @@ RUN_DIR = "run_dir=/shared/runs/preset"
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
 PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
-VLLM_T = "roles.actor_infer.backend: engine 'vllm' supports d (data) only in this build; got t={} in '{}'"
 MEGATRON = ("engine 'megatron' (in '{}') is not built: the Megatron-core engine is not in this build; "
             "built training engines: ['fsdp']")
 FSDP_T2 = "roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; got t=2 in '{}'"
-
-
-def infer(spec: str) -> str:
-    """vLLM engines of t GPUs each: this build runs one vLLM engine per GPU rank (t=1)."""
-    return VLLM_T.format(spec.rpartition("t")[2], spec)
 
 
 def train(spec: str, role: str = "actor_train") -> str:
@@ -51,15 +45,13 @@ REFUSED: dict[tuple[str, str], list[str]] = {
         "roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping",
         "algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is modelled by the planner only",
     ],
-    ("roles", "areal_16gpu"): [FSDP_T2.format("fsdp:d4t2"), infer("vllm:d2t4")],
-    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4"), infer("vllm:d4t4"),
-                                        train("megatron:d2p2t4", "reference")],
-    ("roles", "areal_moe_hybrid_32gpu"): [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)"), infer("vllm:d4t8")],
+    ("roles", "areal_16gpu"): [FSDP_T2.format("fsdp:d4t2")],
+    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4"), train("megatron:d2p2t4", "reference")],
+    ("roles", "areal_moe_hybrid_32gpu"): [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)")],
     ("roles", "ppo_critic_8gpu"): [
-        FSDP_T2.format("fsdp:d4t2"), infer("vllm:d4t2"),
+        FSDP_T2.format("fsdp:d4t2"),
         "roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and PPO is not built yet",
     ],
-    ("roles", "roll_mixed_cpu_sandbox"): [infer("vllm:d6t2")],
 }
 """Presets this build cannot run -> the start of each line the launcher prints (all of them)."""
 PLANNER_COMPANIONS = {("algo", "ppo"): ["roles=ppo_critic_8gpu"]}
@@ -68,7 +60,6 @@ PLANNER_COMPANIONS = {("algo", "ppo"): ["roles=ppo_critic_8gpu"]}
 GOLDEN_REFUSED: dict[str, list[str]] = {
     "areal_16gpu": REFUSED[("roles", "areal_16gpu")],
     "areal_moe_hybrid_32gpu": REFUSED[("roles", "areal_moe_hybrid_32gpu")],
-    "roll_mixed_cpu_sandbox": REFUSED[("roles", "roll_mixed_cpu_sandbox")],
 }
 
 

@@ -158,11 +158,11 @@ def test_offload_on_cpu_keeps_vllm_resident(setup: Any, caplog: pytest.LogCaptur
     assert engine.weight_views(["model.embed_tokens.weight"], torch.float32) is None
 
 
-def test_registry_builds_vllm_data_parallel_only() -> None:
+def test_registry_builds_vllm_data_and_tensor_parallel() -> None:
     from rlbatch.engines.registry import engine_args, spec_of
 
     spec = spec_of("vllm")
-    assert spec.built and spec.dims == "d"
+    assert spec.built and spec.dims == "dt"
     assert engine_args("vllm", {"kv_cache_mb": 128}).kv_cache_mb == 128
     with pytest.raises(ValueError, match="kv_cache_memory"):
         engine_args("vllm", {"kv_cache_memory": 1})
