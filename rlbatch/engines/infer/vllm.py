@@ -1,6 +1,8 @@
-"""``vllm`` inference engine: one in-process ``vllm.LLM`` per rank (t=1), on GPU or on vLLM's CPU build.
+"""``vllm`` inference engine: one in-process ``vllm.LLM`` per rank, on GPU or on vLLM's CPU build;
+a worker of t ranks (``vllm:dXtY``) is t engines, one per rank, tensor-parallel in a world of their own.
 
     python -m rlbatch.launch roles.actor_infer.backend=vllm:d2 model.num_heads=2 model.num_kv_heads=1
+    python -m rlbatch.launch roles.actor_infer.backend=vllm:d1t2 model.num_heads=2 model.num_kv_heads=1
 
 - **generate**: prompts arrive repeated (a GRPO group is n copies of one prompt); each distinct
   prompt becomes one vLLM request with ``n`` samples, so the prompt is prefilled once and its KV
@@ -16,8 +18,11 @@
   cache is reset after each sync.
 - **offload/reload**: vLLM's sleep mode on a GPU (level 1: weights to host, KV cache dropped;
   untested here); vLLM's CPU build has none, so on CPU the state stays resident (zero bytes).
-- **torch.distributed**: the engine runs in a one-rank world of its own (``vllm_world``), so
-  any subset of the job's ranks may hold one. See docs/vllm.md.
+- **torch.distributed**: the engine runs in a world of its own (``vllm_world``): one rank at t=1,
+  the worker's t peers (the role mesh's ``tp`` axis) at t>1, where vLLM's ``external_launcher``
+  adopts it. Any subset of the job's ranks may hold a worker. Every peer gets the same prompts and
+  seed and runs the same deterministic schedule, so all return the same outputs; every peer loads
+  the full Hugging Face tensors of a sync and vLLM keeps its shard. See docs/vllm.md.
 """
 
 from __future__ import annotations
