@@ -99,8 +99,8 @@ def check_tp(shape: dict[str, int], t: int) -> None:
     if ffn % t:
         problems.append(f"intermediate_size {ffn} is not divisible by t={t}")
     if problems:
-        raise ValueError("vllm engine: tensor parallelism over t=%d ranks cannot split this model: %s"
-                         % (t, "; ".join(problems)))
+        raise ValueError(f"vllm engine: tensor parallelism over t={t} ranks cannot split this model: "
+                         + "; ".join(problems))
 
 
 def _model_shape(cfg: Any) -> dict[str, int]:
