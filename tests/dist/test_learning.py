@@ -37,6 +37,7 @@ LEARNERS = {
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("learner", list(LEARNERS))
 def test_experiment_learns_the_task(run_root: Path, learner: str) -> None:
     args, timeout = LEARNERS[learner]

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.dist
 RUN = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward"]
 
 
-def run(run_dir: Path, *extra: str, env: dict[str, str] | None = None):
-    return launch([f"run_dir={run_dir}", *RUN, *extra], run_dir.parent, env=env)
+def run(run_dir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 300):
+    return launch([f"run_dir={run_dir}", *RUN, *extra], run_dir.parent, env=env, timeout=timeout)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -34,22 +34,23 @@ def export(run_dir: Path, out: Path) -> bytes:
 
 
 GENERATORS = {
-    "hf": [],
+    "hf": ([], 300),
     # vLLM: a tensor-parallel worker on both ranks (its sampler draws from the process RNG, seeded
     # per step; the engine's start-up reseeding must not leak into training). head_dim 32 for its
-    # CPU attention.
-    "vllm-d1t2": ["roles.actor_infer.backend=vllm:d1t2", "model.num_heads=2", "model.num_kv_heads=1"],
+    # CPU attention. Each launch starts vLLM: 50-90 s on a loaded 2-core machine, ~3.5 min a run.
+    "vllm-d1t2": (["roles.actor_infer.backend=vllm:d1t2", "model.num_heads=2", "model.num_kv_heads=1"], 480),
 }
 
 
-@pytest.mark.parametrize("generator", [pytest.param("hf"), pytest.param("vllm-d1t2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("generator", [
+    pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(1500)])])
 def test_three_steps_resume_three_steps_equals_six(run_root: Path, generator: str) -> None:
-    whole, split, extra = run_root / "whole", run_root / "split", GENERATORS[generator]
-    done = run(whole, "steps=6", *extra)
+    whole, split, (extra, timeout) = run_root / "whole", run_root / "split", GENERATORS[generator]
+    done = run(whole, "steps=6", *extra, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    first = run(split, "steps=3", *extra)
+    first = run(split, "steps=3", *extra, timeout=timeout)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run(split, "steps=6", *extra)
+    second = run(split, "steps=6", *extra, timeout=timeout)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from" in second.stdout and "step_000002" in second.stdout
     a, b = rows(whole), rows(split)
