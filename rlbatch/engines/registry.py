@@ -244,10 +244,10 @@ def describe() -> str:
 
 register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d"))
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d"))
-# dims "d": one vLLM instance per rank (t=1), data-parallel over the role's ranks; the placement
-# language keeps "dtp" so plans with tensor/pipeline-parallel vLLM are still modelled.
-register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="d",
-                    note="tensor/pipeline-parallel vLLM (t>1, p>1) is not built yet: use vllm:dN"))
+# dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
+# keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.
+register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="dt",
+                    note="pipeline-parallel vLLM (p>1) is not built yet: use vllm:dXtY"))
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built"))

@@ -20,12 +20,13 @@ TIMEOUT_S = 480
 beside it). Below pytest's own 600 s, so a timeout still shows what the ranks printed."""
 
 
-def mpirun(script: str, n: int) -> subprocess.CompletedProcess[str]:
+def mpirun(script: str, n: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n n python scripts/<script> <port> <args>``."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    port = str(random.Random(script).randrange(30000, 40000) + os.getpid() % 1000)
+    port = str(random.Random(script + "".join(args)).randrange(30000, 40000) + os.getpid() % 1000)
     try:
-        return subprocess.run([str(mpiexec), "-n", str(n), sys.executable, str(SCRIPTS / script), port],
+        return subprocess.run([str(mpiexec), "-n", str(n), sys.executable, str(SCRIPTS / script), port, *args],
                               env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.dist
 RUN = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward"]
 
 
-def run(run_dir: Path, *extra: str, env: dict[str, str] | None = None):
-    return launch([f"run_dir={run_dir}", *RUN, *extra], run_dir.parent, env=env)
+def run(run_dir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 300):
+    return launch([f"run_dir={run_dir}", *RUN, *extra], run_dir.parent, env=env, timeout=timeout)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -33,12 +33,24 @@ def export(run_dir: Path, out: Path) -> bytes:
     return (out / "model.safetensors").read_bytes()
 
 
-def test_three_steps_resume_three_steps_equals_six(run_root: Path) -> None:
-    whole, split = run_root / "whole", run_root / "split"
-    assert run(whole, "steps=6").returncode == 0
-    first = run(split, "steps=3")
+GENERATORS = {
+    "hf": ([], 300),
+    # vLLM: a tensor-parallel worker on both ranks (its sampler draws from the process RNG, seeded
+    # per step; the engine's start-up reseeding must not leak into training). head_dim 32 for its
+    # CPU attention. Each launch starts vLLM: 50 s to 4.5 min on a loaded 2-core machine, 3-6 min a run.
+    "vllm-d1t2": (["roles.actor_infer.backend=vllm:d1t2", "model.num_heads=2", "model.num_kv_heads=1"], 900),
+}
+
+
+@pytest.mark.parametrize("generator", [
+    pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)])])
+def test_three_steps_resume_three_steps_equals_six(run_root: Path, generator: str) -> None:
+    whole, split, (extra, timeout) = run_root / "whole", run_root / "split", GENERATORS[generator]
+    done = run(whole, "steps=6", *extra, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = run(split, "steps=3", *extra, timeout=timeout)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run(split, "steps=6")
+    second = run(split, "steps=6", *extra, timeout=timeout)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from" in second.stdout and "step_000002" in second.stdout
     a, b = rows(whole), rows(split)

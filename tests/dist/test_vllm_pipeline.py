@@ -1,6 +1,8 @@
 """The GRPO pipeline with vLLM as actor_infer (vLLM's CPU build here): colocated with actor_train
 on both ranks (``vllm:d2``, weight sync in process) and on a rank of its own (``vllm:d1``, weight
-sync broadcast in buckets to the one rank that holds a vLLM engine)."""
+sync broadcast in buckets to the one rank that holds a vLLM engine). A tensor-parallel vLLM
+worker (t=2) on the job's ranks 0-1 and on ranks 1-2 of 3 (not on rank 0): greedy output equals
+transformers' before and after a weight sync, and both peers sample alike."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import launch
+from tests.dist.test_mechanisms import mpirun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # vLLM's CPU attention needs head_dim >= 32: the default tiny model (hidden 64) with 2 heads
@@ -28,3 +31,10 @@ def test_grpo_with_vllm_generating(run_root: Path, roles: str, backend: str) -> 
     assert all(r["tokens/generated"] > 0 for r in rows)
     logs = "".join(p.read_text() for p in (run / "logs").glob("rank*.log"))
     assert logs.count("built vllm engine for actor_infer") == (2 if roles == "colocated" else 1)
+
+
+@pytest.mark.parametrize(("ranks", "peers"), [(2, "0,1"), (3, "1,2")], ids=["colocated-d1t2", "subset-t2"])
+def test_tensor_parallel_vllm_worker_matches_transformers(ranks: int, peers: str) -> None:
+    out = mpirun("vllm_tp.py", ranks, peers)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("vllm tp ok") == ranks, out.stdout[-2000:]

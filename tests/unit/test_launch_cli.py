@@ -100,7 +100,7 @@ import json, sys
 from rlbatch.launch.__main__ import main
 codes = [
     main(["dry_run=true"]),
-    main(["dry_run=true", "roles=areal_megatron_16gpu"]),  # refused: megatron and vllm are not built
+    main(["dry_run=true", "roles=areal_megatron_16gpu"]),  # refused: megatron is not built
     main(["dry_run=true", "program=selftest", "roles=areal_moe_hybrid_32gpu", "cluster=slurm",
           "run_dir=/shared/runs/probe"]),
     main(["dry_run=true", "roles.actor_infer.backend=vllm:d9"]),

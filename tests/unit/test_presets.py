@@ -32,14 +32,8 @@ RUN_DIR = "run_dir=/shared/runs/preset"
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
 PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
-VLLM_T = "roles.actor_infer.backend: engine 'vllm' supports d (data) only in this build; got t={} in '{}'"
 MEGATRON = "engine 'megatron' supports d (data), t (tensor) only in this build; got {} in '{}'"
 FSDP_T2 = "roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; got t=2 in '{}'"
-
-
-def infer(spec: str) -> str:
-    """vLLM engines of t GPUs each: this build runs one vLLM engine per GPU rank (t=1)."""
-    return VLLM_T.format(spec.rpartition("t")[2], spec)
 
 
 def train(spec: str, got: str, role: str = "actor_train") -> str:
@@ -54,10 +48,8 @@ CPU_HEAD_DIM = ["roles.actor_infer: vllm on CPU needs head_dim in"] if on_cpu({"
 model's head_dim 16 (a Slurm job's nodes are not judged)."""
 
 GOLDEN_REFUSED: dict[str, list[str]] = {
-    "areal_16gpu": [FSDP_T2.format("fsdp:d4t2"), infer("vllm:d2t4")],
-    "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "p=2, c=2, e=2"), infer("vllm:d4t8"),
-                               VLLM_T8],
-    "roll_mixed_cpu_sandbox": [infer("vllm:d6t2")],
+    "areal_16gpu": [FSDP_T2.format("fsdp:d4t2")],
+    "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "p=2, c=2, e=2"), VLLM_T8],
 }
 """Golden sbatch cases (cluster=slurm) this build cannot run -> the start of each line."""
 
@@ -67,17 +59,17 @@ REFUSED: dict[tuple[str, str], list[str]] = {
         "algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is modelled by the planner only",
     ],
     ("roles", "areal_16gpu"): [*GOLDEN_REFUSED["areal_16gpu"], *CPU_HEAD_DIM],
-    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4", "p=2, e=4"), infer("vllm:d4t4"),
+    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4", "p=2, e=4"),
                                         train("megatron:d2p2t4", "p=2", "reference"), *CPU_HEAD_DIM],
     ("roles", "areal_moe_hybrid_32gpu"): [*GOLDEN_REFUSED["areal_moe_hybrid_32gpu"], *CPU_HEAD_DIM],
     ("roles", "ppo_critic_8gpu"): [
-        FSDP_T2.format("fsdp:d4t2"), infer("vllm:d4t2"),
+        FSDP_T2.format("fsdp:d4t2"),
         "roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and PPO is not built yet",
         *CPU_HEAD_DIM,
     ],
-    ("roles", "roll_mixed_cpu_sandbox"): [*GOLDEN_REFUSED["roll_mixed_cpu_sandbox"], *CPU_HEAD_DIM],
     **({("roles", name): CPU_HEAD_DIM for name in ("roll_colocated_8gpu", "roll_disaggregated_8gpu",
-                                                    "roll_disaggregated_24gpu")} if CPU_HEAD_DIM else {}),
+                                                    "roll_disaggregated_24gpu", "roll_mixed_cpu_sandbox")}
+       if CPU_HEAD_DIM else {}),
 }
 """Presets this build cannot run -> the start of each line the launcher prints (all of them)."""
 PLANNER_COMPANIONS = {("algo", "ppo"): ["roles=ppo_critic_8gpu"]}

@@ -401,14 +401,14 @@ def test_a_relative_run_directory_is_judged_where_it_resolves(cfg: dict[str, Any
 
 
 def test_selftest_starts_no_engine_so_only_the_placement_and_run_directory_count(cfg: dict[str, Any]) -> None:
-    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2t2"), program="selftest", model__path="/nonexistent/model",
+    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2p2"), program="selftest", model__path="/nonexistent/model",
              data__reward_fn="nosuch.module:fn", resume="yes", roles__reward__enabled=False)
     check(c)
     assert len(problems(set_(c, program="train"))) == 5
 
 
 def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
-    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2t2"), algo__loss_agg="mean", model__path="/nonexistent/model",
+    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2p2"), algo__loss_agg="mean", model__path="/nonexistent/model",
              data__reward_fn="nosuch.module:fn", resume="yes", plugins=["rlbatch_test_missing"], cluster__name="slurm",
              run_dir="/tmp/runs/a", roles__actor_train__engine_args={"bogus": 1})
     fields = [line.split(":", 1)[0] for line in problems(c)]

@@ -158,12 +158,26 @@ def test_offload_on_cpu_keeps_vllm_resident(setup: Any, caplog: pytest.LogCaptur
     assert engine.weight_views(["model.embed_tokens.weight"], torch.float32) is None
 
 
-def test_registry_builds_vllm_data_parallel_only() -> None:
+def test_registry_builds_vllm_data_and_tensor_parallel() -> None:
     from rlbatch.engines.registry import engine_args, spec_of
 
     spec = spec_of("vllm")
-    assert spec.built and spec.dims == "d"
+    assert spec.built and spec.dims == "dt"
     assert engine_args("vllm", {"kv_cache_mb": 128}).kv_cache_mb == 128
     with pytest.raises(ValueError, match="kv_cache_memory"):
         engine_args("vllm", {"kv_cache_memory": 1})
 
+
+
+def test_a_tensor_parallel_split_the_model_cannot_take_is_refused_naming_the_numbers() -> None:
+    from rlbatch.engines.infer.vllm import check_tp
+
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256}
+    for t in (1, 2, 4):  # kv heads split (t=2) or replicated (t=4)
+        check_tp(shape, t)
+    with pytest.raises(ValueError, match=r"t=3 .*num_attention_heads 4 is not divisible by t=3; "
+                                         r"num_key_value_heads 2 neither divides nor is divisible by t=3; "
+                                         r"intermediate_size 256 is not divisible by t=3"):
+        check_tp(shape, 3)
+    with pytest.raises(ValueError, match=r"num_key_value_heads 3 neither divides"):
+        check_tp({"num_attention_heads": 12, "num_key_value_heads": 3, "intermediate_size": 256}, 2)

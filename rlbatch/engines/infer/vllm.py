@@ -1,6 +1,8 @@
-"""``vllm`` inference engine: one in-process ``vllm.LLM`` per rank (t=1), on GPU or on vLLM's CPU build.
+"""``vllm`` inference engine: one in-process ``vllm.LLM`` per rank, on GPU or on vLLM's CPU build;
+a worker of t ranks (``vllm:dXtY``) is t engines, one per rank, tensor-parallel in a world of their own.
 
     python -m rlbatch.launch roles.actor_infer.backend=vllm:d2 model.num_heads=2 model.num_kv_heads=1
+    python -m rlbatch.launch roles.actor_infer.backend=vllm:d1t2 model.num_heads=2 model.num_kv_heads=1
 
 - **generate**: prompts arrive repeated (a GRPO group is n copies of one prompt); each distinct
   prompt becomes one vLLM request with ``n`` samples, so the prompt is prefilled once and its KV
@@ -16,8 +18,11 @@
   cache is reset after each sync.
 - **offload/reload**: vLLM's sleep mode on a GPU (level 1: weights to host, KV cache dropped;
   untested here); vLLM's CPU build has none, so on CPU the state stays resident (zero bytes).
-- **torch.distributed**: the engine runs in a one-rank world of its own (``vllm_world``), so
-  any subset of the job's ranks may hold one. See docs/vllm.md.
+- **torch.distributed**: the engine runs in a world of its own (``vllm_world``): one rank at t=1,
+  the worker's t peers (the role mesh's ``tp`` axis) at t>1, where vLLM's ``external_launcher``
+  adopts it. Any subset of the job's ranks may hold a worker. Every peer gets the same prompts and
+  seed and runs the same deterministic schedule, so all return the same outputs; every peer loads
+  the full Hugging Face tensors of a sync and vLLM keeps its shard. See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ from rlbatch.engines.base import EngineContext, Generation, SamplingParams
 from rlbatch.engines.infer.vllm_world import PrivateWorld
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import Transfer
+from rlbatch.engines.vllm_limits import CPU_KV_CACHE_MB
 
 log = logging.getLogger(__name__)
 
-CPU_KV_CACHE_MB = 256
-"""KV cache of a CPU engine when engine_args.kv_cache_mb is 0 (vLLM would otherwise take ~90% of RAM)."""
+TP_WORLD_TIMEOUT_S = 600.0
+"""How long the tp peers of a worker wait for each other when their private world starts."""
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SLEEP_TAGS = {"params": "weights", "kv_cache": "kv_cache"}
 
@@ -69,21 +75,77 @@ def hf_parameter_names(model_cfg: Any) -> set[str]:
     return {n for n, _ in model.named_parameters()}
 
 
+def tp_peers(mesh: Any) -> tuple[tuple[int, ...], int]:
+    """World ranks of this worker's tensor-parallel peers (the role mesh's ``tp`` axis through this
+    rank) and this rank's index among them; ``((rank,), 0)`` without a tp axis."""
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return (mesh.get_rank() if mesh is not None else 0,), 0
+    sub = mesh["tp"]
+    return tuple(int(r) for r in sub.mesh.flatten().tolist()), int(sub.get_local_rank())
+
+
+def check_tp(shape: dict[str, int], t: int) -> None:
+    """vLLM splits query heads, key/value heads (or replicates them when t exceeds their number)
+    and the MLP's columns over the t peers: refuse a t that does not divide them."""
+    if t <= 1:
+        return
+    heads, kv, ffn = shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"]
+    problems = []
+    if heads % t:
+        problems.append(f"num_attention_heads {heads} is not divisible by t={t}")
+    if kv % t and t % kv:
+        problems.append(f"num_key_value_heads {kv} neither divides nor is divisible by t={t}")
+    if ffn % t:
+        problems.append(f"intermediate_size {ffn} is not divisible by t={t}")
+    if problems:
+        raise ValueError(f"vllm engine: tensor parallelism over t={t} ranks cannot split this model: "
+                         + "; ".join(problems))
+
+
+def _model_shape(cfg: Any) -> dict[str, int]:
+    """What ``check_tp`` reads from a transformers config."""
+    heads = int(cfg.num_attention_heads)
+    return {"num_attention_heads": heads, "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
+            "intermediate_size": int(cfg.intermediate_size)}
+
+
+@contextmanager
+def _launcher_env(tp_rank: int, device: torch.device) -> Any:
+    """vLLM's external launcher reads its rank from RANK and its device from LOCAL_RANK: the
+    private world's rank and this rank's own GPU while vLLM starts; the caller's values after."""
+    names = ("RANK", "LOCAL_RANK")
+    saved = {n: os.environ.get(n) for n in names}
+    os.environ["RANK"] = str(tp_rank)
+    os.environ["LOCAL_RANK"] = str(device.index or 0) if device.type == "cuda" else str(tp_rank)
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
 class VLLMEngine:
     def __init__(self, ctx: EngineContext) -> None:
         a = ctx.args
-        if ctx.mesh is not None and "tp" in (ctx.mesh.mesh_dim_names or ()) and ctx.mesh["tp"].size() > 1:
-            raise NotImplementedError("the vllm engine runs t=1 (one vLLM instance per rank); use vllm:dN")
         self.device, self.tokenizer = ctx.device, ctx.tokenizer
         self.on_cpu = ctx.device.type != "cuda"
         dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _DTYPE_NAMES[a.dtype]
+        self.tp_ranks, self.tp_rank = tp_peers(ctx.mesh)
         self.world = PrivateWorld()
+        t = len(self.tp_ranks)
         tmp = None
         if ctx.model.path:
+            from transformers import AutoConfig
+
             path = str(ctx.model.path)
+            check_tp(_model_shape(AutoConfig.from_pretrained(path)), t)
             self.expected = hf_parameter_names(ctx.model)
         else:  # random init: the same weights as every other role's (same seed), in a directory for vLLM
             model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+            check_tp(_model_shape(model.config), t)
             self.expected = {n for n, _ in model.named_parameters()}
             path = tmp = tempfile.mkdtemp(prefix="rlbatch-vllm-")
             with self.world.active():  # transformers saves on torch rank 0 only, when a world exists
@@ -94,8 +156,13 @@ class VLLMEngine:
             model=path, tokenizer=path, dtype=dtype, seed=ctx.seed, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
             enforce_eager=a.enforce_eager or self.on_cpu, logprobs_mode="processed_logprobs",
-            distributed_executor_backend="uni", tensor_parallel_size=1,
         )
+        if t > 1:  # the worker's t peers: a private world of their own that vLLM adopts
+            kwargs |= {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": t}
+            key = f"rlbatch-vllm/{ctx.role}/tp" + "-".join(map(str, self.tp_ranks))
+            self.world.join(key, self.tp_rank, t, "gloo" if self.on_cpu else "nccl", TP_WORLD_TIMEOUT_S)
+        else:
+            kwargs |= {"distributed_executor_backend": "uni", "tensor_parallel_size": 1}
         if a.max_model_len:
             kwargs["max_model_len"] = a.max_model_len
         if a.kv_cache_mb or self.on_cpu:
@@ -108,7 +175,7 @@ class VLLMEngine:
         try:
             from vllm import LLM
 
-            with _rng_kept(), self.world.active():
+            with _rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device):
                 self.llm: Any = LLM(**kwargs)
         finally:
             if tmp is not None:
@@ -117,8 +184,9 @@ class VLLMEngine:
         # destroys every group of the process, the program's included: it must not run at exit
         # (after the program's teardown) nor in the program's world. ``close`` frees the engine.
         getattr(self.llm.llm_engine.engine_core, "_finalizer").detach()  # noqa: B009 (private)
-        log.info("vLLM %s engine started in %.1fs (%s, %s)", ctx.role, time.perf_counter() - start,
-                 "CPU" if self.on_cpu else str(ctx.device), dtype)
+        log.info("vLLM %s engine started in %.1fs (%s, %s, t=%d%s)", ctx.role, time.perf_counter() - start,
+                 "CPU" if self.on_cpu else str(ctx.device), dtype, t,
+                 f", tp rank {self.tp_rank} of world ranks {list(self.tp_ranks)}" if t > 1 else "")
         self._received: set[str] = set()
         self._asleep: set[str] = set()
         self._warned_no_sleep = False

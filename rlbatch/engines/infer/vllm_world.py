@@ -5,40 +5,70 @@ adopts it: its world group becomes the program's whole world and every group it 
 (``new_group``, collective over the default group) needs every rank of the job, controller and
 CPU workers included, to take part. A role placed on some ranks only would hang at start-up.
 
-A t=1 engine needs no peers, so it gets a world of its own: the program's default group is put
-aside while vLLM starts (vLLM then creates a one-rank gloo/NCCL world and its groups inside it),
-and each later call into vLLM runs with vLLM's default group in place. Process-group names come
-from one counter shared by both worlds, so they never collide. The program's groups are
-untouched and keep working between the calls (tests/unit/test_vllm_engine.py checks both).
+So each vLLM worker gets a world of its own, of its t tensor-parallel peers only:
+
+- t=1: the program's default group is put aside while vLLM starts; vLLM then creates a one-rank
+  world and its groups inside it.
+- t>1: ``join`` creates the private default group on the t peers before vLLM starts, over the
+  program's store under a prefix of this worker's own (no new port, no extra rendezvous); vLLM
+  (``external_launcher``) adopts it and creates its tp/pp groups inside it.
+
+Each later call into vLLM runs with the private default group in place. Group names come from
+a counter of the private world's own, the same on every peer (the rendezvous keys of a group
+are its name under the default store's prefix) and far from the program's counter, so names
+never collide in torch's one set of tables. The program's groups are untouched and keep working
+between the calls (tests/unit/test_vllm_engine.py, tests/dist/scripts/vllm_tp.py).
 """
 
 from __future__ import annotations
 
+import datetime
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+GROUP_NAME_BASE = 1_000_000
+"""Private worlds name their groups from here on (the program's counter starts at 0)."""
+GROUP_NAME_SPAN = 10_000
+"""Group names reserved for each private world of a process."""
+_instances = itertools.count()
 
 
 class PrivateWorld:
-    """Swaps torch.distributed's default process group between the program's and vLLM's."""
+    """Swaps torch.distributed's default process group (and group-name counter) between the
+    program's and vLLM's. Peers must create their PrivateWorlds in the same order (every rank
+    builds its engines in placement order), so their group names agree."""
 
     def __init__(self) -> None:
         self.default_pg: Any = None
         self.backend: Any = None
         self.init_method: Any = None
+        self.group_count = GROUP_NAME_BASE + GROUP_NAME_SPAN * next(_instances)
+
+    def join(self, key: str, rank: int, size: int, backend: str, timeout_s: float) -> None:
+        """Create the private default group of ``size`` ranks (this process is ``rank``) over the
+        program's store, under the prefix ``key`` that the peers share and nobody else uses.
+        Collective over the peers; call before vLLM starts."""
+        store = dist.PrefixStore(f"{key}/", c10d._get_default_store())
+        with self.active():
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """Inside: torch.distributed's default group is vLLM's (none before vLLM starts)."""
-        saved = (c10d._world.default_pg, c10d._backend, c10d._default_pg_init_method)
-        c10d._world.default_pg = self.default_pg
+        w = c10d._world
+        saved = (w.default_pg, c10d._backend, c10d._default_pg_init_method, w.group_count)
+        w.default_pg, w.group_count = self.default_pg, self.group_count
         c10d._backend, c10d._default_pg_init_method = self.backend, self.init_method
         try:
             yield
         finally:
-            self.default_pg = c10d._world.default_pg
+            self.default_pg, self.group_count = w.default_pg, w.group_count
             self.backend, self.init_method = c10d._backend, c10d._default_pg_init_method
-            c10d._world.default_pg = saved[0]
+            w.default_pg, w.group_count = saved[0], saved[3]
             c10d._backend, c10d._default_pg_init_method = saved[1], saved[2]
