@@ -5,9 +5,11 @@ response (``prefix``, e.g. a function header the prompt ends with) and the test 
 (``tests``, each an ``assert``). The ``code_sandbox`` role runs ``prefix + code`` then each test.
 
 - ``synthetic_code_problems()``: the built-in task, small enough to learn from random init on a
-  CPU. The prompt gives ``f(1)`` and ``f(2)`` of a hidden ``f(x) = x <op> <digit>`` as ``"4=5="``;
-  the program is ``def f(x): return x`` followed by the response, so the right response is the
-  missing ``+3``; one test passes for any well-formed answer, six check ``f``'s values.
+  CPU. The prompt gives ``f(1)`` and ``f(2)`` of a hidden ``f(x) = x + c`` or ``x - c`` as
+  ``"4=5="``; the program is ``def f(x): return x+`` (or ``x-``) followed by the response, so the
+  right response is the constant (``3``); one test passes for any well-formed answer, six check
+  ``f``'s values. Like the arithmetic task, it is a lookup a tiny model learns by RL alone; it
+  exercises the sandbox path end to end, not coding skill.
 - ``code_file_problems()``: MBPP-style (``text``/``prompt``, ``test_list``/``tests``) and
   HumanEval-style (``prompt``, ``test`` defining ``check(candidate)``, ``entry_point``) records
   from a local jsonl/parquet file.
@@ -47,21 +49,23 @@ def extract_code(text: str) -> str:
 
 
 def synthetic_code_problems(ops: str = "+-", constants: range = range(10)) -> tuple[Sample, ...]:
-    """``f(x) = x <op> c`` for each op and constant (``x-0`` is ``x+0``: once); the prompt is
-    ``"f(1)=f(2)="`` as digits. A wrong ``x+c`` or ``x-c`` passes only the first test (well-formed
-    code), none of the value tests."""
+    """``f(x) = x <op> c`` for each op and constant (``x-0`` is ``x+0``: once). The prompt is
+    ``"f(1)=f(2)="`` as digits; the program is ``def f(x): return x<op>`` followed by the
+    response, so the right response is the constant. A wrong constant passes only the first test
+    (well-formed code), none of the value tests."""
     problems = []
     for op in ops:
         for c in constants:
-            if op != ops[0] and c == 0 and "+" in ops:
+            if op != ops[0] and c == 0:
                 continue
+
             def f(x: int, op: str = op, c: int = c) -> int:
                 return x + c if op == "+" else x - c if op == "-" else x * c
 
             # The first test passes for any well-formed answer (a small reward that leads a random
             # policy to valid code, as the arithmetic task's format bonus does); the others check values.
             tests = ["assert isinstance(f(0), int)", *(f"assert f({x}) == {f(x)}" for x in SYNTHETIC_POINTS)]
-            problems.append(Sample(prompt=f"{f(1)}={f(2)}=", answer=encode_tests(SYNTHETIC_PREFIX, tests)))
+            problems.append(Sample(prompt=f"{f(1)}={f(2)}=", answer=encode_tests(SYNTHETIC_PREFIX + op, tests)))
     return tuple(problems)
 
 

@@ -17,12 +17,6 @@ from tests.dist.test_local_runtime import TWO_NODES
 pytestmark = pytest.mark.slurm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster() -> None:
-    status = subprocess.run(["bash", str(REPO_ROOT / "slurm" / "dev-cluster.sh"), "status"], capture_output=True, text=True)
-    assert status.returncode == 0, f"the Slurm test cluster is not up; start it with slurm/dev-cluster.sh start\n{status.stdout}"
-
-
 def wait_gone(job_ids: list[str], timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

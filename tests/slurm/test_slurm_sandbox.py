@@ -4,20 +4,13 @@ responses in their own namespaces (inside each node's own mount and UTS namespac
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, launch
+from tests.conftest import launch
 
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster() -> None:
-    status = subprocess.run(["bash", str(REPO_ROOT / "slurm" / "dev-cluster.sh"), "status"], capture_output=True, text=True)
-    assert status.returncode == 0, f"the Slurm test cluster is not up; start it with slurm/dev-cluster.sh start\n{status.stdout}"
 
 
 def test_code_sandbox_workers_on_both_nodes(run_root: Path) -> None:

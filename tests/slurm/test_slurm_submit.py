@@ -19,16 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, launch
+from tests.conftest import launch
 from tests.slurm.test_slurm_runtime import selftest_on_slurm, wait_gone
 
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster() -> None:
-    status = subprocess.run(["bash", str(REPO_ROOT / "slurm" / "dev-cluster.sh"), "status"], capture_output=True, text=True)
-    assert status.returncode == 0, f"the Slurm test cluster is not up; start it with slurm/dev-cluster.sh start\n{status.stdout}"
 
 
 def test_a_partition_sbatch_refuses_is_one_line_and_exit_2(run_root: Path) -> None:

@@ -31,9 +31,10 @@ def test_synthetic_problems_are_distinct_and_solvable() -> None:
     for p in problems:
         assert set(p.prompt) <= set(DEFAULT_ALPHABET)
         prefix, tests = decode_tests(p.answer)
-        assert prefix == SYNTHETIC_PREFIX and len(tests) == 7
+        assert prefix in (SYNTHETIC_PREFIX + "+", SYNTHETIC_PREFIX + "-") and len(tests) == 7
     plus3 = next(p for p in problems if p.prompt == "4=5=")
     ns: dict = {}
+    assert decode_tests(plus3.answer)[0] == SYNTHETIC_PREFIX + "+"
     exec(SYNTHETIC_PREFIX + "+3", ns)  # noqa: S102 (our own program)
     for t in decode_tests(plus3.answer)[1]:
         exec(t, ns)  # noqa: S102

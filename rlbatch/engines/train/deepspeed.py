@@ -23,7 +23,7 @@ engine resumes from the other's checkpoint. Forward-only roles (reference) are t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,7 +35,7 @@ from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import share_prompts
 from rlbatch.engines.model import load_model
-from rlbatch.engines.offload import Stashes, TensorStash, Transfer
+from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train import common
 from rlbatch.engines.train.ds_world import role_world
 from rlbatch.engines.train.state import param_groups_meta
@@ -99,7 +99,7 @@ def _skip_shm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(StashedState):
     """A role's model under DeepSpeed ZeRO on the role's ranks (see the module docstring)."""
 
     def __init__(self, ctx: EngineContext) -> None:
@@ -151,16 +151,7 @@ class DeepSpeedEngine:
         if self.optimizer is not None:
             self.state.add("optimizer", TensorStash("optimizer", self._optimizer_tensors))
 
-    # -- state by kind ------------------------------------------------------------------------------
-    @property
-    def state_kinds(self) -> tuple[str, ...]:
-        return self.state.kinds
-
-    def offload(self, kinds: Iterable[str]) -> Transfer:
-        return self.state.offload(kinds)
-
-    def reload(self, kinds: Iterable[str]) -> Transfer:
-        return self.state.reload(kinds)
+    # -- state by kind (StashedState: state_kinds, offload, reload) --------------------------------
 
     def _param_tensors(self) -> Iterator[torch.Tensor]:
         """The module's weights: the local partition of each under ZeRO-3, else the parameter (under

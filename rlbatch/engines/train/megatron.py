@@ -13,7 +13,6 @@ over dp. bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +25,7 @@ from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Full, Packed, pack, unpack
 from rlbatch.engines.model import load_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
+from rlbatch.engines.train import common
 from rlbatch.engines.train import megatron_convert as convert
 from rlbatch.engines.train.megatron_device import check_device
 from rlbatch.engines.train.megatron_model import build_gpt, process_groups, role_group
@@ -167,32 +167,20 @@ class MegatronEngine(StashedState):
         peers of a replica receive the same samples)."""
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
-        per_mb = len(samples) // a.mini_batches
-        totals: dict[str, float] = {}
-        updates = 0
-        for epoch in range(a.epochs):
-            for m in range(a.mini_batches):
-                mb = samples[m * per_mb : (m + 1) * per_mb]
-                missing = sum("old_logprobs" not in s for s in mb)
-                if missing and (epoch, m) != (0, 0):
-                    raise ValueError(f"train: {missing} samples of mini-batch {m} (epoch {epoch}) have no old "
-                                     f"log-probs; only the first mini-batch of the first epoch may leave them out")
-                micro = math.ceil(len(mb) / a.grad_accum)
-                self.optimizer.zero_grad(set_to_none=False)
-                for k in range(0, len(mb), micro):
-                    loss, stats = self._loss(mb[k : k + micro], objective)
-                    (loss / a.grad_accum).backward()
-                    for key, v in stats.items():
-                        totals[key] = totals.get(key, 0.0) + v / a.grad_accum
-                self._reduce_grads()
-                if a.grad_clip > 0:
-                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._clip(a.grad_clip)
-                self.optimizer.step()
-                self.scheduler.step()
-                updates += 1
-        out = {k: v / updates for k, v in totals.items()}
-        out["lr"] = float(self.scheduler.get_last_lr()[0])
-        return out
+        totals = common.Totals(a.grad_accum)
+        for micro_batches in common.updates(samples, a):
+            self.optimizer.zero_grad(set_to_none=False)
+            for chunk in micro_batches:
+                loss, stats = self._loss(chunk, objective)
+                (loss / a.grad_accum).backward()
+                totals.add(stats)
+            self._reduce_grads()
+            if a.grad_clip > 0:
+                totals.add({"grad_norm": self._clip(a.grad_clip)}, 1.0)
+            self.optimizer.step()
+            self.scheduler.step()
+            totals.updates += 1
+        return totals.result(float(self.scheduler.get_last_lr()[0]))
 
     # -- checkpoint ---------------------------------------------------------------------------
     def checkpoint_state(self) -> CheckpointState | None:
