@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlbatch.phases import PHASES
 from rlbatch.placement import EngineKind
 from rlbatch.plan import timing
 from rlbatch.plan.coefficients import Coefficients
@@ -121,7 +122,10 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
     if ph.kind == "sync":
         return timing.sync(roles["actor_train"], roles["actor_infer"], shape, e, hw, layout, mems["actor_train"].tensors)
     if ph.kind == "reward" and not ph.active:
-        return timing.reward(roles.get("reward"), w, hw)
+        role = PHASES[ph.name].role
+        if role == "code_sandbox":
+            return timing.execute(roles.get(role), w, hw, layout.cpus_per_task)
+        return timing.reward(roles.get(role), w, hw)
     if ph.name == "old_logprobs":
         w = replace(w, sequences=w.old_logprob_sequences)
     parts: list[tuple[str, dict[str, float]]] = []
@@ -145,7 +149,8 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
 def _workers(ph: Phase, layout: Layout) -> int:
     """Processes the controller commands and waits for in this phase."""
     if not ph.active:
-        return layout.roles["reward"].world_size if "reward" in layout.roles else 1
+        role = PHASES[ph.name].role
+        return layout.roles[role].world_size if role in layout.roles else 1
     return len({k for r in ph.active for k in layout.roles[r].ranks})
 
 
@@ -230,7 +235,7 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
         f = _work(ph, layout, mems, shape, w, e, hw)
         f["workers"] = timing.command(_workers(ph, layout), hw, layout)
         rel, off = per_phase[ph.name]
-        times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or ("reward",), f, coef.seconds(ph.kind, f), rel, off))
+        times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, coef.seconds(ph.kind, f), rel, off))
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
         if overlap:
             ready = [times[j].end for j, q in enumerate(phases[:i]) if q.name in ph.after or _conflict(q, ph, layout)]

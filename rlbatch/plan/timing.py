@@ -76,6 +76,9 @@ WORKER_OPS = 4
 unpickle the reply (a few op-equivalents)."""
 REWARD_OPS_PER_SAMPLE = 20
 """A rule reward per sample: decode, parse, compare (a few Python-level op equivalents)."""
+SANDBOX_EXEC_CPU_S = 0.05
+"""CPU seconds of one sandboxed execution of a small program and its tests (a fresh interpreter in
+its own namespaces): ~0.05 s on the cpu profile's VM (tools/bench/sandbox.py; docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -307,6 +310,15 @@ def reward(r: RoleLayout | None, w: Workload, hw: Hardware) -> Features:
     workers = r.world_size if r is not None else 1
     per = math.ceil(w.sequences / max(1, workers))
     return {"overhead": per * REWARD_OPS_PER_SAMPLE * hw.op_overhead_s, "fixed": 1.0}
+
+
+def execute(r: RoleLayout | None, w: Workload, hw: Hardware, cpus: int = 1) -> Features:
+    """The code sandbox: one execution per sample, each worker running as many at once as its
+    cores (``cluster.cpus_per_task``; a fresh interpreter is CPU-bound). Outcomes cached from
+    earlier steps are not counted: an upper bound."""
+    workers = r.world_size if r is not None else 1
+    per = math.ceil(w.sequences / max(1, workers))
+    return {"overhead": per * SANDBOX_EXEC_CPU_S / max(1, cpus), "fixed": 1.0}
 
 
 def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout,

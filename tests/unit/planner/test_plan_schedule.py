@@ -80,3 +80,19 @@ def test_old_logprobs_leave_out_the_first_mini_batch_of_a_single_epoch() -> None
     assert base.mini_batches == 2 and base.old_logprob_sequences == base.sequences // 2
     assert replace(base, epochs=2).old_logprob_sequences == base.sequences
     assert replace(base, kl_in_reward=True).old_logprob_sequences == base.sequences
+
+
+def test_code_sandbox_executes_each_sample_spread_over_its_workers_and_cores() -> None:
+    """experiment=code: the execute phase replaces the rule reward (reward role off); 16 x 16
+    samples over 2 workers of 2 cores each: 128 executions per worker, 2 at a time, 0.05 s each."""
+    from rlbatch.plan import timing
+
+    over = {"data": {"name": "synthetic_code"}, "algo": {"prompts_per_step": 16, "samples_per_prompt": 16},
+            "cluster": {"cpus_per_task": 2}, "roles": {"reward": {"enabled": False}, "code_sandbox": {"world_size": 2}}}
+    p = _pred(**over)
+    assert p.phase("score") is None
+    execute = p.phase("execute")
+    assert execute is not None and execute.roles == ("code_sandbox",)
+    assert execute.features["overhead"] == pytest.approx(128 * timing.SANDBOX_EXEC_CPU_S / 2)
+    both = _pred(**(over | {"roles": {"code_sandbox": {"world_size": 2}}}))  # the reward role scores too
+    assert both.phase("score") is not None and both.phase("execute") is not None
