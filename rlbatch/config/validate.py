@@ -50,15 +50,17 @@ MINIMUMS: dict[str, float] = {
 }
 
 
-def _code_task_problems(cfg: Mapping[str, Any]) -> list[str]:
-    """A code task is scored by a code_sandbox role, and a code_sandbox role needs a code task."""
+def _code_task_problems(cfg: Mapping[str, Any], strict: bool) -> list[str]:
+    """The sandbox's settings; with ``strict`` (a train run of this build), also that a code task is
+    scored by a code_sandbox role and a code_sandbox role has a code task to run (a placement
+    preset such as ROLL's may name the role for the planner and a selftest without one)."""
     code_task = _get(cfg, "data.name") in ("synthetic_code", "code_file")
     sandbox = _enabled(cfg, "code_sandbox")
     out = []
-    if code_task and not sandbox:
+    if strict and code_task and not sandbox:
         out.append(f"roles.code_sandbox: data.name={_get(cfg, 'data.name')} is scored by running the responses' code: "
                    f"add the role, e.g. +roles.code_sandbox.world_size=1 (or experiment=code)")
-    if sandbox and not code_task:
+    if strict and sandbox and not code_task:
         out.append(f"roles.code_sandbox: runs code against a problem's tests, but data.name={_get(cfg, 'data.name')} "
                    f"has none; use data.name=synthetic_code or code_file")
     sb = _get(cfg, "sandbox")
@@ -186,7 +188,6 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
             f"roles.reference: algo.kl_coef={algo.get('kl_coef')} needs the reference role; "
             f"enable it or set algo.kl_coef=0"
         )
-    problems += _code_task_problems(cfg)
     if _get(cfg, "data.name") in ("file", "code_file"):
         if not _get(cfg, "data.path"):
             problems.append(f"data.path: data.name={_get(cfg, 'data.name')} needs a jsonl or parquet path")
@@ -259,7 +260,9 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(_check_model_shape(plain.get("model")))
     engines = role_engines(plain)
     problems.extend(engine_args_problems(plain, engines))
-    problems.extend(vllm_problems(plain, engines, placement, runnable and plain.get("program", "train") == "train"))
+    train_run = runnable and plain.get("program", "train") == "train"
+    problems.extend(vllm_problems(plain, engines, placement, train_run))
+    problems.extend(_code_task_problems(plain, train_run))
     if runnable:
         problems.extend(runnable_problems(plain, engines))
     if problems:

@@ -23,7 +23,8 @@ def test_code_sandbox_workers_on_both_nodes(run_root: Path) -> None:
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["sandbox/tests_run"] == 7 * 4 * 4 for r in rows)
     placed = json.loads((run / "placement.json").read_text())
-    workers = [(r, p["node"]) for r, p in enumerate(placed["processes"]) if "code_sandbox" in p["roles"]]
+    workers = [(p["world_rank"], p["node"]) for p in placed["processes"]
+               if any(role == "code_sandbox" for role, _ in p["roles"])]
     assert sorted(node for _, node in workers) == [0, 1], workers
     for rank, _ in workers:
         log = (run / "logs" / f"rank{rank}.log").read_text()

@@ -47,9 +47,13 @@ CPU_HEAD_DIM = ["roles.actor_infer: vllm on CPU needs head_dim in"] if on_cpu({"
 """cluster=local on a machine without a GPU runs vLLM's CPU build, which has no kernel for the tiny
 model's head_dim 16 (a Slurm job's nodes are not judged)."""
 
+SANDBOX_WITHOUT_CODE = "roles.code_sandbox: runs code against a problem's tests, but data.name=synthetic has none"
+"""ROLL's mixed example names 8 code_sandbox workers: a train run needs a code task for them."""
+
 GOLDEN_REFUSED: dict[str, list[str]] = {
     "areal_16gpu": [FSDP_T2.format("fsdp:d4t2")],
     "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "p=2, c=2, e=2"), VLLM_T8],
+    "roll_mixed_cpu_sandbox": [SANDBOX_WITHOUT_CODE],
 }
 """Golden sbatch cases (cluster=slurm) this build cannot run -> the start of each line."""
 
@@ -67,9 +71,9 @@ REFUSED: dict[tuple[str, str], list[str]] = {
         "roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and PPO is not built yet",
         *CPU_HEAD_DIM,
     ],
+    ("roles", "roll_mixed_cpu_sandbox"): [*CPU_HEAD_DIM, SANDBOX_WITHOUT_CODE],
     **({("roles", name): CPU_HEAD_DIM for name in ("roll_colocated_8gpu", "roll_disaggregated_8gpu",
-                                                    "roll_disaggregated_24gpu", "roll_mixed_cpu_sandbox")}
-       if CPU_HEAD_DIM else {}),
+                                                    "roll_disaggregated_24gpu")} if CPU_HEAD_DIM else {}),
 }
 """Presets this build cannot run -> the start of each line the launcher prints (all of them)."""
 PLANNER_COMPANIONS = {("algo", "ppo"): ["roles=ppo_critic_8gpu"]}
