@@ -1,4 +1,4 @@
-"""Rewards: rule functions (``rules``), the code sandbox (``code``), and which scores for which CPU role.
+"""Rewards: rule functions (``rules``, re-exported here: ``data.reward_fn=rlbatch.rewards:exact_match``), the code sandbox (``code``), and which scores for which CPU role.
 
 A CPU role that works in a ``score`` phase of the phase table gets the scorer named here: a
 callable ``(completions, answers) -> (rewards, counts)``, where ``counts`` are per-step metrics.
@@ -9,6 +9,33 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from typing import Any
+
+from rlbatch.rewards.rules import (
+    STOP_MARKERS,
+    RewardFn,
+    exact_match,
+    exact_match_with_format,
+    extract_answer,
+    format_reward,
+    leading_number_match,
+    load_reward_fn,
+    split_at_stop,
+)
+
+__all__ = [
+    "SCORERS",
+    "STOP_MARKERS",
+    "RewardFn",
+    "Scorer",
+    "build_scorer",
+    "exact_match",
+    "exact_match_with_format",
+    "extract_answer",
+    "format_reward",
+    "leading_number_match",
+    "load_reward_fn",
+    "split_at_stop",
+]
 
 Scorer = Callable[[list[str], list[str]], tuple[list[float], dict[str, int]]]
 

@@ -97,7 +97,9 @@ def set_limits(lim):
         resource.setrlimit(kind, (value, value))
 
     cap(resource.RLIMIT_CORE, 0)
-    cap(resource.RLIMIT_CPU, int(lim["cpu_s"]))
+    # SIGXCPU at the soft limit (a "cpu time limit" outcome); SIGKILL only a second later, at the
+    # hard one (SIGKILL would also make util-linux unshare exit 1 instead of passing the signal on).
+    resource.setrlimit(resource.RLIMIT_CPU, (int(lim["cpu_s"]), int(lim["cpu_s"]) + 1))
     cap(resource.RLIMIT_AS, int(lim["memory_mb"]) << 20)
     cap(resource.RLIMIT_FSIZE, int(lim["file_mb"]) << 20)
     cap(resource.RLIMIT_NOFILE, int(lim["open_files"]))

@@ -61,7 +61,7 @@ def test_bad_config_exits_2_and_lists_every_problem(tmp_path: Path, cli_env: dic
         "roles.actor_train.device_mapping: GPU ranks listed more than once: [0]",
         "roles.actor_infer.backend: unknown engine 'tgi'",
         "roles.reference: device_mapping has 4 GPUs but backend 'fsdp:d2' needs",
-        "algo.samples_per_prompt: GRPO normalises rewards",
+        "algo.samples_per_prompt: algo.advantage=grpo compares each sample with the others of its prompt",
     ):
         assert fragment in err, err
     assert sum(ln.startswith("  - ") for ln in err.splitlines()) == 4, err
@@ -134,7 +134,7 @@ def test_plan_imports_no_engine(tmp_path: Path, cli_env: dict[str, str]) -> None
         "try:\n"
         "    check(cfg)\n"
         "except ValueError as e:\n"
-        "    assert 'is not built' in str(e), e\n"
+        "    assert 'supports d (data), t (tensor) only' in str(e), e\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} + ('hydra', 'omegaconf')))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)

@@ -535,7 +535,7 @@ def test_every_problem_is_reported_at_once() -> None:
 def test_check_merges_placement_and_other_problems() -> None:
     cfg = merge(BASE, {
         "resume": "auto",
-        "algo": {"name": "grpo", "samples_per_prompt": 1, "lr": -1.0, "top_p": 1.5},
+        "algo": {"name": "grpo", "advantage": "grpo", "samples_per_prompt": 1, "lr": -1.0, "top_p": 1.5},
         "data": {"name": "file"},
         "roles": {"actor_infer": {"backend": "hf:t2"}, "reward": {"world_size": 1}},
     })
@@ -546,7 +546,7 @@ def test_check_merges_placement_and_other_problems() -> None:
         "roles.actor_infer.backend: engine 'hf' does not accept 't'",
         "algo.lr: must be >= 0, got -1.0",
         "algo.top_p: must be in (0, 1], got 1.5",
-        "algo.samples_per_prompt: GRPO normalises rewards",
+        "algo.samples_per_prompt: algo.advantage=grpo compares each sample with the others of its prompt",
         "data.path: data.name=file needs",
         "model.path: data.name=file needs",
     ]:
