@@ -21,6 +21,13 @@ from rlbatch.engines.base import Sample
 from rlbatch.engines.batch import Packed, response_logits, unpack
 
 
+def require_data_parallel(mesh: Any, engine: str) -> None:
+    """Refuse a mesh with tensor, context or pipeline parallelism for an engine that runs d only."""
+    dims = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
+    if any(dims.get(k, 1) > 1 for k in ("tp", "cp", "pp")):
+        raise NotImplementedError(f"{engine} engine: only data parallelism (d) is implemented, got mesh {dims}")
+
+
 def chunks(samples: list[Sample], size: int) -> list[list[Sample]]:
     """Consecutive chunks of ``size`` samples (0: all in one)."""
     size = size or len(samples)

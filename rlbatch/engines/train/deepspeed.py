@@ -104,9 +104,7 @@ class DeepSpeedEngine(StashedState):
 
     def __init__(self, ctx: EngineContext) -> None:
         mesh, algo, args = ctx.mesh, ctx.algo, ctx.args
-        dims = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
-        if any(dims.get(k, 1) > 1 for k in ("tp", "cp", "pp")):
-            raise NotImplementedError(f"deepspeed engine: only data parallelism (d) is implemented, got mesh {dims}")
+        common.require_data_parallel(mesh, "deepspeed")
         if int(args.zero_stage) not in (1, 2, 3):
             raise ValueError(f"deepspeed engine: engine_args.zero_stage must be 1, 2 or 3, got {args.zero_stage}")
         import deepspeed

@@ -34,9 +34,7 @@ class FSDPEngine(StashedState):
 
     def __init__(self, ctx: EngineContext) -> None:
         mesh, algo, args = ctx.mesh, ctx.algo, ctx.args
-        dims = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
-        if any(dims.get(k, 1) > 1 for k in ("tp", "cp", "pp")):
-            raise NotImplementedError(f"fsdp engine: only data parallelism (d) is implemented, got mesh {dims}")
+        common.require_data_parallel(mesh, "fsdp")
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
         self.dp_group = ctx.group("dp")
