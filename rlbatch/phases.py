@@ -67,8 +67,10 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response"), ("old_logprobs",),
               Dispatch.SHARDS, "logprobs"),
+    PhaseSpec("critic_train", "critic", "train", TRAIN_STATE, ("prompt", "response", "values"), (),
+              Dispatch.SHARDS, "train"),
     PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
-              ("prompt", "response", "old_logprobs", "ref_logprobs", "values", "reward"), (), Dispatch.SHARDS, "train"),
+              ("prompt", "response", "old_logprobs", "ref_logprobs", "reward"), (), Dispatch.SHARDS, "train"),
     PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer"),
     PhaseSpec("checkpoint", "actor_train", "checkpoint", ("params", "optimizer"), (), (), Dispatch.COLLECTIVE, "sync"),
 )}
@@ -89,7 +91,8 @@ def phase(name: str) -> PhaseSpec:
 
 def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reuse_batch: bool,
                 kl_in_reward: bool, code_sandbox: bool = False, rule_reward: bool = True) -> list[str]:
-    """The phases one step of the policy-gradient loop runs, in the controller's order.
+    """The phases one step runs, in the controller's order: the policy-gradient loop, or PPO's
+    with ``critic`` (values before the advantages, the critic's training before the actor's).
 
     ``reuse_batch``: more than one optimizer step per batch, so the policy before the updates must
     be recorded (old_logprobs); ``kl_in_reward`` needs it too (the KL is taken before updating).
@@ -102,6 +105,8 @@ def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reu
         out.append("values")
     if reuse_batch or kl_in_reward:
         out.append("old_logprobs")
+    if critic:
+        out.append("critic_train")
     return [*out, "train", "sync"]
 
 

@@ -35,7 +35,11 @@ class LossInput:
 
 class PolicyObjective:
     """Callable: ``LossInput -> (loss, stats)``. Stats are plain floats, summed over micro-batches
-    by the engine and averaged over updates."""
+    by the engine and averaged over updates. ``head = "lm"``: the engine hands over log-probs of
+    the language-model head (a critic's objective, ``rlbatch.algos.value.ValueObjective``, asks for
+    the value head's output instead)."""
+
+    head = "lm"
 
     def __init__(self, algo: Any) -> None:
         agg = AGGREGATIONS.get(str(algo.loss_agg))
@@ -67,3 +71,15 @@ class PolicyObjective:
             loss = loss - self.entropy_coef * ent
             stats["entropy"] = ent.item()
         return loss, stats
+
+
+def objective_for(role: str, algo: Any) -> Any:
+    """The loss a trainable role minimises: the critic regresses values (``ValueObjective``),
+    actor_train follows the policy objective."""
+    from rlbatch.config.schema import VALUE_ROLES
+
+    if role in VALUE_ROLES:
+        from rlbatch.algos.value import ValueObjective
+
+        return ValueObjective(algo)
+    return PolicyObjective(algo)

@@ -7,7 +7,9 @@ registering its parts here (or from a plugin module with ``register``) and, only
 differs, a program; no engine changes.
 
     ADVANTAGES      (rewards [N], group_size, algo cfg, *, lengths, kl) -> advantages [N] or
-                    per-token (N tensors); kl: per-token KL of each response when algo.kl_in_reward
+                    per-token (N tensors); kl: per-token KL of each response when algo.kl_in_reward.
+                    The value-based ones (VALUE_ADVANTAGES: gae) also take the critic's per-token
+                    ``values`` and return (advantages, returns)
     POLICY_LOSSES   (logp, old_logp, advantages [B,T], mask, algo cfg, aggregate) -> (loss, ClipStats)
     KL_ESTIMATORS   (logp, ref_logp) -> per-token KL estimate
     AGGREGATIONS    (per_token [B,T], mask, algo cfg) -> scalar
@@ -60,6 +62,7 @@ ADVANTAGES = Registry("advantage estimator", "algo.advantage", {
     "rloo": "rlbatch.algos.estimators:rloo",
     "reinforce_pp": "rlbatch.algos.estimators:reinforce_pp",
     "reinforce_pp_baseline": "rlbatch.algos.estimators:reinforce_pp_baseline",
+    "gae": "rlbatch.algos.value:gae_estimator",
 })
 POLICY_LOSSES = Registry("policy loss", "algo.policy_loss", {
     "ppo_clip": "rlbatch.algos.estimators:ppo_clip",
@@ -79,6 +82,7 @@ AGGREGATIONS = Registry("loss aggregation", "algo.loss_agg", {
 PROGRAMS = Registry("algorithm (program)", "algo.name", {
     **{name: "rlbatch.scheduler.program:policy_gradient"
        for name in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")},
+    "ppo": "rlbatch.scheduler.program:ppo",
 })
 """algo.name -> the controller loop. The critic-free family shares one policy-gradient loop
 (generate, score, reference/old log-probs, advantages from rewards, train, sync; DAPO's dynamic
@@ -90,7 +94,10 @@ samples_per_prompt >= 2. A plugin adds the name of such an estimator it register
 
 ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, PROGRAMS)
 
-USES_CRITIC: set[str] = set()
-"""Programs that run the critic role (values, critic training). None in this build: the critic is
-only used by PPO, which is not built yet. A plugin that registers such a program adds its name,
-so validation accepts an enabled critic with it."""
+USES_CRITIC: set[str] = {"ppo"}
+"""Programs that run the critic role (values, critic training); they need it enabled, and the
+others refuse it. A plugin that registers such a program adds its name."""
+
+VALUE_ADVANTAGES: set[str] = {"gae"}
+"""Advantage estimators that read the critic's values and return (advantages, returns): only the
+programs of ``USES_CRITIC`` run them, and those run nothing else."""

@@ -29,9 +29,7 @@ from rlbatch.errors import ConfigError
 from rlbatch.phases import PHASES
 from rlbatch.placement.backend import DIM_NAMES, BackendSpec, EngineKind, parse_backend
 
-PLANNED_PROGRAMS: dict[str, str] = {
-    "ppo": "PPO (critic values, GAE advantages, value loss) is modelled by the planner only",
-}
+PLANNED_PROGRAMS: dict[str, str] = {}
 """Programs the planner models (``runnable=False`` accepts them) that this build cannot run."""
 
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm")
@@ -66,7 +64,9 @@ def program_name_problem(name: Any, strict: bool) -> str | None:
     if name in PLANNED_PROGRAMS:
         return (f"algo.name: {name!r} is not built: {PLANNED_PROGRAMS[name]}; registered programs: {PROGRAMS.names()}"
                 if strict else None)
-    return problem if strict else f"{problem} (the planner also models {sorted(PLANNED_PROGRAMS)})"
+    if strict or not PLANNED_PROGRAMS:
+        return problem
+    return f"{problem} (the planner also models {sorted(PLANNED_PROGRAMS)})"
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,8 @@ def program_problems(plain: Mapping[str, Any]) -> list[str]:
     name = _section(plain, "algo").get("name")
     roles = _section(plain, "roles")
     if isinstance(name, str) and name in PROGRAMS and _enabled(roles.get("critic")) and name not in USES_CRITIC:
-        problems.append(f"roles.critic: enabled, but algo.name={name} does not use a critic: only PPO does, and "
-                        f"PPO is not built yet; set roles.critic.enabled=false")
+        problems.append(f"roles.critic: enabled, but algo.name={name} does not use a critic (programs that do: "
+                        f"{sorted(USES_CRITIC)}); set roles.critic.enabled=false or algo=ppo")
     reward = roles.get("reward")
     sandbox_scores = _enabled(roles.get("code_sandbox"))
     if not _enabled(reward) and not sandbox_scores:

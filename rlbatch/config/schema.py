@@ -7,7 +7,7 @@ pulling Hydra in). ``rlbatch.config.register`` registers them in Hydra's ConfigS
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlbatch.sandbox.limits import Limits
@@ -19,6 +19,10 @@ TRAINABLE_ROLES = ("actor_train", "critic")
 """Roles with an optimizer: their state is trained and checkpointed."""
 INHERIT_BACKEND = ("reference", "critic")
 """Roles whose empty backend inherits actor_train's (AReaL's rule)."""
+INHERIT_DEVICE_MAPPING = ("critic",)
+"""Roles that run colocated with actor_train (its device_mapping) when they give none."""
+VALUE_ROLES = ("critic",)
+"""Roles whose model is a value model (the policy's architecture with a scalar head per token)."""
 
 
 @dataclass
@@ -176,11 +180,13 @@ class AlgoConfig:
     name: str = "grpo"
     """The program (controller loop) from ``rlbatch.algos.registry.PROGRAMS``: 'grpo', 'dr_grpo',
     'dapo', 'gspo', 'rloo' and 'reinforce_pp' all run the critic-free policy-gradient loop (the
-    presets in conf/algo/ set the parts below)."""
+    presets in conf/algo/ set the parts below); 'ppo' runs PPO with the critic role (values,
+    GAE advantages, critic training; preset conf/algo/ppo.yaml)."""
     advantage: str = "grpo"
     """Advantage estimator from ``rlbatch.algos.registry.ADVANTAGES``: 'grpo' (group mean and std),
     'dr_grpo' (group mean only), 'rloo' (leave-one-out mean), 'reinforce_pp' (per-token returns
-    whitened over the batch), 'reinforce_pp_baseline' (the same after the group mean)."""
+    whitened over the batch), 'reinforce_pp_baseline' (the same after the group mean), 'gae'
+    (PPO: generalised advantage estimation over the critic's values; algo.name=ppo only)."""
     policy_loss: str = "ppo_clip"
     """Policy loss from ``rlbatch.algos.registry.POLICY_LOSSES``: 'ppo_clip' (per-token ratio, clipped
     with clip_low/clip_high) or 'gspo' (one length-normalised ratio per sequence, clipped as a whole)."""
@@ -220,7 +226,19 @@ class AlgoConfig:
     """Subtract kl_coef * KL from the reward instead of adding it to the loss: per token for the
     per-token estimators (reinforce_pp*), summed over the response for the sequence-level ones."""
     gamma: float = 1.0
-    """Discount of the per-token returns (reinforce_pp*), in (0, 1]."""
+    """Discount of the per-token returns (reinforce_pp*, and GAE's gamma for PPO), in (0, 1]."""
+    lam: float = 0.95
+    """PPO: GAE's lambda in [0, 1] (1: Monte-Carlo returns minus the value; 0: one-step TD)."""
+    value_clip: float = 0.2
+    """PPO: clip each value prediction to within this of its value before the updates (PPO2's
+    clipped value loss); 0 disables it."""
+    whiten_advantages: bool = True
+    """PPO: subtract the batch's mean advantage and divide by its std, over every response token."""
+    critic_lr: float | None = None
+    """PPO: the critic's peak learning rate (AdamW; same warm-up as the actor's). None: algo.lr."""
+    critic_warmup_steps: int = 0
+    """PPO: steps at the start of a run that train the critic only (the actor and the inference
+    weights stay as they are), so the first policy updates use values that fit the task."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     loss_agg: str = "token"
@@ -242,6 +260,14 @@ class AlgoConfig:
     filled with zero-variance groups)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+
+
+def role_algo(role: str, algo: AlgoConfig) -> AlgoConfig:
+    """The algorithm settings a role's engine trains with: a value role's peak learning rate is
+    ``critic_lr`` when set."""
+    if role in VALUE_ROLES and algo.critic_lr is not None:
+        return replace(algo, lr=float(algo.critic_lr))
+    return algo
 
 
 @dataclass

@@ -14,7 +14,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, GROUP_ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+from rlbatch.algos.registry import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    GROUP_ADVANTAGES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    USES_CRITIC,
+    VALUE_ADVANTAGES,
+)
 from rlbatch.config.plain import to_plain
 from rlbatch.config.runnable import (
     engine_args_problems,
@@ -172,6 +180,51 @@ def _check_groups(algo: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _check_critic(cfg: Mapping[str, Any], algo: Mapping[str, Any]) -> list[str]:
+    """PPO's parts: a critic role, a value-based advantage estimator (and only with a critic), its
+    settings in range, a loop it runs in (no dynamic sampling), an engine with a value head."""
+    problems = []
+    name, adv = algo.get("name"), algo.get("advantage")
+    uses_critic = isinstance(name, str) and name in USES_CRITIC
+    if uses_critic and not _enabled(cfg, "critic"):
+        problems.append(f"roles.critic: algo.name={name} needs the critic role; enable it (roles.critic.enabled=true; "
+                        f"it runs on actor_train's GPUs unless given a device_mapping)")
+    if isinstance(adv, str) and adv in VALUE_ADVANTAGES and not uses_critic:
+        problems.append(f"algo.advantage: {adv} reads the critic's values, which only {sorted(USES_CRITIC)} compute; "
+                        f"use algo=ppo, or a critic-free estimator with algo.name={name}")
+    if uses_critic and isinstance(adv, str) and adv not in VALUE_ADVANTAGES:
+        problems.append(f"algo.advantage: algo.name={name} trains a critic for a value-based estimator "
+                        f"({sorted(VALUE_ADVANTAGES)}), got {adv!r}")
+    if uses_critic and algo.get("dynamic_sampling") is True:
+        problems.append(f"algo.dynamic_sampling: DAPO's dynamic sampling runs in the critic-free loop, not in "
+                        f"algo.name={name}'s; set algo.dynamic_sampling=false")
+    lam, clip, lr = _number(algo.get("lam")), _number(algo.get("value_clip")), algo.get("critic_lr")
+    if lam is not None and not 0 <= lam <= 1:
+        problems.append(f"algo.lam: GAE's lambda must be in [0, 1], got {algo.get('lam')}")
+    if clip is not None and clip < 0:
+        problems.append(f"algo.value_clip: must be >= 0 (0 disables value clipping), got {algo.get('value_clip')}")
+    if lr is not None and not (_number(lr) is not None and float(lr) > 0):
+        problems.append(f"algo.critic_lr: must be a positive learning rate or null (algo.lr), got {lr!r}")
+    warm, steps = _int(algo.get("critic_warmup_steps")), _int(_get(cfg, "steps"))
+    if warm is not None and warm < 0:
+        problems.append(f"algo.critic_warmup_steps: must be >= 0, got {warm}")
+    elif uses_critic and warm is not None and steps is not None and warm >= steps > 0:
+        problems.append(f"algo.critic_warmup_steps: {warm} warm-up steps train only the critic, and the run has "
+                        f"steps={steps}: the actor would never train")
+    critic = _get(cfg, "roles.critic")
+    if uses_critic and _enabled(cfg, "critic") and isinstance(critic, Mapping):
+        backend = critic.get("backend") or _get(cfg, "roles.actor_train.backend")
+        if isinstance(backend, str) and backend.strip().startswith("megatron"):
+            problems.append(f"roles.critic.backend: '{backend}'{' (inherited from actor_train)' if not critic.get('backend') else ''}"
+                            f": the megatron engine has no value head in this build; give the critic "
+                            f"backend 'fsdp:dN' or 'deepspeed:dN'")
+    return problems
+
+
 def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) -> list[str]:
     problems = []
     algo = _get(cfg, "algo")
@@ -180,8 +233,7 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
     algo = algo if isinstance(algo, Mapping) else {}
     spp = algo.get("samples_per_prompt")
     problems.extend(_check_groups(algo))
-    if algo.get("name") == "ppo" and not _enabled(cfg, "critic"):
-        problems.append("roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping")
+    problems.extend(_check_critic(cfg, algo))
     kl = algo.get("kl_coef")
     if isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl > 0 and not _enabled(cfg, "reference"):
         problems.append(

@@ -72,6 +72,8 @@ class EngineContext:
     """The role's DeviceMesh with named axes (dp, tp, pp, cp) over the role's ranks."""
     trainable: bool = False
     """Whether the role has an optimizer (actor_train, critic)."""
+    head: str = "lm"
+    """'lm': the policy (a causal LM); 'value': a value model (the critic: a scalar per token)."""
 
     def group(self, axis: str) -> Any:
         """The process group of one mesh axis (e.g. 'dp') containing this rank."""

@@ -52,3 +52,35 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
     spec = spec_from_model_config(model_cfg, vocab=len(tokenizer))
     tiny_model: Any = build_tiny_model(spec, seed, tokenizer)
     return tiny_model.to(dtype)
+
+
+def value_model(lm: Any) -> Any:
+    """A critic from a causal LM: the same architecture with a scalar head per token
+    (transformers' ``...ForTokenClassification`` with one label, no dropout), its body the LM's
+    weights and its head zero, so every value starts at 0 and the first advantages are the
+    rewards' own. Parameter names stay Hugging Face's (``model.*``, ``score.weight``, ``score.bias``):
+    ``save_pretrained`` output loads with ``AutoModelForTokenClassification``."""
+    import copy
+
+    from transformers import AutoModelForTokenClassification
+
+    config = copy.deepcopy(lm.config)
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    config.tie_word_embeddings = False  # no output embedding to tie
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForTokenClassification.from_config(config, dtype=next(lm.parameters()).dtype)
+    missing, unexpected = model.load_state_dict(lm.state_dict(), strict=False)
+    if set(missing) != {"score.weight", "score.bias"} or set(unexpected) - {"lm_head.weight"}:
+        raise ValueError(f"value model from {type(lm).__name__}: weights did not map (missing {missing}, "
+                         f"unexpected {unexpected})")
+    with torch.no_grad():
+        model.score.weight.zero_()
+        model.score.bias.zero_()
+    return model
+
+
+def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
+    """The model of an engine's role: the policy (a causal LM), or for a value role (the critic)
+    the value model built from it."""
+    lm = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype)
+    return value_model(lm) if ctx.head == "value" else lm

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlbatch.config.plain import to_plain
-from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND, ClusterConfig, RoleConfig
+from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND, INHERIT_DEVICE_MAPPING, ClusterConfig, RoleConfig
 from rlbatch.errors import ConfigError
 from rlbatch.placement.backend import BackendSpec, EngineKind, parse_backend
 from rlbatch.placement.device_mapping import MAX_GPUS, parse_device_mapping
@@ -194,10 +194,13 @@ def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], li
             problems.append(f"roles.{name}: required for RL training but missing or disabled")
 
     train_backend = (enabled.get("actor_train") or {}).get("backend")
+    train_mapping = (enabled.get("actor_train") or {}).get("device_mapping")
     gpu: list[_GpuRole] = []
     cpu: list[_CpuRole] = []
     for name, rc in enabled.items():
         f = f"roles.{name}"
+        if name in INHERIT_DEVICE_MAPPING and rc.get("device_mapping") is None and rc.get("world_size") is None:
+            rc = {**rc, "device_mapping": train_mapping}  # colocated with actor_train
         backend_str = rc.get("backend")
         inherited = name in INHERIT_BACKEND and backend_str in (None, "")
         if inherited:

@@ -189,6 +189,19 @@ class Scores:
         return torch.tensor([merged[i] for i in self.ids], dtype=torch.float32)
 
 
+class Training:
+    """A role's batch of updates under way; ``result()`` waits and averages its shards' stats."""
+
+    def __init__(self, pending: PendingPhase, leaders: list[int]) -> None:
+        self.pending, self.leaders = pending, leaders
+
+    def result(self) -> dict[str, float]:
+        out = self.pending.result()
+        stats = [out[r] for r in self.leaders]
+        keys = set().union(*(o.keys() for o in stats))
+        return {k: sum(o.get(k, 0.0) for o in stats) / len(stats) for k in keys}
+
+
 def shards(role: RolePlacement, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The groups of the role's ranks that receive the same samples, in data-parallel order.
 
@@ -296,16 +309,30 @@ class Role:
         out = self._run_sharded(spec, assign, fields, extra)
         return {k: v for o in out.values() for k, v in o.items()}
 
-    def train(self, ro: Rollouts, advantages: torch.Tensor | list[torch.Tensor]) -> dict[str, float]:
-        """One batch of updates. ``advantages``: one per sample ([N]), or per token (N tensors)."""
+    def values(self, ro: Rollouts) -> list[torch.Tensor]:
+        """The critic's per-token values of the rollouts (in the rollouts' order), also kept on
+        its ranks for its own training (the clipped value loss starts from them)."""
+        out = self._run_sharded(phase_for(self.name, "values"), self._assign(ro), list(phase_for(self.name, "values").reads))
+        merged = {k: v for o in out.values() for k, v in o.items()}
+        return [torch.tensor(merged[i], dtype=torch.float32) for i in ro.ids]
+
+    def train(self, ro: Rollouts, targets: dict[str, torch.Tensor | list[torch.Tensor]]) -> dict[str, float]:
+        """One batch of updates towards ``targets``: per-sample fields by name, each one value per
+        sample ([N] tensor: ``advantage``) or per token (N tensors: ``advantages``, ``returns``)."""
+        return self.start_train(ro, targets).result()
+
+    def start_train(self, ro: Rollouts, targets: dict[str, torch.Tensor | list[torch.Tensor]]) -> Training:
+        """``train`` without waiting: a role on other ranks may train meanwhile (``result()`` waits)."""
         spec = phase_for(self.name, "train")
-        adv = dict(zip(ro.ids, advantages.tolist() if isinstance(advantages, torch.Tensor)
-                       else [a.tolist() for a in advantages], strict=True))
+        per_sample = {name: dict(zip(ro.ids, t.tolist() if isinstance(t, torch.Tensor) else [x.tolist() for x in t],
+                                     strict=True))
+                      for name, t in targets.items()}
         assign = self._assign(ro)
-        extra = {sh[0]: {"advantages": [adv[i] for i in ids]} for sh, ids in assign.items()}
-        out = self._run_sharded(spec, assign, list(spec.reads), extra)
-        keys = set().union(*(o.keys() for o in out.values()))
-        return {k: sum(o.get(k, 0.0) for o in out.values()) / len(out) for k in keys}
+        extra = {sh[0]: {"targets": {name: [v[i] for i in ids] for name, v in per_sample.items()}}
+                 for sh, ids in assign.items()}
+        work = {r: {"ids": ids} | extra[sh[0]] for sh, ids in assign.items() for r in sh}
+        need = {r: (ids, list(spec.reads)) for sh, ids in assign.items() for r in sh}
+        return Training(self.pipe.start(spec.name, (self.name,), work, need), [sh[0] for sh in assign])
 
     def sync_weights(self, infer: Role) -> None:
         spec = phase_for(self.name, "sync")

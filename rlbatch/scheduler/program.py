@@ -2,6 +2,7 @@
 
     python -m rlbatch.launch                       # the default experiment (GRPO, synthetic task)
     python -m rlbatch.launch roles=disaggregated steps=20
+    python -m rlbatch.launch algo=ppo              # PPO with a critic (colocated with actor_train)
 
 The scheduler behind the role handles knows from the Placement which roles share a GPU and
 offloads/reloads at each phase boundary by itself. ``algo.name`` picks the loop from
@@ -14,12 +15,14 @@ run resumes from the newest complete one in its run_dir (resume=auto).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from rlbatch.algos.advantages import overlong_penalty, zero_variance_groups
 from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
+from rlbatch.algos.value import explained_variance
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import make_stream
 from rlbatch.runtime import heap
@@ -27,7 +30,7 @@ from rlbatch.runtime.env import read_env
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.runtime.world import World
 from rlbatch.scheduler.checkpointing import Checkpointer
-from rlbatch.scheduler.controller import Pipeline, Role
+from rlbatch.scheduler.controller import Pipeline, Role, Rollouts
 from rlbatch.scheduler.metrics import Metrics, step_row
 from rlbatch.scheduler.preemption import Preemption
 from rlbatch.scheduler.rank_runtime import RankRuntime
@@ -51,78 +54,148 @@ def controller(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     PROGRAMS.get(str(cfg.algo.name))(world, cfg, run)
 
 
+class Loop:
+    """What every program's loop shares: engines ready, the roles, the data stream, resume,
+    checkpoints at step boundaries, preemption and the per-step metrics."""
+
+    def __init__(self, world: World, cfg: RLBatchConfig, run: RunDir) -> None:
+        self.cfg, self.a = cfg, cfg.algo
+        self.pipe = Pipeline(world, cfg)
+        print(f"engines ready on every rank in {self.pipe.wait_ready():.1f}s", flush=True)
+        self.actor_infer, self.actor_train = Role(self.pipe, "actor_infer"), Role(self.pipe, "actor_train")
+        self.reference = Role(self.pipe, "reference") if "reference" in world.placement.roles else None
+        self.scoring = Scoring(self.pipe, cfg)
+        self.data, fingerprint = make_stream(cfg.data, int(cfg.seed))
+        self.ckpt = Checkpointer(self.pipe, run, cfg, self.data, fingerprint)
+        self.start = self.ckpt.resume()
+        heap.settle()  # the controller's long-lived objects exist now: keep them out of collections
+        if self.start > 0:
+            self.actor_train.sync_weights(self.actor_infer)  # inference weights are not checkpointed
+        self.preemption = Preemption(cfg.cluster, read_env())
+        self.metrics = Metrics(run, int(cfg.steps), self.start)
+        self.n = int(self.a.samples_per_prompt)
+        self.reuse_batch = self.a.mini_batches > 1 or self.a.epochs > 1
+        self.kl_in_reward = bool(self.a.kl_in_reward) and self.a.kl_coef > 0 and self.reference is not None
+        self.stop: str | None = None
+        self.t0 = 0.0
+
+    def steps(self) -> Iterator[int]:
+        for step in self.metrics.progress(range(self.start, int(self.cfg.steps))):
+            self.pipe.begin_step()
+            self.t0 = time.perf_counter()
+            yield step
+            if self.stop:
+                break
+
+    def generate(self, step: int) -> Rollouts:
+        """One round of generation, scoring started alongside (``scoring.result()`` waits)."""
+        per_step = int(self.a.prompts_per_step) * self.n
+        prompts = self.data.next_batch(int(self.a.prompts_per_step))
+        rollouts = self.actor_infer.generate(prompts, self.n, first_id=step * per_step,
+                                             seed=int(self.cfg.seed) * 100_003 + step)
+        self.scoring.start(rollouts)
+        return rollouts
+
+    def log_probs(self, rollouts: Rollouts) -> list[torch.Tensor] | None:
+        """The reference's log-probs (for a KL penalty) and the policy's before this step's updates
+        (when the batch is reused, or the KL is in the reward); returns each sample's per-token KL
+        when it goes into the reward."""
+        a = self.a
+        if self.reference is not None and a.kl_coef > 0:
+            self.reference.logprobs(rollouts)
+        if not (self.reuse_batch or self.kl_in_reward):
+            return None
+        kl = self.actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if self.kl_in_reward else None,
+                                       skip_first_mini_batch=a.epochs == 1 and not self.kl_in_reward)
+        return [torch.tensor(kl[i]) for i in rollouts.ids] if self.kl_in_reward else None
+
+    def shaped(self, rewards: torch.Tensor, rollouts: Rollouts) -> tuple[torch.Tensor, list[int]]:
+        """Rewards after DAPO's overlong shaping (a no-op unless configured), and the lengths."""
+        a = self.a
+        lengths = [rollouts.response_len[i] for i in rollouts.ids]
+        penalty = overlong_penalty(torch.tensor(lengths), int(a.max_new_tokens), int(a.overlong_buffer),
+                                   float(a.overlong_penalty))
+        return rewards + penalty, lengths
+
+    def end_step(self, step: int, rollouts: Rollouts, generated: torch.Tensor, stats: dict[str, float],
+                 extra: dict[str, float]) -> None:
+        """Drop the step's samples, log its row (reward_mean: over every sample generated this
+        step), checkpoint when due, and decide whether to stop."""
+        self.pipe.forget(rollouts.ids)
+        step_s = time.perf_counter() - self.t0
+        self.metrics.log(step_row(step, generated, rollouts, stats, self.pipe.phase_seconds, self.pipe.records,
+                                  step_s) | extra)
+        last = step == int(self.cfg.steps) - 1
+        self.stop = None if last else self.preemption.reason_to_stop(step_s, self.ckpt.last_save_s)
+        if last or self.stop or (self.cfg.save_every and (step + 1) % int(self.cfg.save_every) == 0):
+            self.ckpt.save(step, self.stop or ("end of run" if last else "save_every"))
+
+    def finish(self) -> None:
+        self.pipe.ctl.shutdown(self.pipe.workers())
+        self.metrics.close()
+        if self.stop:
+            print(f"stopping after step {self.metrics.history[-1]['step'] if self.metrics.history else '?'}: "
+                  f"{self.stop}; checkpoint saved", flush=True)
+            if self.preemption.requeue():
+                print("requeued: the job restarts in this run_dir and resumes", flush=True)
+            return
+        last_row = self.metrics.history[-1] if self.metrics.history else {}
+        print(f"done: {len(self.metrics.history)} steps, final reward_mean {last_row.get('reward_mean', float('nan')):.3f}; "
+              f"metrics in {self.metrics.path}", flush=True)
+
+
 def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     """The critic-free loop (GRPO and its relatives): advantages from the rewards alone."""
-    a = cfg.algo
+    loop, a = Loop(world, cfg, run), cfg.algo
     estimate_advantages = ADVANTAGES.get(str(a.advantage))
-    pipe = Pipeline(world, cfg)
-    print(f"engines ready on every rank in {pipe.wait_ready():.1f}s", flush=True)
-    actor_infer, actor_train, scoring = Role(pipe, "actor_infer"), Role(pipe, "actor_train"), Scoring(pipe, cfg)
-    reference = Role(pipe, "reference") if "reference" in world.placement.roles else None
-    data, fingerprint = make_stream(cfg.data, int(cfg.seed))
-    ckpt = Checkpointer(pipe, run, cfg, data, fingerprint)
-    start = ckpt.resume()
-    heap.settle()  # the controller's long-lived objects exist now: keep them out of collections
-    if start > 0:
-        actor_train.sync_weights(actor_infer)  # inference weights are not checkpointed
-    preemption = Preemption(cfg.cluster, read_env())
-    metrics = Metrics(run, int(cfg.steps), start)
-    n, per_step = int(a.samples_per_prompt), int(a.prompts_per_step) * int(a.samples_per_prompt)
-    reuse_batch = a.mini_batches > 1 or a.epochs > 1
-    kl_in_reward = bool(a.kl_in_reward) and a.kl_coef > 0 and reference is not None
-    stop = None
-
-    for step in metrics.progress(range(start, int(cfg.steps))):
-        pipe.begin_step()
-        t0 = time.perf_counter()
+    for step in loop.steps():
         extra: dict[str, float] = {}
         if a.dynamic_sampling:  # DAPO: rounds of generate + score until the batch's groups vary
-            rollouts, rewards, generated, extra = dynamic_batch(actor_infer, scoring, data, step, int(cfg.seed), a)
+            rollouts, rewards, generated, extra = dynamic_batch(loop.actor_infer, loop.scoring, loop.data, step,
+                                                                int(cfg.seed), a)
             extra["reward_batch_mean"] = float(rewards.mean())
-            scoring_pending = False
+            kl = loop.log_probs(rollouts)
         else:
-            prompts = data.next_batch(int(a.prompts_per_step))
-            rollouts = actor_infer.generate(prompts, n, first_id=step * per_step, seed=int(cfg.seed) * 100_003 + step)
-            scoring.start(rollouts)  # scored alongside the log-prob phases
-            scoring_pending = True
-        if reference is not None and a.kl_coef > 0:
-            reference.logprobs(rollouts)
-        kl = None
-        if reuse_batch or kl_in_reward:  # the policy before this step's updates
-            kl = actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if kl_in_reward else None,
-                                      skip_first_mini_batch=a.epochs == 1 and not kl_in_reward)
-        if scoring_pending:
-            rewards, counts = scoring.result()
+            rollouts = loop.generate(step)
+            kl = loop.log_probs(rollouts)  # scored meanwhile
+            rewards, counts = loop.scoring.result()
             generated = rewards
             extra |= counts
-            extra["sampling/zero_variance_frac"] = float(zero_variance_groups(rewards, n).float().mean())
-        lengths = [rollouts.response_len[i] for i in rollouts.ids]
-        shaped = rewards + overlong_penalty(torch.tensor(lengths), int(a.max_new_tokens), int(a.overlong_buffer),
-                                            float(a.overlong_penalty))
-        token_kl = [torch.tensor(kl[i]) for i in rollouts.ids] if kl_in_reward and kl is not None else None
-        advantages = estimate_advantages(shaped, n, a, lengths=lengths, kl=token_kl)
-        stats = actor_train.train(rollouts, advantages)
-        actor_train.sync_weights(actor_infer)
-        pipe.forget(rollouts.ids)
-        step_s = time.perf_counter() - t0
+            extra["sampling/zero_variance_frac"] = float(zero_variance_groups(rewards, loop.n).float().mean())
+        shaped, lengths = loop.shaped(rewards, rollouts)
+        advantages = estimate_advantages(shaped, loop.n, a, lengths=lengths, kl=kl)
+        target = "advantage" if isinstance(advantages, torch.Tensor) else "advantages"
+        stats = loop.actor_train.train(rollouts, {target: advantages})
+        loop.actor_train.sync_weights(loop.actor_infer)
         extra |= advantage_stats(advantages) | {"reward_shaped_mean": float(shaped.mean())}
-        # reward_mean: over every sample generated this step (dynamic sampling trains on a biased subset)
-        metrics.log(step_row(step, generated, rollouts, stats, pipe.phase_seconds, pipe.records, step_s) | extra)
+        loop.end_step(step, rollouts, generated, stats, extra)
+    loop.finish()
 
-        last = step == int(cfg.steps) - 1
-        stop = None if last else preemption.reason_to_stop(step_s, ckpt.last_save_s)
-        if last or stop or (cfg.save_every and (step + 1) % int(cfg.save_every) == 0):
-            ckpt.save(step, stop or ("end of run" if last else "save_every"))
-        if stop:
-            break
 
-    pipe.ctl.shutdown(pipe.workers())
-    metrics.close()
-    if stop:
-        print(f"stopping after step {step}: {stop}; checkpoint saved", flush=True)
-        if preemption.requeue():
-            print("requeued: the job restarts in this run_dir and resumes", flush=True)
-        return
-    last_row = metrics.history[-1] if metrics.history else {}
-    print(f"done: {len(metrics.history)} steps, final reward_mean {last_row.get('reward_mean', float('nan')):.3f}; "
-          f"metrics in {metrics.path}", flush=True)
+def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
+    """PPO with a critic: the critic's values of each response token, GAE advantages from the
+    per-token rewards (the task reward on the last token, minus kl_coef * KL_t with the KL in the
+    reward), the critic regressed on the returns while the actor trains on the advantages. During
+    ``critic_warmup_steps`` only the critic trains."""
+    loop, a = Loop(world, cfg, run), cfg.algo
+    critic = Role(loop.pipe, "critic")
+    estimate_advantages = ADVANTAGES.get(str(a.advantage))
+    for step in loop.steps():
+        rollouts = loop.generate(step)
+        kl = loop.log_probs(rollouts)
+        values = critic.values(rollouts)
+        rewards, counts = loop.scoring.result()
+        shaped, lengths = loop.shaped(rewards, rollouts)
+        advantages, returns = estimate_advantages(shaped, loop.n, a, lengths=lengths, kl=kl, values=values)
+        critic_training = critic.start_train(rollouts, {"returns": returns})  # alongside the actor's
+        actor_trains = step >= int(a.critic_warmup_steps)
+        stats = loop.actor_train.train(rollouts, {"advantages": advantages}) if actor_trains else {}
+        stats |= {f"critic/{k}": v for k, v in critic_training.result().items()}
+        if actor_trains:
+            loop.actor_train.sync_weights(loop.actor_infer)
+        extra = counts | advantage_stats(advantages) | {
+            "reward_shaped_mean": float(shaped.mean()), "critic/explained_variance": explained_variance(values, returns),
+            "critic/returns_mean": float(torch.cat(returns).mean()) if returns else 0.0,
+            "critic/warmup": float(not actor_trains)}
+        loop.end_step(step, rollouts, rewards, stats, extra)
+    loop.finish()

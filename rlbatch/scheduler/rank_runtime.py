@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbatch.algos.objective import PolicyObjective
+from rlbatch.algos.objective import objective_for
 from rlbatch.algos.registry import KL_ESTIMATORS
-from rlbatch.config.schema import TRAINABLE_ROLES, RLBatchConfig
+from rlbatch.config.schema import TRAINABLE_ROLES, VALUE_ROLES, RLBatchConfig, role_algo
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args
@@ -53,12 +53,13 @@ class RankRuntime:
             rp = p.roles[role]
             if not rp.is_gpu:
                 continue
-            ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), cfg.model, cfg.algo, self.tokenizer,
-                                world.device, int(cfg.seed), world.meshes.get(role), role in TRAINABLE_ROLES)
+            ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), cfg.model, role_algo(role, cfg.algo),
+                                self.tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
+                                role in TRAINABLE_ROLES, "value" if role in VALUE_ROLES else "lm")
             self.engines[role] = build_engine(rp.engine, ctx)
             log.info("built %s engine for %s", rp.engine, role)
         self.scorers = scorers(world, cfg)
-        self.objective = PolicyObjective(cfg.algo)
+        self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
         offload = {r: p.roles[r].offload for r in self.engines}
         self.residency = Residency(self.engines, offload, world.device)
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
@@ -130,17 +131,20 @@ class RankRuntime:
         return {sid: kl(logp, self.store.samples[sid]["ref_logprobs"]).tolist()
                 for sid, logp in zip(ids, values, strict=True)}
 
-    def _values(self, spec: PhaseSpec, ids: list[int]) -> dict[int, float]:
+    def _values(self, spec: PhaseSpec, ids: list[int]) -> dict[int, list[float]]:
+        """The critic's per-token values, kept as the phase's field and returned (the controller
+        turns them into advantages)."""
         values = self._per_token(spec, ids, "values")
-        return {sid: float(len(v)) for sid, v in zip(ids, values, strict=True)}
+        return {sid: v.tolist() for sid, v in zip(ids, values, strict=True)}
 
-    def _train(self, spec: PhaseSpec, ids: list[int], advantages: list[Any]) -> dict[str, float]:
-        """``advantages``: one float per sample, or one list of per-token values per sample."""
-        for sid, adv in zip(ids, advantages, strict=True):
-            t = torch.tensor(adv, dtype=torch.float32)
-            self.store.put(sid, "advantages" if t.dim() else "advantage", t)
-        fields = [*spec.reads, "advantages" if ids and isinstance(advantages[0], list) else "advantage"]
-        return self.engines[spec.role].train(self.store.get(ids, fields), self.objective)
+    def _train(self, spec: PhaseSpec, ids: list[int], targets: dict[str, list[Any]]) -> dict[str, float]:
+        """``targets``: per-sample fields the controller computed, by name, each a float per sample
+        (``advantage``) or a list of per-token values per sample (``advantages``, ``returns``)."""
+        for name, per_sample in targets.items():
+            for sid, value in zip(ids, per_sample, strict=True):
+                self.store.put(sid, name, torch.tensor(value, dtype=torch.float32))
+        samples = self.store.get(ids, [*spec.reads, *targets])
+        return self.engines[spec.role].train(samples, self.objectives[spec.role])
 
     def _checkpoint(self, spec: PhaseSpec, op: str, path: str) -> dict[str, float]:
         """Write (op=save, into the staging dir) or read (op=load) this rank's part of a checkpoint."""

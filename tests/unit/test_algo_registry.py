@@ -20,7 +20,7 @@ def test_registries_name_their_field_and_entries() -> None:
     assert ADVANTAGES.problem("grpo") is None
     msg = KL_ESTIMATORS.problem("k9")
     assert msg is not None and "algo.kl_estimator" in msg and "k3" in msg
-    assert PROGRAMS.problem("ppo") is not None
+    assert PROGRAMS.problem("ppo") is None and PROGRAMS.problem("dpo") is not None
     with pytest.raises(KeyError, match="registered"):
         AGGREGATIONS.get("mean")
 

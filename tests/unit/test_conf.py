@@ -27,9 +27,7 @@ GROUPS = _default_groups()
 GROUP_FILES = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
 # Choices that cannot run alone and what they need beside them.
-COMPANIONS: dict[tuple[str, str], list[str]] = {
-    ("algo", "ppo"): ["roles=ppo_critic_8gpu"],
-}
+COMPANIONS: dict[tuple[str, str], list[str]] = {}
 FILE_DATA = ["model.path=/x", "data.path=/y"]
 """For configs that read a local dataset (data.name=file); nothing is read while validating."""
 
@@ -152,7 +150,7 @@ def test_override_errors_reach_check_through_the_config() -> None:
     ("overrides", "fragment"),
     [
         (["algo.samples_per_prompt=1"], "needs at least 2 samples per prompt"),
-        (["algo=ppo"], "algo.name=ppo needs the critic role"),
+        (["algo=ppo", "roles.critic.enabled=false"], "algo.name=ppo needs the critic role"),
         (["roles.reference.enabled=false"], "algo.kl_coef=0.01 needs the reference role"),
         (["algo.prompts_per_step=3", "algo.samples_per_prompt=3"], "9 samples cannot be split evenly"),
         (["algo.name=dpo"], "algo.name: 'dpo' is not a registered algorithm (program); registered: ['dapo', "),

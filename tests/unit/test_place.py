@@ -265,6 +265,20 @@ def test_reference_and_critic_inherit_actor_train_backend(role: str) -> None:
     assert p.role(role).engine == "fsdp"
 
 
+def test_a_critic_without_gpus_of_its_own_runs_on_actor_train_s() -> None:
+    p = place(cfg_with({
+        "actor_train": {"device_mapping": [2, 3], "backend": "fsdp:d2"},
+        "actor_infer": {"device_mapping": [0, 1], "backend": "hf:d2"},
+        "reference": None,
+        "critic": {"enabled": True},
+    }))
+    assert p.role("critic").gpu_ranks == (2, 3) and p.role("critic").engine == "fsdp"
+    assert "actor_train" in p.role("critic").colocated_with
+    own = place(cfg_with({"actor_infer": {"device_mapping": [0, 1], "backend": "hf:d2"},
+                          "critic": {"device_mapping": [2], "backend": "deepspeed:d1"}}))
+    assert own.role("critic").gpu_ranks == (2,) and own.role("critic").colocated_with == ()
+
+
 def test_reward_is_a_gpu_role_only_when_given_gpus() -> None:
     cpu = place(cfg_with({"reward": {"world_size": 3}}))
     gpu = place(cfg_with({"reward": {"device_mapping": [0, 1], "backend": "hf:d2"}}))
@@ -509,7 +523,7 @@ def test_every_problem_is_reported_at_once() -> None:
             "actor_train": {"device_mapping": "list(range(0,16))", "backend": "fsdp:d16"},
             "actor_infer": {"device_mapping": R8, "backend": "vllm:d4t2", "num_gpus_per_worker": 4},
             "reference": {"device_mapping": "[0, 0]", "backend": ""},
-            "critic": {"enabled": True},
+            "critic": {"enabled": True, "world_size": 2},
             "code_sandbox": {"world_size": 2, "device_mapping": [0]},
             "reward": {"world_size": 2, "extra": 1},
         },
@@ -519,7 +533,7 @@ def test_every_problem_is_reported_at_once() -> None:
         "roles.actor_train.device_mapping: GPU ranks [8, 9, 10, 11, 12, 13, 14, 15] are beyond the cluster",
         "roles.actor_infer.num_gpus_per_worker: is 4",
         "roles.reference.device_mapping: GPU ranks listed more than once: [0]",
-        "roles.critic: has neither device_mapping nor world_size",
+        "roles.critic.device_mapping: missing; world_size alone describes a CPU role",
         "roles.code_sandbox: is a CPU role but asks for GPUs",
         "roles.reward: unknown field(s) ['extra']",
     ]

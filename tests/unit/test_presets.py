@@ -58,17 +58,13 @@ GOLDEN_REFUSED: dict[str, list[str]] = {
 """Golden sbatch cases (cluster=slurm) this build cannot run -> the start of each line."""
 
 REFUSED: dict[tuple[str, str], list[str]] = {
-    ("algo", "ppo"): [
-        "roles.critic: algo.name=ppo needs the critic role; enable it and give it a device_mapping",
-        "algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is modelled by the planner only",
-    ],
     ("roles", "areal_16gpu"): [*GOLDEN_REFUSED["areal_16gpu"], *CPU_HEAD_DIM],
     ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4", "p=2, e=4"),
                                         train("megatron:d2p2t4", "p=2", "reference"), *CPU_HEAD_DIM],
     ("roles", "areal_moe_hybrid_32gpu"): [*GOLDEN_REFUSED["areal_moe_hybrid_32gpu"], *CPU_HEAD_DIM],
     ("roles", "ppo_critic_8gpu"): [
         FSDP_T2.format("fsdp:d4t2"),
-        "roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and PPO is not built yet",
+        "roles.critic: enabled, but algo.name=grpo does not use a critic (programs that do: ['ppo'])",
         *CPU_HEAD_DIM,
     ],
     ("roles", "roll_mixed_cpu_sandbox"): [*CPU_HEAD_DIM, SANDBOX_WITHOUT_CODE],
@@ -76,7 +72,7 @@ REFUSED: dict[tuple[str, str], list[str]] = {
                                                     "roll_disaggregated_24gpu")} if CPU_HEAD_DIM else {}),
 }
 """Presets this build cannot run -> the start of each line the launcher prints (all of them)."""
-PLANNER_COMPANIONS = {("algo", "ppo"): ["roles=ppo_critic_8gpu"]}
+PLANNER_COMPANIONS: dict[tuple[str, str], list[str]] = {}
 """What a refused preset needs beside it for the planner to model it."""
 
 

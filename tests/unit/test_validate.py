@@ -155,8 +155,8 @@ def test_engine_args_of_an_engine_that_is_not_built_are_still_typed(cfg: dict[st
 @pytest.mark.parametrize(
     ("field", "value", "line"),
     [
-        ("advantage", "gae", "algo.advantage: 'gae' is not a registered advantage estimator; registered: "
-                             "['dr_grpo', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
+        ("advantage", "vtrace", "algo.advantage: 'vtrace' is not a registered advantage estimator; registered: "
+                                "['dr_grpo', 'gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"),
         ("policy_loss", "cispo", "algo.policy_loss: 'cispo' is not a registered policy loss; registered: "
                                  "['gspo', 'ppo_clip']"),
         ("kl_estimator", "k9", "algo.kl_estimator: 'k9' is not a registered KL estimator; registered: "
@@ -176,18 +176,47 @@ def test_every_registered_kl_estimator_is_accepted(cfg: dict[str, Any]) -> None:
         check(set_(cfg, algo__kl_estimator=name))
 
 
-PROGRAMS = "['dapo', 'dr_grpo', 'grpo', 'gspo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"
+PROGRAMS = "['dapo', 'dr_grpo', 'grpo', 'gspo', 'ppo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']"
 
 
-def test_ppo_is_refused_as_not_built_but_planned(cfg: dict[str, Any]) -> None:
-    c = set_(cfg, algo__name="ppo", roles__critic={"enabled": True, "device_mapping": [0, 1], "backend": ""})
-    assert problems(c) == ["algo.name: 'ppo' is not built: PPO (critic values, GAE advantages, value loss) is "
-                           f"modelled by the planner only; registered programs: {PROGRAMS}"]
-    check(c, runnable=False)
-    check(set_(c, program="selftest"))  # a selftest runs no algorithm
-    assert problems(set_(cfg, algo__name="dpo"), runnable=False) == [
-        f"algo.name: 'dpo' is not a registered algorithm (program); registered: {PROGRAMS} (the planner also "
-        "models ['ppo'])"]
+def ppo(cfg: dict[str, Any], **dotted: Any) -> dict[str, Any]:
+    """PPO as conf/algo/ppo.yaml sets it up: the critic on actor_train's GPUs and backend."""
+    base = {"algo__name": "ppo", "algo__advantage": "gae", "algo__kl_in_reward": True, "algo__kl_estimator": "k1",
+            "roles__critic": {"enabled": True, "device_mapping": None, "backend": ""}}
+    return set_(cfg, **(base | dotted))
+
+
+def test_ppo_runs_with_a_critic_and_refuses_what_it_cannot_run(cfg: dict[str, Any]) -> None:
+    check(ppo(cfg))
+    check(ppo(cfg, roles__critic={"enabled": True, "device_mapping": [2], "backend": "deepspeed:d1"}))
+    assert problems(set_(cfg, algo__name="dpo")) == [
+        f"algo.name: 'dpo' is not a registered algorithm (program); registered: {PROGRAMS}"]
+    assert problems(ppo(cfg, roles__critic={"enabled": False})) == [
+        "roles.critic: algo.name=ppo needs the critic role; enable it (roles.critic.enabled=true; it runs on "
+        "actor_train's GPUs unless given a device_mapping)"]
+    assert problems(ppo(cfg, algo__advantage="grpo", algo__dynamic_sampling=True)) == [
+        "algo.advantage: algo.name=ppo trains a critic for a value-based estimator (['gae']), got 'grpo'",
+        "algo.dynamic_sampling: DAPO's dynamic sampling runs in the critic-free loop, not in algo.name=ppo's; "
+        "set algo.dynamic_sampling=false"]
+    assert problems(set_(cfg, algo__advantage="gae")) == [
+        "algo.advantage: gae reads the critic's values, which only ['ppo'] compute; use algo=ppo, or a "
+        "critic-free estimator with algo.name=grpo"]
+    assert problems(ppo(cfg, algo__lam=1.5, algo__value_clip=-0.1, algo__critic_lr=0, algo__critic_warmup_steps=-1)) == [
+        "algo.lam: GAE's lambda must be in [0, 1], got 1.5",
+        "algo.value_clip: must be >= 0 (0 disables value clipping), got -0.1",
+        "algo.critic_lr: must be a positive learning rate or null (algo.lr), got 0",
+        "algo.critic_warmup_steps: must be >= 0, got -1"]
+    assert problems(ppo(cfg, steps=5, algo__critic_warmup_steps=5)) == [
+        "algo.critic_warmup_steps: 5 warm-up steps train only the critic, and the run has steps=5: the actor "
+        "would never train"]
+
+
+def test_a_megatron_critic_is_refused_before_anything_starts(cfg: dict[str, Any]) -> None:
+    c = ppo(cfg, roles__actor_train={"device_mapping": [0, 1], "backend": "megatron:d2"})
+    assert problems(c) == [
+        "roles.critic.backend: 'megatron:d2' (inherited from actor_train): the megatron engine has no value head "
+        "in this build; give the critic backend 'fsdp:dN' or 'deepspeed:dN'"]
+    check(set_(c, roles__critic={"enabled": True, "device_mapping": [0, 1], "backend": "fsdp:d2"}))
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
@@ -222,8 +251,8 @@ def test_overlong_buffer_and_gamma_are_checked(cfg: dict[str, Any]) -> None:
 
 def test_a_critic_that_nothing_uses_is_refused(cfg: dict[str, Any]) -> None:
     c = set_(cfg, roles__critic={"enabled": True, "device_mapping": [0, 1], "backend": ""})
-    assert problems(c) == ["roles.critic: enabled, but algo.name=grpo does not use a critic: only PPO does, and "
-                           "PPO is not built yet; set roles.critic.enabled=false"]
+    assert problems(c) == ["roles.critic: enabled, but algo.name=grpo does not use a critic (programs that do: "
+                           "['ppo']); set roles.critic.enabled=false or algo=ppo"]
 
 
 def test_training_needs_a_cpu_reward_role(cfg: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlbatch import algos
-from rlbatch.algos.objective import LossInput, PolicyObjective
+from rlbatch.algos.objective import LossInput
 from rlbatch.engines.base import Sample
 from rlbatch.engines.batch import Packed, response_logits, unpack
 
@@ -44,25 +44,42 @@ def logprobs(model: Any, samples: list[Sample], micro_batch: int, pack: Callable
     return out
 
 
-def chunk_loss(model: Any, b: Packed, objective: PolicyObjective) -> tuple[torch.Tensor, dict[str, float]]:
-    """The objective on one packed micro-batch."""
+@torch.no_grad()
+def values(model: Any, samples: list[Sample], micro_batch: int, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
+    """Per-sample response-token values under a value model (``rlbatch.engines.model.value_model``)."""
+    out: list[torch.Tensor] = []
+    for chunk in chunks(samples, micro_batch):
+        b = pack(chunk)
+        out += unpack(response_logits(model, b)[..., 0].float(), b.lengths)
+    return out
+
+
+def chunk_loss(model: Any, b: Packed, objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective on one packed micro-batch: log-probs of the LM head (``PolicyObjective``), or
+    the value head's output (``ValueObjective``, ``head == "value"``)."""
+    if objective.head == "value":
+        from rlbatch.algos.value import ValueInput
+
+        return objective(ValueInput(response_logits(model, b)[..., 0].float(), b.mask, b.fields))
     logits = response_logits(model, b).float()
     logp = algos.token_logprobs(logits, b.targets)
     return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields, logits if objective.needs_logits else None))
 
 
-def updates(samples: list[Sample], algo: Any) -> Iterator[list[list[Sample]]]:
+def updates(samples: list[Sample], algo: Any, objective: Any = None) -> Iterator[list[list[Sample]]]:
     """One list of micro-batches per optimizer update: mini-batches x epochs, each mini-batch cut
     into at most ``algo.grad_accum`` micro-batches. The loss of each micro-batch is to be divided
     by ``algo.grad_accum``.
 
-    Samples without old log-probs are trained on-policy (old = current, detached): right only
-    before the first update, so only the first mini-batch of the first epoch may leave them out."""
+    For a policy objective, samples without old log-probs are trained on-policy (old = current,
+    detached): right only before the first update, so only the first mini-batch of the first
+    epoch may leave them out. A value objective (``head == "value"``) reads no log-probs."""
     per_mb = len(samples) // algo.mini_batches
+    policy = getattr(objective, "head", "lm") == "lm"
     for epoch in range(algo.epochs):
         for m in range(algo.mini_batches):
             mb = samples[m * per_mb : (m + 1) * per_mb]
-            missing = sum("old_logprobs" not in s for s in mb)
+            missing = sum("old_logprobs" not in s for s in mb) if policy else 0
             if missing and (epoch, m) != (0, 0):
                 raise ValueError(f"train: {missing} samples of mini-batch {m} (epoch {epoch}) have no old "
                                  f"log-probs; only the first mini-batch of the first epoch may leave them out")

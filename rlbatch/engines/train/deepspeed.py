@@ -30,11 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbatch.algos.objective import PolicyObjective
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import share_prompts
-from rlbatch.engines.model import load_model
+from rlbatch.engines.model import load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train import common
 from rlbatch.engines.train.ds_world import role_world
@@ -114,11 +113,13 @@ class DeepSpeedEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch, self.stage = int(args.micro_batch), int(args.zero_stage)
         self.group = ctx.group("dp")
-        model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+        model = load_engine_model(ctx)
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
-        self.share_prompts = share_prompts(args) and not recompute
+        # A value model returns no KV cache to share a prompt's pass through (and a recomputed
+        # layer would append its keys to a shared prompt's cache a second time).
+        self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -178,16 +179,17 @@ class DeepSpeedEngine(StashedState):
             return common.logprobs(self.engine, samples, self.micro_batch, self._pack)
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
-        raise NotImplementedError("deepspeed engine: this model has no value head (a critic is not in this build)")
+        with role_world(self.group):
+            return common.values(self.engine, samples, self.micro_batch, self._pack)
 
-    def train(self, samples: list[Sample], objective: PolicyObjective) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` (``common.updates``): DeepSpeed
         reduces the gradients at the last micro-batch of each update, clips them and steps."""
         assert self.optimizer is not None and self.scheduler is not None, "train() on a forward-only engine"
         a = self.algo
         totals = common.Totals(a.grad_accum)
         with role_world(self.group):
-            for micro_batches in common.updates(samples, a):
+            for micro_batches in common.updates(samples, a, objective):
                 for i, chunk in enumerate(micro_batches):
                     self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
                     loss, stats = common.chunk_loss(self.engine, self._pack(chunk), objective)

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from rlbatch.algos.objective import PolicyObjective
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import fsdp_single_unit, share_prompts
-from rlbatch.engines.model import load_model
+from rlbatch.engines.model import load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.engines.train import common
 from rlbatch.engines.train.state import load_module_state, module_state
@@ -38,12 +37,13 @@ class FSDPEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
         self.dp_group = ctx.group("dp")
-        model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+        model = load_engine_model(ctx)
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
-        # A recomputed layer would append its keys to a shared prompt's cache a second time.
-        self.share_prompts = share_prompts(args) and not recompute
+        # A value model returns no KV cache to share a prompt's pass through (and a recomputed
+        # layer would append its keys to a shared prompt's cache a second time).
+        self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.device.type == "cuda" else None
         dp_mesh = mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
@@ -73,15 +73,15 @@ class FSDPEngine(StashedState):
         return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts)
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
-        raise NotImplementedError("fsdp engine: this model has no value head (a critic is not in this build)")
+        return common.values(self.model, samples, self.micro_batch, self._pack)
 
-    def train(self, samples: list[Sample], objective: PolicyObjective) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch
         (``rlbatch.engines.train.common.updates``)."""
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
         totals = common.Totals(a.grad_accum)
-        for micro_batches in common.updates(samples, a):
+        for micro_batches in common.updates(samples, a, objective):
             self.optimizer.zero_grad(set_to_none=False)
             for chunk in micro_batches:
                 loss, stats = common.chunk_loss(self.model, self._pack(chunk), objective)

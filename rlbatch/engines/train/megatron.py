@@ -41,6 +41,8 @@ class MegatronEngine(StashedState):
         dims = dict(zip(ctx.mesh.mesh_dim_names, ctx.mesh.mesh.shape, strict=True))
         if dims.get("pp", 1) > 1 or dims.get("cp", 1) > 1:
             raise NotImplementedError(f"megatron engine: pipeline and context parallelism are not built, got mesh {dims}")
+        if ctx.head != "lm":
+            raise NotImplementedError(f"megatron engine, role {ctx.role}: a value head (critic) is not built")
         self.device, self.algo, self.tokenizer = ctx.device, ctx.algo, ctx.tokenizer
         self.micro_batch = int(ctx.args.micro_batch)
         self.tp_group, self.dp_group = ctx.group("tp"), ctx.group("dp")
@@ -128,7 +130,7 @@ class MegatronEngine(StashedState):
         return out
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
-        raise NotImplementedError("megatron engine: this model has no value head (a critic is not in this build)")
+        raise NotImplementedError("megatron engine: a value head (critic) is not built")
 
     # -- training -----------------------------------------------------------------------------
     def _loss(self, chunk: list[Sample], objective: PolicyObjective) -> tuple[torch.Tensor, dict[str, float]]:
@@ -168,7 +170,7 @@ class MegatronEngine(StashedState):
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
         totals = common.Totals(a.grad_accum)
-        for micro_batches in common.updates(samples, a):
+        for micro_batches in common.updates(samples, a, objective):
             self.optimizer.zero_grad(set_to_none=False)
             for chunk in micro_batches:
                 loss, stats = self._loss(chunk, objective)
