@@ -67,7 +67,7 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response"), ("old_logprobs",),
               Dispatch.SHARDS, "logprobs"),
-    PhaseSpec("critic_train", "critic", "train", TRAIN_STATE, ("prompt", "response", "values"), (),
+    PhaseSpec("critic_train", "critic", "train", TRAIN_STATE, ("prompt", "response", "values", "reward"), (),
               Dispatch.SHARDS, "train"),
     PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
               ("prompt", "response", "old_logprobs", "ref_logprobs", "reward"), (), Dispatch.SHARDS, "train"),

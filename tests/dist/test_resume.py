@@ -33,19 +33,35 @@ def export(run_dir: Path, out: Path) -> bytes:
     return (out / "model.safetensors").read_bytes()
 
 
-GENERATORS = {
+def role_state(run_dir: Path, role: str) -> dict:
+    """A trainable role's tensors in the run's last checkpoint (model and optimizer state)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    last = sorted((run_dir / "checkpoints").iterdir())[-1]
+    out = run_dir / f"{role}.pt"
+    dcp_to_torch_save(last / role, out)
+    return torch.load(out)
+
+
+CASES = {
     "hf": ([], 300),
     # vLLM: a tensor-parallel worker on both ranks (its sampler draws from the process RNG, seeded
     # per step; the engine's start-up reseeding must not leak into training). head_dim 32 for its
     # CPU attention. Each launch starts vLLM: 50 s to 4.5 min on a loaded 2-core machine, 3-6 min a run.
     "vllm-d1t2": (["roles.actor_infer.backend=vllm:d1t2", "model.num_heads=2", "model.num_kv_heads=1"], 900),
+    # PPO: the critic (colocated, fsdp) is checkpointed and resumed with the actor.
+    "ppo": (["algo=ppo"], 400),
 }
+KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/explained_variance")}
+"""Per-step metrics compared beside the reward, the tokens and the actor's loss and gradient norm."""
 
 
-@pytest.mark.parametrize("generator", [
-    pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)])])
-def test_three_steps_resume_three_steps_equals_six(run_root: Path, generator: str) -> None:
-    whole, split, (extra, timeout) = run_root / "whole", run_root / "split", GENERATORS[generator]
+@pytest.mark.parametrize("case", [
+    pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)]),
+    pytest.param("ppo")])
+def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) -> None:
+    whole, split, (extra, timeout) = run_root / "whole", run_root / "split", CASES[case]
     done = run(whole, "steps=6", *extra, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     first = run(split, "steps=3", *extra, timeout=timeout)
@@ -55,10 +71,21 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, generator: st
     assert "resuming from" in second.stdout and "step_000002" in second.stdout
     a, b = rows(whole), rows(split)
     assert [r["step"] for r in b] == list(range(6))
-    keys = ("reward_mean", "tokens/generated", "train/pg_loss", "train/grad_norm")
+    keys = ("reward_mean", "tokens/generated", "train/pg_loss", "train/grad_norm", *KEYS.get(case, ()))
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
     assert any(r["train/grad_norm"] > 0 for r in a), "the weights must move for this test to mean anything"
     assert export(whole, run_root / "e_whole") == export(split, run_root / "e_split")
+    if case == "ppo":
+        w, s = role_state(whole, "critic"), role_state(split, "critic")
+        assert sorted(w) == sorted(s) and any(k.startswith("optim.") for k in w)
+        assert all(torch_equal(w[k], s[k]) for k in w), [k for k in w if not torch_equal(w[k], s[k])]
+        assert any(r["train/critic/grad_norm"] > 0 for r in a), "the critic must train"
+
+
+def torch_equal(x: object, y: object) -> bool:
+    import torch
+
+    return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(run_root: Path) -> None:
