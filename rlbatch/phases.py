@@ -59,7 +59,7 @@ TRAIN_STATE = ("params", "grads", "optimizer")
 PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("generate", "actor_infer", "generate", ("params", "kv_cache"), (),
               ("prompt", "response", "behaviour_logprobs"), Dispatch.WORKERS, "generate"),
-    PhaseSpec("score", "reward", "score", ("params",), ("response",), ("reward",), Dispatch.RANKS, "reward"),
+    PhaseSpec("score", "reward", "score", ("params",), ("prompt", "response"), ("reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("execute", "code_sandbox", "score", (), ("response",), ("code_reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
               Dispatch.SHARDS, "logprobs"),

@@ -38,7 +38,7 @@ NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm")
 _KIND_WORD = {EngineKind.TRAIN: "training", EngineKind.INFER: "inference"}
 _A = {EngineKind.TRAIN: "a", EngineKind.INFER: "an"}
 _OP_KIND = {"generate": EngineKind.INFER, "logprobs": EngineKind.TRAIN, "values": EngineKind.TRAIN,
-            "train": EngineKind.TRAIN}
+            "train": EngineKind.TRAIN, "score": EngineKind.TRAIN}
 
 
 def _section(plain: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -169,20 +169,17 @@ def program_problems(plain: Mapping[str, Any]) -> list[str]:
     if not _enabled(reward) and not sandbox_scores:
         problems.append("roles.reward: program=train scores every response with data.reward_fn on the reward "
                         "role's CPU workers; enable it, e.g. roles.reward.world_size=1")
-    elif _enabled(reward) and (reward.get("device_mapping") is not None or reward.get("backend") not in (None, "")):
-        problems.append("roles.reward: a reward model on GPUs is not built; this build scores responses with "
-                        "data.reward_fn on CPU workers: give roles.reward only a world_size")
     return problems
 
 
-def _model_dir_problem(path: str) -> str | None:
+def _model_dir_problem(path: str, field: str = "model") -> str | None:
     p = Path(path).expanduser()
-    hint = "give a local Hugging Face model directory (nothing is downloaded), or set model.check_path=false " \
+    hint = f"give a local Hugging Face model directory (nothing is downloaded), or set {field}.check_path=false " \
            "if only the compute nodes see it"
     if not p.exists():
-        return f"model.path: {path} does not exist on this machine; {hint}"
+        return f"{field}.path: {path} does not exist on this machine; {hint}"
     if not (p / "config.json").is_file():
-        return f"model.path: {path} has no config.json, so it is not a Hugging Face model directory; {hint}"
+        return f"{field}.path: {path} has no config.json, so it is not a Hugging Face model directory; {hint}"
     return None
 
 
@@ -234,6 +231,9 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
     checks: list[tuple[str, Any]] = []
     if model.get("path") and model.get("check_path", True) is not False:
         checks.append(("model.path", lambda: _model_dir_problem(str(model["path"]))))
+    rm = _section(plain, "reward_model")
+    if rm.get("path") and rm.get("check_path", True) is not False:
+        checks.append(("reward_model.path", lambda: _model_dir_problem(str(rm["path"]), "reward_model")))
     if data.get("name") == "file" and data.get("path") and data.get("check_path", True) is not False:
         checks.append(("data.path", lambda: _data_file_problem(str(data["path"]))))
     if data.get("reward_fn") is not None and _enabled(_section(plain, "roles").get("reward")):

@@ -23,6 +23,9 @@ INHERIT_DEVICE_MAPPING = ("critic",)
 """Roles that run colocated with actor_train (its device_mapping) when they give none."""
 VALUE_ROLES = ("critic",)
 """Roles whose model is a value model (the policy's architecture with a scalar head per token)."""
+HEADS = {"critic": "value", "reward": "reward"}
+"""The head of a role's model when it is not the policy's language-model head ('lm'): 'value' (a
+scalar per token) or 'reward' (a sequence-classification model: one score per sequence)."""
 
 
 @dataclass
@@ -314,6 +317,23 @@ class SandboxConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """The reward role as a model on GPUs (``roles.reward`` given a device_mapping and a backend such
+    as 'fsdp:d2'): a sequence-classification model scores each prompt + response (docs/algorithms.md)."""
+
+    path: str | None = None
+    """Local Hugging Face directory of an ``AutoModelForSequenceClassification`` with one label (and its
+    tokenizer). None: the policy's model (model.path or its random initialisation) with a scalar head
+    initialised from the seed; for tests and plumbing, it knows nothing about the task."""
+    check_path: bool = True
+    """Refuse to start or submit when ``path`` does not exist on the machine that launches."""
+    model_weight: float = 1.0
+    """Weight of the model's score in the reward role's reward."""
+    rule_weight: float = 0.0
+    """Weight of data.reward_fn's score, computed on the reward ranks beside the model's."""
+
+
+@dataclass
 class RLBatchConfig:
     """One rlbatch run."""
 
@@ -350,3 +370,4 @@ class RLBatchConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

@@ -31,7 +31,7 @@ from rlbatch.config.runnable import (
     role_engines,
     runnable_problems,
 )
-from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RLBatchConfig
+from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RewardModelConfig, RLBatchConfig
 from rlbatch.config.vllm_rules import vllm_problems
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, place
@@ -106,7 +106,8 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
     return isinstance(rc, Mapping) and rc.get("enabled", True) is not False
 
 
-SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig}
+SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig,
+                             "reward_model": RewardModelConfig}
 """Sections whose keys must be schema fields (roles and cluster are checked by place())."""
 
 
@@ -225,6 +226,31 @@ def _check_critic(cfg: Mapping[str, Any], algo: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _check_reward_model(cfg: Mapping[str, Any]) -> list[str]:
+    """A reward model runs on the reward role's GPUs with a training (forward) engine that has a
+    sequence-classification head; its weights are numbers >= 0, not both 0."""
+    reward, rm = _get(cfg, "roles.reward"), _get(cfg, "reward_model")
+    rm = rm if isinstance(rm, Mapping) else {}
+    on_gpu = _enabled(cfg, "reward") and isinstance(reward, Mapping) and (
+        reward.get("device_mapping") is not None or reward.get("backend") not in (None, ""))
+    if not on_gpu:
+        return [f"reward_model.path: {rm['path']} is set, but roles.reward scores with data.reward_fn on CPU "
+                f"workers; give roles.reward a device_mapping and a backend (e.g. 'fsdp:d2') to run the model"] \
+            if rm.get("path") else []
+    problems = []
+    weights = {k: rm.get(k, d) for k, d in (("model_weight", 1.0), ("rule_weight", 0.0))}
+    if any(_number(w) is None or float(w) < 0 for w in weights.values()):
+        problems.append(f"reward_model: model_weight and rule_weight must be numbers >= 0, got {weights}")
+    elif not any(float(w) for w in weights.values()):
+        problems.append(f"reward_model: model_weight and rule_weight are both 0 ({weights}): nothing would score "
+                        f"the responses")
+    backend = reward.get("backend")
+    if isinstance(backend, str) and backend.strip().startswith("megatron"):
+        problems.append(f"roles.reward.backend: '{backend}': the megatron engine has no sequence-classification "
+                        f"head in this build; give the reward model 'fsdp:dN' or 'deepspeed:dN'")
+    return problems
+
+
 def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) -> list[str]:
     problems = []
     algo = _get(cfg, "algo")
@@ -234,6 +260,7 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
     spp = algo.get("samples_per_prompt")
     problems.extend(_check_groups(algo))
     problems.extend(_check_critic(cfg, algo))
+    problems.extend(_check_reward_model(cfg))
     kl = algo.get("kl_coef")
     if isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl > 0 and not _enabled(cfg, "reference"):
         problems.append(

@@ -73,7 +73,8 @@ class EngineContext:
     trainable: bool = False
     """Whether the role has an optimizer (actor_train, critic)."""
     head: str = "lm"
-    """'lm': the policy (a causal LM); 'value': a value model (the critic: a scalar per token)."""
+    """'lm': the policy (a causal LM); 'value': a value model (the critic: a scalar per token);
+    'reward': a sequence-classification model (a reward model: a score per sequence)."""
 
     def group(self, axis: str) -> Any:
         """The process group of one mesh axis (e.g. 'dp') containing this rank."""
@@ -126,6 +127,10 @@ class TrainEngine(Engine, Protocol):
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-sample value estimates of the response tokens (a critic)."""
+        ...
+
+    def scores(self, samples: list[Sample]) -> list[float]:
+        """One score per sample from a sequence-classification model (a reward model)."""
         ...
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:

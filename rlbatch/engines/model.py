@@ -79,8 +79,46 @@ def value_model(lm: Any) -> Any:
     return model
 
 
+def reward_model(lm: Any, seed: int) -> Any:
+    """A sequence-classification model (one score per sequence, read at its last non-pad token)
+    from a causal LM: its body the LM's weights, its head drawn from ``seed`` (std 1/sqrt(hidden)).
+    A stand-in that knows nothing about the task, for runs without a trained reward model."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(lm.config)
+    config.num_labels, config.tie_word_embeddings = 1, False
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForSequenceClassification.from_config(config, dtype=next(lm.parameters()).dtype)
+    model.load_state_dict(lm.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = model.score.weight
+        w.copy_(torch.randn(w.shape, generator=g) / config.hidden_size ** 0.5)
+    return model
+
+
 def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
-    """The model of an engine's role: the policy (a causal LM), or for a value role (the critic)
-    the value model built from it."""
+    """The model of an engine's role by its head: the policy (a causal LM, 'lm'), the value model
+    built from it ('value': the critic), or a reward model ('reward': the directory's
+    sequence-classification model when ``ctx.model.path`` names one, else one built from the policy)."""
+    if ctx.head == "reward" and ctx.model.path and _is_sequence_classifier(ctx.model.path):
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(ctx.model.path, num_labels=1, dtype=dtype)
+        if model.config.pad_token_id is None:  # the score is read at the last non-pad token
+            model.config.pad_token_id = ctx.tokenizer.pad_token_id
+        return model
     lm = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype)
-    return value_model(lm) if ctx.head == "value" else lm
+    if ctx.head == "value":
+        return value_model(lm)
+    return reward_model(lm, ctx.seed) if ctx.head == "reward" else lm
+
+
+def _is_sequence_classifier(path: str) -> bool:
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])

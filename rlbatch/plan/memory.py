@@ -158,7 +158,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     sp = b.engine == "megatron" and bool(ea.get("sequence_parallel", True)) or b.engine == "fsdp"
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     s = w.seq_len / c
-    vocab = 1 if r.name == "critic" else shape.vocab  # the critic's head is a scalar per token
+    vocab = 1 if r.name in ("critic", "reward") else shape.vocab  # a value or reward head: a scalar per token
     # Tokens and logit rows per micro-batch: every position of the padded sequences, or with shared
     # prompts each distinct prompt once (logits at its last position) plus the responses.
     ftok, frows, _ = pass_tokens(r, w, fmb, s)

@@ -256,7 +256,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     mult = (4.0 if w.recompute else 3.0) if train else 1.0
     tokens, rows, models = pass_tokens(r, w, mb, s)
     flops = calls * tokens * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
-    vocab = 1 if r.name == "critic" else shape.vocab
+    vocab = 1 if r.name in ("critic", "reward") else shape.vocab
     rows *= calls
     # Weights are read once per model call (and again in backward); activations stream through
     # elementwise ops (traffic_per_token) forward and about as much again backward.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,13 @@ import torch.distributed as dist
 
 from rlbatch.algos.objective import objective_for
 from rlbatch.algos.registry import KL_ESTIMATORS
-from rlbatch.config.schema import TRAINABLE_ROLES, VALUE_ROLES, RLBatchConfig, role_algo
+from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, RLBatchConfig, role_algo
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args
 from rlbatch.phases import PHASES, PhaseSpec
-from rlbatch.rewards import Scorer, build_scorer
+from rlbatch.rewards import build_scorer
+from rlbatch.rewards.model import ModelScorer
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
@@ -35,7 +37,16 @@ from rlbatch.scheduler.weightsync import WeightBroadcast
 log = logging.getLogger(__name__)
 
 
-def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Scorer]:
+def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: Any) -> tuple[Any, Any]:
+    """The model config and tokenizer a role's engine is built from: the policy's, but for a reward
+    model of its own (``reward_model.path``)."""
+    if HEADS.get(role) == "reward" and cfg.reward_model.path:
+        model = replace(cfg.model, path=str(cfg.reward_model.path))
+        return model, load_tokenizer(model)
+    return cfg.model, policy_tokenizer
+
+
+def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
     """This rank's CPU roles that score responses (phases whose op is ``score``), each with the
     scorer ``rlbatch.rewards.SCORERS`` names for it."""
     return {spec.role: build_scorer(spec.role, cfg) for spec in PHASES.values()
@@ -49,16 +60,19 @@ class RankRuntime:
         self.tokenizer = load_tokenizer(cfg.model)
         self.engines: dict[str, Any] = {}
         p = world.placement
+        self.scorers = scorers(world, cfg)
         for role, _ in world.slot.roles:
             rp = p.roles[role]
             if not rp.is_gpu:
                 continue
-            ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), cfg.model, role_algo(role, cfg.algo),
-                                self.tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
-                                role in TRAINABLE_ROLES, "value" if role in VALUE_ROLES else "lm")
+            model, tokenizer = role_model(role, cfg, self.tokenizer)
+            ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), model, role_algo(role, cfg.algo),
+                                tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
+                                role in TRAINABLE_ROLES, HEADS.get(role, "lm"))
             self.engines[role] = build_engine(rp.engine, ctx)
             log.info("built %s engine for %s", rp.engine, role)
-        self.scorers = scorers(world, cfg)
+            if ctx.head == "reward":
+                self.scorers[role] = ModelScorer(self.engines[role], tokenizer, self.tokenizer, cfg)
         self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
         offload = {r: p.roles[r].offload for r in self.engines}
         self.residency = Residency(self.engines, offload, world.device)
@@ -106,10 +120,15 @@ class RankRuntime:
         return out
 
     def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str]) -> dict[str, Any]:
-        """This rank's scorer for the phase's role: ``{"rewards": {sid: float}, "counts": {name: int}}``."""
-        completions = [self.tokenizer.decode(self.store.samples[sid]["response"].tolist(), skip_special_tokens=False)
-                       for sid in ids]
-        rewards, counts = self.scorers[spec.role](completions, answers)
+        """This rank's scorer for the phase's role: ``{"rewards": {sid: float}, "counts": {name: int}}``.
+        A rule or sandbox scorer reads the decoded responses; a reward model the prompts too."""
+        responses = [self.store.samples[sid]["response"] for sid in ids]
+        completions = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
+        scorer = self.scorers[spec.role]
+        if isinstance(scorer, ModelScorer):
+            rewards, counts = scorer([self.store.samples[sid]["prompt"] for sid in ids], responses, completions, answers)
+        else:
+            rewards, counts = scorer(completions, answers)
         return {"rewards": dict(zip(ids, rewards, strict=True)), "counts": counts}
 
     def _per_token(self, spec: PhaseSpec, ids: list[int], compute: str) -> list[torch.Tensor]:

@@ -157,3 +157,40 @@ def test_critic_learning_rate_is_its_own() -> None:
     a = AlgoConfig(lr=1e-3, critic_lr=5e-3)
     assert role_algo("critic", a).lr == 5e-3 and role_algo("actor_train", a).lr == 1e-3
     assert role_algo("critic", AlgoConfig(lr=1e-3)).lr == 1e-3
+
+
+def test_reward_model_scores_each_sequence_at_its_last_token_like_transformers() -> None:
+    from rlbatch.engines.batch import pack
+    from rlbatch.engines.model import load_model, load_tokenizer, reward_model
+    from rlbatch.engines.train import common
+    from rlbatch.launch.compose import compose
+
+    cfg = compose([])
+    tok = load_tokenizer(cfg.model)
+    lm = load_model(cfg.model, tok, seed=3)
+    rm = reward_model(lm, seed=5)
+    assert torch.equal(rm.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+    assert torch.equal(rm.score.weight, reward_model(lm, seed=5).score.weight)  # the head comes from the seed
+    samples = [{"prompt": T([4, 5, 6]), "response": T([7, 8])}, {"prompt": T([4, 9]), "response": T([10, 11, 12, 13])}]
+    packed = lambda chunk: pack(chunk, tok.pad_token_id, torch.device("cpu"))  # noqa: E731
+    got = common.scores(rm, samples, 0, packed)
+    with torch.no_grad():
+        want = [rm(input_ids=torch.cat([s["prompt"], s["response"]])[None]).logits[0, 0].item() for s in samples]
+    close(T(got), want, 1e-5)
+    assert len(set(got)) == 2
+
+
+def test_model_scorer_weighs_the_model_and_the_rule() -> None:
+    from rlbatch.launch.compose import compose
+    from rlbatch.rewards.model import ModelScorer
+
+    class Engine:
+        def scores(self, samples: list[dict[str, torch.Tensor]]) -> list[float]:
+            return [float(len(s["response"])) for s in samples]
+
+    cfg = compose(["reward_model.model_weight=0.5", "reward_model.rule_weight=2",
+                   "data.reward_fn=rlbatch.rewards.rules:exact_match"])
+    tok = object()
+    score = ModelScorer(Engine(), tok, tok, cfg)
+    rewards, _ = score([T([1]), T([1])], [T([5, 6]), T([5, 6, 7, 8])], ["3", "4"], ["3", "5"])
+    assert rewards == [0.5 * 2 + 2 * 1.0, 0.5 * 4 + 0.0]

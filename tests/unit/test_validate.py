@@ -255,15 +255,10 @@ def test_a_critic_that_nothing_uses_is_refused(cfg: dict[str, Any]) -> None:
                            "['ppo']); set roles.critic.enabled=false or algo=ppo"]
 
 
-def test_training_needs_a_cpu_reward_role(cfg: dict[str, Any]) -> None:
+def test_training_needs_a_reward_role(cfg: dict[str, Any]) -> None:
     assert problems(set_(cfg, roles__reward__enabled=False)) == [
         "roles.reward: program=train scores every response with data.reward_fn on the reward role's CPU "
         "workers; enable it, e.g. roles.reward.world_size=1"]
-    gpu_reward = set_(cfg, roles__reward={"device_mapping": [0, 1], "backend": "fsdp:d2"})
-    assert problems(gpu_reward) == [
-        "roles.reward: a reward model on GPUs is not built; this build scores responses with data.reward_fn on "
-        "CPU workers: give roles.reward only a world_size"]
-    check(gpu_reward, runnable=False)
 
 
 # ------------------------------------------------------------------------------------ plugins
@@ -454,3 +449,26 @@ def test_a_head_split_the_model_builder_cannot_make_is_refused_before_launch() -
     with pytest.raises(ConfigError) as e:
         check(compose(["model.num_heads=3"]))
     assert any("model.hidden_size 64" in p and "num_heads 3" in p for p in e.value.problems), e.value.problems
+
+
+def test_a_reward_model_on_gpus_is_checked_before_anything_starts(cfg: dict[str, Any], tmp_path: Path) -> None:
+    gpu = set_(cfg, roles__reward={"device_mapping": [0, 1], "backend": "fsdp:d2"})
+    check(gpu)
+    check(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "deepspeed:d2"}))
+    assert problems(set_(gpu, reward_model__model_weight=0, reward_model__rule_weight=0)) == [
+        "reward_model: model_weight and rule_weight are both 0 ({'model_weight': 0, 'rule_weight': 0}): nothing "
+        "would score the responses"]
+    assert problems(set_(gpu, reward_model__rule_weight=-1)) == [
+        "reward_model: model_weight and rule_weight must be numbers >= 0, got {'model_weight': 1.0, 'rule_weight': -1}"]
+    assert problems(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "hf:d2"}))[0].startswith(
+        "roles.reward.backend: 'hf:d2' names an inference engine, but reward runs score, which needs a training engine")
+    assert problems(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "megatron:d2"})) == [
+        "roles.reward.backend: 'megatron:d2': the megatron engine has no sequence-classification head in this build; "
+        "give the reward model 'fsdp:dN' or 'deepspeed:dN'"]
+    missing = str(tmp_path / "no-rm")
+    assert problems(set_(gpu, reward_model__path=missing)) == [
+        f"reward_model.path: {missing} does not exist on this machine; give a local Hugging Face model directory "
+        "(nothing is downloaded), or set reward_model.check_path=false if only the compute nodes see it"]
+    assert problems(set_(cfg, reward_model__path=missing, reward_model__check_path=False)) == [
+        f"reward_model.path: {missing} is set, but roles.reward scores with data.reward_fn on CPU workers; give "
+        "roles.reward a device_mapping and a backend (e.g. 'fsdp:d2') to run the model"]

@@ -18,7 +18,7 @@ import torch
 from rlbatch import algos
 from rlbatch.algos.objective import LossInput
 from rlbatch.engines.base import Sample
-from rlbatch.engines.batch import Packed, response_logits, unpack
+from rlbatch.engines.batch import Full, Packed, response_logits, unpack
 
 
 def require_data_parallel(mesh: Any, engine: str) -> None:
@@ -51,6 +51,18 @@ def values(model: Any, samples: list[Sample], micro_batch: int, pack: Callable[[
     for chunk in chunks(samples, micro_batch):
         b = pack(chunk)
         out += unpack(response_logits(model, b)[..., 0].float(), b.lengths)
+    return out
+
+
+@torch.no_grad()
+def scores(model: Any, samples: list[Sample], micro_batch: int, pack: Callable[[list[Sample]], Packed]) -> list[float]:
+    """One score per sample (prompt + response) from a sequence-classification model: its output at
+    the sequence's last non-pad token (transformers' pooling over the right-padded batch)."""
+    out: list[float] = []
+    for chunk in chunks(samples, micro_batch):
+        x = pack(chunk).inputs
+        assert isinstance(x, Full), "a sequence-classification model scores whole sequences (no shared prompts)"
+        out += model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits[:, 0].float().tolist()
     return out
 
 

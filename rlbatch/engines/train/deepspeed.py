@@ -117,7 +117,7 @@ class DeepSpeedEngine(StashedState):
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
-        # A value model returns no KV cache to share a prompt's pass through (and a recomputed
+        # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
         self.names = [n for n, _ in model.named_parameters()]
@@ -181,6 +181,10 @@ class DeepSpeedEngine(StashedState):
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
         with role_world(self.group):
             return common.values(self.engine, samples, self.micro_batch, self._pack)
+
+    def scores(self, samples: list[Sample]) -> list[float]:
+        with role_world(self.group):
+            return common.scores(self.engine, samples, self.micro_batch, self._pack)
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` (``common.updates``): DeepSpeed

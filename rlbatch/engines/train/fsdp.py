@@ -41,7 +41,7 @@ class FSDPEngine(StashedState):
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
-        # A value model returns no KV cache to share a prompt's pass through (and a recomputed
+        # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.device.type == "cuda" else None
@@ -74,6 +74,9 @@ class FSDPEngine(StashedState):
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
         return common.values(self.model, samples, self.micro_batch, self._pack)
+
+    def scores(self, samples: list[Sample]) -> list[float]:
+        return common.scores(self.model, samples, self.micro_batch, self._pack)
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch
