@@ -17,7 +17,8 @@ reference log-probs are those minus 0.05, the objective is the default GRPO one 
 
 Per engine it prints, as a table (rank 0): the median seconds of one training step (one optimizer
 update, ``engine.train``) over ``--steps`` steps after ``--warmup`` warm-up steps, the slower
-rank's time; the peak memory of the steps per rank (the larger rank's): on CPU the process's peak
+rank's time, and the CPU seconds of the busier rank's process in the step (all its threads: less
+sensitive than wall time to other programs sharing the machine, blind to time spent waiting); the peak memory of the steps per rank (the larger rank's): on CPU the process's peak
 RSS (its high-water mark is reset before each engine is built) and that peak minus the RSS before
 the engine was built (the engine's own weights, gradients, optimizer state and activations; the
 absolute peak also counts the libraries imported so far, megatron-core's among them), on a GPU
@@ -28,7 +29,7 @@ the rounding differences that the updates carry forward (the second).
 
 On CPU megatron runs with the test-only shim (``tests.plugins.megatron_cpu``, loaded as a plugin
 just before the first megatron engine; its function mode also adds some per-op cost to megatron's
-steps). On CUDA (one GPU per rank, NCCL) the table also has MFU: model FLOPs of the step (PaLM's
+steps). On CUDA (one GPU per rank, so 2 GPUs, NCCL; ``--cpu`` runs on the CPU anyway) the table also has MFU: model FLOPs of the step (PaLM's
 6N + 12LHQT per token, ``ModelShape.train_flops_per_token``) over the seconds and the summed bf16
 peak of the ranks' GPUs from ``rlbatch/conf/hardware/``. The CUDA path is untested.
 """
@@ -82,7 +83,7 @@ CONFIGS = [
     Config("tp2", "megatron", "TP=2 t2", {}, 1, 2),
 ]
 BY_KEY = {c.key: c for c in CONFIGS}
-COLUMNS = ["engine", "config", "s/step", "peak RSS MiB/rank", "engine MiB/rank", "loss step 1", "loss after", "MFU"]
+COLUMNS = ["engine", "config", "s/step", "CPU s/step", "peak RSS MiB/rank", "engine MiB/rank", "loss step 1", "loss after", "MFU"]
 
 
 _T0 = time.perf_counter()
@@ -124,21 +125,21 @@ def batch(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
              "advantage": torch.randn((), generator=g)} for _ in range(args.batch)]
 
 
-def world_mean(x: float) -> float:
+def world_mean(x: float, device: Any) -> float:
     """Mean over all ranks: the dp shares have equal token counts, tp peers hold the same value."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
 
 
-def world_max(x: float) -> float:
+def world_max(x: float, device: Any) -> float:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
@@ -153,8 +154,8 @@ def loss_after(engine: Any, share: list[dict[str, Any]], objective: Any) -> floa
 
     from rlbatch.algos.objective import LossInput
 
-    logp = torch.stack(engine.logprobs(share)).float()
-    fields = {k: torch.stack([s[k] for s in share]) for k in ("old_logprobs", "ref_logprobs")}
+    logp = torch.stack(engine.logprobs(share)).float().cpu()
+    fields = {k: torch.stack([s[k] for s in share]).float().cpu() for k in ("old_logprobs", "ref_logprobs")}
     adv = torch.stack([s["advantage"] for s in share])[:, None].expand_as(logp)
     with torch.no_grad():
         loss, _ = objective(LossInput(logp, torch.ones_like(logp), adv, fields))
@@ -189,28 +190,30 @@ def bench_one(c: Config, args: argparse.Namespace, env: dict[str, Any]) -> dict[
     say = env["say"]
     say(f"{c.engine} {c.label}: built in {time.perf_counter() - start:.1f} s; {args.warmup} warm-up + "
         f"{args.steps} timed steps")
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i in range(args.warmup + args.steps):
         dist.barrier()
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         stats = engine.train(share, env["objective"])
         sync()
-        dt = world_max(time.perf_counter() - t0)
-        losses.append(world_mean(step_loss(stats, env["algo"])))
+        dt = world_max(time.perf_counter() - t0, device)
+        dc = world_max(time.process_time() - c0, device)
+        losses.append(world_mean(step_loss(stats, env["algo"]), device))
         if i >= args.warmup:
             times.append(dt)
-        say(f"{c.engine} {c.label}: step {i + 1} {'(warm-up) ' if i < args.warmup else ''}{dt:.3f} s, "
-            f"loss {losses[-1]:.6f}")
-    after = world_mean(loss_after(engine, share, env["objective"]))
+            cpu_times.append(dc)
+        say(f"{c.engine} {c.label}: step {i + 1} {'(warm-up) ' if i < args.warmup else ''}{dt:.3f} s "
+            f"({dc:.3f} s CPU), loss {losses[-1]:.6f}")
+    after = world_mean(loss_after(engine, share, env["objective"]), device)
     if cuda:
         peak_b = torch.cuda.max_memory_allocated(device)
-        peak, own = world_max(peak_b / 2**20), world_max((peak_b - base_cuda) / 2**20)
+        peak, own = world_max(peak_b / 2**20, device), world_max((peak_b - base_cuda) / 2**20, device)
     else:
         peak_kib = _status_kib("VmHWM")
-        peak, own = world_max(peak_kib / 1024), world_max((peak_kib - base_kib) / 1024)
+        peak, own = world_max(peak_kib / 1024, device), world_max((peak_kib - base_kib) / 1024, device)
     step_s = statistics.median(times)
-    row = {"engine": c.engine, "config": c.label, "step_s": step_s, "peak_mib": peak, "engine_mib": own,
+    row = {"engine": c.engine, "config": c.label, "step_s": step_s, "cpu_s": statistics.median(cpu_times), "peak_mib": peak, "engine_mib": own,
            "loss_first": losses[0], "loss_after": after, "mfu": None}
     if cuda:
         flops = args.batch * args.seq * env["shape"].train_flops_per_token(args.seq)
@@ -266,7 +269,12 @@ def worker(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda and torch.cuda.device_count() < size:
+        if rank == 0:
+            print(f"train_engines.py: {size} ranks need {size} GPUs, this node has {torch.cuda.device_count()}; "
+                  "pass --cpu to run on the CPU", file=sys.stderr, flush=True)
+        return 2
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     else:
@@ -324,7 +332,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        cells = [r["engine"], r["config"], f"{r['step_s']:.3f}", f"{r['peak_mib']:.0f}", f"{r['engine_mib']:.0f}",
+        cells = [r["engine"], r["config"], f"{r['step_s']:.3f}", f"{r['cpu_s']:.3f}", f"{r['peak_mib']:.0f}", f"{r['engine_mib']:.0f}",
                  f"{r['loss_first']:.7f}", f"{r['loss_after']:.7f}", mfu]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
