@@ -148,7 +148,8 @@ class MegatronEngine(StashedState):
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= dist.get_world_size(self.dp_group)
-        torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
+        torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads,
+                                                                    strict=True)])
 
     def _clip(self, max_norm: float) -> float:
         """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once."""
