@@ -279,12 +279,17 @@ class Role:
         by_leader = assign_local_first(ro.ids, tuple(sh[0] for sh in self.shards), holder)
         return {sh: by_leader[sh[0]] for sh in self.shards}
 
+    def _start_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
+                       extra: dict[int, dict[str, Any]] | None = None) -> PendingPhase:
+        """Start ``spec`` with each shard's samples on every rank of the shard."""
+        work = {r: {"ids": ids} | (extra or {}).get(sh[0], {}) for sh, ids in assign.items() for r in sh}
+        need = {r: (ids, fields) for sh, ids in assign.items() for r in sh}
+        return self.pipe.start(spec.name, (self.name,), work, need)
+
     def _run_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
                      extra: dict[int, dict[str, Any]] | None = None) -> dict[tuple[int, ...], Any]:
         """Run ``spec`` with each shard's samples on every rank of the shard; {shard: its leader's output}."""
-        work = {r: {"ids": ids} | (extra or {}).get(sh[0], {}) for sh, ids in assign.items() for r in sh}
-        need = {r: (ids, fields) for sh, ids in assign.items() for r in sh}
-        out = self.pipe.run(spec.name, (self.name,), work, need)
+        out = self._start_sharded(spec, assign, fields, extra).result()
         for sh, ids in assign.items():
             for f in spec.writes:
                 for sid in ids:
@@ -312,7 +317,8 @@ class Role:
     def values(self, ro: Rollouts) -> list[torch.Tensor]:
         """The critic's per-token values of the rollouts (in the rollouts' order), also kept on
         its ranks for its own training (the clipped value loss starts from them)."""
-        out = self._run_sharded(phase_for(self.name, "values"), self._assign(ro), list(phase_for(self.name, "values").reads))
+        spec = phase_for(self.name, "values")
+        out = self._run_sharded(spec, self._assign(ro), list(spec.reads))
         merged = {k: v for o in out.values() for k, v in o.items()}
         return [torch.tensor(merged[i], dtype=torch.float32) for i in ro.ids]
 
@@ -330,9 +336,7 @@ class Role:
         assign = self._assign(ro)
         extra = {sh[0]: {"targets": {name: [v[i] for i in ids] for name, v in per_sample.items()}}
                  for sh, ids in assign.items()}
-        work = {r: {"ids": ids} | extra[sh[0]] for sh, ids in assign.items() for r in sh}
-        need = {r: (ids, list(spec.reads)) for sh, ids in assign.items() for r in sh}
-        return Training(self.pipe.start(spec.name, (self.name,), work, need), [sh[0] for sh in assign])
+        return Training(self._start_sharded(spec, assign, list(spec.reads), extra), [sh[0] for sh in assign])
 
     def sync_weights(self, infer: Role) -> None:
         spec = phase_for(self.name, "sync")
