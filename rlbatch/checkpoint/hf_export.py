@@ -90,7 +90,8 @@ def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp3
     """Write ``role``'s weights of the checkpoint ``src`` (or a run dir's newest) to ``out``."""
     from omegaconf import DictConfig, OmegaConf
 
-    from rlbatch.engines.model import DTYPES, load_model, load_tokenizer
+    from rlbatch.config.schema import HEADS
+    from rlbatch.engines.model import DTYPES, load_model, load_tokenizer, value_model
 
     ckpt = open_checkpoint(Path(src), verify)
     d = role_dir(ckpt.path, role)
@@ -104,6 +105,8 @@ def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp3
         raise CheckpointError(f"{find_config(ckpt)}: not an rlbatch config (no 'model' section)")
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, tokenizer, int(cfg.get("seed", 0)), torch.float32)
+    if HEADS.get(role) == "value":  # the critic: a token-classification model with one label
+        model = value_model(model)
     load_weights(d, model)
     model.to(DTYPES[dtype])
     out.mkdir(parents=True, exist_ok=True)

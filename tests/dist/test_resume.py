@@ -24,11 +24,12 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def export(run_dir: Path, out: Path) -> bytes:
+def export(run_dir: Path, out: Path, role: str = "actor_train") -> bytes:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "rlbatch.export", str(run_dir), str(out)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "rlbatch.export", str(run_dir), str(out), "--role", role],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return (out / "model.safetensors").read_bytes()
 
@@ -80,6 +81,8 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) ->
         w, s = role_state(whole, "critic"), role_state(split, "critic")
         assert sorted(w) == sorted(s) and any(k.startswith("optim.") for k in w)
         assert all(torch_equal(w[k], s[k]) for k in w), [k for k in w if not torch_equal(w[k], s[k])]
+        # The critic exports as a Hugging Face token-classification model, the same bytes either way.
+        assert export(whole, run_root / "c_whole", "critic") == export(split, run_root / "c_split", "critic")
         assert all(r["train/critic/grad_norm"] > 0 for r in a), "the critic trains every step"
         # Warm-up: step 0 trains the critic alone (no policy update, nothing to sync), then both.
         assert [r["critic/warmup"] for r in a] == [1.0, 0, 0, 0, 0, 0]
