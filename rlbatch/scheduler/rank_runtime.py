@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlbatch.algos.advantages import response_loss_mask
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.algos.registry import KL_ESTIMATORS
 from rlbatch.config.schema import TRAINABLE_ROLES, RLBatchConfig
@@ -140,6 +141,11 @@ class RankRuntime:
             t = torch.tensor(adv, dtype=torch.float32)
             self.store.put(sid, "advantages" if t.dim() else "advantage", t)
         fields = [*spec.reads, "advantages" if ids and isinstance(advantages[0], list) else "advantage"]
+        if self.cfg.algo.overlong_filter:  # DAPO: truncated responses (no EOS at max_new_tokens) out of the loss
+            eos, longest = self.tokenizer.eos_token_id, int(self.cfg.algo.max_new_tokens)
+            for sid in ids:
+                self.store.put(sid, "loss_mask", response_loss_mask(self.store.samples[sid]["response"], eos, longest))
+            fields.append("loss_mask")
         return self.engines[spec.role].train(self.store.get(ids, fields), self.objective)
 
     def _checkpoint(self, spec: PhaseSpec, op: str, path: str) -> dict[str, float]:
