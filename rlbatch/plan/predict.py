@@ -235,7 +235,10 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
         f = _work(ph, layout, mems, shape, w, e, hw)
         f["workers"] = timing.command(_workers(ph, layout), hw, layout)
         rel, off = per_phase[ph.name]
-        times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, coef.seconds(ph.kind, f), rel, off))
+        work_s = coef.seconds(ph.kind, f)
+        if ph.kind in ("generate", "reward"):  # dynamic sampling repeats generate + score per round
+            work_s *= w.generation_rounds
+        times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, work_s, rel, off))
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
         if overlap:
             ready = [times[j].end for j, q in enumerate(phases[:i]) if q.name in ph.after or _conflict(q, ph, layout)]
@@ -250,6 +253,9 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     pred.notes = [n for m in mems.values() for n in m.notes]
     if w.prompt_len_assumed:
         pred.notes.append(f"prompt length assumed {w.prompt_len:g} tokens (set --prompt-len)")
+    if w.zero_variance_frac is not None:
+        pred.notes.append(f"dynamic sampling: {w.generation_rounds:.2f} expected generate+score rounds per step, "
+                          f"from a zero-variance group fraction of {w.zero_variance_frac:g} (set --zero-variance-frac)")
     if w.response_assumed:
         pred.notes.append(f"mean response assumed {w.response_mean:g} of {w.max_new_tokens} tokens (set --response-mean)")
     _memory_problems(pred, mem_limit)
