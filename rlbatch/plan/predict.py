@@ -239,12 +239,15 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
         if ph.kind in ("generate", "reward"):  # dynamic sampling repeats generate + score per round
             work_s *= w.generation_rounds
         times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, work_s, rel, off))
+    dynamic = w.zero_variance_frac is not None
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
         if overlap:
-            ready = [times[j].end for j, q in enumerate(phases[:i]) if q.name in ph.after or _conflict(q, ph, layout)]
-        else:  # the controller's order, but a reward on other ranks scores beside the phases after it
             ready = [times[j].end for j, q in enumerate(phases[:i])
-                     if q.kind != "reward" or q.name in ph.after or _conflict(q, ph, layout)]
+                     if q.name in ph.after or _conflict(q, ph, layout) or (dynamic and q.kind == "reward")]
+        else:  # the controller's order, but a reward on other ranks scores beside the phases after it
+            # (not with dynamic sampling: each round is scored before the next round or the batch goes on)
+            ready = [times[j].end for j, q in enumerate(phases[:i])
+                     if q.kind != "reward" or dynamic or q.name in ph.after or _conflict(q, ph, layout)]
         t.start = max(ready, default=0.0)
         t.end = t.start + t.total_s
     step = max((t.end for t in times), default=0.0) + coef.seconds("step", {"fixed": 1.0})

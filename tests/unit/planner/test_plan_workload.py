@@ -72,4 +72,7 @@ def test_the_rounds_multiply_generate_and_score_only() -> None:
     for name in ("ref_logprobs", "train", "sync"):
         assert out[True].phase(name).seconds == pytest.approx(out[False].phase(name).seconds)
     assert out[True].step_s > out[False].step_s
+    # each round is scored before the batch goes on: the log-prob phases start after the score
+    assert out[True].phase("ref_logprobs").start >= out[True].phase("score").end
+    assert out[False].phase("ref_logprobs").start < out[False].phase("score").end
     assert any("2.06 expected generate+score rounds" in n and "0.5" in n for n in out[True].notes)
