@@ -79,7 +79,8 @@ first of them; ``needs`` applies to each). A field a phase reads but no earlier 
 wrote is simply absent (``values`` without a critic; ``reward`` stays with the controller, which
 turns it into advantages): reads also say which phases must finish first."""
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns")
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns",
+                "loss_mask")
 """Sample fields with one value per response token."""
 
 

@@ -7,6 +7,9 @@ adjacent; per-token quantities are lists of N 1-D tensors (one per response, pos
     REINFORCE++     per-token returns of (task reward on the last token - kl_coef * KL_t),
                     whitened over every token of the batch
     REINFORCE++-baseline  the same after subtracting the group mean from the task reward
+
+and DAPO's two treatments of long responses: overlong shaping (a reward penalty) and overlong
+filtering (truncated responses kept out of the loss).
 """
 
 from __future__ import annotations
@@ -54,6 +57,23 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float =
         raise ValueError(f"overlong buffer {buffer} is longer than the longest response {max_len}")
     over = (lengths.float() - (max_len - buffer)).clamp(min=0.0)
     return -factor * (over / buffer).clamp(max=1.0)
+
+
+def truncated(lengths: Tensor, ended_with_eos: Tensor, max_len: int) -> Tensor:
+    """``[N]`` bool: the responses that ran out of tokens, ``max_len`` tokens long without EOS at
+    the end. A response that stopped with EOS on its last allowed token is not truncated."""
+    return (lengths >= max_len) & ~ended_with_eos.bool()
+
+
+def response_loss_mask(response: Tensor, eos_id: int, max_len: int) -> Tensor:
+    """DAPO's overlong filtering for one response: its per-token loss mask, all 0 when it is
+    truncated (``max_len`` tokens, the last not ``eos_id``), else all 1. A zero mask keeps the
+    sample's tokens out of the loss and out of the aggregation's token count (its advantage then
+    weighs nothing), so the other samples' loss is not diluted."""
+    n = response.numel()
+    ended = torch.tensor([n > 0 and int(response[-1]) == eos_id])
+    cut = bool(truncated(torch.tensor([n]), ended, max_len)[0])
+    return torch.full((n,), 0.0 if cut else 1.0)
 
 
 def token_rewards(rewards: Tensor, lengths: list[int], kl: list[Tensor] | None, kl_coef: float) -> list[Tensor]:

@@ -28,7 +28,8 @@ class LossInput:
     advantages: Tensor
     """Per-token advantages (a per-sequence advantage broadcast over its tokens)."""
     fields: dict[str, Tensor]
-    """Other per-token sample fields present in the batch: old_logprobs, ref_logprobs, ..."""
+    """Other per-token sample fields present in the batch: old_logprobs, ref_logprobs, loss_mask
+    (0 on the tokens of a sample kept out of the loss), ..."""
     logits: Tensor | None = None
     """``[B, T, V]`` logits of the response positions, when ``needs_logits``."""
 
@@ -58,16 +59,20 @@ class PolicyObjective:
         # Without old log-probs the batch is on-policy: old = current, detached (exact only before
         # the first update; the engine refuses it after).
         old = x.fields.get("old_logprobs", x.logp.detach())
-        loss, clip = self.policy_loss(x.logp, old, x.advantages, x.mask, self.algo, self.agg)
+        # A per-sample loss mask (DAPO's overlong filtering) takes tokens out of every term and count.
+        mask = x.mask * x.fields["loss_mask"] if "loss_mask" in x.fields else x.mask
+        loss, clip = self.policy_loss(x.logp, old, x.advantages, mask, self.algo, self.agg)
         stats = {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "clip_frac_low": clip.clip_frac_low.item(),
                  "clip_frac_high": clip.clip_frac_high.item(), "approx_kl_old": clip.approx_kl.item()}
+        if "loss_mask" in x.fields:
+            stats["loss_masked_frac"] = 1.0 - (mask.sum() / x.mask.sum().clamp(min=1.0)).item()
         if self.kl_coef > 0 and "ref_logprobs" in x.fields:
-            kl = self.agg(self.kl(x.logp, x.fields["ref_logprobs"]), x.mask)
+            kl = self.agg(self.kl(x.logp, x.fields["ref_logprobs"]), mask)
             loss = loss + self.kl_coef * kl
             stats["kl_ref"] = kl.item()
         if self.entropy_coef > 0:
             assert x.logits is not None, "the objective needs logits (entropy_coef > 0)"
-            ent = self.agg(core.entropy_from_logits(x.logits), x.mask)
+            ent = self.agg(core.entropy_from_logits(x.logits), mask)
             loss = loss - self.entropy_coef * ent
             stats["entropy"] = ent.item()
         return loss, stats

@@ -263,6 +263,9 @@ class AlgoConfig:
     filled with zero-variance groups)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: a truncated response (max_new_tokens tokens, not ending with EOS) is
+    kept out of the loss: its tokens weigh 0 and do not count in the aggregation's token count."""
 
 
 def role_algo(role: str, algo: AlgoConfig) -> AlgoConfig:

@@ -57,7 +57,9 @@ def _rows(preds: Sequence[StepPrediction]) -> dict[str, list[tuple[dict[str, flo
         for t in sp.prediction.phases:
             y = sp.measured.get(f"time/{t.name}")
             if y is not None:
-                rows[t.kind].append((t.features, y))
+                # the features are one round's; dynamic sampling measured every round of the step
+                rounds = sp.prediction.workload.generation_rounds if t.kind in ("generate", "reward") else 1.0
+                rows[t.kind].append((t.features, y / rounds))
         for d in ("offload", "reload"):
             y = sp.measured.get(f"time/{d}")
             if y is not None and sp.prediction.transitions[d]:

@@ -34,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=float, help="mean prompt tokens (default: 5 for the synthetic task, else 512)")
     p.add_argument("--response-mean", type=float,
                    help="mean response tokens, or a fraction of max_new_tokens when <= 1 (default 0.6)")
+    p.add_argument("--zero-variance-frac", type=float,
+                   help="dynamic sampling: assumed share of groups whose rewards are all equal, which sets the "
+                        "expected generation rounds per step (default 0.5; a run's sampling/zero_variance_frac)")
     p.add_argument("--overlap", action="store_true",
                    help="let phases that do not depend on each other run together (an overlapping controller)")
     p.add_argument("--gpus", type=int, help="search: GPUs to place on (default: the config's)")
@@ -55,7 +58,10 @@ class Args:
 def parse(argv: list[str]) -> Args:
     if not argv or argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
         argv = ["predict", *argv]
-    ns = parser().parse_intermixed_args(argv)
+    ap = parser()
+    ns = ap.parse_intermixed_args(argv)
+    if ns.zero_variance_frac is not None and not 0.0 <= ns.zero_variance_frac <= 1.0:
+        ap.error(f"--zero-variance-frac is a share of groups, in [0, 1]; got {ns.zero_variance_frac:g}")
     rest, hardware, hw_over = [], None, {}
     for a in ns.args:
         key, eq, val = a.partition("=")
@@ -115,7 +121,7 @@ def cmd_predict(args: Args) -> int:
     hw = pick_hardware(args, plain)
     layout = from_placement(placement, int(plain["cluster"].get("cpus_per_task") or 1))
     shape = shape_from_config(plain["model"])
-    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean)
+    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac)
     p = predict(layout, shape, w, hw, str(plain["model"].get("dtype", "auto")), coefficients(args, hw), _mem_limit(plain),
                 args.ns.overlap)
     emit(args, p.to_dict(), report(p))
@@ -132,7 +138,7 @@ def cmd_search(args: Args) -> int:
     hw = pick_hardware(args, plain)
     gpus = args.ns.gpus or placement.num_gpus
     shape = shape_from_config(plain["model"])
-    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean)
+    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac)
     best, stats = search(plain, gpus, placement.gpus_per_node, shape, w, hw, coefficients(args, hw),
                          str(plain["model"].get("dtype", "auto")), args.ns.top,
                          int(plain["cluster"].get("cpus_per_task") or 1), _mem_limit(plain), args.ns.overlap)

@@ -235,13 +235,19 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
         f = _work(ph, layout, mems, shape, w, e, hw)
         f["workers"] = timing.command(_workers(ph, layout), hw, layout)
         rel, off = per_phase[ph.name]
-        times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, coef.seconds(ph.kind, f), rel, off))
+        work_s = coef.seconds(ph.kind, f)
+        if ph.kind in ("generate", "reward"):  # dynamic sampling repeats generate + score per round
+            work_s *= w.generation_rounds
+        times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, work_s, rel, off))
+    dynamic = w.zero_variance_frac is not None
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
         if overlap:
-            ready = [times[j].end for j, q in enumerate(phases[:i]) if q.name in ph.after or _conflict(q, ph, layout)]
-        else:  # the controller's order, but a reward on other ranks scores beside the phases after it
             ready = [times[j].end for j, q in enumerate(phases[:i])
-                     if q.kind != "reward" or q.name in ph.after or _conflict(q, ph, layout)]
+                     if q.name in ph.after or _conflict(q, ph, layout) or (dynamic and q.kind == "reward")]
+        else:  # the controller's order, but a reward on other ranks scores beside the phases after it
+            # (not with dynamic sampling: each round is scored before the next round or the batch goes on)
+            ready = [times[j].end for j, q in enumerate(phases[:i])
+                     if q.kind != "reward" or dynamic or q.name in ph.after or _conflict(q, ph, layout)]
         t.start = max(ready, default=0.0)
         t.end = t.start + t.total_s
     step = max((t.end for t in times), default=0.0) + coef.seconds("step", {"fixed": 1.0})
@@ -250,6 +256,9 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     pred.notes = [n for m in mems.values() for n in m.notes]
     if w.prompt_len_assumed:
         pred.notes.append(f"prompt length assumed {w.prompt_len:g} tokens (set --prompt-len)")
+    if w.zero_variance_frac is not None:
+        pred.notes.append(f"dynamic sampling: {w.generation_rounds:.2f} expected generate+score rounds per step, "
+                          f"from a zero-variance group fraction of {w.zero_variance_frac:g} (set --zero-variance-frac)")
     if w.response_assumed:
         pred.notes.append(f"mean response assumed {w.response_mean:g} of {w.max_new_tokens} tokens (set --response-mean)")
     _memory_problems(pred, mem_limit)

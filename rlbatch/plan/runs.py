@@ -107,7 +107,8 @@ class RunModel:
             if i < skip or _num(rec, "time/step") is None:
                 continue
             rmax = next((_num(rec, k) for k in RESPONSE_MAX_KEYS if _num(rec, k) is not None), None)
-            w = self.base.with_measured(_num(rec, "tokens/generated"), _num(rec, "tokens/total"), rmax)
+            w = self.base.with_measured(_num(rec, "tokens/generated"), _num(rec, "tokens/total"), rmax,
+                                        _num(rec, "sampling/rounds"))
             measured = {k: float(v) for k, v in rec.items() if k.startswith("time/") and _num(rec, k) is not None}
             out.append((int(rec.get("step", i)), measured, w))
         return out

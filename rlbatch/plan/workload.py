@@ -22,6 +22,42 @@ DEFAULT_PROMPT_LEN = 512
 DEFAULT_RESPONSE_MEAN_FRAC = 0.6
 """Assumed mean response length as a fraction of max_new_tokens when --response-mean is not given:
 RL responses run long-tailed, with the longest at the cap and the mean well below it."""
+DEFAULT_ZERO_VARIANCE_FRAC = 0.5
+"""Assumed share of generated groups whose rewards are all equal, for dynamic sampling's extra
+generation rounds, when --zero-variance-frac is not given (a run's ``sampling/zero_variance_frac``
+measures it)."""
+
+
+def expected_rounds(groups: int, zero_variance_frac: float, cap: int) -> float:
+    """Dynamic sampling's expected generate+score rounds per step.
+
+    Each round generates ``groups`` groups (prompts_per_step); each is useful (rewards not all equal)
+    with probability ``q = 1 - zero_variance_frac``, independently. Round k+1 (k >= 1) runs when
+    the k rounds before it left fewer than ``groups`` useful groups, and at most ``cap`` rounds run:
+
+        E[rounds] = sum_{k=0}^{cap-1} P(Binomial(k * groups, q) < groups)
+
+    (the k=0 term is 1: the first round always runs). With many groups this approaches
+    min(cap, ceil(1 / q)); f = 0 gives 1 round, f = 1 the cap."""
+    if groups < 1 or cap < 1:
+        raise ValueError(f"dynamic sampling needs groups >= 1 and cap >= 1, got groups={groups}, cap={cap}")
+    if not 0.0 <= zero_variance_frac <= 1.0:
+        raise ValueError(f"the zero-variance group fraction must be in [0, 1], got {zero_variance_frac}")
+    q = 1.0 - zero_variance_frac
+    return sum(_binomial_cdf_below(k * groups, q, groups) for k in range(cap))
+
+
+def _binomial_cdf_below(n: int, q: float, m: int) -> float:
+    """P(Binomial(n, q) < m), summed in log space (n may be thousands)."""
+    if m <= 0:
+        return 0.0
+    if q <= 0.0 or n < m:
+        return 1.0
+    if q >= 1.0:
+        return 0.0
+    lq, lp = math.log(q), math.log1p(-q)
+    return min(1.0, sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lq + (n - i) * lp)
+                        for i in range(m)))
 
 
 @dataclass(frozen=True)
@@ -53,6 +89,11 @@ class Workload:
     """The loss needs the entropy of the full distribution (entropy_coef > 0)."""
     recompute: bool = False
     """Activation checkpointing in training."""
+    generation_rounds: float = 1.0
+    """Expected generate+score rounds per step: 1, or with DAPO's dynamic sampling
+    ``expected_rounds`` (the later phases work on the one kept batch)."""
+    zero_variance_frac: float | None = None
+    """The zero-variance group fraction the rounds were derived from (None without dynamic sampling)."""
     prompt_len_assumed: bool = False
     response_assumed: bool = False
 
@@ -81,9 +122,13 @@ class Workload:
         """Distinct prompts among ``sequences`` consecutive sequences of the batch (groups stay together)."""
         return math.ceil(sequences / max(1, self.samples_per_prompt))
 
-    def with_measured(self, generated: float | None, total: float | None, response_max: float | None) -> Workload:
-        """This workload with a run's measured token counts (what one step of that run really did)."""
+    def with_measured(self, generated: float | None, total: float | None, response_max: float | None,
+                      rounds: float | None = None) -> Workload:
+        """This workload with a run's measured token counts (what one step of that run really did)
+        and, with dynamic sampling, its measured generation rounds."""
         w = self
+        if rounds is not None and rounds >= 1:
+            w = replace(w, generation_rounds=float(rounds))
         if generated is not None and generated > 0:
             w = replace(w, response_mean=float(generated) / w.sequences, response_assumed=False)
         if total is not None and generated is not None and total > generated:
@@ -110,6 +155,7 @@ class Workload:
             "samples_per_prompt": self.samples_per_prompt,
             "mini_batches": self.mini_batches, "epochs": self.epochs, "grad_accum": self.grad_accum,
             "prompt_len_assumed": self.prompt_len_assumed, "response_assumed": self.response_assumed,
+            "generation_rounds": self.generation_rounds, "zero_variance_frac": self.zero_variance_frac,
         }
 
 
@@ -130,8 +176,10 @@ def _survival(m: int, mean: float) -> np.ndarray:
 
 def workload_from_config(
     cfg: Mapping[str, Any], prompt_len: float | None = None, response_mean: float | None = None,
+    zero_variance_frac: float | None = None,
 ) -> Workload:
-    """The step of ``cfg`` (plain mapping). ``response_mean`` <= 1 is read as a fraction of the cap."""
+    """The step of ``cfg`` (plain mapping). ``response_mean`` <= 1 is read as a fraction of the cap.
+    ``zero_variance_frac`` (default ``DEFAULT_ZERO_VARIANCE_FRAC``) sets dynamic sampling's rounds."""
     algo: Mapping[str, Any] = cfg.get("algo") or {}
     data: Mapping[str, Any] = cfg.get("data") or {}
     roles: Mapping[str, Any] = cfg.get("roles") or {}
@@ -144,6 +192,10 @@ def workload_from_config(
         mean = response_mean * cap if response_mean <= 1 else response_mean
     ref = roles.get("reference") or {}
     critic = roles.get("critic") or {}
+    rounds, frac = 1.0, None
+    if algo.get("dynamic_sampling", False) is True:
+        frac = DEFAULT_ZERO_VARIANCE_FRAC if zero_variance_frac is None else float(zero_variance_frac)
+        rounds = expected_rounds(int(algo.get("prompts_per_step", 16)), frac, int(algo.get("max_sampling_rounds", 3)))
     return Workload(
         sequences=int(algo.get("prompts_per_step", 16)) * int(algo.get("samples_per_prompt", 8)),
         prompt_len=float(p), response_mean=max(1.0, min(float(mean), cap)), response_max=cap,
@@ -154,6 +206,7 @@ def workload_from_config(
         kl_in_reward=bool(algo.get("kl_in_reward", False)) and float(algo.get("kl_coef", 0.0)) > 0,
         entropy=float(algo.get("entropy_coef", 0.0)) > 0,
         recompute=bool(algo.get("activation_checkpointing", False)),
+        generation_rounds=rounds, zero_variance_frac=frac,
         prompt_len_assumed=prompt_len is None and not synthetic,
         response_assumed=response_mean is None,
     )

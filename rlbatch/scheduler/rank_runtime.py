@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlbatch.algos.advantages import response_loss_mask
 from rlbatch.algos.objective import objective_for
 from rlbatch.algos.registry import KL_ESTIMATORS
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, RLBatchConfig, role_algo
@@ -162,8 +163,14 @@ class RankRuntime:
         for name, per_sample in targets.items():
             for sid, value in zip(ids, per_sample, strict=True):
                 self.store.put(sid, name, torch.tensor(value, dtype=torch.float32))
-        samples = self.store.get(ids, [*spec.reads, *targets])
-        return self.engines[spec.role].train(samples, self.objectives[spec.role])
+        fields = [*spec.reads, *targets]
+        objective = self.objectives[spec.role]
+        if self.cfg.algo.overlong_filter and objective.head == "lm":  # DAPO: truncated responses out of the loss
+            eos, longest = self.tokenizer.eos_token_id, int(self.cfg.algo.max_new_tokens)
+            for sid in ids:
+                self.store.put(sid, "loss_mask", response_loss_mask(self.store.samples[sid]["response"], eos, longest))
+            fields.append("loss_mask")
+        return self.engines[spec.role].train(self.store.get(ids, fields), objective)
 
     def _checkpoint(self, spec: PhaseSpec, op: str, path: str) -> dict[str, float]:
         """Write (op=save, into the staging dir) or read (op=load) this rank's part of a checkpoint."""

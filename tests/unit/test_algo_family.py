@@ -117,6 +117,38 @@ def test_overlong_penalty_is_linear_over_the_buffer() -> None:
     close(adv.overlong_penalty(lengths, 16, 0), [0.0] * 6)
 
 
+def test_truncated_means_the_longest_length_without_eos() -> None:
+    lengths = torch.tensor([4, 4, 3, 0])
+    eos = torch.tensor([False, True, False, False])
+    # 4 tokens without EOS ran out; 4 ending in EOS stopped on the last allowed token; 3 stopped early
+    assert adv.truncated(lengths, eos, 4).tolist() == [True, False, False, False]
+
+
+def test_response_loss_mask_reads_eos_off_the_response() -> None:
+    eos = 9
+    close(adv.response_loss_mask(torch.tensor([3, 4, 5]), eos, 3), [0.0, 0.0, 0.0])  # ran out of tokens
+    close(adv.response_loss_mask(torch.tensor([3, 4, eos]), eos, 3), [1.0, 1.0, 1.0])  # stopped at the limit
+    close(adv.response_loss_mask(torch.tensor([3, eos]), eos, 3), [1.0, 1.0])
+    assert adv.response_loss_mask(torch.tensor([], dtype=torch.long), eos, 3).numel() == 0
+
+
+def test_loss_mask_keeps_masked_samples_out_of_the_token_count() -> None:
+    """Token-mean over the kept tokens only: the masked sample neither adds to the sum nor to the
+    count, so the kept samples' loss is not diluted."""
+    algo = AlgoConfig(kl_coef=0.0, loss_agg="token")
+    logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    a = torch.tensor([[2.0, 2.0], [1.0, 1.0], [5.0, 5.0]])
+    loss_mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])  # the third sample was truncated
+    fields = {"old_logprobs": logp.clone()}
+    loss, stats = PolicyObjective(algo)(LossInput(logp, mask, a, fields | {"loss_mask": loss_mask}))
+    # ratio 1: per-token loss -A; kept tokens -2, -2, -1 -> mean -5/3 (the truncated 5s do not count)
+    close(loss, -5.0 / 3.0)
+    assert stats["loss_masked_frac"] == pytest.approx(2 / 5)  # 2 of the 5 response tokens
+    unmasked, _ = PolicyObjective(algo)(LossInput(logp, mask, a, fields))
+    close(unmasked, -(2 + 2 + 1 + 5 + 5) / 5.0)
+
+
 # ---------------------------------------------------------------- losses
 
 

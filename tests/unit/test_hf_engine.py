@@ -68,3 +68,21 @@ def test_greedy_generation_is_deterministic_with_logprobs() -> None:
     b = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0, seed=2))
     assert [g.tokens for g in a] == [g.tokens for g in b]
     assert all(lp <= 0.0 for g in a for lp in g.logprobs)
+
+
+def test_a_sampled_pad_token_is_kept_without_stop_strings() -> None:
+    """Trailing <pad> is only generate()'s filler after a stop string; without stop strings a
+    sampled <pad> is a real token of the response (dropping it would score "7<pad>" as "7" and
+    keep the token out of training). Uniform logits make <pad> likely enough to be sampled."""
+    cfg = compose([])
+    tok = load_tokenizer(cfg.model)
+    engine = _engine(cfg, tok)
+    with torch.no_grad():
+        engine.model.get_output_embeddings().weight.zero_()
+    prompts = [tok.encode(f"{k % 10}+1=") for k in range(200)]
+    gens = engine.generate(prompts, SamplingParams(max_new_tokens=2, temperature=1.0, seed=4))
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    assert any(g.tokens[-1] == pad for g in gens)
+    for g in gens:
+        assert len(g.tokens) == len(g.logprobs)
+        assert len(g.tokens) == 2 or g.tokens[-1] == eos, g.tokens

@@ -240,6 +240,25 @@ def test_dynamic_sampling_needs_groups_and_a_round(cfg: dict[str, Any]) -> None:
     check(set_(c, algo__dynamic_sampling=False, algo__max_sampling_rounds=0))  # unused without dynamic sampling
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["algo=dapo", "algo.max_sampling_rounds=0"],
+     "algo.max_sampling_rounds: dynamic sampling needs a cap of at least one generation round per step, got 0"),
+    (["algo=rloo", "algo.samples_per_prompt=1"],
+     "algo.samples_per_prompt: algo.advantage=rloo compares each sample with the others of its prompt's group, so "
+     "it needs at least 2 samples per prompt, got 1"),
+    (["algo=reinforce_pp_baseline", "algo.samples_per_prompt=1"],
+     "algo.samples_per_prompt: algo.advantage=reinforce_pp_baseline compares each sample with the others of its "
+     "prompt's group, so it needs at least 2 samples per prompt, got 1"),
+])
+def test_the_launcher_refuses_family_presets_before_anything_starts(
+        args: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rlbatch.launch.__main__ import main
+
+    assert main(["dry_run=true", f"run_dir={tmp_path / 'run'}", *args]) == 2
+    out, err = capsys.readouterr()
+    assert "rlbatch placement" not in out and f"  - {line}" in err.splitlines(), err
+
+
 def test_overlong_buffer_and_gamma_are_checked(cfg: dict[str, Any]) -> None:
     assert problems(set_(cfg, algo__max_new_tokens=8, algo__overlong_buffer=9, algo__gamma=0.0)) == [
         "algo.overlong_buffer: 9 tokens is longer than algo.max_new_tokens = 8; the shaping buffer must fit "

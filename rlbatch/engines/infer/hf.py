@@ -103,7 +103,7 @@ class HFInferenceEngine(StashedState):
         for row, lp in zip(new.tolist(), logprobs.tolist(), strict=True):
             if eos in row:
                 row = row[: row.index(eos) + 1]
-            else:
+            elif sp.stop_strings:
                 while row and row[-1] == pad:  # finished early through a stop string
                     row.pop()
             out.append(Generation(row, lp[: len(row)]))

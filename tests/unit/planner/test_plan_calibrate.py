@@ -76,3 +76,13 @@ def test_broken_run_directories_are_named(tmp_path: Path, runs: dict[str, Path])
     (bad / "metrics.jsonl").write_text("{not json\n")
     with pytest.raises(ConfigError, match="cannot read"):
         load_run(bad)
+
+
+def test_dynamic_sampling_runs_calibrate_one_round(tmp_path: Path) -> None:
+    """A dynamic-sampling run measures every round of generate and score; the fit divides by the
+    rounds, so its own steps are predicted back (without it both would be off by the rounds)."""
+    cfg = make_config(algo={"dynamic_sampling": True, "max_sampling_rounds": 3})  # 16 groups, f 0.5: 2.4 rounds
+    (m,) = _models([write_run(tmp_path / "dapo", cfg)])
+    assert m.base.generation_rounds == pytest.approx(2.4, abs=0.05)
+    rep = compare(m.predict_steps(calibrate([m], skip=1, hardware="cpu"), 1))
+    assert rep.mape["time/generate"] < 0.05 and rep.mape["time/score"] < 0.05, rep.mape

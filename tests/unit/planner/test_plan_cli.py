@@ -73,3 +73,11 @@ def test_the_planner_never_imports_torch() -> None:
             "sys.exit(3 if 'torch' in sys.modules else rc)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[3])
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_dynamic_sampling_rounds_are_printed_and_the_fraction_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["algo=dapo", "--zero-variance-frac", "0"]) == 0
+    assert "dynamic sampling: 1.00 expected generate+score rounds per step" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["algo=dapo", "--zero-variance-frac", "1.5"])
+    assert e.value.code == 2 and "--zero-variance-frac is a share of groups, in [0, 1]; got 1.5" in capsys.readouterr().err
