@@ -310,6 +310,25 @@ def _check_model_shape(model: Any) -> list[str]:
     return []
 
 
+def _fit_problems(plain: Mapping[str, Any], placement: Placement) -> list[str]:
+    """With a hardware profile in the config (``hardware=h100_sxm``), the planner's memory
+    prediction for this placement: every GPU (or, on a CPU profile, node) it would not fit, with
+    the phase and the bytes needed and usable. Without one, or with only a few memory fields
+    (vllm_rules reads those), nothing is predicted."""
+    hw_cfg = plain.get("hardware")
+    if not isinstance(hw_cfg, Mapping):
+        return []
+    from rlbatch.plan.fit import hardware_from_config, predict_config
+
+    try:
+        hw = hardware_from_config(hw_cfg)
+    except ConfigError as e:
+        return list(e.problems)
+    if hw is None:
+        return []
+    return [f"hardware={hw.name}: {line}" for line in predict_config(plain, placement, hw).problems]
+
+
 def check(cfg: Any, runnable: bool = True) -> Placement:
     """Validate everything in ``cfg``; return the Placement or raise one ConfigError listing all problems.
 
@@ -344,6 +363,8 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(_code_task_problems(plain, train_run))
     if runnable:
         problems.extend(runnable_problems(plain, engines))
+    if train_run and not problems and placement is not None:  # the prediction needs a valid config
+        problems.extend(_fit_problems(plain, placement))
     if problems:
         raise ConfigError(problems)
     assert placement is not None

@@ -1,8 +1,8 @@
 """The planner's command line: argument parsing and the four subcommands.
 
 ``hardware=<name>`` and ``hardware.<field>=<value>`` look like Hydra overrides but are taken
-out before the rest go to Hydra (rlbatch/conf/config.yaml has no hardware group). Options start with
-``--``; everything else is a Hydra override (predict, search) or a run directory (calibrate, report).
+out before the rest go to Hydra: the planner loads the profile itself (a name or a .yaml path).
+Options start with ``--``; everything else is a Hydra override (predict, search) or a run directory (calibrate, report).
 """
 
 from __future__ import annotations
@@ -105,30 +105,20 @@ def _context(args: Args) -> tuple[Any, Any, dict[str, Any]]:
     return cfg, placement, to_plain(cfg)
 
 
-def _mem_limit(plain: dict[str, Any]) -> float | None:
-    gb = (plain.get("cluster") or {}).get("mem_gb")
-    return float(gb) * 1e9 if gb else None
-
-
 def cmd_predict(args: Args) -> int:
-    from rlbatch.plan.layout import from_placement
-    from rlbatch.plan.model import shape_from_config
-    from rlbatch.plan.predict import predict
+    from rlbatch.plan.fit import predict_config
     from rlbatch.plan.render import report
-    from rlbatch.plan.workload import workload_from_config
 
     _, placement, plain = _context(args)
     hw = pick_hardware(args, plain)
-    layout = from_placement(placement, int(plain["cluster"].get("cpus_per_task") or 1))
-    shape = shape_from_config(plain["model"])
-    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac)
-    p = predict(layout, shape, w, hw, str(plain["model"].get("dtype", "auto")), coefficients(args, hw), _mem_limit(plain),
-                args.ns.overlap)
+    p = predict_config(plain, placement, hw, args.ns.prompt_len, args.ns.response_mean, coefficients(args, hw),
+                       args.ns.overlap, args.ns.zero_variance_frac)
     emit(args, p.to_dict(), report(p))
     return 0 if p.fits else 1
 
 
 def cmd_search(args: Args) -> int:
+    from rlbatch.plan.fit import mem_limit
     from rlbatch.plan.model import shape_from_config
     from rlbatch.plan.render import secs, size, table
     from rlbatch.plan.search import search
@@ -141,7 +131,7 @@ def cmd_search(args: Args) -> int:
     w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac)
     best, stats = search(plain, gpus, placement.gpus_per_node, shape, w, hw, coefficients(args, hw),
                          str(plain["model"].get("dtype", "auto")), args.ns.top,
-                         int(plain["cluster"].get("cpus_per_task") or 1), _mem_limit(plain), args.ns.overlap)
+                         int(plain["cluster"].get("cpus_per_task") or 1), mem_limit(plain), args.ns.overlap)
     data = {"stats": stats, "gpus": gpus, "hardware": hw.name, "top": [
         {"rank": i + 1, "label": c.label, "mode": c.mode, "step_s": c.prediction.step_s if c.prediction else None,
          "overrides": c.overrides} for i, c in enumerate(best)]}

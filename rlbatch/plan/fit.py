@@ -1,0 +1,50 @@
+"""The prediction of one validated configuration: what ``python -m rlbatch.plan predict`` prints
+and what ``check(cfg)`` refuses at launch when the config names a hardware profile.
+
+``predict_config(plain, placement, hw)`` runs the planner on a composed config; ``hardware_from_config``
+reads the config's ``hardware`` section (``hardware=<profile>`` composes the profile's fields, and
+``hardware.<field>=<value>`` overrides one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from rlbatch.placement import Placement
+from rlbatch.plan.coefficients import Coefficients
+from rlbatch.plan.hardware import FIELDS, Hardware, available, hardware_from_dict, load_hardware
+from rlbatch.plan.layout import from_placement
+from rlbatch.plan.model import shape_from_config
+from rlbatch.plan.predict import Prediction, predict
+from rlbatch.plan.workload import workload_from_config
+
+
+def mem_limit(plain: Mapping[str, Any]) -> float | None:
+    """cluster.mem_gb in bytes: the node memory a job may use, when the config limits it."""
+    gb = (plain.get("cluster") or {}).get("mem_gb")
+    return float(gb) * 1e9 if gb else None
+
+
+def hardware_from_config(hw: Mapping[str, Any]) -> Hardware | None:
+    """The profile the ``hardware`` section describes: a profile ``name`` of rlbatch/conf/hardware with
+    its other fields as overrides, or a complete set of fields; None for a few fields without a
+    profile (only the memory figures vllm_rules reads)."""
+    data = dict(hw)
+    name = data.get("name")
+    if isinstance(name, str) and name in available():
+        return load_hardware(name, {k: v for k, v in data.items() if k != "name"})
+    if all(k in data for k, f in FIELDS.items() if f.default is dataclasses.MISSING):
+        return hardware_from_dict(data, "hardware")
+    return None
+
+
+def predict_config(plain: Mapping[str, Any], placement: Placement, hw: Hardware, prompt_len: float | None = None,
+                   response_mean: float | None = None, coef: Coefficients | None = None,
+                   overlap: bool = False, zero_variance_frac: float | None = None) -> Prediction:
+    """The planner's prediction for ``plain`` (a composed, plain config) placed as ``placement``."""
+    layout = from_placement(placement, int(plain["cluster"].get("cpus_per_task") or 1))
+    shape = shape_from_config(plain["model"])
+    w = workload_from_config(plain, prompt_len, response_mean, zero_variance_frac)
+    return predict(layout, shape, w, hw, str(plain["model"].get("dtype", "auto")), coef, mem_limit(plain), overlap)
