@@ -51,9 +51,9 @@ class PolicyObjective:
         self.entropy_coef = float(algo.entropy_coef)
         self.algo = algo
 
-    @property
-    def needs_logits(self) -> bool:
-        return self.entropy_coef > 0
+    needs_logits = True
+    """The engine hands over the logits too: the entropy is a per-step metric (and a loss term
+    with ``entropy_coef > 0``)."""
 
     def __call__(self, x: LossInput) -> tuple[Tensor, dict[str, float]]:
         # Without old log-probs the batch is on-policy: old = current, detached (exact only before
@@ -75,6 +75,8 @@ class PolicyObjective:
             ent = self.agg(core.entropy_from_logits(x.logits), mask)
             loss = loss - self.entropy_coef * ent
             stats["entropy"] = ent.item()
+        elif x.logits is not None:
+            stats["entropy"] = self.agg(core.entropy_for_stats(x.logits), mask).item()
         return loss, stats
 
 

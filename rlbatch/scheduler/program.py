@@ -46,6 +46,12 @@ def advantage_stats(advantages: torch.Tensor | list[torch.Tensor]) -> dict[str, 
             "adv_std": float(flat.std()) if flat.numel() > 1 else 0.0}
 
 
+def kl_stats(kl: list[torch.Tensor] | None) -> dict[str, float]:
+    """The mean per-token KL to the reference that went into the reward (absent when it did not)."""
+    flat = torch.cat([k.reshape(-1).float() for k in kl]) if kl else torch.zeros(0)
+    return {"kl_reward_mean": float(flat.mean())} if flat.numel() else {}
+
+
 def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
     return RankRuntime(world, cfg).handlers()
 
@@ -167,7 +173,7 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
         target = "advantage" if isinstance(advantages, torch.Tensor) else "advantages"
         stats = loop.actor_train.train(rollouts, {target: advantages})
         loop.actor_train.sync_weights(loop.actor_infer)
-        extra |= advantage_stats(advantages) | {"reward_shaped_mean": float(shaped.mean())}
+        extra |= advantage_stats(advantages) | kl_stats(kl) | {"reward_shaped_mean": float(shaped.mean())}
         loop.end_step(step, rollouts, generated, stats, extra)
     loop.finish()
 
@@ -193,7 +199,7 @@ def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
         stats |= {f"critic/{k}": v for k, v in critic_training.result().items()}
         if actor_trains:
             loop.actor_train.sync_weights(loop.actor_infer)
-        extra = counts | advantage_stats(advantages) | {
+        extra = counts | advantage_stats(advantages) | kl_stats(kl) | {
             "reward_shaped_mean": float(shaped.mean()), "critic/explained_variance": explained_variance(values, returns),
             "critic/returns_mean": float(torch.cat(returns).mean()) if returns else 0.0,
             "critic/warmup": float(not actor_trains)}

@@ -240,3 +240,19 @@ def test_select_keeps_the_picked_groups_and_names_the_rest() -> None:
     assert kept.ids == [2, 3, 10, 11] and rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert kept.answers == ["1", "1", "5", "5"] and set(kept.response_len) == set(kept.ids)
     assert dropped == [0, 1, 12, 13]
+
+
+def test_entropy_is_a_metric_every_step_without_changing_the_loss() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 7, generator=g)
+    chunked = core.entropy_for_stats(logits, rows=5)  # 12 positions in chunks of 5, 5 and 2
+    assert torch.allclose(chunked, core.entropy_from_logits(logits), atol=1e-6)
+    logp = torch.log_softmax(logits, -1)[..., 0].clone().requires_grad_()
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    algo = AlgoConfig(entropy_coef=0.0, kl_coef=0.0)
+    a = torch.ones(3, 4)
+    with_logits, stats = PolicyObjective(algo)(LossInput(logp, mask, a, {}, logits))
+    without, plain = PolicyObjective(algo)(LossInput(logp, mask, a, {}))
+    assert with_logits.item() == without.item() and "entropy" not in plain
+    want = (core.entropy_from_logits(logits) * mask).sum() / mask.sum()
+    assert abs(stats["entropy"] - want.item()) < 1e-6
