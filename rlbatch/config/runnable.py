@@ -231,9 +231,10 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
     checks: list[tuple[str, Any]] = []
     if model.get("path") and model.get("check_path", True) is not False:
         checks.append(("model.path", lambda: _model_dir_problem(str(model["path"]))))
-    rm = _section(plain, "reward_model")
-    if rm.get("path") and rm.get("check_path", True) is not False:
-        checks.append(("reward_model.path", lambda: _model_dir_problem(str(rm["path"]), "reward_model")))
+    for section in ("reward_model", "critic_model"):
+        own = _section(plain, section)
+        if own.get("path") and own.get("check_path", True) is not False:
+            checks.append((f"{section}.path", lambda p=str(own["path"]), f=section: _model_dir_problem(p, f)))
     if data.get("name") == "file" and data.get("path") and data.get("check_path", True) is not False:
         checks.append(("data.path", lambda: _data_file_problem(str(data["path"]))))
     if data.get("reward_fn") is not None and _enabled(_section(plain, "roles").get("reward")):

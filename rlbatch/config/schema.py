@@ -337,6 +337,19 @@ class RewardModelConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    """Where PPO's critic starts from (docs/algorithms.md)."""
+
+    path: str | None = None
+    """Local Hugging Face directory: a token-classification model with one label (e.g. a critic
+    exported with ``python -m rlbatch.export RUN DIR --role critic``) loads as it is; a causal LM gives
+    the body, with the value head at zero. It must read the policy's token ids (the same tokenizer).
+    None: the policy's own weights (model.path or its random initialisation)."""
+    check_path: bool = True
+    """Refuse to start or submit when ``path`` does not exist on the machine that launches."""
+
+
+@dataclass
 class RLBatchConfig:
     """One rlbatch run."""
 
@@ -374,3 +387,4 @@ class RLBatchConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    critic_model: CriticModelConfig = field(default_factory=CriticModelConfig)

@@ -31,7 +31,14 @@ from rlbatch.config.runnable import (
     role_engines,
     runnable_problems,
 )
-from rlbatch.config.schema import AlgoConfig, DataConfig, ModelConfig, RewardModelConfig, RLBatchConfig
+from rlbatch.config.schema import (
+    AlgoConfig,
+    CriticModelConfig,
+    DataConfig,
+    ModelConfig,
+    RewardModelConfig,
+    RLBatchConfig,
+)
 from rlbatch.config.vllm_rules import vllm_problems
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, place
@@ -107,7 +114,7 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
 
 
 SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig,
-                             "reward_model": RewardModelConfig}
+                             "reward_model": RewardModelConfig, "critic_model": CriticModelConfig}
 """Sections whose keys must be schema fields (roles and cluster are checked by place())."""
 
 
@@ -191,6 +198,10 @@ def _check_critic(cfg: Mapping[str, Any], algo: Mapping[str, Any]) -> list[str]:
     problems = []
     name, adv = algo.get("name"), algo.get("advantage")
     uses_critic = isinstance(name, str) and name in USES_CRITIC
+    critic_path = _get(cfg, "critic_model.path")
+    if critic_path and not (uses_critic and _enabled(cfg, "critic")):
+        problems.append(f"critic_model.path: {critic_path} is set, but no critic runs (algo.name={name}); use "
+                        f"algo=ppo, or leave critic_model.path unset")
     if uses_critic and not _enabled(cfg, "critic"):
         problems.append(f"roles.critic: algo.name={name} needs the critic role; enable it (roles.critic.enabled=true; "
                         f"it runs on actor_train's GPUs unless given a device_mapping)")

@@ -110,15 +110,35 @@ def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
         if model.config.pad_token_id is None:  # the score is read at the last non-pad token
             model.config.pad_token_id = ctx.tokenizer.pad_token_id
         return model
+    if ctx.head == "value" and ctx.model.path and _architecture_is(ctx.model.path, "ForTokenClassification"):
+        from transformers import AutoModelForTokenClassification
+
+        critic = AutoModelForTokenClassification.from_pretrained(ctx.model.path, dtype=dtype)
+        _check_vocab(critic, ctx.tokenizer, ctx.model.path)
+        return critic
     lm = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype)
     if ctx.head == "value":
+        if ctx.model.path:
+            _check_vocab(lm, ctx.tokenizer, ctx.model.path)
         return value_model(lm)
     return reward_model(lm, ctx.seed) if ctx.head == "reward" else lm
 
 
-def _is_sequence_classifier(path: str) -> bool:
+def _architecture_is(path: str, suffix: str) -> bool:
     import json
     from pathlib import Path
 
     config = json.loads((Path(path) / "config.json").read_text())
-    return any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    return any(a.endswith(suffix) for a in config.get("architectures") or [])
+
+
+def _is_sequence_classifier(path: str) -> bool:
+    return _architecture_is(path, "ForSequenceClassification")
+
+
+def _check_vocab(model: Any, tokenizer: Any, path: str) -> None:
+    """A critic reads the policy's token ids: its embedding must have a row for each."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        raise ValueError(f"critic_model.path: {path} embeds {rows} tokens, but the policy's tokenizer has "
+                         f"{len(tokenizer)}: the critic must read the policy's token ids (the same tokenizer)")

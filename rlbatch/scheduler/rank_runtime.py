@@ -40,10 +40,13 @@ log = logging.getLogger(__name__)
 
 def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: Any) -> tuple[Any, Any]:
     """The model config and tokenizer a role's engine is built from: the policy's, but for a reward
-    model of its own (``reward_model.path``)."""
+    model of its own (``reward_model.path``, with its tokenizer) or a critic of its own
+    (``critic_model.path``, reading the policy's tokens)."""
     if HEADS.get(role) == "reward" and cfg.reward_model.path:
         model = replace(cfg.model, path=str(cfg.reward_model.path))
         return model, load_tokenizer(model)
+    if HEADS.get(role) == "value" and cfg.critic_model.path:
+        return replace(cfg.model, path=str(cfg.critic_model.path)), policy_tokenizer
     return cfg.model, policy_tokenizer
 
 

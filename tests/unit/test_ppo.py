@@ -3,6 +3,7 @@ the value model built from the policy, and the phases/validation that make PPO a
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -194,3 +195,33 @@ def test_model_scorer_weighs_the_model_and_the_rule() -> None:
     score = ModelScorer(Engine(), tok, tok, cfg)
     rewards, _ = score([T([1]), T([1])], [T([5, 6]), T([5, 6, 7, 8])], ["3", "4"], ["3", "5"])
     assert rewards == [0.5 * 2 + 2 * 1.0, 0.5 * 4 + 0.0]
+
+
+def test_a_critic_starts_from_its_own_directory(tmp_path: Path) -> None:
+    from rlbatch.config.schema import ModelConfig
+    from rlbatch.engines.model import load_engine_model, load_model, load_tokenizer, value_model
+    from rlbatch.launch.compose import compose
+    from rlbatch.models.spec import spec_from_config
+    from rlbatch.models.tiny import build_tiny_model
+
+    cfg = compose([])
+    tok = load_tokenizer(cfg.model)
+    trained = value_model(load_model(cfg.model, tok, seed=3))
+    with torch.no_grad():
+        trained.score.weight.fill_(0.5)
+    trained.save_pretrained(tmp_path / "critic")  # what `rlbatch.export --role critic` writes
+    lm = load_model(cfg.model, tok, seed=4)
+    lm.save_pretrained(tmp_path / "lm")
+
+    def ctx(path: Path) -> SimpleNamespace:
+        return SimpleNamespace(head="value", model=ModelConfig(path=str(path)), tokenizer=tok, seed=9)
+
+    loaded = load_engine_model(ctx(tmp_path / "critic"))
+    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in loaded.state_dict().items())
+    body = load_engine_model(ctx(tmp_path / "lm"))  # a causal LM: its body, the head at zero
+    assert torch.equal(body.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+    assert body.score.weight.abs().sum() == 0
+    small = build_tiny_model(spec_from_config({}, vocab=8), seed=0)
+    small.save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match=r"embeds 8 tokens, but the policy's tokenizer has \d+"):
+        load_engine_model(ctx(tmp_path / "small"))

@@ -491,3 +491,16 @@ def test_a_reward_model_on_gpus_is_checked_before_anything_starts(cfg: dict[str,
     assert problems(set_(cfg, reward_model__path=missing, reward_model__check_path=False)) == [
         f"reward_model.path: {missing} is set, but roles.reward scores with data.reward_fn on CPU workers; give "
         "roles.reward a device_mapping and a backend (e.g. 'fsdp:d2') to run the model"]
+
+
+def test_a_critic_directory_needs_a_critic_and_must_exist(cfg: dict[str, Any], tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-critic")
+    assert problems(set_(cfg, critic_model__path=missing, critic_model__check_path=False)) == [
+        f"critic_model.path: {missing} is set, but no critic runs (algo.name=grpo); use algo=ppo, or leave "
+        "critic_model.path unset"]
+    assert problems(ppo(cfg, critic_model__path=missing)) == [
+        f"critic_model.path: {missing} does not exist on this machine; give a local Hugging Face model directory "
+        "(nothing is downloaded), or set critic_model.check_path=false if only the compute nodes see it"]
+    (tmp_path / "critic").mkdir()
+    (tmp_path / "critic" / "config.json").write_text("{}")
+    check(ppo(cfg, critic_model__path=str(tmp_path / "critic")))
