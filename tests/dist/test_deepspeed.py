@@ -47,9 +47,10 @@ def _rewards(run_dir: Path) -> list[float]:
 
 
 # Colocated (the first command users try, ZeRO-3): first >= 0.8 at step 30 of the seeded run, so 40
-# steps reach it. Disaggregated (deepspeed:d1 beside hf:d1): 0.0 -> 0.67 in 25 steps; 20 steps show the rise.
+# steps reach it. Disaggregated (deepspeed:d1 beside hf:d1): 0.0 -> 0.70 in 30 steps, 0.52 by step 24
+# (0.29 by step 19); 25 steps show the rise.
 @pytest.mark.parametrize("roles, backend, steps, want", [("colocated", "deepspeed:d2", 40, 0.8),
-                                                          ("disaggregated", "deepspeed:d1", 20, 0.3)])
+                                                          ("disaggregated", "deepspeed:d1", 25, 0.3)])
 def test_default_experiment_learns_with_deepspeed(roles: str, backend: str, steps: int, want: float,
                                                   run_root: Path) -> None:
     d = run_root / roles
