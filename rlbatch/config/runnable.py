@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from rlbatch.algos.registry import PROGRAMS, USES_CRITIC, Registry
-from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND
+from rlbatch.config.schema import GPU_ROLES, HEADS, INHERIT_BACKEND
 from rlbatch.engines.registry import REGISTRY, built_engines, parse_args
 from rlbatch.errors import ConfigError
 from rlbatch.phases import PHASES
@@ -109,6 +109,27 @@ def engine_args_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) ->
         raw = roles[e.role].get("engine_args")
         if raw is None or isinstance(raw, Mapping):  # any other type: place() reports it
             problems += parse_args(e.backend.engine, raw, f"roles.{e.role}.engine_args").problems
+    return problems
+
+
+_HEAD_WORDS = {"value": ("value", "give the critic backend"),
+               "reward": ("sequence-classification", "give the reward model")}
+"""Per model head other than the policy's: what the head is called, and how to fix a backend without it."""
+
+
+def head_problems(engines: list[RoleEngine]) -> list[str]:
+    """A role whose model has a head of its own (``HEADS``: the critic's value head, a reward model's
+    sequence-classification head) on an engine that does not build it (``EngineSpec.heads``)."""
+    problems = []
+    for e in engines:
+        head, spec = HEADS.get(e.role, "lm"), REGISTRY.get(e.backend.engine)
+        if spec is None or spec.kind is not EngineKind.TRAIN or head in spec.heads:
+            continue  # an engine of the wrong kind: engine_problems says so
+        word, fix = _HEAD_WORDS[head]
+        able = " or ".join(f"'{n}:dN'" for n, s in REGISTRY.items() if s.built and head in s.heads)
+        inherited = " (inherited from actor_train)" if e.inherited else ""
+        problems.append(f"roles.{e.role}.backend: '{e.backend}'{inherited}: the {e.backend.engine} engine has no "
+                        f"{word} head in this build; {fix} {able}")
     return problems
 
 

@@ -26,6 +26,7 @@ from rlbatch.algos.registry import (
 from rlbatch.config.plain import to_plain
 from rlbatch.config.runnable import (
     engine_args_problems,
+    head_problems,
     program_name_problem,
     registry_problem,
     role_engines,
@@ -194,7 +195,8 @@ def _number(v: Any) -> float | None:
 
 def _check_critic(cfg: Mapping[str, Any], algo: Mapping[str, Any]) -> list[str]:
     """PPO's parts: a critic role, a value-based advantage estimator (and only with a critic), its
-    settings in range, a loop it runs in (no dynamic sampling), an engine with a value head."""
+    settings in range, a loop it runs in (no dynamic sampling). Its engine's value head:
+    ``head_problems``."""
     problems = []
     name, adv = algo.get("name"), algo.get("advantage")
     uses_critic = isinstance(name, str) and name in USES_CRITIC
@@ -227,19 +229,11 @@ def _check_critic(cfg: Mapping[str, Any], algo: Mapping[str, Any]) -> list[str]:
     elif uses_critic and warm is not None and steps is not None and warm >= steps > 0:
         problems.append(f"algo.critic_warmup_steps: {warm} warm-up steps train only the critic, and the run has "
                         f"steps={steps}: the actor would never train")
-    critic = _get(cfg, "roles.critic")
-    if uses_critic and _enabled(cfg, "critic") and isinstance(critic, Mapping):
-        backend = critic.get("backend") or _get(cfg, "roles.actor_train.backend")
-        if isinstance(backend, str) and backend.strip().startswith("megatron"):
-            problems.append(f"roles.critic.backend: '{backend}'{' (inherited from actor_train)' if not critic.get('backend') else ''}"
-                            f": the megatron engine has no value head in this build; give the critic "
-                            f"backend 'fsdp:dN' or 'deepspeed:dN'")
     return problems
 
 
 def _check_reward_model(cfg: Mapping[str, Any]) -> list[str]:
-    """A reward model runs on the reward role's GPUs with a training (forward) engine that has a
-    sequence-classification head; its weights are numbers >= 0, not both 0."""
+    """A reward model's weights are numbers >= 0, not both 0 (its engine's head: ``head_problems``)."""
     reward, rm = _get(cfg, "roles.reward"), _get(cfg, "reward_model")
     rm = rm if isinstance(rm, Mapping) else {}
     on_gpu = _enabled(cfg, "reward") and isinstance(reward, Mapping) and (
@@ -255,10 +249,6 @@ def _check_reward_model(cfg: Mapping[str, Any]) -> list[str]:
     elif not any(float(w) for w in weights.values()):
         problems.append(f"reward_model: model_weight and rule_weight are both 0 ({weights}): nothing would score "
                         f"the responses")
-    backend = reward.get("backend")
-    if isinstance(backend, str) and backend.strip().startswith("megatron"):
-        problems.append(f"roles.reward.backend: '{backend}': the megatron engine has no sequence-classification "
-                        f"head in this build; give the reward model 'fsdp:dN' or 'deepspeed:dN'")
     return problems
 
 
@@ -368,6 +358,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(_check_algo_vs_roles(plain, placement))
     problems.extend(_check_model_shape(plain.get("model")))
     engines = role_engines(plain)
+    problems.extend(head_problems(engines))
     problems.extend(engine_args_problems(plain, engines))
     train_run = runnable and plain.get("program", "train") == "train"
     problems.extend(vllm_problems(plain, engines, placement, train_run))

@@ -157,5 +157,7 @@ def build_engine(engine: str, ctx: EngineContext) -> Any:
     spec = spec_of(engine)
     if spec.implementation is None:
         raise NotImplementedError(f"engine '{engine}' is not built: {spec.note}")
+    if ctx.head not in spec.heads:  # validation refused it too
+        raise NotImplementedError(f"engine '{engine}', role {ctx.role}: a {ctx.head} head is not built")
     module, _, name = spec.implementation.partition(":")
     return getattr(importlib.import_module(module), name)(ctx)

@@ -135,6 +135,9 @@ class EngineSpec:
     peers of one replica) receive the same samples."""
     note: str = ""
     """Why it is not built, or what is missing, for error messages."""
+    heads: tuple[str, ...] = ("lm",)
+    """The model heads it builds (``rlbatch.config.schema.HEADS``): 'lm' (the policy), 'value' (a
+    critic), 'reward' (a sequence-classification reward model)."""
 
     @property
     def built(self) -> bool:
@@ -242,7 +245,8 @@ def describe() -> str:
     return "\n".join(lines)
 
 
-register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d"))
+register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d",
+                    heads=("lm", "value", "reward")))
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d"))
 # dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
 # keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.
@@ -250,7 +254,7 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.v
                     note="pipeline-parallel vLLM (p>1) is not built yet: use vllm:dXtY"))
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
-                    dims="d", note="only data parallelism (deepspeed:dN) is built"))
+                    dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward")))
 # dims "dt": tensor and data parallel; the placement language keeps "dtpce" so plans with pipeline,
 # context and expert parallelism are still modelled (and refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",

@@ -225,3 +225,12 @@ def test_a_critic_starts_from_its_own_directory(tmp_path: Path) -> None:
     small.save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match=r"embeds 8 tokens, but the policy's tokenizer has \d+"):
         load_engine_model(ctx(tmp_path / "small"))
+
+
+def test_an_engine_is_not_built_for_a_head_it_does_not_have() -> None:
+    from rlbatch.engines.base import build_engine
+    from rlbatch.engines.registry import spec_of
+
+    assert spec_of("fsdp").heads == ("lm", "value", "reward") and spec_of("megatron").heads == ("lm",)
+    with pytest.raises(NotImplementedError, match="engine 'megatron', role critic: a value head is not built"):
+        build_engine("megatron", SimpleNamespace(head="value", role="critic"))  # type: ignore[arg-type]

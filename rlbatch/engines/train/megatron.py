@@ -41,8 +41,6 @@ class MegatronEngine(StashedState):
         dims = dict(zip(ctx.mesh.mesh_dim_names, ctx.mesh.mesh.shape, strict=True))
         if dims.get("pp", 1) > 1 or dims.get("cp", 1) > 1:
             raise NotImplementedError(f"megatron engine: pipeline and context parallelism are not built, got mesh {dims}")
-        if ctx.head != "lm":
-            raise NotImplementedError(f"megatron engine, role {ctx.role}: a {ctx.head} head is not built")
         self.device, self.algo, self.tokenizer = ctx.device, ctx.algo, ctx.tokenizer
         self.micro_batch = int(ctx.args.micro_batch)
         self.tp_group, self.dp_group = ctx.group("tp"), ctx.group("dp")
