@@ -54,25 +54,35 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
     return tiny_model.to(dtype)
 
 
+def _with_head(lm: Any, auto_class: Any, **config: Any) -> Any:
+    """``lm``'s architecture under another transformers head class (one label, no output embedding to
+    tie), built without touching the caller's RNG, its body the LM's weights. The head's parameters
+    (``score.*``) are the only ones left to set."""
+    import copy
+
+    cfg = copy.deepcopy(lm.config)
+    cfg.num_labels, cfg.tie_word_embeddings = 1, False
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    with torch.random.fork_rng(devices=[]):
+        model = auto_class.from_config(cfg, dtype=next(lm.parameters()).dtype)
+    missing, unexpected = model.load_state_dict(lm.state_dict(), strict=False)
+    head = {name for name, _ in model.named_parameters() if name.startswith("score.")}
+    if set(missing) != head or set(unexpected) - {"lm_head.weight"}:
+        raise ValueError(f"{auto_class.__name__} from {type(lm).__name__}: weights did not map (missing {missing}, "
+                         f"unexpected {unexpected})")
+    return model
+
+
 def value_model(lm: Any) -> Any:
     """A critic from a causal LM: the same architecture with a scalar head per token
     (transformers' ``...ForTokenClassification`` with one label, no dropout), its body the LM's
     weights and its head zero, so every value starts at 0 and the first advantages are the
     rewards' own. Parameter names stay Hugging Face's (``model.*``, ``score.weight``, ``score.bias``):
     ``save_pretrained`` output loads with ``AutoModelForTokenClassification``."""
-    import copy
-
     from transformers import AutoModelForTokenClassification
 
-    config = copy.deepcopy(lm.config)
-    config.num_labels, config.classifier_dropout = 1, 0.0
-    config.tie_word_embeddings = False  # no output embedding to tie
-    with torch.random.fork_rng(devices=[]):
-        model = AutoModelForTokenClassification.from_config(config, dtype=next(lm.parameters()).dtype)
-    missing, unexpected = model.load_state_dict(lm.state_dict(), strict=False)
-    if set(missing) != {"score.weight", "score.bias"} or set(unexpected) - {"lm_head.weight"}:
-        raise ValueError(f"value model from {type(lm).__name__}: weights did not map (missing {missing}, "
-                         f"unexpected {unexpected})")
+    model = _with_head(lm, AutoModelForTokenClassification, classifier_dropout=0.0)
     with torch.no_grad():
         model.score.weight.zero_()
         model.score.bias.zero_()
@@ -83,19 +93,13 @@ def reward_model(lm: Any, seed: int) -> Any:
     """A sequence-classification model (one score per sequence, read at its last non-pad token)
     from a causal LM: its body the LM's weights, its head drawn from ``seed`` (std 1/sqrt(hidden)).
     A stand-in that knows nothing about the task, for runs without a trained reward model."""
-    import copy
-
     from transformers import AutoModelForSequenceClassification
 
-    config = copy.deepcopy(lm.config)
-    config.num_labels, config.tie_word_embeddings = 1, False
-    with torch.random.fork_rng(devices=[]):
-        model = AutoModelForSequenceClassification.from_config(config, dtype=next(lm.parameters()).dtype)
-    model.load_state_dict(lm.state_dict(), strict=False)
+    model = _with_head(lm, AutoModelForSequenceClassification)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         w = model.score.weight
-        w.copy_(torch.randn(w.shape, generator=g) / config.hidden_size ** 0.5)
+        w.copy_(torch.randn(w.shape, generator=g) / model.config.hidden_size ** 0.5)
     return model
 
 
@@ -103,7 +107,7 @@ def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
     """The model of an engine's role by its head: the policy (a causal LM, 'lm'), the value model
     built from it ('value': the critic), or a reward model ('reward': the directory's
     sequence-classification model when ``ctx.model.path`` names one, else one built from the policy)."""
-    if ctx.head == "reward" and ctx.model.path and _is_sequence_classifier(ctx.model.path):
+    if ctx.head == "reward" and ctx.model.path and _architecture_is(ctx.model.path, "ForSequenceClassification"):
         from transformers import AutoModelForSequenceClassification
 
         model = AutoModelForSequenceClassification.from_pretrained(ctx.model.path, num_labels=1, dtype=dtype)
@@ -130,10 +134,6 @@ def _architecture_is(path: str, suffix: str) -> bool:
 
     config = json.loads((Path(path) / "config.json").read_text())
     return any(a.endswith(suffix) for a in config.get("architectures") or [])
-
-
-def _is_sequence_classifier(path: str) -> bool:
-    return _architecture_is(path, "ForSequenceClassification")
 
 
 def _check_vocab(model: Any, tokenizer: Any, path: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlbatch.config.schema import TRAINABLE_ROLES
+from rlbatch.config.schema import HEADS, TRAINABLE_ROLES
 from rlbatch.engines.defaults import fsdp_single_unit, hf_max_batch, share_prompts, worth_sharing
 from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
@@ -158,7 +158,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     sp = b.engine == "megatron" and bool(ea.get("sequence_parallel", True)) or b.engine == "fsdp"
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     s = w.seq_len / c
-    vocab = 1 if r.name in ("critic", "reward") else shape.vocab  # a value or reward head: a scalar per token
+    vocab = 1 if r.name in HEADS else shape.vocab  # a value or reward head: a scalar per token
     # Tokens and logit rows per micro-batch: every position of the padded sequences, or with shared
     # prompts each distinct prompt once (logits at its last position) plus the responses.
     ftok, frows, _ = pass_tokens(r, w, fmb, s)

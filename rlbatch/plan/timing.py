@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlbatch.config.schema import HEADS
 from rlbatch.engines.defaults import share_prompts, worth_sharing
 from rlbatch.placement import BackendSpec
 from rlbatch.plan import comm
@@ -256,7 +257,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     mult = (4.0 if w.recompute else 3.0) if train else 1.0
     tokens, rows, models = pass_tokens(r, w, mb, s)
     flops = calls * tokens * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
-    vocab = 1 if r.name in ("critic", "reward") else shape.vocab
+    vocab = 1 if r.name in HEADS else shape.vocab
     rows *= calls
     # Weights are read once per model call (and again in backward); activations stream through
     # elementwise ops (traffic_per_token) forward and about as much again backward.

@@ -44,13 +44,18 @@ def logprobs(model: Any, samples: list[Sample], micro_batch: int, pack: Callable
     return out
 
 
+def value_outputs(model: Any, b: Packed) -> torch.Tensor:
+    """[B, R] a value model's output at the positions that score each response token."""
+    return response_logits(model, b)[..., 0].float()
+
+
 @torch.no_grad()
 def values(model: Any, samples: list[Sample], micro_batch: int, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
     """Per-sample response-token values under a value model (``rlbatch.engines.model.value_model``)."""
     out: list[torch.Tensor] = []
     for chunk in chunks(samples, micro_batch):
         b = pack(chunk)
-        out += unpack(response_logits(model, b)[..., 0].float(), b.lengths)
+        out += unpack(value_outputs(model, b), b.lengths)
     return out
 
 
@@ -72,7 +77,7 @@ def chunk_loss(model: Any, b: Packed, objective: Any) -> tuple[torch.Tensor, dic
     if objective.head == "value":
         from rlbatch.algos.value import ValueInput
 
-        return objective(ValueInput(response_logits(model, b)[..., 0].float(), b.mask, b.fields))
+        return objective(ValueInput(value_outputs(model, b), b.mask, b.fields))
     logits = response_logits(model, b).float()
     logp = algos.token_logprobs(logits, b.targets)
     return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields, logits if objective.needs_logits else None))
