@@ -14,7 +14,8 @@ from typing import Any
 from torch import Tensor
 
 from rlbatch.algos import core
-from rlbatch.algos.registry import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from rlbatch.algos.offpolicy import importance_ratio, ratio_stats
+from rlbatch.algos.registry import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
 
 
 @dataclass
@@ -49,6 +50,8 @@ class PolicyObjective:
         self.kl = KL_ESTIMATORS.get(str(algo.kl_estimator))
         self.kl_coef = float(algo.kl_coef) if not algo.kl_in_reward else 0.0
         self.entropy_coef = float(algo.entropy_coef)
+        name = str(getattr(algo, "off_policy", "none"))
+        self.correction = OFF_POLICY.get(name) if name != "none" else None
         self.algo = algo
 
     needs_logits = True
@@ -61,8 +64,14 @@ class PolicyObjective:
         old = x.fields.get("old_logprobs", x.logp.detach())
         # A per-sample loss mask (DAPO's overlong filtering) takes tokens out of every term and count.
         mask = x.mask * x.fields["loss_mask"] if "loss_mask" in x.fields else x.mask
-        loss, clip = self.policy_loss(x.logp, old, x.advantages, mask, self.algo, self.agg)
-        stats = {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "clip_frac_low": clip.clip_frac_low.item(),
+        advantages, correction = x.advantages, {}
+        if self.correction is not None:  # the sampler's policy differs from the trainer's: weigh or drop tokens
+            ratio = importance_ratio(old, x.fields["behaviour_logprobs"])
+            weight, keep = self.correction(ratio, mask, self.algo)
+            correction = ratio_stats(ratio, weight, keep, mask)
+            advantages, mask = advantages * weight, mask * keep
+        loss, clip = self.policy_loss(x.logp, old, advantages, mask, self.algo, self.agg)
+        stats = correction | {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "clip_frac_low": clip.clip_frac_low.item(),
                  "clip_frac_high": clip.clip_frac_high.item(), "approx_kl_old": clip.approx_kl.item()}
         if "loss_mask" in x.fields:
             stats["loss_masked_frac"] = 1.0 - (mask.sum() / x.mask.sum().clamp(min=1.0)).item()

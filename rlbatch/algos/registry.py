@@ -13,6 +13,8 @@ differs, a program; no engine changes.
     POLICY_LOSSES   (logp, old_logp, advantages [B,T], mask, algo cfg, aggregate) -> (loss, ClipStats)
     KL_ESTIMATORS   (logp, ref_logp) -> per-token KL estimate
     AGGREGATIONS    (per_token [B,T], mask, algo cfg) -> scalar
+    OFF_POLICY      (ratio [B,T], mask, algo cfg) -> (weight [B,T], keep [B,T]): the correction for
+                    tokens sampled by another policy (ratio: old policy / behaviour policy)
     PROGRAMS        the controller loop for algo.name
 """
 
@@ -79,6 +81,11 @@ AGGREGATIONS = Registry("loss aggregation", "algo.loss_agg", {
     "seq": "rlbatch.algos.estimators:agg_seq",
     "seq_sum": "rlbatch.algos.estimators:agg_seq_sum",
 })
+OFF_POLICY = Registry("off-policy correction", "algo.off_policy", {
+    "none": "rlbatch.algos.offpolicy:no_correction",
+    "tis": "rlbatch.algos.offpolicy:truncated_is",
+    "mask": "rlbatch.algos.offpolicy:ratio_mask",
+})
 PROGRAMS = Registry("algorithm (program)", "algo.name", {
     **{name: "rlbatch.scheduler.program:policy_gradient"
        for name in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")},
@@ -92,7 +99,7 @@ GROUP_ADVANTAGES: set[str] = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"
 """Advantage estimators that compare the samples of one prompt's group: they need
 samples_per_prompt >= 2. A plugin adds the name of such an estimator it registers."""
 
-ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, PROGRAMS)
+ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, OFF_POLICY, PROGRAMS)
 
 USES_CRITIC: set[str] = {"ppo"}
 """Programs that run the critic role (values, critic training); they need it enabled, and the

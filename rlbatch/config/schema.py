@@ -263,6 +263,24 @@ class AlgoConfig:
     filled with zero-variance groups)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    max_staleness: int = 0
+    """Asynchronous off-policy training on a disaggregated placement: while actor_train trains on
+    step s, actor_infer already generates the batches of steps up to s + max_staleness with the
+    weights it has, so no sample is trained on more than max_staleness policy versions after the
+    one that generated it. 0: the synchronous loop. A placement whose actor_infer shares ranks
+    with another GPU role runs synchronously (and says so once)."""
+    off_policy: str = "none"
+    """Correction for tokens sampled by an older (or numerically different) policy, from
+    ``rlbatch.algos.registry.OFF_POLICY``: 'none', 'tis' (truncated importance sampling with
+    tis_cap) or 'mask' (tokens whose ratio leaves [mask_ratio_low, mask_ratio_high] leave the loss).
+    The ratio is the trainer's policy before the step's updates over the behaviour log-probs the
+    inference engine returned."""
+    tis_cap: float = 2.0
+    """off_policy=tis: the importance weight's upper bound (>= 1)."""
+    mask_ratio_low: float = 0.5
+    """off_policy=mask: tokens with a ratio below this leave the loss (in (0, 1])."""
+    mask_ratio_high: float = 2.0
+    """off_policy=mask: tokens with a ratio above this leave the loss (>= 1)."""
     overlong_filter: bool = False
     """DAPO's overlong filtering: a truncated response (max_new_tokens tokens, not ending with EOS) is
     kept out of the loss: its tokens weigh 0 and do not count in the aggregation's token count."""

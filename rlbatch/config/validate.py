@@ -19,6 +19,7 @@ from rlbatch.algos.registry import (
     AGGREGATIONS,
     GROUP_ADVANTAGES,
     KL_ESTIMATORS,
+    OFF_POLICY,
     POLICY_LOSSES,
     USES_CRITIC,
     VALUE_ADVANTAGES,
@@ -62,7 +63,7 @@ MINIMUMS: dict[str, float] = {
     "algo.temperature": 0.0, "algo.lr": 0.0, "algo.mini_batches": 1, "algo.epochs": 1,
     "algo.grad_accum": 1, "algo.clip_low": 0.0, "algo.clip_high": 0.0, "algo.kl_coef": 0.0,
     "algo.grad_clip": 0.0, "algo.warmup_steps": 0, "algo.overlong_buffer": 0, "algo.overlong_penalty": 0.0,
-    "algo.max_sampling_rounds": 0,
+    "algo.max_sampling_rounds": 0, "algo.max_staleness": 0, "algo.tis_cap": 1.0,
 }
 
 
@@ -140,7 +141,7 @@ def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
             problems.append(f"{key}: must be >= {low:g}, got {v}")
     algo = _get(cfg, "algo")
     if isinstance(algo, Mapping):
-        for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS):
+        for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, OFF_POLICY):
             key = registry.field.split(".", 1)[1]
             if key in algo and (problem := registry_problem(registry, algo[key])) is not None:
                 problems.append(problem)
@@ -191,6 +192,31 @@ def _check_groups(algo: Mapping[str, Any]) -> list[str]:
 
 def _number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _check_async(algo: Mapping[str, Any]) -> list[str]:
+    """Asynchronous training and the off-policy corrections: settings in range, and a sampling
+    distribution the trainer's log-probs describe."""
+    problems = []
+    stale, correction = _int(algo.get("max_staleness")), algo.get("off_policy")
+    if stale and algo.get("dynamic_sampling") is True:
+        problems.append(f"algo.max_staleness: asynchronous generation ({stale} steps ahead) is not built for DAPO's "
+                        f"dynamic sampling, whose rounds depend on the step's scores; set algo.max_staleness=0 or "
+                        f"algo.dynamic_sampling=false")
+    low, high = _number(algo.get("mask_ratio_low")), _number(algo.get("mask_ratio_high"))
+    if low is not None and not 0 < low <= 1:
+        problems.append(f"algo.mask_ratio_low: must be in (0, 1], got {algo.get('mask_ratio_low')}")
+    if high is not None and high < 1:
+        problems.append(f"algo.mask_ratio_high: must be >= 1, got {algo.get('mask_ratio_high')}")
+    temperature, top_p = _number(algo.get("temperature")), _number(algo.get("top_p"))
+    if correction not in (None, "none") and ((temperature is not None and temperature != 1.0)
+                                              or (top_p is not None and top_p != 1.0)):
+        problems.append(f"algo.off_policy: {correction!r} weighs tokens by the trainer's log-probs over the "
+                        f"inference engine's, which are taken after temperature and top-p (temperature="
+                        f"{algo.get('temperature')}, top_p={algo.get('top_p')}) while the trainer's are not, so the "
+                        f"ratio would not be an importance ratio; use algo.temperature=1 and algo.top_p=1, or "
+                        f"algo.off_policy=none")
+    return problems
 
 
 def _check_critic(cfg: Mapping[str, Any], algo: Mapping[str, Any]) -> list[str]:
@@ -261,6 +287,7 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
     spp = algo.get("samples_per_prompt")
     problems.extend(_check_groups(algo))
     problems.extend(_check_critic(cfg, algo))
+    problems.extend(_check_async(algo))
     problems.extend(_check_reward_model(cfg))
     kl = algo.get("kl_coef")
     if isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl > 0 and not _enabled(cfg, "reference"):

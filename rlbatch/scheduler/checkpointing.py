@@ -3,13 +3,17 @@
 Every rank writes its own shards (DCP, staged through CPU) into a staging directory; when all
 have answered, the controller adds its own state and commits the checkpoint atomically (see
 rlbatch.checkpoint.store). Inference weights are not saved: after resume they are synced from
-actor_train like after any step.
+actor_train like after any step. Other controller-side state (the generations made ahead of
+training) joins as a *part*: ``save(stage) -> dict`` writes its files and returns its share of
+controller.json, ``load(ckpt, state)`` restores it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+from typing import Any, Protocol
 
 from rlbatch.checkpoint.files import read_controller, write_controller
 from rlbatch.checkpoint.store import CheckpointError, CheckpointStore
@@ -21,9 +25,16 @@ from rlbatch.scheduler.controller import Pipeline
 log = logging.getLogger(__name__)
 
 
+class Part(Protocol):
+    def save(self, stage: Path) -> dict[str, Any]: ...
+
+    def load(self, ckpt: Path, state: dict[str, Any]) -> None: ...
+
+
 class Checkpointer:
-    def __init__(self, pipe: Pipeline, run: RunDir, cfg: RLBatchConfig, data: PromptStream, data_fingerprint: str) -> None:
-        self.pipe, self.run, self.cfg = pipe, run, cfg
+    def __init__(self, pipe: Pipeline, run: RunDir, cfg: RLBatchConfig, data: PromptStream, data_fingerprint: str,
+                 parts: tuple[Part, ...] = ()) -> None:
+        self.pipe, self.run, self.cfg, self.parts = pipe, run, cfg, parts
         self.data, self.fingerprint = data, data_fingerprint
         self.store = CheckpointStore(run.path / "checkpoints", keep=int(cfg.keep_checkpoints))
         self.last_save_s = 0.0
@@ -47,14 +58,19 @@ class Checkpointer:
         print(f"resuming from {ckpt.path} (step {ckpt.step})", flush=True)
         self._all_ranks("load", str(ckpt.path))
         self.data.load_state_dict(state["data"])
+        for part in self.parts:
+            part.load(ckpt.path, state)
         return int(state["step"]) + 1
 
     def save(self, step: int, reason: str) -> None:
         start = time.perf_counter()
         stage = self.store.begin(step)
         self._all_ranks("save", str(stage))
-        write_controller(stage, {"step": step, "data": self.data.state_dict(), "data_fingerprint": self.fingerprint,
-                                 "reason": reason}, self.run.config)
+        state: dict[str, Any] = {}
+        for part in self.parts:
+            state |= part.save(stage)
+        write_controller(stage, state | {"step": step, "data": self.data.state_dict(), "data_fingerprint": self.fingerprint,
+                                         "reason": reason}, self.run.config)
         path = self.store.commit(step, {"run_dir": str(self.run.path), "reason": reason})
         self.last_save_s = time.perf_counter() - start
         log.info("checkpoint %s (%s) in %.1fs", path, reason, self.last_save_s)

@@ -18,7 +18,7 @@ import torch
 
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.engines.registry import engine_args, spec_of
-from rlbatch.phases import PhaseSpec, phase_for
+from rlbatch.phases import PHASES, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
 from rlbatch.runtime.control import Call, Controller
 from rlbatch.runtime.dataplane import Move
@@ -35,6 +35,8 @@ class Rollouts:
     group_size: int
     prompt_len: dict[int, int]
     response_len: dict[int, int]
+    version: int = 0
+    """The policy version (actor updates synced to the inference engine) that generated them."""
 
 
 def split_even(items: list[int], parts: int) -> list[list[int]]:
@@ -171,6 +173,29 @@ class PendingPhase:
         return {r: rep["out"] for r, rep in replies.items() if "out" in rep}
 
 
+class Generation:
+    """A round of generation under way; ``result()`` waits and returns its Rollouts, with every
+    sample's fields recorded as held by its worker's first rank."""
+
+    def __init__(self, pipe: Pipeline, spec: PhaseSpec, pending: PendingPhase, ids_of: dict[int, list[int]],
+                 rollouts: Rollouts) -> None:
+        self.pipe, self.spec, self.pending, self.ids_of, self.rollouts = pipe, spec, pending, ids_of, rollouts
+        self.done = False
+
+    def result(self) -> Rollouts:
+        if self.done:
+            return self.rollouts
+        out = self.pending.result()
+        ro = self.rollouts
+        for leader, ids in self.ids_of.items():
+            for sid in ids:
+                ro.prompt_len[sid], ro.response_len[sid] = out[leader][sid]
+                for f in self.spec.writes:
+                    self.pipe.produced(leader, sid, f, ro.prompt_len[sid] if f == "prompt" else ro.response_len[sid])
+        self.done = True
+        return ro
+
+
 class Scores:
     """Rewards being computed; ``result()`` waits for them (in the rollouts' order)."""
 
@@ -239,7 +264,13 @@ class Role:
     def ranks(self) -> tuple[int, ...]:
         return self.pipe.world.members[self.name]
 
-    def generate(self, prompts: list[Any], n: int, first_id: int, seed: int) -> Rollouts:
+    def generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0) -> Rollouts:
+        return self.start_generate(prompts, n, first_id, seed, version).result()
+
+    def start_generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0) -> Generation:
+        """Start generating ``n`` samples of each prompt (ids from ``first_id``, in group order)
+        on the role's workers; ``result()`` waits for the Rollouts. ``version``: the policy version
+        of the weights the engine holds, recorded on the rollouts."""
         spec = phase_for(self.name, "generate")
         a = self.pipe.cfg.algo
         groups = split_even(list(range(len(prompts))), self.placement.world_size)
@@ -252,15 +283,19 @@ class Role:
                         "top_p": float(a.top_p), "seed": seed * 1_000_003 + w}
             for r in self.placement.workers[w]:
                 work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)], "sampling": sampling}
-        out = self.pipe.run(spec.name, (self.name,), work)
-        plen, rlen = {}, {}
-        for leader, ids in ids_of.items():
-            for sid in ids:
-                plen[sid], rlen[sid] = out[leader][sid]
-                for f in spec.writes:
-                    self.pipe.produced(leader, sid, f, plen[sid] if f == "prompt" else rlen[sid])
-        all_ids = [first_id + i for i in range(len(prompts) * n)]
-        return Rollouts(all_ids, [prompts[i // n].answer for i in range(len(prompts) * n)], n, plen, rlen)
+        pending = self.pipe.start(spec.name, (self.name,), work)
+        ro = Rollouts([first_id + i for i in range(len(prompts) * n)], [prompts[i // n].answer for i in range(len(prompts) * n)],
+                      n, {}, {}, version)
+        return Generation(self.pipe, spec, pending, ids_of, ro)
+
+    def receive(self, ro: Rollouts) -> PendingPhase:
+        """Start moving the rollouts' generated fields that this role's phases read onto the
+        shards that will work on them (the same assignment its phases compute), and nothing else:
+        the holders take part only in the move, so a rank that generates next is freed at once."""
+        generated = set(phase_for("actor_infer", "generate").writes)
+        fields = sorted({f for p in PHASES.values() if p.role == self.name for f in p.reads if f in generated})
+        need = {r: (ids, fields) for sh, ids in self._assign(ro).items() for r in sh}
+        return self.pipe.start("receive", (self.name,), {}, need)
 
     def score(self, ro: Rollouts) -> Scores:
         """Start scoring and return at once: phases started next run alongside it where they are

@@ -105,6 +105,22 @@ def plot_reward(history: list[dict[str, Any]], path: Any) -> None:
     plt.close(fig)
 
 
+def idle_and_overlap(records: list[dict[str, Any]], seconds: float) -> dict[str, float]:
+    """Per role, the step's seconds its busiest rank spent outside its phases (``idle/<role>``);
+    with generation and training on different ranks, the seconds they ran at the same time
+    (``overlap/generate_train``: how much longer both took, each on its busiest rank, than the step)."""
+    busy: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for rec in records:
+        for name in (*rec["roles"], f"phase:{rec['phase']}"):
+            busy[name][rec["rank"]] += float(rec["seconds"])
+    out = {f"idle/{role}": max(0.0, seconds - max(by_rank.values())) for role, by_rank in busy.items()
+           if not role.startswith("phase:")}
+    gen, train = busy.get("phase:generate"), busy.get("phase:train")
+    if gen and train and not set(gen) & set(train):
+        out["overlap/generate_train"] = max(0.0, max(gen.values()) + max(train.values()) - seconds)
+    return out
+
+
 def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, float],
              phase_seconds: dict[str, float], records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     rlen = [rollouts.response_len[i] for i in rollouts.ids]
@@ -121,5 +137,6 @@ def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, f
     }
     row |= {f"time/{k}": v for k, v in phase_seconds.items()}
     row |= reduce_records(records)
+    row |= idle_and_overlap(records, seconds)
     row |= {f"train/{k}": v for k, v in stats.items()}
     return row

@@ -83,7 +83,8 @@ class RankRuntime:
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
         self.ops: dict[str, Any] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
-                    "values": self._values, "train": self._train, "sync": self._sync, "checkpoint": self._checkpoint}
+                    "values": self._values, "train": self._train, "sync": self._sync, "checkpoint": self._checkpoint,
+                    "buffer": self._buffer}
 
     def handlers(self) -> dict[str, Any]:
         return {"phase": self.phase, "ready": self.ready}
@@ -111,6 +112,7 @@ class RankRuntime:
 
     def _generate(self, spec: PhaseSpec, ids: list[int], prompts: list[str], sampling: dict[str, Any],
                   ) -> dict[int, tuple[int, int]]:
+        maybe_fault("generate", self.world.rank)
         unique = list(dict.fromkeys(prompts))  # a group's samples share their prompt: encode it once
         tokens = dict(zip(unique, self.tokenizer(unique)["input_ids"], strict=True))
         as_tensor = {text: torch.tensor(t, dtype=torch.long) for text, t in tokens.items()}
@@ -174,6 +176,17 @@ class RankRuntime:
                 self.store.put(sid, "loss_mask", response_loss_mask(self.store.samples[sid]["response"], eos, longest))
             fields.append("loss_mask")
         return self.engines[spec.role].train(self.store.get(ids, fields), objective)
+
+    def _buffer(self, spec: PhaseSpec, op: str, ids: list[int] | None = None,
+                samples: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+        """Generated samples not yet trained on: ``op=read`` returns their fields (for a
+        checkpoint), ``op=restore`` keeps ``samples`` on this rank again."""
+        if op == "restore":
+            for sid, fields in (samples or {}).items():
+                for name, value in fields.items():
+                    self.store.put(sid, name, value)
+            return {}
+        return {sid: {f: self.store.samples[sid][f].clone() for f in spec.writes} for sid in ids or []}
 
     def _checkpoint(self, spec: PhaseSpec, op: str, path: str) -> dict[str, float]:
         """Write (op=save, into the staging dir) or read (op=load) this rank's part of a checkpoint."""

@@ -74,16 +74,17 @@ def select(parts: list[tuple[Rollouts, torch.Tensor]], groups: list[int]) -> tup
         base += len(ro.ids) // n
         plen |= ro.prompt_len
         rlen |= ro.response_len
-    kept = Rollouts(ids, answers, n, {i: plen[i] for i in ids}, {i: rlen[i] for i in ids})
+    kept = Rollouts(ids, answers, n, {i: plen[i] for i in ids}, {i: rlen[i] for i in ids}, parts[0][0].version)
     return kept, torch.cat(rewards), dropped
 
 
-def dynamic_batch(actor_infer: Role, scoring: Scoring, data: Any, step: int, seed: int, algo: Any,
+def dynamic_batch(actor_infer: Role, scoring: Scoring, data: Any, step: int, seed: int, algo: Any, version: int,
                   ) -> tuple[Rollouts, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Rounds of generate + score until ``prompts_per_step`` varied groups (or the round cap).
 
     Returns the batch's rollouts and rewards, the rewards of every sample generated (the policy's
-    unfiltered reward: the batch's own is biased, as all-right groups are left out) and stats."""
+    unfiltered reward: the batch's own is biased, as all-right groups are left out) and stats.
+    ``version``: the policy version the inference engine holds."""
     p, n = int(algo.prompts_per_step), int(algo.samples_per_prompt)
     cap = int(algo.max_sampling_rounds)
     picker = GroupPicker(p)
@@ -92,7 +93,7 @@ def dynamic_batch(actor_infer: Role, scoring: Scoring, data: Any, step: int, see
     while not picker.full and picker.rounds < cap:
         k = picker.rounds
         ro = actor_infer.generate(data.next_batch(p), n, first_id=(step * cap + k) * p * n,
-                                  seed=seed * 100_003 + step * cap + k)
+                                  seed=seed * 100_003 + step * cap + k, version=version)
         scoring.start(ro)
         rewards, round_counts = scoring.result()
         for k2, v in round_counts.items():

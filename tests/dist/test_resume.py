@@ -54,14 +54,18 @@ CASES = {
     # PPO: the critic (colocated, fsdp) is checkpointed and resumed with the actor; the first step
     # trains the critic alone (critic warm-up).
     "ppo": (["algo=ppo", "algo.critic_warmup_steps=1"], 400),
+    # Asynchronous: step s+1 generates (on its own rank) while step s trains; the checkpoint holds
+    # the generation made ahead, which the resumed run trains on instead of generating it again.
+    "async": (["roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis"], 300),
 }
-KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/explained_variance")}
+KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/explained_variance"),
+        "async": ("train/staleness", "train/offpolicy/ratio_mean", "train/offpolicy/weight_mean")}
 """Per-step metrics compared beside the reward, the tokens and the actor's loss and gradient norm."""
 
 
 @pytest.mark.parametrize("case", [
     pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)]),
-    pytest.param("ppo")])
+    pytest.param("ppo"), pytest.param("async")])
 def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) -> None:
     whole, split, (extra, timeout) = run_root / "whole", run_root / "split", CASES[case]
     done = run(whole, "steps=6", *extra, timeout=timeout)
@@ -77,6 +81,11 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) ->
     assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
     assert any(r.get("train/grad_norm", 0) > 0 for r in a), "the weights must move for this test to mean anything"
     assert export(whole, run_root / "e_whole") == export(split, run_root / "e_split")
+    if case == "async":
+        assert [r["train/staleness"] for r in a] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+        saved = torch_load(split / "checkpoints" / "step_000002" / "rollouts.pt")
+        assert [e["step"] for e in saved["entries"]] == [3], "step 3's generation is in the checkpoint"
+        assert saved["entries"][0]["rollouts"]["version"] == 2  # made with the policy after 2 updates
     if case == "ppo":
         w, s = role_state(whole, "critic"), role_state(split, "critic")
         assert sorted(w) == sorted(s) and any(k.startswith("optim.") for k in w)
@@ -88,6 +97,12 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) ->
         assert [r["critic/warmup"] for r in a] == [1.0, 0, 0, 0, 0, 0]
         assert ["train/pg_loss" in r for r in a] == [False, True, True, True, True, True]
         assert ["time/sync" in r for r in a] == [False, True, True, True, True, True]
+
+
+def torch_load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path)
 
 
 def torch_equal(x: object, y: object) -> bool:

@@ -1,0 +1,202 @@
+"""Asynchronous off-policy training: the generation schedule and its staleness bound, the
+off-policy corrections written out by hand, the per-role idle and overlap metrics, validation."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rlbatch.algos.objective import LossInput, PolicyObjective
+from rlbatch.algos.offpolicy import importance_ratio, ratio_mask, truncated_is
+from rlbatch.algos.registry import OFF_POLICY
+from rlbatch.config.schema import AlgoConfig, RLBatchConfig
+from rlbatch.config.validate import check
+from rlbatch.errors import ConfigError
+from rlbatch.scheduler.ahead import GenerationQueue
+from rlbatch.scheduler.controller import Rollouts
+from rlbatch.scheduler.metrics import idle_and_overlap
+
+# ------------------------------------------------------------------ the schedule
+
+
+class FakeGeneration:
+    def __init__(self, log: list[tuple[str, int, int]], step: int, version: int) -> None:
+        self.log, self.step, self.version = log, step, version
+
+    def result(self) -> Rollouts:
+        return Rollouts([self.step], ["a"], 1, {self.step: 1}, {self.step: 1}, self.version)
+
+
+class FakeInfer:
+    """Records the order of commands the inference ranks would receive."""
+
+    def __init__(self, log: list[tuple[str, int, int]]) -> None:
+        self.log = log
+
+    def start_generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int) -> Any:
+        step = prompts[0]
+        self.log.append(("generate", step, version))
+        return FakeGeneration(self.log, step, version)
+
+
+class FakeConsumer:
+    def __init__(self, log: list[tuple[str, int, int]]) -> None:
+        self.log = log
+
+    def receive(self, ro: Rollouts) -> Any:
+        self.log.append(("receive", ro.ids[0], ro.version))
+        return SimpleNamespace(result=lambda: None)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.next = 0
+
+    def next_batch(self, p: int) -> list[int]:
+        self.next += 1
+        return [self.next - 1]
+
+
+def schedule(k: int, steps: int) -> tuple[list[tuple[str, int, int]], list[tuple[int, int]]]:
+    """Drive the queue as the policy-gradient loop does: take, train (version + 1), sync.
+    Returns the command log and (step, staleness) of each trained batch."""
+    log: list[tuple[str, int, int]] = []
+    cfg = SimpleNamespace(steps=steps, seed=0, algo=SimpleNamespace(prompts_per_step=1, samples_per_prompt=1))
+    scoring = SimpleNamespace(start=lambda ro: log.append(("score", ro.ids[0], ro.version)))
+    q = GenerationQueue(FakeInfer(log), [FakeConsumer(log)], scoring, Counter(), cfg, k)  # type: ignore[arg-type]
+    version, trained = 0, []
+    for step in range(steps):
+        ro = q.take(step)
+        trained.append((step, version - ro.version))
+        log.append(("train", step, version))
+        version += 1
+        q.synced(version)
+        log.append(("sync", step, version))
+    return log, trained
+
+
+def test_synchronous_schedule_generates_each_step_with_the_newest_weights() -> None:
+    log, trained = schedule(0, 3)
+    assert [e for e in log if e[0] == "generate"] == [("generate", 0, 0), ("generate", 1, 1), ("generate", 2, 2)]
+    assert trained == [(0, 0), (1, 0), (2, 0)]
+    assert all(e[0] != "receive" for e in log)  # nothing to take off the inference ranks early
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_generation_runs_k_steps_ahead_and_staleness_never_exceeds_k(k: int) -> None:
+    steps = 7
+    log, trained = schedule(k, steps)
+    gens = [e for e in log if e[0] == "generate"]
+    # Every step generated exactly once, in order, with the weights after update j - k; the k steps
+    # after the last are generated too (a later, longer run trains on them from the checkpoint).
+    assert [g[1] for g in gens] == list(range(steps + k))
+    assert [g[2] for g in gens] == [max(0, j - k) for j in range(steps + k)]
+    assert trained == [(j, min(j, k)) for j in range(steps)]
+    for j in range(steps - k):
+        # Step j+k starts generating before step j trains: that is the overlap. Step j's samples
+        # leave the inference ranks before it starts.
+        assert log.index(("generate", j + k, max(0, j))) < log.index(("train", j, j))
+        assert log.index(("receive", j, max(0, j - k))) < log.index(("generate", j + k, max(0, j)))
+
+
+# ------------------------------------------------------------------ corrections
+
+
+def test_importance_ratio_and_the_registered_corrections() -> None:
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    behaviour = torch.tensor([[-1.0, -1.0, -2.0]])
+    ratio = importance_ratio(old, behaviour)
+    assert torch.allclose(ratio, torch.tensor([[1.0, math.exp(-1.0), math.exp(1.5)]]))
+    algo = AlgoConfig(tis_cap=2.0, mask_ratio_low=0.5, mask_ratio_high=2.0)
+    mask = torch.ones_like(ratio)
+    weight, keep = truncated_is(ratio, mask, algo)
+    assert torch.allclose(weight, torch.tensor([[1.0, math.exp(-1.0), 2.0]])) and keep.eq(1).all()
+    weight, keep = ratio_mask(ratio, mask, algo)
+    assert weight.eq(1).all() and keep.tolist() == [[1.0, 0.0, 0.0]]  # e^-1 < 0.5 and e^1.5 > 2 leave
+    assert OFF_POLICY.names() == ["mask", "none", "tis"]
+
+
+def test_tis_weighs_each_token_of_the_policy_loss() -> None:
+    """With old = current (the first update) the PPO-clip per-token loss is -A; TIS makes it
+    -min(r, cap) A, averaged over the response tokens."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    a = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    behaviour = torch.tensor([[-1.0, -1.0, -2.0], [-0.5, -1.0, 0.0]])
+    fields = {"old_logprobs": logp.clone(), "behaviour_logprobs": behaviour}
+    loss, stats = PolicyObjective(AlgoConfig(kl_coef=0.0, off_policy="tis", tis_cap=2.0))(LossInput(logp, mask, a, fields))
+    w = [1.0, math.exp(-1.0), 2.0, math.exp(-0.5), 1.0]  # the 5 response tokens; e^1.5 capped at 2
+    adv = [1.0, 1.0, 1.0, -2.0, -2.0]
+    assert loss.item() == pytest.approx(-sum(x * y for x, y in zip(w, adv, strict=True)) / 5, abs=1e-6)
+    assert stats["offpolicy/truncated_frac"] == pytest.approx(1 / 5)
+    assert stats["offpolicy/weight_mean"] == pytest.approx(sum(w) / 5, abs=1e-6)
+    plain, plain_stats = PolicyObjective(AlgoConfig(kl_coef=0.0))(LossInput(logp, mask, a, fields))
+    assert plain.item() == pytest.approx(-sum(adv) / 5, abs=1e-6)  # 'none' reads no behaviour log-probs
+    assert not any(k.startswith("offpolicy/") for k in plain_stats)
+
+
+def test_masking_takes_tokens_out_of_the_loss_and_its_count() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    mask = torch.ones(1, 3)
+    a = torch.tensor([[1.0, 2.0, 4.0]])
+    fields = {"old_logprobs": logp.clone(), "behaviour_logprobs": torch.tensor([[-1.0, -1.0, -2.0]])}
+    loss, stats = PolicyObjective(AlgoConfig(kl_coef=0.0, off_policy="mask"))(LossInput(logp, mask, a, fields))
+    assert loss.item() == pytest.approx(-1.0)  # only the first token stays, weight 1, count 1
+    assert stats["offpolicy/masked_frac"] == pytest.approx(2 / 3)
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def rec(phase: str, roles: tuple[str, ...], rank: int, seconds: float) -> dict[str, Any]:
+    return {"phase": phase, "roles": roles, "rank": rank, "seconds": seconds}
+
+
+def test_idle_and_overlap_by_hand() -> None:
+    records = [rec("generate", ("actor_infer",), 1, 3.0), rec("train", ("actor_train",), 0, 2.5),
+               rec("old_logprobs", ("actor_train",), 0, 0.5), rec("sync", ("actor_train", "actor_infer"), 0, 0.2),
+               rec("sync", ("actor_train", "actor_infer"), 1, 0.2)]
+    out = idle_and_overlap(records, 4.0)
+    assert out["idle/actor_infer"] == pytest.approx(4.0 - 3.2)
+    assert out["idle/actor_train"] == pytest.approx(4.0 - 3.2)
+    assert out["overlap/generate_train"] == pytest.approx(3.0 + 2.5 - 4.0)
+    colocated = idle_and_overlap([rec("generate", ("actor_infer",), 0, 1.0), rec("train", ("actor_train",), 0, 1.0)], 2.0)
+    assert "overlap/generate_train" not in colocated  # the same ranks cannot overlap
+
+
+# ------------------------------------------------------------------ validation
+
+
+def config(tmp_path: Path, **algo: Any) -> dict[str, Any]:
+    c = dataclasses.asdict(RLBatchConfig())
+    c["run_dir"] = str(tmp_path / "run")
+    c = copy.deepcopy(c)
+    c["algo"].update(algo)
+    return c
+
+
+def problems(c: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        check(c)
+    return e.value.problems
+
+
+def test_async_settings_are_validated(tmp_path: Path) -> None:
+    check(config(tmp_path, max_staleness=2, off_policy="tis"))
+    assert problems(config(tmp_path, max_staleness=-1)) == ["algo.max_staleness: must be >= 0, got -1"]
+    assert problems(config(tmp_path, off_policy="icepop")) == [
+        "algo.off_policy: 'icepop' is not a registered off-policy correction; registered: ['mask', 'none', 'tis']"]
+    assert problems(config(tmp_path, tis_cap=0.5)) == ["algo.tis_cap: must be >= 1, got 0.5"]
+    (line,) = problems(config(tmp_path, max_staleness=1, dynamic_sampling=True))
+    assert line.startswith("algo.max_staleness: asynchronous generation (1 steps ahead) is not built for DAPO")
+    (line,) = problems(config(tmp_path, off_policy="tis", temperature=0.7))
+    assert line.startswith("algo.off_policy: 'tis' weighs tokens") and "temperature=0.7" in line
+    assert problems(config(tmp_path, off_policy="mask", mask_ratio_low=1.5, mask_ratio_high=0.5)) == [
+        "algo.mask_ratio_low: must be in (0, 1], got 1.5", "algo.mask_ratio_high: must be >= 1, got 0.5"]

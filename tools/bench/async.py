@@ -1,0 +1,149 @@
+"""Asynchronous against synchronous training on the same disaggregated placement, in one run.
+
+    python tools/bench/async.py [--steps 40] [--staleness 1,2] [--infer vllm:d1] [--out .bench-runs/async]
+
+The placement is ``roles=disaggregated``: actor_train (and the reference) on one rank,
+actor_infer on another, the reward on a CPU worker. Each setting is one launch of the default
+task with vLLM rollouts of a wider random-initialised Qwen2 (``--hidden``/``--layers``: the
+default ~21M parameters, head_dim 64) and longer responses, so that generation and training
+take comparable time: first ``algo.max_staleness=0`` (the synchronous loop), then each staleness
+in ``--staleness`` with truncated importance sampling. Launches alternate over ``--repeats``.
+
+Throughput is samples/s over the steps after the first ``--warmup`` (start-up and the first
+step's compilation are kept out). The reward is followed too: the step at which the mean over
+3 consecutive steps first reaches ``--threshold`` (by samples, for each setting), so a speed-up
+that learns slower is visible. Writes results.json and timeline.png (each setting's per-step
+phase seconds: generation on the inference rank against training on the trainer) under
+--out, and ends with one line: ``async speedup: N.NNx`` (staleness 1 against synchronous).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the throughput")
+    p.add_argument("--staleness", default="1,2", help="comma-separated max_staleness values besides 0")
+    p.add_argument("--infer", default="vllm:d1", help="actor_infer's backend (its one rank)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--threshold", type=float, default=0.8)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", type=Path, default=ROOT / ".bench-runs" / "async")
+    p.add_argument("--override", action="append", default=[], help="extra Hydra override for every launch")
+    return p.parse_args()
+
+
+def overrides(a: argparse.Namespace, staleness: int) -> list[str]:
+    out = ["roles=disaggregated", f"roles.actor_infer.backend={a.infer}", f"steps={a.steps}",
+           f"model.hidden_size={a.hidden}", f"model.intermediate_size={4 * a.hidden}", f"model.num_layers={a.layers}",
+           f"model.num_heads={a.heads}", "model.num_kv_heads=1", f"model.max_position_embeddings={64 + a.max_new_tokens}",
+           f"algo.max_new_tokens={a.max_new_tokens}", f"algo.prompts_per_step={a.prompts}",
+           f"algo.samples_per_prompt={a.samples}", f"algo.max_staleness={staleness}", *a.override]
+    return out + (["algo.off_policy=tis"] if staleness else [])
+
+
+def launch(a: argparse.Namespace, staleness: int, run_dir: Path) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "rlbatch.launch", *overrides(a, staleness), f"run_dir={run_dir}", "resume=never"]
+    print("$", " ".join(cmd[1:]), flush=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                   stdout=subprocess.DEVNULL)
+    print(f"  {time.perf_counter() - start:.0f}s", flush=True)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(rows: list[dict[str, Any]], warmup: int, threshold: float) -> dict[str, Any]:
+    timed = rows[warmup:]
+    seconds = sum(r["time/step"] for r in timed)
+    samples = sum(r["samples"] for r in timed)
+    reward = [r["reward_mean"] for r in rows]
+    reached = next((k for k in range(2, len(reward)) if sum(reward[k - 2 : k + 1]) / 3 >= threshold), None)
+    med = {k: statistics.median(r.get(k, 0.0) for r in timed)
+           for k in ("time/step", "time/generate", "time/train", "overlap/generate_train", "idle/actor_infer",
+                     "idle/actor_train")}
+    return {"samples_per_s": samples / seconds, "median": med, "reward_first": reward[0], "reward_last": reward[-1],
+            "reached_step": reached,
+            "reached_samples": None if reached is None else sum(r["samples"] for r in rows[: reached + 1]),
+            "staleness": sorted({r.get("train/staleness", 0.0) for r in rows})}
+
+
+def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no timeline.png", flush=True)
+        return
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.2 * len(results)), dpi=110, sharex=True)
+    for ax, (name, runs) in zip(axes if len(results) > 1 else [axes], results.items(), strict=True):
+        rows = runs[0][:12]
+        t = 0.0
+        for r in rows:
+            ax.barh(1, r.get("time/generate", 0.0), left=t, color="tab:blue")
+            ax.barh(0, r.get("time/train", 0.0), left=t, color="tab:orange")
+            t += r["time/step"]
+            ax.axvline(t, color="grey", lw=0.5)
+        ax.set_yticks([0, 1], ["train", "generate"])
+        ax.set_title(name, fontsize=9)
+    axes_last = axes[-1] if len(results) > 1 else axes
+    axes_last.set_xlabel("seconds (first 12 steps; grey lines: step ends; a step's phases drawn from its start)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    a = parse()
+    a.out.mkdir(parents=True, exist_ok=True)
+    settings = [0, *(int(x) for x in a.staleness.split(",") if x)]
+    runs: dict[str, list[list[dict[str, Any]]]] = {f"max_staleness={k}": [] for k in settings}
+    for rep in range(a.repeats):
+        for k in settings:
+            runs[f"max_staleness={k}"].append(launch(a, k, a.out / f"k{k}-r{rep}"))
+    results = {}
+    for name, reps in runs.items():
+        each = [summary(rows, a.warmup, a.threshold) for rows in reps]
+        results[name] = {"runs": each, "samples_per_s": statistics.median(e["samples_per_s"] for e in each)}
+    print(f"\nworkload: {' '.join(overrides(a, 0))}  (samples/s over steps {a.warmup}..{a.steps - 1}, "
+          f"median of {a.repeats} launch(es) per setting)")
+    print(f"{'setting':18} {'samples/s':>9} {'step s':>7} {'gen s':>6} {'train s':>7} {'overlap':>7} "
+          f"{'idle inf':>8} {'idle trn':>8} {'reward':>13} {f'>= {a.threshold} at':>14} staleness")
+    for name, res in results.items():
+        e = res["runs"][0]
+        m = e["median"]
+        at = "-" if e["reached_step"] is None else f"step {e['reached_step']} ({e['reached_samples']})"
+        print(f"{name:18} {res['samples_per_s']:9.1f} {m['time/step']:7.2f} {m['time/generate']:6.2f} "
+              f"{m['time/train']:7.2f} {m['overlap/generate_train']:7.2f} {m['idle/actor_infer']:8.2f} "
+              f"{m['idle/actor_train']:8.2f} {e['reward_first']:5.2f} -> {e['reward_last']:4.2f} {at:>14} "
+              f"{e['staleness']}")
+    (a.out / "results.json").write_text(json.dumps({"workload": overrides(a, 0), "results": results}, indent=1))
+    plot(runs, a.out / "timeline.png")
+    base = results["max_staleness=0"]["samples_per_s"]
+    for k in settings[1:]:
+        print(f"max_staleness={k}: {results[f'max_staleness={k}']['samples_per_s'] / base:.2f}x synchronous")
+    if 1 in settings:
+        print(f"async speedup: {results['max_staleness=1']['samples_per_s'] / base:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
