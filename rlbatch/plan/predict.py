@@ -11,6 +11,11 @@ previous one ends, the reward's end counting only for the phases that need it or
 the previous phase on any of its GPUs has released them: what a controller that dispatches
 independent phases together would reach (on a disaggregated placement the reference's
 log-probs run beside the CPU reward; a colocated placement is still the sum).
+
+Asynchronous training (``Workload.max_staleness > 0``) on a placement where actor_infer's GPUs
+hold no other role: generation (of a later step) runs beside every other phase of the step, and
+the weight sync waits for it, so the step is max(generation, the rest) + sync. On shared GPUs the
+run is synchronous, and so is the prediction (with a note).
 """
 
 from __future__ import annotations
@@ -184,6 +189,14 @@ def _transitions(layout: Layout, gpus: list[GpuKind], mems: dict[str, RoleMemory
     return totals, per_phase
 
 
+def _infer_alone(layout: Layout) -> bool:
+    """actor_infer's GPUs hold no other GPU role (asynchronous generation can run beside them)."""
+    infer = layout.roles.get("actor_infer")
+    if infer is None or not infer.is_gpu:
+        return False
+    return not any(layout.colocated("actor_infer", r) for r, rl in layout.roles.items() if r != "actor_infer" and rl.is_gpu)
+
+
 def _conflict(a: Phase, b: Phase, layout: Layout) -> bool:
     if not a.active or not b.active:
         return a.name == b.name
@@ -240,8 +253,12 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
             work_s *= w.generation_rounds
         times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, work_s, rel, off))
     dynamic = w.zero_variance_frac is not None
+    ahead = w.max_staleness > 0 and _infer_alone(layout)
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
-        if overlap:
+        if ahead and ph.kind != "sync":  # generation ran ahead: the step's samples are already there
+            ready = [times[j].end for j, q in enumerate(phases[:i])
+                     if q.kind != "generate" and (q.kind != "reward" or q.name in ph.after or _conflict(q, ph, layout))]
+        elif overlap:
             ready = [times[j].end for j, q in enumerate(phases[:i])
                      if q.name in ph.after or _conflict(q, ph, layout) or (dynamic and q.kind == "reward")]
         else:  # the controller's order, but a reward on other ranks scores beside the phases after it
@@ -259,6 +276,11 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     if w.zero_variance_frac is not None:
         pred.notes.append(f"dynamic sampling: {w.generation_rounds:.2f} expected generate+score rounds per step, "
                           f"from a zero-variance group fraction of {w.zero_variance_frac:g} (set --zero-variance-frac)")
+    if w.max_staleness > 0:
+        pred.notes.append(f"max_staleness={w.max_staleness}: generation runs beside the other phases (step = "
+                          f"max(generation, the rest) + sync)" if ahead else
+                          f"max_staleness={w.max_staleness}: actor_infer shares GPUs with another role, so the run "
+                          f"is synchronous")
     if w.response_assumed:
         pred.notes.append(f"mean response assumed {w.response_mean:g} of {w.max_new_tokens} tokens (set --response-mean)")
     _memory_problems(pred, mem_limit)

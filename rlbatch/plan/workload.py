@@ -94,6 +94,9 @@ class Workload:
     ``expected_rounds`` (the later phases work on the one kept batch)."""
     zero_variance_frac: float | None = None
     """The zero-variance group fraction the rounds were derived from (None without dynamic sampling)."""
+    max_staleness: int = 0
+    """Asynchronous training (``algo.max_staleness``): a later step's generation runs beside this
+    step's other phases when actor_infer has ranks of its own."""
     prompt_len_assumed: bool = False
     response_assumed: bool = False
 
@@ -156,6 +159,7 @@ class Workload:
             "mini_batches": self.mini_batches, "epochs": self.epochs, "grad_accum": self.grad_accum,
             "prompt_len_assumed": self.prompt_len_assumed, "response_assumed": self.response_assumed,
             "generation_rounds": self.generation_rounds, "zero_variance_frac": self.zero_variance_frac,
+            "max_staleness": self.max_staleness,
         }
 
 
@@ -207,6 +211,7 @@ def workload_from_config(
         entropy=float(algo.get("entropy_coef", 0.0)) > 0,
         recompute=bool(algo.get("activation_checkpointing", False)),
         generation_rounds=rounds, zero_variance_frac=frac,
+        max_staleness=int(algo.get("max_staleness", 0)),
         prompt_len_assumed=prompt_len is None and not synthetic,
         response_assumed=response_mean is None,
     )

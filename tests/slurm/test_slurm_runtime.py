@@ -113,9 +113,20 @@ def test_default_experiment_on_slurm(run_root: Path, roles: str) -> None:
     assert (run / "reward_curve.png").exists()
 
 
-def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_root: Path) -> None:
+PREEMPTED = {
     # Enough steps that the job is still running when the signal arrives (a step takes ~0.1 s).
-    args = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward", "steps=60"]
+    "sync": ([], 60),
+    # Asynchronous: the next step's generation is in flight when the signal comes; the checkpoint
+    # holds it, and the requeued job trains on it rather than generating it again (~0.4 s a step).
+    "async": (["roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis"], 30),
+}
+
+
+@pytest.mark.parametrize("case", list(PREEMPTED))
+def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_root: Path, case: str) -> None:
+    extra, steps = PREEMPTED[case]
+    args = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward",
+            f"steps={steps}", *extra]
     run = run_root / "preempted"
     sub = launch(["cluster=slurm", "cluster.cpus_per_task=1", f"run_dir={run}", *args], run_root)
     assert sub.returncode == 0, sub.stderr[-3000:]
@@ -126,7 +137,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_roo
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what Slurm sends before preemption/walltime
     deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / "step_000059" / "manifest.json").exists():
+    while not (run / "checkpoints" / f"step_{steps - 1:06d}" / "manifest.json").exists():
         assert time.monotonic() < deadline, "the requeued job did not finish"
         time.sleep(1)
     wait_gone([job])
@@ -140,5 +151,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_roo
           for k, d in enumerate((run, whole))]
     assert all(e.returncode == 0 for e in ex)
     assert (run_root / "e0" / "model.safetensors").read_bytes() == (run_root / "e1" / "model.safetensors").read_bytes()
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(60)), "no step lost, none repeated"
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run, whole)]
+    assert [r["step"] for r in rows[0]] == list(range(steps)), "no step lost, none repeated"
+    keys = ("reward_mean", "tokens/generated", "train/grad_norm", "train/staleness")
+    assert [[r.get(k) for k in keys] for r in rows[0]] == [[r.get(k) for k in keys] for r in rows[1]]

@@ -96,3 +96,36 @@ def test_code_sandbox_executes_each_sample_spread_over_its_workers_and_cores() -
     assert execute.features["overhead"] == pytest.approx(128 * timing.SANDBOX_EXEC_CPU_S / 2)
     both = _pred(**(over | {"roles": {"code_sandbox": {"world_size": 2}}}))  # the reward role scores too
     assert both.phase("score") is not None and both.phase("execute") is not None
+
+
+def test_asynchronous_generation_runs_beside_the_step_and_the_sync_waits_for_it() -> None:
+    """max_staleness > 0 on a disaggregated placement: generation starts with the step, every other
+    phase starts as if the samples were there, and the sync starts at max(generation, the rest);
+    the step is that plus the sync (plus the controller's fixed cost, as synchronously)."""
+    cfg = make_config(roles=roles("fsdp:d1", "hf:d1", [0], [1]))
+    cfg["algo"]["max_staleness"] = 1
+    args = (make_layout(cfg), shape_from_config(cfg["model"]), workload_from_config(cfg), load_hardware("cpu"))
+    p = predict(*args)
+    ph = {t.name: t for t in p.phases}
+    assert ph["generate"].start == 0 and ph["ref_logprobs"].start == ph["score"].start == 0
+    assert ph["old_logprobs"].start == pytest.approx(ph["ref_logprobs"].end)
+    rest = max(ph["train"].end, ph["score"].end)
+    assert ph["sync"].start == pytest.approx(max(ph["generate"].end, rest))
+    sync_ = dict(cfg, algo={**cfg["algo"], "max_staleness": 0})
+    s = predict(make_layout(sync_), shape_from_config(sync_["model"]), workload_from_config(sync_), load_hardware("cpu"))
+    fixed = s.step_s - ph_end(s)
+    assert p.step_s == pytest.approx(ph["sync"].end + fixed)
+    assert p.step_s == pytest.approx(s.step_s - ph["generate"].total_s + max(0.0, ph["generate"].end - rest))
+    assert any("max_staleness=1: generation runs beside" in n for n in p.notes)
+    colocated = make_config(roles=roles("fsdp:d1", "hf:d1", [0], [0]))
+    colocated["algo"]["max_staleness"] = 1
+    c = predict(make_layout(colocated), shape_from_config(colocated["model"]), workload_from_config(colocated),
+                load_hardware("cpu"))
+    colocated["algo"]["max_staleness"] = 0
+    c0 = predict(make_layout(colocated), shape_from_config(colocated["model"]), workload_from_config(colocated),
+                 load_hardware("cpu"))
+    assert c.step_s == pytest.approx(c0.step_s) and any("is synchronous" in n for n in c.notes)
+
+
+def ph_end(p) -> float:  # type: ignore[no-untyped-def]
+    return max(t.end for t in p.phases)
