@@ -24,15 +24,15 @@ def rows(run_dir: Path) -> list[dict]:
 @pytest.mark.timeout(1200)
 def test_the_default_experiment_learns_asynchronously(run_root: Path) -> None:
     """From chance to >= 0.8. The seeded run passes 0.8 at step 31 and stays above 0.79 from
-    step 36; 50 steps keep a margin. Every step after the first trains on samples exactly one
+    step 36 (0.87 at step 39, the last of 40; a shorter run is a prefix of a longer one). Every step after the first trains on samples exactly one
     policy version old, with the truncated importance weights in the record."""
     run = run_root / "run"
-    out = launch([*ASYNC, "steps=50", f"run_dir={run}"], run_root, timeout=1100)
+    out = launch([*ASYNC, "steps=40", f"run_dir={run}"], run_root, timeout=1100)
     assert out.returncode == 0, out.stderr[-3000:]
     r = rows(run)
     reward = [x["reward_mean"] for x in r]
     assert reward[0] <= 0.2 and reward[-1] >= 0.8, reward
-    assert [x["train/staleness"] for x in r] == [0.0] + [1.0] * 49
+    assert [x["train/staleness"] for x in r] == [0.0] + [1.0] * 39
     assert all(0 < x["train/offpolicy/weight_mean"] <= 2.0 for x in r)
     assert any(x["train/offpolicy/abs_log_ratio_mean"] > 1e-3 for x in r[1:]), "stale samples differ from the trainer"
     overlap = [x.get("overlap/generate_train", 0.0) for x in r[1:]]

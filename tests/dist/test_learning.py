@@ -18,13 +18,6 @@ def rewards(run_dir: Path) -> list[float]:
     return [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_reward_rises_in_a_short_run(run_root: Path) -> None:
-    out = launch(["steps=20", f"run_dir={run_root / 'run'}"], run_root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = rewards(run_root / "run")
-    assert sum(r[-4:]) / 4 > sum(r[:4]) / 4 + 0.1, r
-
-
 LEARNERS = {
     # the acceptance run: no overrides but the run directory
     "default": ([], 600),

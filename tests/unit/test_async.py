@@ -200,3 +200,19 @@ def test_async_settings_are_validated(tmp_path: Path) -> None:
     assert line.startswith("algo.off_policy: 'tis' weighs tokens") and "temperature=0.7" in line
     assert problems(config(tmp_path, off_policy="mask", mask_ratio_low=1.5, mask_ratio_high=0.5)) == [
         "algo.mask_ratio_low: must be in (0, 1], got 1.5", "algo.mask_ratio_high: must be >= 1, got 0.5"]
+
+
+def test_a_placement_where_inference_shares_ranks_runs_synchronously_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    from rlbatch.scheduler.ahead import async_staleness
+
+    def pipe(infer: tuple[int, ...]) -> Any:
+        gpu, cpu = SimpleNamespace(is_gpu=True), SimpleNamespace(is_gpu=False)
+        return SimpleNamespace(p=SimpleNamespace(roles={"actor_train": gpu, "actor_infer": gpu, "reference": gpu,
+                                                        "reward": cpu}),
+                               world=SimpleNamespace(members={"actor_train": (0,), "reference": (0,),
+                                                              "actor_infer": infer, "reward": (2,)}))
+
+    assert async_staleness(pipe((1,)), 2) == 2 and capsys.readouterr().out == ""
+    assert async_staleness(pipe((0, 1)), 2) == 0
+    assert "shares its ranks with actor_train, reference" in capsys.readouterr().out
+    assert async_staleness(pipe((0,)), 0) == 0 and capsys.readouterr().out == ""
