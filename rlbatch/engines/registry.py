@@ -258,6 +258,6 @@ register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engin
 # dims "dt": tensor and data parallel; the placement language keeps "dtpce" so plans with pipeline,
 # context and expert parallelism are still modelled (and refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
-                    dims="dt", data_axes=("dp",),
+                    dims="dt", data_axes=("dp",), heads=("lm", "value", "reward"),
                     note="megatron: pipeline (p), context (c) and expert (e) parallelism are not built yet: "
                          "use megatron:dXtY"))

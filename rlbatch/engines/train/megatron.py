@@ -9,21 +9,29 @@ checkpoint of this engine loads into the fsdp engine and back. AdamW with the fs
 warm-up, gradient clipping over the TP shards and gradient accumulation; gradients are averaged
 over dp. bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-only shim, see
 ``megatron_device``). Pipeline, context and expert parallelism are refused by the registry.
+
+The critic and a reward model are the same GPTModel body with a scalar head (hidden -> 1) in place
+of the vocabulary output layer, whole on every TP rank: ``values()`` reads it at every response
+token, ``scores()`` at each sequence's last non-pad token (transformers' pooling), and
+``train()`` minimises the value objective on it. In and out, such a model is transformers'
+``...ForTokenClassification`` / ``...ForSequenceClassification`` (``score.weight``, ``score.bias``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlbatch import algos
-from rlbatch.algos.objective import LossInput, PolicyObjective
+from rlbatch.algos.objective import LossInput
+from rlbatch.algos.value import ValueInput
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Full, Packed, pack, unpack
-from rlbatch.engines.model import load_model
+from rlbatch.engines.model import load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.engines.train import common
 from rlbatch.engines.train import megatron_convert as convert
@@ -46,14 +54,17 @@ class MegatronEngine(StashedState):
         self.tp_group, self.dp_group = ctx.group("tp"), ctx.group("dp")
         self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         self.group = role_group(ctx.mesh)
-        hf = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+        self.head = ctx.head
+        hf = load_engine_model(ctx, torch.float32)
         self.hf_config = hf.config
-        self.lay = convert.layout(hf.config, self.tp)
+        self.pad_id = hf.config.pad_token_id  # a reward model pools at the last token that is not this one
+        self.hf_names = [n for n, _ in hf.named_parameters()]
+        self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names)
         if bad := convert.problems(self.lay):
             raise ValueError(f"megatron engine, role {ctx.role}: " + "; ".join(bad))
-        self.hf_names = [n for n, _ in hf.named_parameters()]
         dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-        self.model = build_gpt(hf.config, process_groups(ctx), self.tp, self.lay.padded_vocab, dtype).to(ctx.device)
+        self.model = build_gpt(hf.config, process_groups(ctx), self.tp, self.lay.padded_vocab, dtype, ctx.head,
+                               self.lay.head_bias).to(ctx.device)
         self.params = dict(self.model.named_parameters())
         with torch.no_grad():
             self._load_full({n: p.detach() for n, p in hf.named_parameters()})
@@ -109,15 +120,19 @@ class MegatronEngine(StashedState):
     def _pack(self, chunk: list[Sample]) -> Packed:
         return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=False)
 
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] logits (or [B, L, 1] of a scalar head) at every position of right-padded
+        sequences: the causal mask alone keeps pads out of every real position."""
+        pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=None)
+        return out[..., : self.lay.vocab] if self.head == "lm" else out
+
     def _logits(self, b: Packed) -> torch.Tensor:
-        """[B, R, V] logits scoring each response token. Sequences are right-padded, so the causal
-        mask alone keeps pads out of every real position."""
+        """[B, R, V] logits (or [B, R, 1] of a scalar head) at the positions that score each response token."""
         x = b.inputs
         assert isinstance(x, Full)
-        ids = x.input_ids
-        pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
-        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=None)[..., : self.lay.vocab]
-        return logits.gather(1, x.index[:, :, None].expand(-1, -1, logits.shape[-1]))
+        out = self._forward(x.input_ids)
+        return out.gather(1, x.index[:, :, None].expand(-1, -1, out.shape[-1]))
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
@@ -127,12 +142,41 @@ class MegatronEngine(StashedState):
             out += unpack(algos.token_logprobs(self._logits(b).float(), b.targets), b.lengths)
         return out
 
+    @torch.no_grad()
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
-        raise NotImplementedError("megatron engine: a value head (critic) is not built")
+        """Per-sample response-token values of the value head (the critic)."""
+        out: list[torch.Tensor] = []
+        for chunk in self._chunks(samples):
+            b = self._pack(chunk)
+            out += unpack(self._logits(b)[..., 0].float(), b.lengths)
+        return out
+
+    @torch.no_grad()
+    def scores(self, samples: list[Sample]) -> list[float]:
+        """One score per sample from the reward head, read at the sequence's rightmost token that is not
+        the model's pad token (transformers' sequence-classification pooling; the last position
+        when the model names no pad token)."""
+        out: list[float] = []
+        for chunk in self._chunks(samples):
+            x = self._pack(chunk).inputs
+            assert isinstance(x, Full)
+            ids = x.input_ids
+            per_token = self._forward(ids)[..., 0].float()
+            if self.pad_id is None:
+                last = torch.full((ids.shape[0],), ids.shape[1] - 1, device=ids.device)
+            else:
+                cols = torch.arange(ids.shape[1], device=ids.device)
+                last = (cols * (ids != self.pad_id)).argmax(-1)
+            out += per_token[torch.arange(ids.shape[0], device=ids.device), last].tolist()
+        return out
 
     # -- training -----------------------------------------------------------------------------
-    def _loss(self, chunk: list[Sample], objective: PolicyObjective) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, chunk: list[Sample], objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective on one micro-batch: the policy's on log-probs, or the value objective
+        (``head == "value"``) on the value head's output."""
         b = self._pack(chunk)
+        if objective.head == "value":
+            return objective(ValueInput(self._logits(b)[..., 0].float(), b.mask, b.fields))
         logits = self._logits(b).float()
         logp = algos.token_logprobs(logits, b.targets)
         return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
@@ -163,7 +207,7 @@ class MegatronEngine(StashedState):
         torch._foreach_mul_(split + repl, coef)
         return float(norm)
 
-    def train(self, samples: list[Sample], objective: PolicyObjective) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this replica's share (the tp
         peers of a replica receive the same samples)."""
         assert self.optimizer is not None, "train() on a forward-only engine"
