@@ -116,6 +116,10 @@ class MegatronArgs:
     """Sequences per forward (0: the replica's whole share in one pass)."""
     sync_bucket_mb: int = 256
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
+    distributed_optimizer: bool = False
+    """megatron-core's DistributedDataParallel and DistributedOptimizer: each data-parallel rank keeps
+    the fp32 main weights and AdamW state of 1/d of the parameters (gradients reduce-scattered,
+    weights all-gathered). Off: torch AdamW on every rank and one all-reduce of the gradients."""
 
 
 @dataclass(frozen=True)

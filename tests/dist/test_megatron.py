@@ -21,3 +21,9 @@ def test_megatron_value_and_reward_heads_match_transformers_train_like_fsdp_and_
     out = mpirun("megatron_heads.py", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("megatron heads ok") == 2, out.stdout[-2000:]
+
+
+def test_megatron_distributed_optimizer_halves_adam_state_trains_like_adamw_and_resumes_bitwise() -> None:
+    out = mpirun("megatron_distopt.py", 2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron distributed optimizer ok") == 2, out.stdout[-2000:]

@@ -33,12 +33,14 @@ from rlbatch.engines.base import CheckpointState, EngineContext, Sample
 from rlbatch.engines.batch import Full, Packed, pack, unpack
 from rlbatch.engines.model import load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
-from rlbatch.engines.train import common
+from rlbatch.engines.train import common, megatron_optim
 from rlbatch.engines.train import megatron_convert as convert
 from rlbatch.engines.train.megatron_device import check_device
 from rlbatch.engines.train.megatron_model import build_gpt, process_groups, role_group
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
+"""Param-group keys megatron-core's optimizer reads, not AdamW's: left out of the checkpoint's groups."""
 
 
 class MegatronEngine(StashedState):
@@ -63,7 +65,8 @@ class MegatronEngine(StashedState):
         if bad := convert.problems(self.lay):
             raise ValueError(f"megatron engine, role {ctx.role}: " + "; ".join(bad))
         dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-        self.model = build_gpt(hf.config, process_groups(ctx), self.tp, self.lay.padded_vocab, dtype, ctx.head,
+        pgc = process_groups(ctx)
+        self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
                                self.lay.head_bias).to(ctx.device)
         self.params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -71,16 +74,27 @@ class MegatronEngine(StashedState):
         del hf
         self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
         self.optimizer: torch.optim.Optimizer | None = None
+        self.dist_opt: Any = None
+        """megatron-core's DistributedOptimizer (engine_args.distributed_optimizer); ``self.optimizer``
+        is then the torch AdamW inside it, stepping this rank's slices."""
+        self.net: Any = self.model  # what the forward calls: the model, or its megatron-core DDP wrapper
         if ctx.trainable:
             self.model.train()
             a = ctx.algo
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=True)
-            warmup = int(a.warmup_steps)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-            opt = self.optimizer
-            self.state.add("grads", TensorStash("grads", lambda: grad_tensors(self.model)))
-            self.state.add("optimizer", TensorStash("optimizer", lambda: optimizer_tensors(opt)))
+            if ctx.args.distributed_optimizer:
+                self.net, self.dist_opt = megatron_optim.build(self.model, pgc, a, self.group, dtype)
+                self.optimizer = self.dist_opt.optimizer
+                dist_opt, buffers = self.dist_opt, self.net.buffers
+                self.state.add("grads", TensorStash("grads", lambda: [b.grad_data for b in buffers]))
+                self.state.add("optimizer", TensorStash("optimizer", lambda: megatron_optim.state_tensors(dist_opt)))
+            else:
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
+                                                   foreach=True)
+                opt = self.optimizer
+                self.state.add("grads", TensorStash("grads", lambda: grad_tensors(self.model)))
+                self.state.add("optimizer", TensorStash("optimizer", lambda: optimizer_tensors(opt)))
+            assert self.optimizer is not None
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, common.warmup(int(a.warmup_steps)))
         else:
             self.model.eval()
 
@@ -124,7 +138,7 @@ class MegatronEngine(StashedState):
         """[B, L, V] logits (or [B, L, 1] of a scalar head) at every position of right-padded
         sequences: the causal mask alone keeps pads out of every real position."""
         pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=None)
+        out = self.net(input_ids=ids, position_ids=pos, attention_mask=None)
         return out[..., : self.lay.vocab] if self.head == "lm" else out
 
     def _logits(self, b: Packed) -> torch.Tensor:
@@ -214,15 +228,25 @@ class MegatronEngine(StashedState):
         a = self.algo
         totals = common.Totals(a.grad_accum)
         for micro_batches in common.updates(samples, a, objective):
-            self.optimizer.zero_grad(set_to_none=False)
+            if self.dist_opt is not None:
+                self.net.zero_grad_buffer()
+                self.dist_opt.zero_grad()
+            else:
+                self.optimizer.zero_grad(set_to_none=False)
             for chunk in micro_batches:
                 loss, stats = self._loss(chunk, objective)
                 (loss / a.grad_accum).backward()
                 totals.add(stats)
-            self._reduce_grads()
-            if a.grad_clip > 0:
-                totals.add({"grad_norm": self._clip(a.grad_clip)}, 1.0)
-            self.optimizer.step()
+            if self.dist_opt is not None:
+                self.net.finish_grad_sync()  # reduce-scatter: each dp rank gets the averaged gradients of its slices
+                _, norm, _ = self.dist_opt.step()  # clips by the global norm, steps its slices, all-gathers the weights
+                if a.grad_clip > 0:
+                    totals.add({"grad_norm": float(norm)}, 1.0)
+            else:
+                self._reduce_grads()
+                if a.grad_clip > 0:
+                    totals.add({"grad_norm": self._clip(a.grad_clip)}, 1.0)
+                self.optimizer.step()
             self.scheduler.step()
             totals.updates += 1
         return totals.result(float(self.scheduler.get_last_lr()[0]))
@@ -235,19 +259,25 @@ class MegatronEngine(StashedState):
         if self.optimizer is None:
             return None
         with torch.no_grad():
-            tensors = {f"model.{n}": t.clone() for n, t in self._gather(self.params).items()}
-            if self.lay.tied:  # a transformers state dict names the shared matrix twice
-                tensors["model.lm_head.weight"] = tensors["model.model.embed_tokens.weight"]
             by_param = {p: n for n, p in self.params.items()}
             state = self.optimizer.state
+            if self.dist_opt is not None:  # the fp32 main weights and moments, from every dp rank's slices
+                full = megatron_optim.gather(self.net, self.dist_opt, self.dp_group)
+                local = {key: {by_param[p]: full[p][key] for p in self.params.values()} for key in megatron_optim.STATE_KEYS}
+            else:
+                local = {"param": self.params} | {
+                    key: {by_param[p]: state[p][key] if key in state.get(p, {}) else torch.zeros_like(p)
+                          for p in self.params.values()} for key in ADAM_KEYS}
+            tensors = {f"model.{n}": t.clone() for n, t in self._gather(local["param"]).items()}
+            if self.lay.tied:  # a transformers state dict names the shared matrix twice
+                tensors["model.lm_head.weight"] = tensors["model.model.embed_tokens.weight"]
             for key in ADAM_KEYS:
-                local = {by_param[p]: state[p][key] if key in state.get(p, {}) else torch.zeros_like(p)
-                         for p in self.params.values()}
-                tensors.update({f"optim.{n}.{key}": t.clone() for n, t in self._gather(local).items()})
+                tensors.update({f"optim.{n}.{key}": t.clone() for n, t in self._gather(local[key]).items()})
             step = next((s["step"] for s in state.values() if "step" in s), torch.zeros((), dtype=torch.float32))
             tensors.update({f"optim.{n}.step": step.detach().clone().float() for n in self.hf_names})
         group = self.optimizer.param_groups[0]
-        meta = {"engine": "megatron", "param_groups": [{**{k: v for k, v in group.items() if k != "params"},
+        meta = {"engine": "megatron", "param_groups": [{**{k: v for k, v in group.items()
+                                                            if k != "params" and k not in MEGATRON_GROUP_KEYS},
                                                          "params": list(self.hf_names)}],
                 "scheduler": self.scheduler.state_dict()}
         return CheckpointState(tensors, meta, self.group)
@@ -260,9 +290,14 @@ class MegatronEngine(StashedState):
             moments = {key: convert.to_megatron({n: t[f"optim.{n}.{key}"] for n in self.hf_names}, self.lay,
                                                 self.tp_rank) for key in ADAM_KEYS}
             step = t[f"optim.{self.hf_names[0]}.step"]
-            for name, p in self.params.items():
-                self.optimizer.state[p] = {"step": step.detach().clone().float().reshape(()),
-                                           **{k: moments[k][name].clone().to(p.device) for k in ADAM_KEYS}}
+            if self.dist_opt is not None:
+                main = convert.to_megatron({n: t[f"model.{n}"] for n in self.hf_names}, self.lay, self.tp_rank)
+                megatron_optim.scatter(self.dist_opt, {p: {"param": main[name], **{k: moments[k][name] for k in ADAM_KEYS}}
+                                                       for name, p in self.params.items()}, step)
+            else:
+                for name, p in self.params.items():
+                    self.optimizer.state[p] = {"step": step.detach().clone().float().reshape(()),
+                                               **{k: moments[k][name].clone().to(p.device) for k in ADAM_KEYS}}
         saved = state.meta["param_groups"][0]
         for group in self.optimizer.param_groups:
             group.update({k: v for k, v in saved.items() if k != "params"})

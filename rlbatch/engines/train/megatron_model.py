@@ -36,6 +36,9 @@ def process_groups(ctx: Any) -> Any:
     pgc.mp, pgc.tp_cp, pgc.dp_cp = tp, tp, dp
     pgc.embd = ctx.group("pp")  # one stage: the embedding group is that stage alone
     pgc.pos_embd = ctx.group("pp")
+    # No expert parallelism: the expert groups are a rank alone (ep) and dp; given here, so that
+    # megatron-core's DDP does not create a group on this rank alone (out of step with the others).
+    pgc.ep, pgc.expt_dp = ctx.group("cp"), dp
     return pgc
 
 
