@@ -3,6 +3,7 @@
 the test-only shim):
 
 - AdamW's state on each rank is about half of what the plain optimizer keeps (1/d of every bucket);
+- at TP=2 it trains like the plain optimizer too (the gradient norm over TP shards and replicas);
 - training (each dp rank its own samples) equals the plain optimizer's (torch AdamW on every rank,
   gradients all-reduced) within float tolerance: losses, gradient norms and weights;
 - exact resume with it on: 3 steps, checkpoint through the DCP store, 3 more == 6 steps, bitwise;
@@ -34,6 +35,7 @@ comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 mesh = DeviceMesh("cpu", torch.arange(2).reshape(1, 2, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+mesh_tp2 = DeviceMesh("cpu", torch.arange(2).reshape(1, 1, 1, 2), mesh_dim_names=("pp", "dp", "cp", "tp"))
 cfg = compose(["algo.lr=1e-3", "algo.warmup_steps=2", "algo.grad_clip=0.5"])
 tok = load_tokenizer(cfg.model)
 objective = PolicyObjective(cfg.algo)
@@ -47,23 +49,23 @@ gradient is rounding noise may move up to lr per update differently (measured 4.
 stepped twice, or not at all, is off by ~lr = 1e-3 or more."""
 
 
-def megatron(distributed):
+def megatron(distributed, on=mesh):
     return MegatronEngine(EngineContext("actor_train", MegatronArgs(distributed_optimizer=distributed), cfg.model,
-                                        cfg.algo, tok, torch.device("cpu"), seed=3, mesh=mesh, trainable=True))
+                                        cfg.algo, tok, torch.device("cpu"), seed=3, mesh=on, trainable=True))
 
 
-def batch(step):
-    """Each dp rank its own samples."""
-    g = torch.Generator().manual_seed(100 + 10 * step + comm.rank)
+def batch(step, own=True):
+    """Each dp rank its own samples (``own``), or the same on both (tp peers)."""
+    g = torch.Generator().manual_seed(100 + 10 * step + (comm.rank if own else 0))
     return [{"prompt": torch.randint(4, 18, (3 + k % 4,), generator=g),
              "response": torch.randint(4, 18, (1 + k % 5,), generator=g),
              "advantage": torch.tensor(float(k % 5) - 2.0)} for k in range(6)]
 
 
-def train(e, steps):
+def train(e, steps, own=True):
     out = []
     for s in steps:
-        samples = batch(s)
+        samples = batch(s, own)
         for x, old in zip(samples, e.logprobs(samples), strict=True):
             x["old_logprobs"] = old
         out.append(e.train(samples, objective))
@@ -107,6 +109,12 @@ ratio = state_numel(sharded) / state_numel(plain)
 assert 0.45 < ratio <= 0.55, f"AdamW state on rank {comm.rank}: {state_numel(sharded)} of {state_numel(plain)}"
 print(f"rank {comm.rank}: distributed optimizer within {gap:.1e} of the plain one after 6 updates "
       f"(weights moved {moved:.1e}); AdamW state {state_numel(sharded)} / {state_numel(plain)} = {ratio:.3f}", flush=True)
+
+# TP=2 (one dp replica): the norm counts TP-split weights on both ranks and replicated ones once.
+a, b = train(megatron(False, mesh_tp2), range(3), own=False), train(megatron(True, mesh_tp2), range(3), own=False)
+for step, (x, y) in enumerate(zip(a, b, strict=True)):
+    for key in ("pg_loss", "grad_norm"):
+        assert abs(x[key] - y[key]) <= TOL * max(1.0, abs(x[key])), f"TP=2 step {step} {key}: {x[key]} vs {y[key]}"
 
 before = sharded.checkpoint_state().tensors
 moved_out = sharded.offload(["params", "grads", "optimizer"])
