@@ -36,7 +36,7 @@ from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_ten
 from rlbatch.engines.train import common, megatron_optim
 from rlbatch.engines.train import megatron_convert as convert
 from rlbatch.engines.train.megatron_device import check_device
-from rlbatch.engines.train.megatron_model import build_gpt, process_groups, role_group
+from rlbatch.engines.train.megatron_model import build_gpt, freeze_padding_row, process_groups, role_group
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
@@ -68,6 +68,7 @@ class MegatronEngine(StashedState):
         pgc = process_groups(ctx)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
                                self.lay.head_bias).to(ctx.device)
+        freeze_padding_row(self.model, hf.get_input_embeddings().padding_idx)
         self.params = dict(self.model.named_parameters())
         with torch.no_grad():
             self._load_full({n: p.detach() for n, p in hf.named_parameters()})

@@ -76,6 +76,23 @@ class ScalarHead(torch.nn.Linear):
         return torch.nn.functional.linear(x, self.weight, self.bias), None
 
 
+def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
+    """transformers' ``nn.Embedding(padding_idx=...)``: a lookup of the padding token passes no
+    gradient to its row. megatron-core's embedding has no such index, and a sampled response may
+    contain the pad token as a real token; so the gradient reaching the embedding's output is zeroed
+    at those positions (the row still learns through a tied output layer, as in transformers)."""
+    if padding_idx is None:
+        return
+
+    def hook(module: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if out.requires_grad:
+            keep = (ids != padding_idx).transpose(0, 1)[..., None].to(out.dtype)  # [b, s] -> [s, b, 1] like out
+            out.register_hook(lambda g: g * keep)
+
+    model.embedding.register_forward_hook(hook, with_kwargs=True)
+
+
 def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
               head_bias: bool = False) -> Any:
     """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller). ``head``
