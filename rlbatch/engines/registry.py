@@ -119,7 +119,8 @@ class MegatronArgs:
     distributed_optimizer: bool = False
     """megatron-core's DistributedDataParallel and DistributedOptimizer: each data-parallel rank keeps
     the fp32 main weights and AdamW state of 1/d of the parameters (gradients reduce-scattered,
-    weights all-gathered). Off: torch AdamW on every rank and one all-reduce of the gradients."""
+    weights all-gathered). Off: torch AdamW on every rank and one all-reduce of the gradients.
+    Trainable roles only (a forward-only role has no optimizer)."""
 
 
 @dataclass(frozen=True)
