@@ -7,7 +7,8 @@ and its weights converted in (``megatron_convert``); weights leave it, for weigh
 checkpoints, as full tensors under Hugging Face names, so any inference engine loads them and a
 checkpoint of this engine loads into the fsdp engine and back. AdamW with the fsdp engine's
 warm-up, gradient clipping over the TP shards and gradient accumulation; gradients are averaged
-over dp. bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-only shim, see
+over dp (with ``engine_args.distributed_optimizer``, megatron-core's DDP and DistributedOptimizer
+shard the AdamW state over dp instead: ``megatron_optim``). bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-only shim, see
 ``megatron_device``). Pipeline, context and expert parallelism are refused by the registry.
 
 The critic and a reward model are the same GPTModel body with a scalar head (hidden -> 1) in place
