@@ -3,8 +3,9 @@ test-only shim), against transformers and the fsdp engine:
 
 - a critic (a token-classification model with a random head, loaded from a directory) at TP=2:
   values within float tolerance of transformers' ``...ForTokenClassification``;
-- a few value-objective updates at TP=2 and with fsdp from the same weights and samples: the same
-  losses and, after them, the same values (float tolerance);
+- a few value-objective updates at TP=2 and with fsdp from the same weights and samples (some
+  responses with the pad token inside, whose embedding row transformers does not train through the
+  lookup): the same losses and, after them, the same values (float tolerance);
 - the TP=2 critic's checkpoint loads into the fsdp critic (same weights, bitwise), into the
   exporter's token-classification model (``rlbatch.export``), and the fsdp critic's back into TP=2;
 - a reward model (sequence classification) at TP=2: scores within float tolerance of transformers'.
@@ -73,8 +74,11 @@ def batch(step):
     out = []
     for k in range(8):
         n = 1 + k % 5
+        response = torch.randint(4, 18, (n,), generator=g)
+        if n > 2 and k % 2:  # a sampled pad token inside a response: its row learns nothing from the lookup
+            response[1] = tok.pad_token_id
         out.append({"prompt": torch.randint(4, 18, (3 + k % 4,), generator=g),
-                    "response": torch.randint(4, 18, (n,), generator=g),
+                    "response": response,
                     "returns": torch.randn(n, generator=g), "values": torch.zeros(n)})
     return out
 
