@@ -162,7 +162,9 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
             notes.append(f"distributed optimizer: optimizer state / {d * c}")
         buffers = 0.0
         layers_held = math.ceil(shape.layers / p)
-    sp = b.engine == "megatron" and bool(ea.get("sequence_parallel", True)) or b.engine == "fsdp"
+    # rlbatch's megatron engine runs tensor parallelism without sequence parallelism (its
+    # TransformerConfig): a layer keeps Korthikanti's 10 + 24/t count, not (34 + ...)/t.
+    sp = b.engine == "fsdp"
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     s = w.seq_len / c
     vocab = 1 if r.name in HEADS else shape.vocab  # a value or reward head: a scalar per token
