@@ -17,6 +17,7 @@ def test_megatron_engine_converts_exactly_matches_transformers_resumes_bitwise_a
     assert out.stdout.count("megatron engine ok") == 2, out.stdout[-2000:]
 
 
+@pytest.mark.slow  # ~22 s alone, 80 s on a loaded machine
 def test_megatron_value_and_reward_heads_match_transformers_train_like_fsdp_and_share_checkpoints() -> None:
     out = mpirun("megatron_heads.py", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
