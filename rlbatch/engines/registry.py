@@ -116,6 +116,11 @@ class MegatronArgs:
     """Sequences per forward (0: the replica's whole share in one pass)."""
     sync_bucket_mb: int = 256
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
+    distributed_optimizer: bool = False
+    """megatron-core's DistributedDataParallel and DistributedOptimizer: each data-parallel rank keeps
+    the fp32 main weights and AdamW state of 1/d of the parameters (gradients reduce-scattered,
+    weights all-gathered). Off: torch AdamW on every rank and one all-reduce of the gradients.
+    Trainable roles only (a forward-only role has no optimizer)."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,6 @@ register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engin
 # dims "dt": tensor and data parallel; the placement language keeps "dtpce" so plans with pipeline,
 # context and expert parallelism are still modelled (and refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
-                    dims="dt", data_axes=("dp",),
+                    dims="dt", data_axes=("dp",), heads=("lm", "value", "reward"),
                     note="megatron: pipeline (p), context (c) and expert (e) parallelism are not built yet: "
                          "use megatron:dXtY"))

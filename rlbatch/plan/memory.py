@@ -150,12 +150,21 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         ffn = b.ffn
         e_split = (ffn.e * ffn.t) if ffn is not None else (b.e * t)
         shard = (dense / p + emb) / t + shape.layers * shape.expert_params / p / e_split
-        dist_opt = bool(ea.get("use_distributed_optimizer", True))
-        state = {"params": 2 * shard} if forward_only else {
-            "params": 2 * shard, "grads": 4 * shard, "optimizer": 12 * shard / (d * c if dist_opt else 1)}
+        # engine_args.distributed_optimizer (rlbatch's megatron engine, off by default): megatron-core's
+        # DDP keeps fp32 gradient buffers and its DistributedOptimizer the fp32 main weights and AdamW
+        # moments of 1/(d*c) of them: Megatron-LM's 6 + 12/dp bytes per parameter. Off, the engine
+        # steps torch AdamW on the bf16 weights: bf16 gradients and moments, 2 + 2 + 4 bytes.
+        dist_opt = bool(ea.get("distributed_optimizer", False))
+        state = {"params": 2 * shard} if forward_only else (
+            {"params": 2 * shard, "grads": 4 * shard, "optimizer": 12 * shard / (d * c)} if dist_opt
+            else {"params": 2 * shard, "grads": 2 * shard, "optimizer": 4 * shard})
+        if dist_opt and not forward_only:
+            notes.append(f"distributed optimizer: optimizer state / {d * c}")
         buffers = 0.0
         layers_held = math.ceil(shape.layers / p)
-    sp = b.engine == "megatron" and bool(ea.get("sequence_parallel", True)) or b.engine == "fsdp"
+    # rlbatch's megatron engine runs tensor parallelism without sequence parallelism (its
+    # TransformerConfig): a layer keeps Korthikanti's 10 + 24/t count, not (34 + ...)/t.
+    sp = b.engine == "fsdp"
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     s = w.seq_len / c
     vocab = 1 if r.name in HEADS else shape.vocab  # a value or reward head: a scalar per token

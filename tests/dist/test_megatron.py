@@ -15,3 +15,16 @@ def test_megatron_engine_converts_exactly_matches_transformers_resumes_bitwise_a
     out = mpirun("megatron_engine.py", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("megatron engine ok") == 2, out.stdout[-2000:]
+
+
+@pytest.mark.slow  # ~22 s alone, 80 s on a loaded machine
+def test_megatron_value_and_reward_heads_match_transformers_train_like_fsdp_and_share_checkpoints() -> None:
+    out = mpirun("megatron_heads.py", 2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron heads ok") == 2, out.stdout[-2000:]
+
+
+def test_megatron_distributed_optimizer_halves_adam_state_trains_like_adamw_and_resumes_bitwise() -> None:
+    out = mpirun("megatron_distopt.py", 2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron distributed optimizer ok") == 2, out.stdout[-2000:]

@@ -7,7 +7,8 @@ and the causal mask are created with ``device=torch.cuda.current_device()`` / ``
 in a run, or a plain import in a test script) installs, for the whole process:
 
 - a ``TorchFunctionMode`` that turns ``device="cuda"`` (or a CUDA index) in any torch call into
-  ``cpu``, and ``Tensor.cuda()`` into a no-op;
+  ``cpu``, ``Tensor.cuda()`` into a no-op, and reports a CPU tensor's ``Tensor.type()`` as
+  ``torch.cuda.*`` (megatron-core's distributed optimizer asserts CUDA tensor types);
 - stubs for ``torch.cuda.current_device``, ``synchronize`` and ``current_stream``;
 - the marker the engine checks before it agrees to run on CPU
   (``rlbatch.engines.train.megatron_device.CPU_SHIM``).
@@ -36,6 +37,9 @@ class CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # the distributed optimizer asserts
+            name = func(*args)                                          # 'torch.cuda.FloatTensor' & co.
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if "device" in kwargs:
             kwargs["device"] = _cpu(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):

@@ -17,7 +17,11 @@ def hf_weights(lay: Layout, seed: int = 0) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g)
 
     w = {"model.embed_tokens.weight": r(lay.vocab, H), "model.norm.weight": r(H)}
-    if not lay.tied:
+    if lay.head != "lm":
+        w["score.weight"] = r(1, H)
+        if lay.head_bias:
+            w["score.bias"] = r(1)
+    elif not lay.tied:
         w["lm_head.weight"] = r(lay.vocab, H)
     for i in range(lay.layers):
         a = f"model.layers.{i}.self_attn."
@@ -47,6 +51,21 @@ def test_hf_to_megatron_to_hf_is_exact_for_every_tp(tp: int, tied: bool, bias: b
     emb = shards["embedding.word_embeddings.weight"]
     assert [e.shape[0] for e in emb] == [lay.padded_vocab // tp] * tp
     assert lay.padded_vocab % tp == 0 and torch.count_nonzero(torch.cat(emb)[lay.vocab:]) == 0
+
+
+@pytest.mark.parametrize(("head", "bias"), [("value", True), ("reward", False)])
+def test_a_scalar_head_replaces_the_output_layer_whole_on_every_tp_rank(head: str, bias: bool) -> None:
+    lay = Layout(layers=1, hidden=8, heads=4, groups=2, head_dim=2, ffn=4, vocab=9, tied=False, qkv_bias=True, tp=2,
+                 head=head, head_bias=bias)
+    hf = hf_weights(lay)
+    per_rank = [convert.to_megatron(hf, lay, r) for r in range(2)]
+    for local in per_rank:  # the [1, hidden] head is not split: every rank computes the same values
+        assert torch.equal(local["output_layer.weight"], hf["score.weight"])
+        assert ("output_layer.bias" in local) is bias and (not bias or torch.equal(local["output_layer.bias"],
+                                                                                  hf["score.bias"]))
+    back = convert.to_hf({name: [p[name] for p in per_rank] for name in per_rank[0]}, lay)
+    assert back.keys() == hf.keys() and "lm_head.weight" not in back
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
 def test_qkv_is_interleaved_per_query_group_and_groups_split_contiguously_over_tp() -> None:

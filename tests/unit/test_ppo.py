@@ -227,10 +227,15 @@ def test_a_critic_starts_from_its_own_directory(tmp_path: Path) -> None:
         load_engine_model(ctx(tmp_path / "small"))
 
 
-def test_an_engine_is_not_built_for_a_head_it_does_not_have() -> None:
+def test_an_engine_is_not_built_for_a_head_it_does_not_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from rlbatch.engines import registry
     from rlbatch.engines.base import build_engine
     from rlbatch.engines.registry import spec_of
 
-    assert spec_of("fsdp").heads == ("lm", "value", "reward") and spec_of("megatron").heads == ("lm",)
+    assert all(spec_of(e).heads == ("lm", "value", "reward") for e in ("fsdp", "deepspeed", "megatron"))
+    # An engine that builds only the policy's head (a plugin, say) refuses a critic before building.
+    monkeypatch.setitem(registry.REGISTRY, "megatron", dataclasses.replace(spec_of("megatron"), heads=("lm",)))
     with pytest.raises(NotImplementedError, match="engine 'megatron', role critic: a value head is not built"):
         build_engine("megatron", SimpleNamespace(head="value", role="critic"))  # type: ignore[arg-type]

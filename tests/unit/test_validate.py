@@ -211,10 +211,15 @@ def test_ppo_runs_with_a_critic_and_refuses_what_it_cannot_run(cfg: dict[str, An
         "would never train"]
 
 
-def test_a_megatron_critic_is_refused_before_anything_starts(cfg: dict[str, Any]) -> None:
-    c = ppo(cfg, roles__actor_train={"device_mapping": [0, 1], "backend": "megatron:d2"})
+def test_a_critic_inherits_megatron_and_an_engine_without_a_value_head_is_refused(
+        cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    c = ppo(cfg, roles__actor_train={"device_mapping": [0, 1], "backend": "megatron:t2"})
+    assert str(check(c).roles["critic"].backend) == "megatron:t2"
+    # An engine that builds only the policy's head (a plugin, say) is refused for the critic by name.
+    monkeypatch.setitem(engines_registry.REGISTRY, "megatron",
+                        dataclasses.replace(engines_registry.REGISTRY["megatron"], heads=("lm",)))
     assert problems(c) == [
-        "roles.critic.backend: 'megatron:d2' (inherited from actor_train): the megatron engine has no value head "
+        "roles.critic.backend: 'megatron:t2' (inherited from actor_train): the megatron engine has no value head "
         "in this build; give the critic backend 'fsdp:dN' or 'deepspeed:dN'"]
     check(set_(c, roles__critic={"enabled": True, "device_mapping": [0, 1], "backend": "fsdp:d2"}))
 
@@ -481,9 +486,7 @@ def test_a_reward_model_on_gpus_is_checked_before_anything_starts(cfg: dict[str,
         "reward_model: model_weight and rule_weight must be numbers >= 0, got {'model_weight': 1.0, 'rule_weight': -1}"]
     assert problems(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "hf:d2"}))[0].startswith(
         "roles.reward.backend: 'hf:d2' names an inference engine, but reward runs score, which needs a training engine")
-    assert problems(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "megatron:d2"})) == [
-        "roles.reward.backend: 'megatron:d2': the megatron engine has no sequence-classification head in this build; "
-        "give the reward model 'fsdp:dN' or 'deepspeed:dN'"]
+    check(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "megatron:t2"}))
     missing = str(tmp_path / "no-rm")
     assert problems(set_(gpu, reward_model__path=missing)) == [
         f"reward_model.path: {missing} does not exist on this machine; give a local Hugging Face model directory "

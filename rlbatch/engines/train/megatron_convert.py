@@ -13,6 +13,11 @@ The mapping (exact: it only moves numbers):
     layers.i.mlp.{gate,up}_proj      -> decoder.layers.i.mlp.linear_fc1       per rank cat(gate_r, up_r)
     layers.i.mlp.down_proj           -> decoder.layers.i.mlp.linear_fc2       columns split over TP
     model.norm                       -> decoder.final_layernorm               replicated
+    score.{weight,bias} (value/reward)-> output_layer.{weight,bias}           replicated
+
+A value model (transformers' ``...ForTokenClassification``: ``score.weight`` [1, hidden] and
+``score.bias``) or a reward model (``...ForSequenceClassification``: ``score.weight`` only) has the
+same body; its scalar head takes the place of the vocabulary output layer, whole on every TP rank.
 
 The vocabulary is padded with zero rows to a multiple of TP (Megatron splits it evenly); the
 padding never leaves this module. The same functions convert anything shaped like the weights
@@ -42,6 +47,10 @@ class Layout:
     tied: bool
     qkv_bias: bool
     tp: int = 1
+    head: str = "lm"
+    """'lm' (the vocabulary output layer), or a scalar head: 'value' or 'reward' (``score.*``)."""
+    head_bias: bool = False
+    """Whether the scalar head has a bias (``score.bias``: transformers' token classification)."""
 
     @property
     def padded_vocab(self) -> int:
@@ -52,13 +61,14 @@ class Layout:
         return self.heads // self.groups
 
 
-def layout(hf_config: Any, tp: int) -> Layout:
+def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False) -> Layout:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return Layout(hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads, groups,
                   head_dim, hf_config.intermediate_size, hf_config.vocab_size,
-                  bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias, tp)
+                  head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias, tp, head,
+                  head_bias)
 
 
 def problems(lay: Layout) -> list[str]:
@@ -101,7 +111,11 @@ def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int) -> dict[
     tp = lay.tp
     out = {"embedding.word_embeddings.weight": _rows(_pad_vocab(hf["model.embed_tokens.weight"], lay), rank, tp),
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not lay.tied:
+    if lay.head != "lm":
+        out["output_layer.weight"] = hf["score.weight"]
+        if lay.head_bias:
+            out["output_layer.bias"] = hf["score.bias"]
+    elif not lay.tied:
         out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], lay), rank, tp)
     for i in range(lay.layers):
         h, m = _hf_layer(i), _mc_layer(i)
@@ -145,6 +159,10 @@ def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout) -> dict[str, to
         out[h + "mlp.down_proj.weight"] = torch.cat(shards[m + "mlp.linear_fc2.weight"], dim=1)
         out[h + "post_attention_layernorm.weight"] = shards[m + "pre_mlp_layernorm.weight"][0]
     out["model.norm.weight"] = shards["decoder.final_layernorm.weight"][0]
-    if not lay.tied:
+    if lay.head != "lm":
+        out["score.weight"] = shards["output_layer.weight"][0]
+        if lay.head_bias:
+            out["score.bias"] = shards["output_layer.bias"][0]
+    elif not lay.tied:
         out["lm_head.weight"] = torch.cat(shards["output_layer.weight"])[: lay.vocab]
     return out

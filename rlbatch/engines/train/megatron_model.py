@@ -36,6 +36,9 @@ def process_groups(ctx: Any) -> Any:
     pgc.mp, pgc.tp_cp, pgc.dp_cp = tp, tp, dp
     pgc.embd = ctx.group("pp")  # one stage: the embedding group is that stage alone
     pgc.pos_embd = ctx.group("pp")
+    # No expert parallelism: the expert groups are a rank alone (ep) and dp; given here, so that
+    # megatron-core's DDP does not create a group on this rank alone (out of step with the others).
+    pgc.ep, pgc.expt_dp = ctx.group("cp"), dp
     return pgc
 
 
@@ -61,8 +64,40 @@ def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype) -> Any:
     )
 
 
-def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype) -> Any:
-    """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller)."""
+class ScalarHead(torch.nn.Linear):
+    """A value or reward head (hidden -> 1) in place of GPTModel's vocabulary output layer: the same
+    call and return as megatron-core's ``ColumnParallelLinear`` (``(output, bias)``), not split over
+    TP. The final hidden states are whole on every TP rank (no sequence parallelism), so every rank
+    computes the same values and the head's gradients are the same on each (replicated, like the
+    norms: counted once in the gradient norm)."""
+
+    def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None,  # type: ignore[override]
+                ) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(x, self.weight, self.bias), None
+
+
+def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
+    """transformers' ``nn.Embedding(padding_idx=...)``: a lookup of the padding token passes no
+    gradient to its row. megatron-core's embedding has no such index, and a sampled response may
+    contain the pad token as a real token; so the gradient reaching the embedding's output is zeroed
+    at those positions (the row still learns through a tied output layer, as in transformers)."""
+    if padding_idx is None:
+        return
+
+    def hook(module: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if out.requires_grad:
+            keep = (ids != padding_idx).transpose(0, 1)[..., None].to(out.dtype)  # [b, s] -> [s, b, 1] like out
+            out.register_hook(lambda g: g * keep)
+
+    model.embedding.register_forward_hook(hook, with_kwargs=True)
+
+
+def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
+              head_bias: bool = False) -> Any:
+    """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller). ``head``
+    'value' or 'reward': a ``ScalarHead`` replaces the vocabulary output layer (the policy's, built by
+    GPTModel first, is dropped at once: a transient on the host with ``use_cpu_initialization``)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -74,11 +109,14 @@ def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
         "rope_theta", 10000.0)
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config(hf_config, tp, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=True, post_process=True, parallel_output=False,
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=int(rope), pg_collection=pgc,
     )
+    if head != "lm":
+        model.output_layer = ScalarHead(hf_config.hidden_size, 1, bias=head_bias, dtype=dtype)
+    return model

@@ -1,0 +1,109 @@
+"""megatron-core's distributed optimizer for the ``megatron`` engine (``engine_args.distributed_optimizer``).
+
+megatron-core's ``DistributedDataParallel`` puts every parameter and gradient in contiguous buffers;
+its ``DistributedOptimizer`` gives each data-parallel rank one contiguous 1/d of each buffer to
+own: the fp32 main weights and AdamW's moments of that slice only (so optimizer state per rank is
+divided by d), gradients reduce-scattered into the slices, updated weights all-gathered back.
+
+Built over the role's own groups, without ``get_megatron_optimizer`` (whose parameter-group set-up
+runs an ``all_gather_object`` over the whole job, which ranks outside the role never join):
+the torch AdamW and the ``DistributedOptimizer`` are constructed here directly.
+
+Checkpoints stay plain full tensors (``rlbatch.engines.train.state``'s names): ``gather`` rebuilds
+each parameter's main weight and moments from the dp slices (an all-gather of each bucket, exact),
+``scatter`` writes a full tensor back into this rank's slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+"""Per parameter: the main (fp32) weight and AdamW's two moments."""
+
+
+def build(model: Any, pgc: Any, algo: Any, role_group: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(DDP-wrapped model, DistributedOptimizer) over ``pgc.dp``, clipping at ``algo.grad_clip``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               overlap_param_gather=False, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model, pg_collection=pgc)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    group = {"params": params, "is_expert_parallel": False, "default_config": True, "wd_mult": 1.0,
+             "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": float(algo.lr), "min_lr": 0.0}
+    adamw = torch.optim.AdamW([group], lr=float(algo.lr), weight_decay=float(algo.weight_decay))
+    config = OptimizerConfig(optimizer="adam", lr=float(algo.lr), weight_decay=float(algo.weight_decay),
+                             clip_grad=float(algo.grad_clip), bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                             use_distributed_optimizer=True)
+    optimizer = DistributedOptimizer(adamw, config, None, None, model_chunks=[ddp], per_model_buffers={0: ddp.buffers},
+                                     data_parallel_group=pgc.dp, data_parallel_group_gloo=None,
+                                     data_parallel_group_idx=0, distributed_optimizer_instance_id=0)
+    # The gradient norm sums every rank's slices (dp) and every TP shard; weights replicated over tp
+    # (norms, a scalar head) count on tp rank 0 only.
+    optimizer.grad_stats_parallel_group = role_group
+    optimizer.tp_group, optimizer.expert_tp_group = pgc.tp, pgc.tp
+    return ddp, optimizer
+
+
+def _slice(optimizer: Any, p: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+    """This rank's slice of parameter ``p``'s main weight or moment (None: no state yet)."""
+    return optimizer._get_main_param_and_optimizer_states(p).get(key)
+
+
+def state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The device tensors the optimizer owns (offload kind 'optimizer'): AdamW's moments and the fp32
+    main weights kept beside 16-bit model weights. fp32 model weights are their own main weights
+    (views into the model's buffer), which 'params' moves."""
+    out = [v for s in optimizer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    for group in getattr(optimizer, "shard_fp32_from_float16_groups", []):
+        out += [p for p in group if p is not None]
+    return out
+
+
+def gather(ddp: Any, optimizer: Any, dp_group: Any) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+    """Every model parameter's full main weight and moments (this TP rank's shape), from the dp
+    slices: one all-gather per bucket and key. Collective over dp. Missing state reads as zeros."""
+    d = dist.get_world_size(dp_group)
+    out: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+    for gi, buffer in enumerate(ddp.buffers):
+        ranges = next(iter(optimizer.gbuf_ranges[gi].values()))
+        for bi, bucket in enumerate(buffer.buckets):
+            size = bucket.grad_data.numel() // d
+            owned = ranges[bi]["param_map"]
+            for key in STATE_KEYS:
+                local = torch.zeros(size, dtype=torch.float32, device=bucket.grad_data.device)
+                for p, r in owned.items():
+                    t = _slice(optimizer, p, key)
+                    if t is not None:
+                        local[r["gbuf_local"].start : r["gbuf_local"].end] = t.detach().reshape(-1).float()
+                full = torch.empty(size * d, dtype=torch.float32, device=local.device)
+                dist.all_gather_into_tensor(full, local, group=dp_group)
+                for p, (start, end, bucket_id) in buffer.param_index_map.items():
+                    if bucket_id == bi:
+                        piece = full[start - bucket.offset : end - bucket.offset].view(p.shape).clone()
+                        out.setdefault(p, {})[key] = piece
+    return out
+
+
+def scatter(optimizer: Any, full: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
+    """Set this rank's slice of each parameter's main weight and moments from full tensors (this TP
+    rank's shape), and AdamW's step count."""
+    inner = optimizer.optimizer
+    for p, tensors in full.items():
+        if p not in optimizer.model_param_group_index_map:
+            continue  # no slice on this rank
+        r = optimizer._get_model_param_range_map(p)["param"]
+        gi, order = optimizer.model_param_group_index_map[p]
+        main = inner.param_groups[gi]["params"][order]
+        with torch.no_grad():
+            main.copy_(tensors["param"].reshape(-1)[r.start : r.end])
+            inner.state[main] = {"step": step.detach().clone().float().reshape(()),
+                                 **{k: tensors[k].reshape(-1)[r.start : r.end].clone().to(main)
+                                    for k in ("exp_avg", "exp_avg_sq")}}
+    optimizer._copy_main_params_to_model_params()
