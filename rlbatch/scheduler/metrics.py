@@ -121,8 +121,22 @@ def idle_and_overlap(records: list[dict[str, Any]], seconds: float) -> dict[str,
     return out
 
 
+def timeline(records: list[dict[str, Any]], step_started: float) -> dict[str, float]:
+    """Each phase's span on the step's timeline, in seconds from the step's start (wall clock):
+    ``at/<phase>/start`` (earliest rank; negative for a generation that ran ahead, during an
+    earlier step) and ``at/<phase>/end`` (latest rank)."""
+    out: dict[str, float] = {}
+    for rec in records:
+        start, end = rec["started"] - step_started, rec["started"] - step_started + float(rec["seconds"])
+        key = f"at/{rec['phase']}"
+        out[f"{key}/start"] = min(out.get(f"{key}/start", start), start)
+        out[f"{key}/end"] = max(out.get(f"{key}/end", end), end)
+    return out
+
+
 def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, float],
-             phase_seconds: dict[str, float], records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+             phase_seconds: dict[str, float], records: list[dict[str, Any]], seconds: float,
+             started: float | None = None) -> dict[str, Any]:
     rlen = [rollouts.response_len[i] for i in rollouts.ids]
     row: dict[str, Any] = {
         "step": step,
@@ -138,5 +152,7 @@ def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, f
     row |= {f"time/{k}": v for k, v in phase_seconds.items()}
     row |= reduce_records(records)
     row |= idle_and_overlap(records, seconds)
+    if started is not None:
+        row |= timeline(records, started)
     row |= {f"train/{k}": v for k, v in stats.items()}
     return row

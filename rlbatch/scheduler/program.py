@@ -91,12 +91,12 @@ class Loop:
         self.n = int(self.a.samples_per_prompt)
         self.reuse_batch = self.a.mini_batches > 1 or self.a.epochs > 1
         self.stop: str | None = None
-        self.t0 = 0.0
+        self.t0 = self.t0_wall = 0.0
 
     def steps(self) -> Iterator[int]:
         for step in self.metrics.progress(range(self.start, int(self.cfg.steps))):
             self.pipe.begin_step()
-            self.t0 = time.perf_counter()
+            self.t0, self.t0_wall = time.perf_counter(), time.time()
             yield step
             if self.stop:
                 break
@@ -151,7 +151,7 @@ class Loop:
         self.pipe.forget(rollouts.ids)
         step_s = time.perf_counter() - self.t0
         self.metrics.log(step_row(step, generated, rollouts, stats, self.pipe.phase_seconds, self.pipe.records,
-                                  step_s) | extra)
+                                  step_s, self.t0_wall) | extra)
         last = step == int(self.cfg.steps) - 1
         self.stop = None if last else self.preemption.reason_to_stop(step_s, self.ckpt.last_save_s)
         if last or self.stop or (self.cfg.save_every and (step + 1) % int(self.cfg.save_every) == 0):

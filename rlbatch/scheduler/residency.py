@@ -49,6 +49,9 @@ class PhaseRecord:
     peak_allocated: int = 0
     rss_before: int = 0
     rss_after: int = 0
+    started: float = 0.0
+    """Wall-clock time (epoch seconds) the phase started on this rank: the metrics place it on the
+    step's timeline."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +82,7 @@ class Residency:
         rec.mem_allocated_before, rec.mem_reserved_before = device_memory(self.device)
         rec.rss_before = host_rss()
         start = time.perf_counter()
+        rec.started = time.time()
         rec.offload, rec.reload = self._switch(tuple(a for a in acting if a in self.engines), PHASES[phase].needs)
         yield rec
         rec.seconds = time.perf_counter() - start

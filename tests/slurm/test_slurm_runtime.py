@@ -118,7 +118,7 @@ PREEMPTED = {
     "sync": ([], 60),
     # Asynchronous: the next step's generation is in flight when the signal comes; the checkpoint
     # holds it, and the requeued job trains on it rather than generating it again (~0.4 s a step).
-    "async": (["roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis"], 30),
+    "async": (["roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis"], 15),
 }
 
 

@@ -41,6 +41,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
@@ -54,7 +55,7 @@ def parse() -> argparse.Namespace:
 def overrides(a: argparse.Namespace, staleness: int) -> list[str]:
     out = ["roles=disaggregated", f"roles.actor_infer.backend={a.infer}", f"steps={a.steps}",
            f"model.hidden_size={a.hidden}", f"model.intermediate_size={4 * a.hidden}", f"model.num_layers={a.layers}",
-           f"model.num_heads={a.heads}", "model.num_kv_heads=1", f"model.max_position_embeddings={64 + a.max_new_tokens}",
+           f"model.num_heads={a.heads}", f"model.num_kv_heads={a.kv_heads}", f"model.max_position_embeddings={max(128, 64 + a.max_new_tokens)}",
            f"algo.max_new_tokens={a.max_new_tokens}", f"algo.prompts_per_step={a.prompts}",
            f"algo.samples_per_prompt={a.samples}", f"algo.max_staleness={staleness}", *a.override]
     return out + (["algo.off_policy=tis"] if staleness else [])
@@ -95,18 +96,22 @@ def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path) -> None:
         print("matplotlib is not installed: no timeline.png", flush=True)
         return
     fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.2 * len(results)), dpi=110, sharex=True)
-    for ax, (name, runs) in zip(axes if len(results) > 1 else [axes], results.items(), strict=True):
-        rows = runs[0][:12]
+    axes = list(axes) if len(results) > 1 else [axes]
+    for ax, (name, runs) in zip(axes, results.items(), strict=True):
+        rows = runs[0][1:13]  # steps 1..12 (step 0 includes start-up)
         t = 0.0
         for r in rows:
-            ax.barh(1, r.get("time/generate", 0.0), left=t, color="tab:blue")
-            ax.barh(0, r.get("time/train", 0.0), left=t, color="tab:orange")
+            for y, phase, color in ((1, "generate", "tab:blue"), (0, "ref_logprobs", "tab:green"),
+                                    (0, "old_logprobs", "tab:olive"), (0, "train", "tab:orange")):
+                if f"at/{phase}/start" in r:
+                    start, end = r[f"at/{phase}/start"], r[f"at/{phase}/end"]
+                    ax.barh(y, end - start, left=t + start, color=color)
             t += r["time/step"]
             ax.axvline(t, color="grey", lw=0.5)
-        ax.set_yticks([0, 1], ["train", "generate"])
+        ax.set_yticks([0, 1], ["trainer", "inference"])
         ax.set_title(name, fontsize=9)
-    axes_last = axes[-1] if len(results) > 1 else axes
-    axes_last.set_xlabel("seconds (first 12 steps; grey lines: step ends; a step's phases drawn from its start)")
+    axes[-1].set_xlabel("seconds from the start of step 1 (wall clock; blue: generate, green: reference and old "
+                        "log-probs, orange: train; grey lines: step ends)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
