@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from engine_state import checkpoint, restore, same, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 
 import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
 from rlbatch.algos.objective import PolicyObjective
-from rlbatch.checkpoint.dcp import load_state, save_state
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import MegatronArgs
@@ -70,26 +70,6 @@ def train(e, steps, own=True):
             x["old_logprobs"] = old
         out.append(e.train(samples, objective))
     return out
-
-
-def weights(e):
-    with e.export_weights() as named:
-        return {n: t.clone() for n, t in named}
-
-
-def same(a, b, what):
-    assert a.keys() == b.keys(), f"{what}: names differ: {sorted(a.keys() ^ b.keys())}"
-    bad = [n for n in a if not torch.equal(a[n], b[n])]
-    assert not bad, f"{what}: not bitwise equal: {bad[:5]}"
-
-
-def checkpoint(e, path):
-    save_state(path, e.checkpoint_state())
-    dist.barrier()
-
-
-def restore(e, path):
-    e.load_checkpoint_state(load_state(path, e.checkpoint_state()))
 
 
 def state_numel(e):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from engine_state import checkpoint, restore, same, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh
 import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
 from rlbatch import algos
 from rlbatch.algos.objective import PolicyObjective
-from rlbatch.checkpoint.dcp import load_state, save_state
 from rlbatch.engines.base import EngineContext, SamplingParams
 from rlbatch.engines.batch import pack, response_logits, unpack
 from rlbatch.engines.infer.hf import HFInferenceEngine
@@ -71,26 +71,6 @@ def train(e, steps):
         for x, old in zip(samples, e.logprobs(samples), strict=True):
             x["old_logprobs"], x["ref_logprobs"] = old, old - 0.05
         e.train(samples, objective)
-
-
-def weights(e):
-    with e.export_weights() as named:
-        return {n: t.clone() for n, t in named}
-
-
-def same(a, b, what):
-    assert a.keys() == b.keys(), f"{what}: names differ: {sorted(a.keys() ^ b.keys())}"
-    bad = [n for n in a if not torch.equal(a[n], b[n])]
-    assert not bad, f"{what}: not bitwise equal: {bad[:5]}"
-
-
-def checkpoint(e, path):
-    save_state(path, e.checkpoint_state())
-    dist.barrier()
-
-
-def restore(e, path):
-    e.load_checkpoint_state(load_state(path, e.checkpoint_state()))
 
 
 # -- conversion and numerics ---------------------------------------------------------------------

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from engine_state import checkpoint, restore, same, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 
 import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
 from rlbatch.algos.value import ValueObjective
-from rlbatch.checkpoint.dcp import load_state, save_state
 from rlbatch.checkpoint.hf_export import load_weights
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack
@@ -83,28 +83,8 @@ def batch(step):
     return out
 
 
-def weights(e):
-    with e.export_weights() as named:
-        return {n: t.clone() for n, t in named}
-
-
-def same(a, b, what):
-    assert a.keys() == b.keys(), f"{what}: names differ: {sorted(a.keys() ^ b.keys())}"
-    bad = [n for n in a if not torch.equal(a[n], b[n])]
-    assert not bad, f"{what}: not bitwise equal: {bad[:5]}"
-
-
 def gap(xs, ys):
     return max(float((x - y).abs().max()) for x, y in zip(xs, ys, strict=True))
-
-
-def checkpoint(e, path):
-    save_state(path, e.checkpoint_state())
-    dist.barrier()
-
-
-def restore(e, path):
-    e.load_checkpoint_state(load_state(path, e.checkpoint_state()))
 
 
 # -- critic: values against transformers ----------------------------------------------------------
