@@ -246,7 +246,8 @@ def describe() -> str:
         s = REGISTRY[name]
         state = f"built, dims {s.dims}" if s.built else f"not built{': ' + s.note if s.note else ''}"
         keys = ", ".join(f.name for f in dataclasses.fields(s.args))
-        lines.append(f"{name:10s} {s.kind.value:6s} {state}; engine_args: {keys or '-'}")
+        heads = f"; heads: {', '.join(s.heads)}" if s.kind is EngineKind.TRAIN else ""
+        lines.append(f"{name:10s} {s.kind.value:6s} {state}{heads}; engine_args: {keys or '-'}")
     return "\n".join(lines)
 
 

@@ -30,3 +30,11 @@ def test_every_config_names_a_registered_training_engine_and_fits_two_ranks() ->
         assert spec_of(c.engine).built, c
         engine_args(c.engine, c.args)  # accepted by the registry's typed engine_args
         assert c.dp * c.tp == train_engines.RANKS, c
+
+
+def test_describe_lists_each_training_engines_heads() -> None:
+    from rlbatch.engines.registry import describe
+
+    lines = {line.split()[0]: line for line in describe().splitlines()}
+    assert "heads: lm, value, reward;" in lines["fsdp"] and "heads: lm, value, reward;" in lines["megatron"]
+    assert "heads" not in lines["vllm"]  # inference engines have the language-model head only
