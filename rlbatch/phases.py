@@ -70,8 +70,7 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("critic_train", "critic", "train", TRAIN_STATE, ("prompt", "response", "values", "reward"), (),
               Dispatch.SHARDS, "train"),
     PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
-              ("prompt", "response", "old_logprobs", "ref_logprobs", "behaviour_logprobs", "reward"), (), Dispatch.SHARDS,
-              "train"),
+              ("prompt", "response", "old_logprobs", "ref_logprobs", "reward"), (), Dispatch.SHARDS, "train"),
     PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer"),
     PhaseSpec("checkpoint", "actor_train", "checkpoint", ("params", "optimizer"), (), (), Dispatch.COLLECTIVE, "sync"),
     PhaseSpec("rollout_buffer", "actor_infer", "buffer", (), (), ("prompt", "response", "behaviour_logprobs"),
@@ -80,7 +79,9 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
 """Phase name -> its row. ``checkpoint`` acts for every trainable role on a rank (its role is the
 first of them; ``needs`` applies to each). A field a phase reads but no earlier phase of the step
 wrote is simply absent (``values`` without a critic; ``reward`` stays with the controller, which
-turns it into advantages): reads also say which phases must finish first. ``rollout_buffer``
+turns it into advantages): reads also say which phases must finish first. A training phase also
+reads the fields its objective names (``objective.reads``: the behaviour log-probs for an
+off-policy correction). ``rollout_buffer``
 reads (into a checkpoint) or restores generated samples not yet trained on (asynchronous
 training, ``algo.max_staleness``)."""
 

@@ -52,6 +52,8 @@ class PolicyObjective:
         self.entropy_coef = float(algo.entropy_coef)
         name = str(getattr(algo, "off_policy", "none"))
         self.correction = OFF_POLICY.get(name) if name != "none" else None
+        self.reads: tuple[str, ...] = ("behaviour_logprobs",) if self.correction is not None else ()
+        """Sample fields the objective reads beyond the train phase's own (``rlbatch.phases``)."""
         self.algo = algo
 
     needs_logits = True

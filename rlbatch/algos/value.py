@@ -101,6 +101,8 @@ class ValueObjective:
 
     head = "value"
     needs_logits = False
+    reads: tuple[str, ...] = ()
+    """Sample fields read beyond the critic_train phase's own (none)."""
 
     def __init__(self, algo: Any) -> None:
         agg = AGGREGATIONS.get(str(algo.loss_agg))

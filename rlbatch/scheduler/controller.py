@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from rlbatch.config.schema import RLBatchConfig
+from rlbatch.algos.objective import objective_for
+from rlbatch.config.schema import RLBatchConfig, role_algo
 from rlbatch.engines.registry import engine_args, spec_of
 from rlbatch.phases import PHASES, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
@@ -371,7 +372,8 @@ class Role:
         assign = self._assign(ro)
         extra = {sh[0]: {"targets": {name: [v[i] for i in ids] for name, v in per_sample.items()}}
                  for sh, ids in assign.items()}
-        return Training(self._start_sharded(spec, assign, list(spec.reads), extra), [sh[0] for sh in assign])
+        reads = [*spec.reads, *objective_for(self.name, role_algo(self.name, self.pipe.cfg.algo)).reads]
+        return Training(self._start_sharded(spec, assign, reads, extra), [sh[0] for sh in assign])
 
     def sync_weights(self, infer: Role) -> None:
         spec = phase_for(self.name, "sync")

@@ -168,8 +168,8 @@ class RankRuntime:
         for name, per_sample in targets.items():
             for sid, value in zip(ids, per_sample, strict=True):
                 self.store.put(sid, name, torch.tensor(value, dtype=torch.float32))
-        fields = [*spec.reads, *targets]
         objective = self.objectives[spec.role]
+        fields = [*spec.reads, *objective.reads, *targets]
         if self.cfg.algo.overlong_filter and objective.head == "lm":  # DAPO: truncated responses out of the loss
             eos, longest = self.tokenizer.eos_token_id, int(self.cfg.algo.max_new_tokens)
             for sid in ids:

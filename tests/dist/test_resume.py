@@ -83,6 +83,7 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) ->
     assert export(whole, run_root / "e_whole") == export(split, run_root / "e_split")
     if case == "async":
         assert [r["train/staleness"] for r in a] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+        assert all("train/offpolicy/weight_mean" in r for r in a), "the trainer reads the behaviour log-probs"
         saved = torch_load(split / "checkpoints" / "step_000002" / "rollouts.pt")
         assert [e["step"] for e in saved["entries"]] == [3], "step 3's generation is in the checkpoint"
         assert saved["entries"][0]["rollouts"]["version"] == 2  # made with the policy after 2 updates
