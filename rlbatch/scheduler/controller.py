@@ -294,7 +294,7 @@ class Role:
         shards that will work on them (the same assignment its phases compute), and nothing else:
         the holders take part only in the move, so a rank that generates next is freed at once."""
         generated = set(phase_for("actor_infer", "generate").writes)
-        fields = sorted({f for p in PHASES.values() if p.role == self.name for f in p.reads if f in generated})
+        fields = sorted({f for p in PHASES.values() if p.role == self.name for f in self._reads(p) if f in generated})
         need = {r: (ids, fields) for sh, ids in self._assign(ro).items() for r in sh}
         return self.pipe.start("receive", (self.name,), {}, need)
 
@@ -372,8 +372,13 @@ class Role:
         assign = self._assign(ro)
         extra = {sh[0]: {"targets": {name: [v[i] for i in ids] for name, v in per_sample.items()}}
                  for sh, ids in assign.items()}
-        reads = [*spec.reads, *objective_for(self.name, role_algo(self.name, self.pipe.cfg.algo)).reads]
-        return Training(self._start_sharded(spec, assign, reads, extra), [sh[0] for sh in assign])
+        return Training(self._start_sharded(spec, assign, self._reads(spec), extra), [sh[0] for sh in assign])
+
+    def _reads(self, spec: PhaseSpec) -> list[str]:
+        """The fields ``spec`` reads: the phase table's, and for training those its objective names."""
+        if spec.op != "train":
+            return list(spec.reads)
+        return [*spec.reads, *objective_for(self.name, role_algo(self.name, self.pipe.cfg.algo)).reads]
 
     def sync_weights(self, infer: Role) -> None:
         spec = phase_for(self.name, "sync")

@@ -216,3 +216,24 @@ def test_a_placement_where_inference_shares_ranks_runs_synchronously_and_says_so
     assert async_staleness(pipe((0, 1)), 2) == 0
     assert "shares its ranks with actor_train, reference" in capsys.readouterr().out
     assert async_staleness(pipe((0,)), 0) == 0 and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(("correction", "fields"), [("none", ["prompt", "response"]),
+                                                   ("tis", ["behaviour_logprobs", "prompt", "response"])])
+def test_the_trainer_takes_off_the_inference_ranks_every_field_it_will_read(correction: str, fields: list[str]) -> None:
+    """``receive`` moves what the trainer's phases read, its objective's extra reads included (the
+    behaviour log-probs of a correction): otherwise its training phase would fetch them from an
+    inference rank busy with the next generation."""
+    from rlbatch.placement import place
+    from rlbatch.scheduler.controller import Role
+
+    placement = place({"cluster": {"gpus_per_node": 8}, "roles": {
+        "actor_train": {"device_mapping": [0], "backend": "fsdp:d1"},
+        "actor_infer": {"device_mapping": [1], "backend": "hf:d1"}}})
+    calls: list[tuple[str, Any]] = []
+    pipe = SimpleNamespace(p=placement, world=SimpleNamespace(members={"actor_train": (0,), "actor_infer": (1,)}),
+                           cfg=SimpleNamespace(algo=AlgoConfig(off_policy=correction)),
+                           holder=lambda ids, field="response": {i: 1 for i in ids},
+                           start=lambda phase, roles, work, need=None: calls.append((phase, need)))
+    Role(pipe, "actor_train").receive(Rollouts([0, 1], ["a", "b"], 2, {0: 1, 1: 1}, {0: 1, 1: 1}))  # type: ignore[arg-type]
+    assert calls == [("receive", {0: ([0, 1], fields)})]
