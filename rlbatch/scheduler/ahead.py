@@ -128,10 +128,10 @@ class GenerationQueue:
                 f"trained staler than allowed)")
         leader = self.infer.placement.workers[0][0]
         pipe = self.infer.pipe
+        samples = {sid: fields for entry in saved["entries"] for sid, fields in entry["samples"].items()}
+        pipe.run("rollout_buffer", (self.infer.name,), {leader: {"op": "restore", "samples": samples}})
+        for sid, fields in samples.items():
+            for name, value in fields.items():
+                pipe.produced(leader, sid, name, len(value))
         for entry in saved["entries"]:
-            ro = Rollouts(**entry["rollouts"])
-            pipe.run("rollout_buffer", (self.infer.name,), {leader: {"op": "restore", "samples": entry["samples"]}})
-            for sid, fields in entry["samples"].items():
-                for name, value in fields.items():
-                    pipe.produced(leader, sid, name, len(value))
-            self.ahead[int(entry["step"])] = ro
+            self.ahead[int(entry["step"])] = Rollouts(**entry["rollouts"])

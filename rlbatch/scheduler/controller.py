@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -376,9 +377,12 @@ class Role:
 
     def _reads(self, spec: PhaseSpec) -> list[str]:
         """The fields ``spec`` reads: the phase table's, and for training those its objective names."""
-        if spec.op != "train":
-            return list(spec.reads)
-        return [*spec.reads, *objective_for(self.name, role_algo(self.name, self.pipe.cfg.algo)).reads]
+        return [*spec.reads, *self._objective_reads] if spec.op == "train" else list(spec.reads)
+
+    @cached_property
+    def _objective_reads(self) -> tuple[str, ...]:
+        """The extra fields this role's training objective reads (built once, not every step)."""
+        return tuple(objective_for(self.name, role_algo(self.name, self.pipe.cfg.algo)).reads)
 
     def sync_weights(self, infer: Role) -> None:
         spec = phase_for(self.name, "sync")
