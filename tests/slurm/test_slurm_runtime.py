@@ -102,15 +102,44 @@ def test_plain_sbatch_template(run_root: Path) -> None:
     assert "selftest ok" in output, output[-3000:]
 
 
-@pytest.mark.parametrize("roles", ["colocated", "disaggregated"])
-def test_default_experiment_on_slurm(run_root: Path, roles: str) -> None:
+ON_SLURM = {
+    "colocated": (["roles=colocated"], 0),
+    "disaggregated": (["roles=disaggregated"], 0),
+    # vLLM rollouts (experiment=arithmetic_vllm: head_dim 32): an engine on each of the two
+    # training ranks, and one engine on a rank of its own.
+    "vllm-colocated": (["experiment=arithmetic_vllm"], 2),
+    "vllm-disaggregated": (["experiment=arithmetic_vllm", "roles=disaggregated", "roles.actor_infer.backend=vllm:d1"], 1),
+}
+"""case -> its overrides and how many vLLM engines it starts."""
+
+
+@pytest.mark.parametrize("case", list(ON_SLURM))
+def test_default_experiment_on_slurm(run_root: Path, case: str) -> None:
+    extra, engines = ON_SLURM[case]
     run = run_root / "run"
-    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=3", f"run_dir={run}", f"roles={roles}",
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=3", f"run_dir={run}", *extra,
                   "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert (run / "reward_curve.png").exists()
+    logs = "".join(p.read_text() for p in (run / "logs").glob("rank*.log"))
+    assert logs.count("vLLM actor_infer engine started") == engines, logs[-3000:]
+
+
+def test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes(run_root: Path) -> None:
+    """ROLL's disaggregated 8-GPU example as the test cluster's 2 nodes of 4 GPUs: fsdp:d4 on n1,
+    four vLLM engines on n2, weights synced across the nodes every step."""
+    run = run_root / "run"
+    preset = ["roles=roll_disaggregated_8gpu", "cluster.gpus_per_node=4", "model.num_heads=2", "model.num_kv_heads=1"]
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=2", f"run_dir={run}", *preset,
+                  "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    logs = "".join(p.read_text() for p in (run / "logs").glob("rank*.log"))
+    started = [ln for ln in logs.splitlines() if "vLLM actor_infer engine started" in ln]
+    assert len(started) == 4 and all("node 1)]" in ln for ln in started), started  # all four on n2
 
 
 PREEMPTED = {

@@ -1,6 +1,7 @@
 """rlbatch against TRL's GRPOTrainer: the same GRPO workload, one after the other, one machine.
 
     python tools/bench/vs_trl.py [--steps 80] [--ranks 1,2] [--out .bench-runs/vs_trl] [--baseline ../rlbatch-old]
+    python tools/bench/vs_trl.py --workload long --engine vllm   # long responses, both sides on vLLM
 
 Needs the `bench` extra (`pip install -e ".[bench]"`: trl, matplotlib). Both frameworks get
 the same random-initialised Qwen2 weights and character tokenizer (saved once as an ordinary
@@ -8,6 +9,16 @@ Hugging Face directory), the same prompts in the same order, samples per prompt,
 max_new_tokens, batch and mini-batch sizes, optimiser, learning-rate schedule, clip range, KL
 coefficient, reward function and number of steps. The workload is rlbatch's default
 experiment (single-digit addition mod 10, learned from scratch) unless overridden.
+
+``--workload long`` is the same task on a wider model (hidden 256, 4 layers, head_dim 64, ~4M
+parameters) with up to 64 new tokens, 16 prompts x 8 samples per step, scored on the number a
+response starts with (``leading_number_match``: nothing rewards stopping, so responses stay
+long; a random model rarely ends one before 64 tokens).
+``--engine vllm`` makes both sides generate with vLLM: rlbatch's ``vllm`` engine on its
+actor_infer ranks (colocated with training), TRL's ``use_vllm=True, vllm_mode="colocate"``
+(vLLM in the trainer's process, weights loaded into it after every step). Both get the same
+KV-cache space (``--kv-cache-mb``); TRL's vLLM importance-sampling correction is off, as
+rlbatch's synchronous loop has none.
 
 Each framework runs in its own process; start-up (imports, model load, process launch) is
 reported but kept out of the throughput: samples/s = samples generated and trained on ÷
@@ -39,9 +50,17 @@ offload/reload and control plane are 'other'. TRL computes reference and old log
 its generation step: they are timed on their own and reported as 'logprobs'."""
 
 ONE_RANK = ["roles.actor_train.device_mapping=[0]", "roles.actor_train.backend=fsdp:d1",
-            "roles.actor_infer.device_mapping=[0]", "roles.actor_infer.backend=hf:d1",
-            "roles.reference.device_mapping=[0]"]
+            "roles.actor_infer.device_mapping=[0]", "roles.reference.device_mapping=[0]"]
 """The default colocated placement on one GPU rank instead of two."""
+
+WORKLOADS = {
+    "default": {"prompts": 32, "samples": 32, "max_new_tokens": 2, "overrides": []},
+    "long": {"prompts": 16, "samples": 8, "max_new_tokens": 64,
+             "overrides": ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4",
+                           "model.num_heads=4", "model.num_kv_heads=1", "model.max_position_embeddings=128",
+                           "data.reward_fn=rlbatch.rewards.rules:leading_number_match"]},
+}
+"""Per workload: the defaults of --prompts/--samples/--max-new-tokens and its Hydra overrides."""
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -51,7 +70,7 @@ def workload_overrides(args: argparse.Namespace) -> list[str]:
     """The Hydra overrides that define the workload (both frameworks read the composed config)."""
     return [f"seed={args.seed}", f"steps={args.steps}", f"algo.prompts_per_step={args.prompts}",
             f"algo.samples_per_prompt={args.samples}", f"algo.max_new_tokens={args.max_new_tokens}",
-            *args.override]
+            *WORKLOADS[args.workload]["overrides"], *args.override]
 
 
 def settings(cfg: Any) -> dict[str, Any]:
@@ -65,7 +84,9 @@ def settings(cfg: Any) -> dict[str, Any]:
         "grad_clip": float(a.grad_clip), "mini_batches": int(a.mini_batches), "epochs": int(a.epochs),
         "clip_low": float(a.clip_low), "clip_high": float(a.clip_high), "kl_coef": float(a.kl_coef),
         "reward_fn": str(cfg.data.reward_fn), "model": f"qwen2 random-init, hidden {cfg.model.hidden_size}, "
-        f"{cfg.model.num_layers} layers, initializer_range {cfg.model.initializer_range}",
+        f"{cfg.model.num_layers} layers, {cfg.model.num_heads} heads ({cfg.model.num_kv_heads} kv), "
+        f"initializer_range {cfg.model.initializer_range}",
+        "max_model_len": int(cfg.model.max_position_embeddings),
     }
 
 
@@ -101,7 +122,10 @@ def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int
     if placement is None:
         sys.exit(f"--ranks: 1 or 2 GPU ranks, got {ranks}")
     threads = max(1, args.threads // ranks)
-    cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), *placement,
+    engine = [f"roles.actor_infer.backend={args.engine}:d{ranks}"]
+    if args.engine == "vllm":
+        engine.append(f"+roles.actor_infer.engine_args.kv_cache_mb={args.kv_cache_mb}")
+    cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), *placement, *engine,
            "model=hf_local", f"model.path={model_dir}", f"run_dir={run_dir}", "resume=never",
            f"cluster.cpus_per_task={threads}"]
     print(f"\n== {label} ({root}), {ranks} GPU rank(s), {threads} thread(s) each\n$ {' '.join(cmd[1:])}", flush=True)
@@ -200,6 +224,7 @@ def trl_worker(spec_path: Path) -> None:
         weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"] or 1e9,
         beta=s["kl_coef"], epsilon=s["clip_low"], epsilon_high=s["clip_high"],
         loss_type="dapo", scale_rewards="group", mask_truncated_completions=False,
+        **vllm_settings(spec),
     )
     prompts = json.loads(Path(spec["prompts"]).read_text())
     trainer = Timed(model=model, reward_funcs=reward, args=config, processing_class=tok,
@@ -208,15 +233,26 @@ def trl_worker(spec_path: Path) -> None:
     Path(spec["result"]).write_text(json.dumps(log["steps"]))
 
 
+def vllm_settings(spec: dict[str, Any]) -> dict[str, Any]:
+    """GRPOConfig's vLLM arguments: vLLM in the trainer's process (``colocate``), on-policy."""
+    if spec["engine"] != "vllm":
+        return {}
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 1,
+            "vllm_max_model_length": spec["settings"]["max_model_len"],
+            "vllm_importance_sampling_correction": False}
+
+
 def run_trl(args: argparse.Namespace, out: Path, s: dict[str, Any], model_dir: Path, prompts: Path) -> dict[str, Any]:
     spec = out / "trl_spec.json"
     result = out / "trl_steps.json"
     spec.write_text(json.dumps({"settings": s, "out": str(out), "model_dir": str(model_dir), "prompts": str(prompts),
-                                "threads": args.threads, "result": str(result)}))
-    print(f"\n== TRL GRPOTrainer, 1 process, {args.threads} thread(s)", flush=True)
+                                "threads": args.threads, "result": str(result), "engine": args.engine}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
+    if args.engine == "vllm":  # vLLM's CPU KV cache (GiB), which TRL has no argument for
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_mb / 1024)))
+    print(f"\n== TRL GRPOTrainer, 1 process, {args.threads} thread(s), {args.engine} generation", flush=True)
     start = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--trl-worker", str(spec)], check=True, cwd=ROOT,
-                   env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads)))
+    subprocess.run([sys.executable, __file__, "--trl-worker", str(spec)], check=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - start
     return {"name": "TRL GRPOTrainer", "wall": wall, "steps": json.loads(result.read_text())}
 
@@ -297,9 +333,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    p.add_argument("--samples", type=int, default=32, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=2)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                   help="default: the default experiment; long: a wider model and up to 64 new tokens")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="what generates, on both sides")
+    p.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM's KV-cache space, on both sides (--engine vllm)")
+    p.add_argument("--prompts", type=int, help="prompts per step (default: the workload's)")
+    p.add_argument("--samples", type=int, help="samples per prompt (default: the workload's)")
+    p.add_argument("--max-new-tokens", type=int, help="default: the workload's")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ranks", default="1,2", help="rlbatch GPU-rank counts to run (comma-separated: 1, 2)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -313,6 +353,9 @@ def main() -> int:
     if args.trl_worker:
         trl_worker(args.trl_worker)
         return 0
+    for name in ("prompts", "samples", "max_new_tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, WORKLOADS[args.workload][name])
     try:
         import trl  # noqa: F401
     except ImportError:
