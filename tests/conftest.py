@@ -37,6 +37,11 @@ def run_root(request: pytest.FixtureRequest) -> Path:
     return path
 
 
+def rank_logs(run_dir: Path) -> str:
+    """Every rank's log of a launched run (``<run_dir>/logs/rank*.log``), concatenated."""
+    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("rank*.log")))
+
+
 def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300):
     """Run ``python -m rlbatch.launch <args>``; returns the CompletedProcess (text output)."""
     import subprocess

@@ -49,7 +49,7 @@ def test_vs_trl_long_workload_with_vllm_on_both_sides(run_root: Path) -> None:
     """--workload long --engine vllm: TRL's colocated vLLM and rlbatch's vllm engine, tiny sizes."""
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/vs_trl.py"), "--workload", "long", "--engine", "vllm",
                           "--steps", "2", "--prompts", "2", "--samples", "4", "--max-new-tokens", "8", "--ranks", "1",
-                          "--kv-cache-mb", "256", "--out", str(run_root / "bench")],
+                          "--kv-cache-gb", "1", "--out", str(run_root / "bench")],
                          capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1].startswith("speedup vs TRL: ")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch
+from tests.conftest import launch, rank_logs
 from tests.dist.test_mechanisms import mpirun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -29,7 +29,7 @@ def test_grpo_with_vllm_generating(run_root: Path, roles: str, backend: str) -> 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["tokens/generated"] > 0 for r in rows)
-    logs = "".join(p.read_text() for p in (run / "logs").glob("rank*.log"))
+    logs = rank_logs(run)
     assert logs.count("built vllm engine for actor_infer") == (2 if roles == "colocated" else 1)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, launch
+from tests.conftest import REPO_ROOT, launch, rank_logs
 from tests.dist.test_local_runtime import TWO_NODES
 
 pytestmark = pytest.mark.slurm
@@ -123,7 +123,7 @@ def test_default_experiment_on_slurm(run_root: Path, case: str) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert (run / "reward_curve.png").exists()
-    logs = "".join(p.read_text() for p in (run / "logs").glob("rank*.log"))
+    logs = rank_logs(run)
     assert logs.count("vLLM actor_infer engine started") == engines, logs[-3000:]
 
 
@@ -137,7 +137,7 @@ def test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes(run_root: Path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
-    logs = "".join(p.read_text() for p in (run / "logs").glob("rank*.log"))
+    logs = rank_logs(run)
     started = [ln for ln in logs.splitlines() if "vLLM actor_infer engine started" in ln]
     assert len(started) == 4 and all("node 1)]" in ln for ln in started), started  # all four on n2
 

@@ -17,7 +17,7 @@ long; a random model rarely ends one before 64 tokens).
 ``--engine vllm`` makes both sides generate with vLLM: rlbatch's ``vllm`` engine on its
 actor_infer ranks (colocated with training), TRL's ``use_vllm=True, vllm_mode="colocate"``
 (vLLM in the trainer's process, weights loaded into it after every step). Both get the same
-KV-cache space (``--kv-cache-mb``); TRL's vLLM importance-sampling correction is off, as
+KV-cache space (``--kv-cache-gb``); TRL's vLLM importance-sampling correction is off, as
 rlbatch's synchronous loop has none.
 
 Each framework runs in its own process; start-up (imports, model load, process launch) is
@@ -124,7 +124,7 @@ def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int
     threads = max(1, args.threads // ranks)
     engine = [f"roles.actor_infer.backend={args.engine}:d{ranks}"]
     if args.engine == "vllm":
-        engine.append(f"+roles.actor_infer.engine_args.kv_cache_mb={args.kv_cache_mb}")
+        engine.append(f"+roles.actor_infer.engine_args.kv_cache_mb={args.kv_cache_gb * 1024}")
     cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), *placement, *engine,
            "model=hf_local", f"model.path={model_dir}", f"run_dir={run_dir}", "resume=never",
            f"cluster.cpus_per_task={threads}"]
@@ -248,8 +248,8 @@ def run_trl(args: argparse.Namespace, out: Path, s: dict[str, Any], model_dir: P
     spec.write_text(json.dumps({"settings": s, "out": str(out), "model_dir": str(model_dir), "prompts": str(prompts),
                                 "threads": args.threads, "result": str(result), "engine": args.engine}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads))
-    if args.engine == "vllm":  # vLLM's CPU KV cache (GiB), which TRL has no argument for
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_cache_mb / 1024)))
+    if args.engine == "vllm":  # vLLM's CPU KV cache in whole GiB, which TRL has no argument for
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gb)
     print(f"\n== TRL GRPOTrainer, 1 process, {args.threads} thread(s), {args.engine} generation", flush=True)
     start = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--trl-worker", str(spec)], check=True, cwd=ROOT, env=env)
@@ -336,7 +336,8 @@ def main() -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
                    help="default: the default experiment; long: a wider model and up to 64 new tokens")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="what generates, on both sides")
-    p.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM's KV-cache space, on both sides (--engine vllm)")
+    p.add_argument("--kv-cache-gb", type=int, default=1,
+                   help="vLLM's KV-cache space in GiB, the same on both sides (--engine vllm; TRL takes whole GiB)")
     p.add_argument("--prompts", type=int, help="prompts per step (default: the workload's)")
     p.add_argument("--samples", type=int, help="samples per prompt (default: the workload's)")
     p.add_argument("--max-new-tokens", type=int, help="default: the workload's")
