@@ -13,6 +13,7 @@ from typing import Any
 from rlbatch.rewards.rules import (
     STOP_MARKERS,
     RewardFn,
+    answer_repeated,
     exact_match,
     exact_match_with_format,
     extract_answer,
@@ -27,6 +28,7 @@ __all__ = [
     "STOP_MARKERS",
     "RewardFn",
     "Scorer",
+    "answer_repeated",
     "build_scorer",
     "exact_match",
     "exact_match_with_format",

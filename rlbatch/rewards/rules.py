@@ -57,6 +57,23 @@ def leading_number_match(completion: str, answer: str) -> float:
         return 0.0
 
 
+def answer_repeated(completion: str, answer: str, length: int = 64) -> float:
+    """The share of the first ``length`` characters, read as answer-sized chunks, that are the answer.
+
+    A long-response rule: "7777…" up to ``length`` characters scores 1.0, "7<eos>" scores 1/64,
+    a random string about 1/vocabulary. Every chunk carries its own part of the reward, so each
+    generated token gets a learning signal, and stopping early only loses reward: responses stay
+    ``length`` long as the policy learns (the long-response workload of tools/bench/vs_trl.py).
+    """
+    want = answer.strip()
+    if not want:
+        return 0.0
+    text = extract_answer(completion)[:length]
+    width = len(want)
+    hits = sum(text[i : i + width] == want for i in range(0, len(text) - width + 1, width))
+    return hits / (length // width)
+
+
 def format_reward(completion: str, answer: str) -> float:
     """1.0 when the completion is a bare integer followed by a stop marker; ignores ``answer``."""
     text, stopped = split_at_stop(completion)

@@ -46,17 +46,24 @@ def test_overheads_prints_every_ratio() -> None:
 
 
 def test_vs_trl_long_workload_with_vllm_on_both_sides(run_root: Path) -> None:
-    """--workload long --engine vllm: TRL's colocated vLLM and rlbatch's vllm engine, tiny sizes."""
+    """--workload long --engine vllm: TRL's colocated vLLM and rlbatch's vllm engine, tiny sizes, both
+    starting from the warm start's exported model."""
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/vs_trl.py"), "--workload", "long", "--engine", "vllm",
                           "--steps", "2", "--prompts", "2", "--samples", "4", "--max-new-tokens", "8", "--ranks", "1",
-                          "--kv-cache-gb", "1", "--out", str(run_root / "bench")],
+                          "--warm-start-steps", "1", "--kv-cache-gb", "1", "--out", str(run_root / "bench")],
                          capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1].startswith("speedup vs TRL: ")
     result = json.loads((run_root / "bench" / "results.json").read_text())
     assert [r["name"] for r in result["results"]] == ["TRL GRPOTrainer", "rlbatch 1 rank"]
     assert all(r["steps"] == 2 and r["samples_per_s"] > 0 for r in result["results"])
-    assert result["settings"]["reward_fn"].endswith(":leading_number_match")
+    assert result["settings"]["reward_fn"].endswith(":answer_repeated")
     assert "4 heads (1 kv)" in result["settings"]["model"]
+    assert result["settings"]["start"].startswith("warm start: 1 steps")
+    warm = run_root / "bench" / "warm-start"
+    assert len((warm / "metrics.jsonl").read_text().splitlines()) == 1
+    spec = json.loads((run_root / "bench" / "trl_spec.json").read_text())
+    assert spec["model_dir"] == str(run_root / "bench" / "warm-start-model")
+    assert f"model.path={run_root / 'bench' / 'warm-start-model'}" in out.stdout  # rlbatch starts from it too
     logs = (run_root / "bench" / "rlbatch-1rank" / "logs" / "rank0.log").read_text()
     assert "vLLM actor_infer engine started" in logs

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT, launch, rank_logs
+from tests.dist.test_learning import LEARNERS, rewards
 from tests.dist.test_local_runtime import TWO_NODES
 
 pytestmark = pytest.mark.slurm
@@ -105,12 +106,8 @@ def test_plain_sbatch_template(run_root: Path) -> None:
 ON_SLURM = {
     "colocated": (["roles=colocated"], 0),
     "disaggregated": (["roles=disaggregated"], 0),
-    # vLLM rollouts (experiment=arithmetic_vllm: head_dim 32): an engine on each of the two
-    # training ranks, and one engine on a rank of its own.
-    "vllm-colocated": (["experiment=arithmetic_vllm"], 2),
-    "vllm-disaggregated": (["experiment=arithmetic_vllm", "roles=disaggregated", "roles.actor_infer.backend=vllm:d1"], 1),
 }
-"""case -> its overrides and how many vLLM engines it starts."""
+"""case -> its overrides and how many vLLM engines it starts (vLLM's cases: below)."""
 
 
 @pytest.mark.parametrize("case", list(ON_SLURM))
@@ -125,6 +122,28 @@ def test_default_experiment_on_slurm(run_root: Path, case: str) -> None:
     assert (run / "reward_curve.png").exists()
     logs = rank_logs(run)
     assert logs.count("vLLM actor_infer engine started") == engines, logs[-3000:]
+
+
+VLLM_ENGINES = {"vllm-colocated": 2, "vllm-disaggregated": 1}
+"""The vLLM learners of tests/dist/test_learning.py -> how many engines each starts: one on each
+of the two training ranks, or one on a rank of its own."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("learner", list(VLLM_ENGINES))
+def test_vllm_experiment_learns_on_slurm(run_root: Path, learner: str) -> None:
+    """The local vLLM learners, submitted to the cluster and run under srun: the same 50 steps
+    from chance to >= 0.8."""
+    args, timeout = LEARNERS[learner]
+    run = run_root / "run"
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", f"run_dir={run}", *args], run_root,
+                 timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = rewards(run)
+    assert r[0] <= 0.2 and r[-1] >= 0.8, r
+    logs = rank_logs(run)
+    assert logs.count("vLLM actor_infer engine started") == VLLM_ENGINES[learner], logs[-3000:]
 
 
 def test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes(run_root: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlbatch.rewards.rules import (
+    answer_repeated,
     exact_match,
     exact_match_with_format,
     extract_answer,
@@ -48,6 +49,24 @@ def test_exact_match(completion: str, answer: str, expected: float) -> None:
 )
 def test_leading_number_match(completion: str, answer: str, expected: float) -> None:
     assert leading_number_match(completion, answer) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("7" * 64, "7", 1.0),
+        ("7" * 80, "7", 1.0),  # only the first 64 characters count
+        ("7" * 32 + "<eos>", "7", 0.5),  # stopping early loses the rest
+        ("7<eos>" + "7" * 63, "7", 1 / 64),  # nothing after the stop counts
+        ("x7x7", "7", 2 / 64),  # every position counts, not just the first
+        ("1212x12", "12", 2 / 32),  # read in answer-sized chunks: "x1" and "2" are not the answer
+        ("8" * 64, "7", 0.0),
+        ("", "7", 0.0),
+        ("777", " ", 0.0),  # no answer to repeat
+    ],
+)
+def test_answer_repeated(completion: str, answer: str, expected: float) -> None:
+    assert answer_repeated(completion, answer) == expected
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,13 @@ max_new_tokens, batch and mini-batch sizes, optimiser, learning-rate schedule, c
 coefficient, reward function and number of steps. The workload is rlbatch's default
 experiment (single-digit addition mod 10, learned from scratch) unless overridden.
 
-``--workload long`` is the same task on a wider model (hidden 256, 4 layers, head_dim 64, ~4M
-parameters) with up to 64 new tokens, 16 prompts x 8 samples per step, scored on the number a
-response starts with (``leading_number_match``: nothing rewards stopping, so responses stay
-long; a random model rarely ends one before 64 tokens).
+``--workload long`` is the same task at length, on a wider model (hidden 256, 4 layers, head_dim 64,
+~4M parameters): up to 64 new tokens, 16 prompts x 8 samples per step, scored by
+``answer_repeated`` (the share of the 64 characters that repeat the answer: every token counts,
+and stopping early only loses reward, so responses stay long). Both frameworks start from the same
+warm start (``--warm-start-steps``, not timed): rlbatch first trains the model on the 2-token task
+with ``leading_number_match``, so it knows the answer but not to repeat it; the comparison then
+learns to repeat it.
 ``--engine vllm`` makes both sides generate with vLLM: rlbatch's ``vllm`` engine on its
 actor_infer ranks (colocated with training), TRL's ``use_vllm=True, vllm_mode="colocate"``
 (vLLM in the trainer's process, weights loaded into it after every step). Both get the same
@@ -54,13 +57,22 @@ ONE_RANK = ["roles.actor_train.device_mapping=[0]", "roles.actor_train.backend=f
 """The default colocated placement on one GPU rank instead of two."""
 
 WORKLOADS = {
-    "default": {"prompts": 32, "samples": 32, "max_new_tokens": 2, "overrides": []},
-    "long": {"prompts": 16, "samples": 8, "max_new_tokens": 64,
+    "default": {"prompts": 32, "samples": 32, "max_new_tokens": 2, "overrides": [], "warm_start_steps": 0},
+    "long": {"prompts": 16, "samples": 8, "max_new_tokens": 64, "warm_start_steps": 60,
              "overrides": ["model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4",
                            "model.num_heads=4", "model.num_kv_heads=1", "model.max_position_embeddings=128",
-                           "data.reward_fn=rlbatch.rewards.rules:leading_number_match"]},
+                           "model.initializer_range=0.02", "algo.lr=3e-4",
+                           "data.reward_fn=rlbatch.rewards.rules:answer_repeated"]},
 }
-"""Per workload: the defaults of --prompts/--samples/--max-new-tokens and its Hydra overrides."""
+"""Per workload: the defaults of --prompts/--samples/--max-new-tokens/--warm-start-steps and its
+Hydra overrides. The long workload's model is 4x wider than the default's: HF's initializer_range
+and a 5x lower learning rate (at the default's 0.1 and 1.5e-3 its policy collapses, entropy 0,
+without learning)."""
+
+WARM_START = ["algo.prompts_per_step=32", "algo.samples_per_prompt=32", "algo.max_new_tokens=2",
+              "data.reward_fn=rlbatch.rewards.rules:leading_number_match"]
+"""The warm start's own overrides: the default experiment's batch and 2-token responses, scored on the
+number a response starts with, so the model learns the answer but not to stop after it."""
 
 
 # ----------------------------------------------------------------------------- the workload
@@ -90,8 +102,31 @@ def settings(cfg: Any) -> dict[str, Any]:
     }
 
 
-def prepare(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], Path, Path]:
-    """Compose the config, save the initial weights and tokenizer, and write the prompt order."""
+def warm_start(args: argparse.Namespace, out: Path) -> Path | None:
+    """The starting model of a workload with warm-start steps: rlbatch trains the workload's model on
+    the 2-token task (WARM_START) and exports it. Both frameworks then start from that directory."""
+    if args.warm_start_steps <= 0:
+        return None
+    run_dir, model_dir = out / "warm-start", out / "warm-start-model"
+    overrides = [o for o in workload_overrides(args) if not o.startswith(("steps=", "algo.prompts_per_step=",
+                 "algo.samples_per_prompt=", "algo.max_new_tokens=", "data.reward_fn="))]
+    cmd = [sys.executable, "-m", "rlbatch.launch", *overrides, f"steps={args.warm_start_steps}", *WARM_START,
+           *ONE_RANK, "roles.actor_infer.backend=hf:d1", f"run_dir={run_dir}", "resume=never",
+           f"cluster.cpus_per_task={args.threads}"]
+    print(f"\n== warm start: {args.warm_start_steps} rlbatch steps on the 2-token task, not timed\n$ {' '.join(cmd[1:])}",
+          flush=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    subprocess.run([sys.executable, "-m", "rlbatch.export", str(run_dir), str(model_dir)], check=True, cwd=ROOT,
+                   env=env, stdout=subprocess.DEVNULL)
+    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"warm start: reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; both frameworks start from {model_dir}")
+    return model_dir
+
+
+def prepare(args: argparse.Namespace, out: Path, start: Path | None) -> tuple[dict[str, Any], Path, Path]:
+    """Compose the config, save the initial weights and tokenizer (random-initialised, or ``start``'s),
+    and write the prompt order."""
     from rlbatch.data.source import make_stream
     from rlbatch.engines.model import load_model, load_tokenizer
     from rlbatch.launch.compose import compose
@@ -100,10 +135,12 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], Path, 
     s = settings(cfg)
     if s["epochs"] != 1 or int(cfg.algo.grad_accum) != 1 or cfg.algo.loss_agg != "token" or cfg.algo.kl_estimator != "k3":
         sys.exit("vs_trl: the TRL mapping covers epochs=1, grad_accum=1, loss_agg=token and kl_estimator=k3 only")
-    model_dir = out / "model"
-    tok = load_tokenizer(cfg.model)
-    load_model(cfg.model, tok, seed=int(cfg.seed)).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    s["start"] = f"warm start: {args.warm_start_steps} steps of {' '.join(WARM_START)}" if start else "random init"
+    model_dir = start or out / "model"
+    if start is None:
+        tok = load_tokenizer(cfg.model)
+        load_model(cfg.model, tok, seed=int(cfg.seed)).save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
     stream, _ = make_stream(cfg.data, seed=int(cfg.seed))
     prompts = [{"prompt": x.prompt, "answer": x.answer} for x in stream.next_batch(s["steps"] * s["prompts_per_step"])]
     prompt_file = out / "prompts.json"
@@ -341,6 +378,8 @@ def main() -> int:
     p.add_argument("--prompts", type=int, help="prompts per step (default: the workload's)")
     p.add_argument("--samples", type=int, help="samples per prompt (default: the workload's)")
     p.add_argument("--max-new-tokens", type=int, help="default: the workload's")
+    p.add_argument("--warm-start-steps", type=int,
+                   help="rlbatch steps on the 2-token task before the comparison, 0: none (default: the workload's)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ranks", default="1,2", help="rlbatch GPU-rank counts to run (comma-separated: 1, 2)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -354,7 +393,7 @@ def main() -> int:
     if args.trl_worker:
         trl_worker(args.trl_worker)
         return 0
-    for name in ("prompts", "samples", "max_new_tokens"):
+    for name in ("prompts", "samples", "max_new_tokens", "warm_start_steps"):
         if getattr(args, name) is None:
             setattr(args, name, WORKLOADS[args.workload][name])
     try:
@@ -364,7 +403,7 @@ def main() -> int:
         return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    s, model_dir, prompts = prepare(args, out)
+    s, model_dir, prompts = prepare(args, out, warm_start(args, out))
     batch = s["prompts_per_step"] * s["samples_per_prompt"]
     runs = [run_trl(args, out, s, model_dir, prompts)]
     for n in args.ranks.split(","):
