@@ -103,16 +103,13 @@ def test_plain_sbatch_template(run_root: Path) -> None:
     assert "selftest ok" in output, output[-3000:]
 
 
-ON_SLURM = {
-    "colocated": (["roles=colocated"], 0),
-    "disaggregated": (["roles=disaggregated"], 0),
-}
-"""case -> its overrides and how many vLLM engines it starts (vLLM's cases: below)."""
+ON_SLURM = {"colocated": ["roles=colocated"], "disaggregated": ["roles=disaggregated"]}
+"""case -> its overrides (hf generating; vLLM's cases: test_vllm_experiment_learns_on_slurm)."""
 
 
 @pytest.mark.parametrize("case", list(ON_SLURM))
 def test_default_experiment_on_slurm(run_root: Path, case: str) -> None:
-    extra, engines = ON_SLURM[case]
+    extra = ON_SLURM[case]
     run = run_root / "run"
     out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=3", f"run_dir={run}", *extra,
                   "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=400)
@@ -121,7 +118,7 @@ def test_default_experiment_on_slurm(run_root: Path, case: str) -> None:
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert (run / "reward_curve.png").exists()
     logs = rank_logs(run)
-    assert logs.count("vLLM actor_infer engine started") == engines, logs[-3000:]
+    assert "vLLM actor_infer engine started" not in logs, logs[-3000:]
 
 
 VLLM_ENGINES = {"vllm-colocated": 2, "vllm-disaggregated": 1}

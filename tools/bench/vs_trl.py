@@ -108,9 +108,8 @@ def warm_start(args: argparse.Namespace, out: Path) -> Path | None:
     if args.warm_start_steps <= 0:
         return None
     run_dir, model_dir = out / "warm-start", out / "warm-start-model"
-    overrides = [o for o in workload_overrides(args) if not o.startswith(("steps=", "algo.prompts_per_step=",
-                 "algo.samples_per_prompt=", "algo.max_new_tokens=", "data.reward_fn="))]
-    cmd = [sys.executable, "-m", "rlbatch.launch", *overrides, f"steps={args.warm_start_steps}", *WARM_START,
+    # The workload's overrides, then the warm start's: Hydra's later value of a key wins.
+    cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), f"steps={args.warm_start_steps}", *WARM_START,
            *ONE_RANK, "roles.actor_infer.backend=hf:d1", f"run_dir={run_dir}", "resume=never",
            f"cluster.cpus_per_task={args.threads}"]
     print(f"\n== warm start: {args.warm_start_steps} rlbatch steps on the 2-token task, not timed\n$ {' '.join(cmd[1:])}",
