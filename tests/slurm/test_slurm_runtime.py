@@ -143,19 +143,29 @@ def test_vllm_experiment_learns_on_slurm(run_root: Path, learner: str) -> None:
     assert logs.count("vLLM actor_infer engine started") == VLLM_ENGINES[learner], logs[-3000:]
 
 
-def test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes(run_root: Path) -> None:
-    """ROLL's disaggregated 8-GPU example as the test cluster's 2 nodes of 4 GPUs: fsdp:d4 on n1,
-    four vLLM engines on n2, weights synced across the nodes every step."""
+ROLL_PRESETS = {
+    "roll_disaggregated_8gpu": {0: 0, 1: 4},
+    "roll_colocated_8gpu": {0: 4, 1: 4},
+}
+"""ROLL's 8-GPU vLLM examples -> vLLM engines per node on the test cluster's 2 nodes of 4 GPUs.
+Disaggregated: fsdp:d4 on n1, four engines on n2, weights synced across the nodes every step.
+Colocated: fsdp:d8 and vllm:d8 on the same eight ranks, an engine beside each trainer (~3.5 min
+with other work running, most of it eight engines starting on two cores)."""
+
+
+@pytest.mark.parametrize("preset", [pytest.param(name, marks=[pytest.mark.slow] if name == "roll_colocated_8gpu" else [])
+                                    for name in ROLL_PRESETS])
+def test_roll_preset_trains_with_vllm_on_two_nodes(run_root: Path, preset: str) -> None:
     run = run_root / "run"
-    preset = ["roles=roll_disaggregated_8gpu", "cluster.gpus_per_node=4", "model.num_heads=2", "model.num_kv_heads=1"]
-    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=2", f"run_dir={run}", *preset,
-                  "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=600)
+    overrides = [f"roles={preset}", "cluster.gpus_per_node=4", "model.num_heads=2", "model.num_kv_heads=1"]
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=2", f"run_dir={run}", *overrides,
+                  "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
-    logs = rank_logs(run)
-    started = [ln for ln in logs.splitlines() if "vLLM actor_infer engine started" in ln]
-    assert len(started) == 4 and all("node 1)]" in ln for ln in started), started  # all four on n2
+    started = [ln for ln in rank_logs(run).splitlines() if "vLLM actor_infer engine started" in ln]
+    per_node = {node: sum(f"node {node})]" in ln for ln in started) for node in (0, 1)}
+    assert per_node == ROLL_PRESETS[preset], started
 
 
 PREEMPTED = {

@@ -95,9 +95,8 @@ def test_the_ppo_preset_places_its_ranks_on_two_nodes(run_root: Path) -> None:
     built, so program=train refuses them; program=selftest starts no engine and checks
     their placement on real processes (identity, every role group, every mesh axis, weight sync).
     ppo_critic_8gpu is the one run here (~90 s): four GPU roles with tp=2 meshes colocated across
-    both nodes, two reward workers. roll_colocated_8gpu is the same layout without the critic and
-    tensor parallelism; roll_disaggregated_8gpu (train on one node, inference on the other) is the
-    layout test_slurm_runtime.py's TWO_NODES runs."""
+    both nodes, two reward workers. ROLL's two 8-GPU presets train for real on the cluster
+    (test_slurm_runtime.py::test_roll_preset_trains_with_vllm_on_two_nodes)."""
     preset = ["roles=ppo_critic_8gpu", "algo=ppo"]
     refused = launch(["dry_run=true", "cluster=slurm", f"run_dir={run_root / 'run'}", *preset], run_root, timeout=120)
     assert refused.returncode == 2 and "engine 'fsdp' supports d (data) only" in refused.stderr
