@@ -265,6 +265,8 @@ def trl_worker(spec_path: Path) -> None:
     prompts = json.loads(Path(spec["prompts"]).read_text())
     trainer = Timed(model=model, reward_funcs=reward, args=config, processing_class=tok,
                     train_dataset=Dataset.from_list(prompts), callbacks=[StepClock()])
+    if spec["engine"] == "vllm":
+        layerwise_sync(trainer.vllm_generation)
     trainer.train()
     Path(spec["result"]).write_text(json.dumps(log["steps"]))
 
@@ -276,6 +278,33 @@ def vllm_settings(spec: dict[str, Any]) -> dict[str, Any]:
     return {"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 1,
             "vllm_max_model_length": spec["settings"]["max_model_len"],
             "vllm_importance_sampling_correction": False}
+
+
+def layerwise_sync(generation: Any) -> None:
+    """Run TRL's colocated weight sync inside one vLLM layerwise reload, as vLLM's own ``reload_weights``
+    does. TRL loads each parameter straight into vLLM's model (``model.load_weights([(name, p)])``).
+    On a CPU where vLLM packs its linear layers for oneDNN (AVX-512), packing drops their weight
+    and its loader, and that call fails ("'Parameter' object has no attribute 'weight_loader'").
+    initialize/finalize_layerwise_reload restore the layers and repack them; TRL's loop runs
+    unchanged between them. A tied lm_head is repacked too. This is the path rlbatch's vllm engine
+    syncs through, so both frameworks pay the same repacking."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    from rlbatch.engines.infer.vllm import reprocess_tied_head
+
+    sync = generation.sync_weights
+
+    def layerwise() -> None:
+        worker = generation.llm.llm_engine.model_executor.driver_worker
+        model = worker.model_runner.model
+        with set_current_vllm_config(worker.vllm_config):
+            initialize_layerwise_reload(model)
+            sync()
+            finalize_layerwise_reload(model, worker.vllm_config.model_config)
+            reprocess_tied_head(model)
+
+    generation.sync_weights = layerwise
 
 
 def run_trl(args: argparse.Namespace, out: Path, s: dict[str, Any], model_dir: Path, prompts: Path) -> dict[str, Any]:

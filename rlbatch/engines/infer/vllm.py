@@ -321,10 +321,10 @@ def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool
         model.load_weights(iter(chunk))
         if last:
             finalize_layerwise_reload(model, worker.vllm_config.model_config)
-            _reprocess_tied_head(model)
+            reprocess_tied_head(model)
 
 
-def _reprocess_tied_head(model: Any) -> None:
+def reprocess_tied_head(model: Any) -> None:
     """A tied lm_head shares the embedding's weight but is a layer of its own, which the reload
     never sees load anything: on CPU it keeps the GEMM kernel packed from the old weight at start-up
     (``dispatch_cpu_unquantized_gemm``). Re-run its post-load processing from the shared weight."""
