@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.infer.vllm_world import PrivateWorld
+from rlbatch.engines.infer.vllm_world import PrivateWorld, private_shm_names
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import Transfer
 from rlbatch.engines.vllm_limits import CPU_KV_CACHE_MB
@@ -175,7 +175,7 @@ class VLLMEngine:
         try:
             from vllm import LLM
 
-            with _rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device):
+            with _rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device), private_shm_names(t > 1):
                 self.llm: Any = LLM(**kwargs)
         finally:
             if tmp is not None:

@@ -22,8 +22,12 @@ between the calls (tests/unit/test_vllm_engine.py, tests/dist/scripts/vllm_tp.py
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import glob
 import itertools
+import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -72,3 +76,48 @@ class PrivateWorld:
             self.backend, self.init_method = c10d._backend, c10d._default_pg_init_method
             w.default_pg, w.group_count = saved[0], saved[3]
             c10d._backend, c10d._default_pg_init_method = saved[1], saved[2]
+
+
+SHM_DIR = "/dev/shm"
+
+
+@contextmanager
+def private_shm_names(private: bool) -> Iterator[None]:
+    """Around vLLM's start-up, with a private world of t>1 peers active (collective over them).
+
+    vLLM's CPU build, on AVX-512 machines, runs tensor-parallel collectives through shared memory:
+    segments named ``{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{i}``, where the identity comes from
+    the init method, which under ``external_launcher`` is always ``env://``. Every t>1 worker on a
+    node would then ask for the same names: a second worker on the node (``vllm:d2t2`` on 4 ranks)
+    fails at start-up with ``create shm in SHMManager failed. errno: 17`` (EEXIST), and so does the
+    next job on a node where a job left its segments behind (vLLM unlinks them in a destructor that
+    a process ending with ``os._exit`` never runs).
+
+    Inside the block the identity is one the peers draw together (tp rank 0's random token), so
+    every worker's names are its own. After vLLM started, every peer has mapped the segments
+    (vLLM's barrier after joining them), so tp rank 0 unlinks their names: the memory lives until
+    the last peer exits, however it exits, and nothing is left in /dev/shm."""
+    if not private:
+        yield
+        return
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    token = [uuid.uuid4().hex[:16] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    ident = f"rlbatch-{token[0]}"
+    shm = cpu_communicator._CPUSHMDistributed
+    name = shm.make_group_name
+
+    def named(communicator: Any) -> str:
+        os.environ["VLLM_DIST_IDENT"] = ident  # read by vLLM's own naming, just below
+        return name(communicator)
+
+    shm.make_group_name = staticmethod(named)
+    try:
+        yield
+    finally:
+        shm.make_group_name = staticmethod(name)
+        if dist.get_rank() == 0:
+            for path in glob.glob(os.path.join(SHM_DIR, glob.escape(ident) + "-*")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)

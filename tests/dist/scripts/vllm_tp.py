@@ -10,6 +10,7 @@ Each peer checks: greedy output before and after the sync equals transformers' w
 weights token for token (fp32); sampled output with a seed is the same on both peers and differs
 between seeds; the program's collectives still work after vLLM started and after each call."""
 
+import glob
 import os
 import sys
 from types import SimpleNamespace
@@ -54,7 +55,17 @@ if comm.rank in peers:
                                       seed=SEED, mesh=mesh))
     assert engine.world.default_pg.size() == len(peers) and engine.tp_ranks == tuple(peers)
     hf = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, tok, cpu, seed=SEED))
-program_collective_works()
+program_collective_works()  # also: every peer's engine has started
+if engine is not None:
+    # On an AVX-512 CPU vLLM's tp collectives go through shared memory: the segments carry this
+    # worker's own name (not the external launcher's fixed one), and are unlinked once mapped.
+    from vllm.distributed import parallel_state
+
+    tp_comm = parallel_state.get_tp_group().device_communicator.dist_module
+    if type(tp_comm).__name__ == "_CPUSHMDistributed":
+        assert tp_comm.group_name.startswith("rlbatch-"), tp_comm.group_name
+        assert not glob.glob(f"/dev/shm/{glob.escape(tp_comm.group_name)}*"), os.listdir("/dev/shm")
+        print(f"rank {comm.rank}: shared-memory tp collectives as {tp_comm.group_name}", flush=True)
 
 prompts = [tok.encode(f"{k}*{k + 1}=") for k in range(6)]
 greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
