@@ -64,7 +64,10 @@ class VLLMArgs:
     max_model_len: int = 0
     """Longest prompt + response (0: the model's max_position_embeddings)."""
     enforce_eager: bool = False
-    """No CUDA graphs (always eager on CPU)."""
+    """No CUDA graphs and no torch.compile. On CPU the engine runs eager unless cpu_compile."""
+    cpu_compile: bool = False
+    """CPU: compile the model as vLLM does by default (torch.compile): ~30 s more start-up, ~20%
+    faster decoding measured on an AVX-512 CPU. Off: eager, which starts in seconds."""
     enable_prefix_caching: bool = True
     """Share the KV cache of a prompt's samples (a GRPO group) and of repeated prefixes."""
     dtype: str = "auto"

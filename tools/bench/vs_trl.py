@@ -21,7 +21,8 @@ learns to repeat it.
 actor_infer ranks (colocated with training), TRL's ``use_vllm=True, vllm_mode="colocate"``
 (vLLM in the trainer's process, weights loaded into it after every step). Both get the same
 KV-cache space (``--kv-cache-gb``); TRL's vLLM importance-sampling correction is off, as
-rlbatch's synchronous loop has none.
+rlbatch's synchronous loop has none. Both run vLLM's compiled model (TRL leaves vLLM's default;
+rlbatch's engine gets ``cpu_compile=true``, since on CPU it runs eager by default).
 
 Each framework runs in its own process; start-up (imports, model load, process launch) is
 reported but kept out of the throughput: samples/s = samples generated and trained on ÷
@@ -159,8 +160,9 @@ def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int
         sys.exit(f"--ranks: 1 or 2 GPU ranks, got {ranks}")
     threads = max(1, args.threads // ranks)
     engine = [f"roles.actor_infer.backend={args.engine}:d{ranks}"]
-    if args.engine == "vllm":
-        engine.append(f"+roles.actor_infer.engine_args.kv_cache_mb={args.kv_cache_gb * 1024}")
+    if args.engine == "vllm":  # compiled, as TRL's vLLM runs (vLLM's default; rlbatch's CPU default is eager)
+        engine += [f"+roles.actor_infer.engine_args.kv_cache_mb={args.kv_cache_gb * 1024}",
+                   "+roles.actor_infer.engine_args.cpu_compile=true"]
     cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), *placement, *engine,
            "model=hf_local", f"model.path={model_dir}", f"run_dir={run_dir}", "resume=never",
            f"cluster.cpus_per_task={threads}"]

@@ -155,7 +155,7 @@ class VLLMEngine:
         kwargs: dict[str, Any] = dict(
             model=path, tokenizer=path, dtype=dtype, seed=ctx.seed, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
-            enforce_eager=a.enforce_eager or self.on_cpu, logprobs_mode="processed_logprobs",
+            enforce_eager=a.enforce_eager or (self.on_cpu and not a.cpu_compile), logprobs_mode="processed_logprobs",
         )
         if t > 1:  # the worker's t peers: a private world of their own that vLLM adopts
             kwargs |= {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": t}
@@ -184,8 +184,8 @@ class VLLMEngine:
         # destroys every group of the process, the program's included: it must not run at exit
         # (after the program's teardown) nor in the program's world. ``close`` frees the engine.
         getattr(self.llm.llm_engine.engine_core, "_finalizer").detach()  # noqa: B009 (private)
-        log.info("vLLM %s engine started in %.1fs (%s, %s, t=%d%s)", ctx.role, time.perf_counter() - start,
-                 "CPU" if self.on_cpu else str(ctx.device), dtype, t,
+        log.info("vLLM %s engine started in %.1fs (%s, %s, %s, t=%d%s)", ctx.role, time.perf_counter() - start,
+                 "CPU" if self.on_cpu else str(ctx.device), dtype, "eager" if kwargs["enforce_eager"] else "compiled", t,
                  f", tp rank {self.tp_rank} of world ranks {list(self.tp_ranks)}" if t > 1 else "")
         self._received: set[str] = set()
         self._asleep: set[str] = set()
