@@ -66,8 +66,8 @@ class VLLMArgs:
     enforce_eager: bool = False
     """No CUDA graphs and no torch.compile. On CPU the engine runs eager unless cpu_compile."""
     cpu_compile: bool = False
-    """CPU: compile the model as vLLM does by default (torch.compile): ~30 s more start-up, ~20%
-    faster decoding measured on an AVX-512 CPU. Off: eager, which starts in seconds."""
+    """CPU: compile the model as vLLM does by default (torch.compile): ~30 s more start-up, a ~15%
+    shorter generate phase on an AVX-512 CPU (docs/benchmarks.md). Off: eager, which starts in seconds."""
     enable_prefix_caching: bool = True
     """Share the KV cache of a prompt's samples (a GRPO group) and of repeated prefixes."""
     dtype: str = "auto"
