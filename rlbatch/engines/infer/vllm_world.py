@@ -112,11 +112,11 @@ def private_shm_names(private: bool) -> Iterator[None]:
         os.environ["VLLM_DIST_IDENT"] = ident  # read by vLLM's own naming, just below
         return name(communicator)
 
-    shm.make_group_name = staticmethod(named)
+    shm.make_group_name = staticmethod(named)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        shm.make_group_name = staticmethod(name)
+        shm.make_group_name = staticmethod(name)  # type: ignore[method-assign]
         if dist.get_rank() == 0:
             for path in glob.glob(os.path.join(SHM_DIR, glob.escape(ident) + "-*")):
                 with contextlib.suppress(FileNotFoundError):
