@@ -285,7 +285,7 @@ def vllm_settings(spec: dict[str, Any]) -> dict[str, Any]:
 def layerwise_sync(generation: Any) -> None:
     """Run TRL's colocated weight sync inside one vLLM layerwise reload, as vLLM's own ``reload_weights``
     does. TRL loads each parameter straight into vLLM's model (``model.load_weights([(name, p)])``).
-    On a CPU where vLLM packs its linear layers for oneDNN (AVX-512), packing drops their weight
+    On a CPU where vLLM packs its linear layers for oneDNN (seen on an AVX-512 EPYC), packing drops their weight
     and its loader, and that call fails ("'Parameter' object has no attribute 'weight_loader'").
     initialize/finalize_layerwise_reload restore the layers and repack them; TRL's loop runs
     unchanged between them. A tied lm_head is repacked too. This is the path rlbatch's vllm engine

@@ -175,7 +175,7 @@ class VLLMEngine:
         try:
             from vllm import LLM
 
-            with _rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device), private_shm_names(t > 1):
+            with _rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device), private_shm_names(t > 1 and self.on_cpu):
                 self.llm: Any = LLM(**kwargs)
         finally:
             if tmp is not None:

@@ -83,7 +83,8 @@ SHM_DIR = "/dev/shm"
 
 @contextmanager
 def private_shm_names(private: bool) -> Iterator[None]:
-    """Around vLLM's start-up, with a private world of t>1 peers active (collective over them).
+    """Around vLLM's start-up on CPU, with a private world of t>1 peers active (collective over
+    them, gloo; on a GPU vLLM does not use this communicator, and the engine does not call this).
 
     vLLM's CPU build, on AVX-512 machines, runs tensor-parallel collectives through shared memory:
     segments named ``{VLLM_DIST_IDENT}-{group}-[{ranks}]-cpushm_{i}``, where the identity comes from
