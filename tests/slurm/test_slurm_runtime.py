@@ -149,8 +149,8 @@ ROLL_PRESETS = {
 }
 """ROLL's 8-GPU vLLM examples -> vLLM engines per node on the test cluster's 2 nodes of 4 GPUs.
 Disaggregated: fsdp:d4 on n1, four engines on n2, weights synced across the nodes every step.
-Colocated: fsdp:d8 and vllm:d8 on the same eight ranks, an engine beside each trainer (~3.5 min
-with other work running, most of it eight engines starting on two cores)."""
+Colocated: fsdp:d8 and vllm:d8 on the same eight ranks, an engine beside each trainer (~80 s in
+make test; ~3.5 min with a benchmark running beside it, most of it eight engines starting)."""
 
 
 @pytest.mark.parametrize("preset", [pytest.param(name, marks=[pytest.mark.slow] if name == "roll_colocated_8gpu" else [])

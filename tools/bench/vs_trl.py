@@ -288,12 +288,12 @@ def layerwise_sync(generation: Any) -> None:
     On a CPU where vLLM packs its linear layers for oneDNN (seen on an AVX-512 EPYC), packing drops their weight
     and its loader, and that call fails ("'Parameter' object has no attribute 'weight_loader'").
     initialize/finalize_layerwise_reload restore the layers and repack them; TRL's loop runs
-    unchanged between them. A tied lm_head is repacked too. This is the path rlbatch's vllm engine
+    unchanged between them (closed as rlbatch's engine closes its reloads, tied lm_head included). This is the path rlbatch's vllm engine
     syncs through, so both frameworks pay the same repacking."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    from rlbatch.engines.infer.vllm import reprocess_tied_head
+    from rlbatch.engines.infer.vllm import finish_layerwise_reload
 
     sync = generation.sync_weights
 
@@ -303,8 +303,7 @@ def layerwise_sync(generation: Any) -> None:
         with set_current_vllm_config(worker.vllm_config):
             initialize_layerwise_reload(model)
             sync()
-            finalize_layerwise_reload(model, worker.vllm_config.model_config)
-            reprocess_tied_head(model)
+            finish_layerwise_reload(model, worker.vllm_config)
 
     generation.sync_weights = layerwise
 

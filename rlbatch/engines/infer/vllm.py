@@ -312,7 +312,7 @@ class VLLMEngine:
 def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool, last: bool) -> None:
     """Runs on the vLLM worker: one bucket of a layerwise reload (``reload_weights`` split in three)."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
@@ -320,11 +320,19 @@ def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool
             initialize_layerwise_reload(model)
         model.load_weights(iter(chunk))
         if last:
-            finalize_layerwise_reload(model, worker.vllm_config.model_config)
-            reprocess_tied_head(model)
+            finish_layerwise_reload(model, worker.vllm_config)
 
 
-def reprocess_tied_head(model: Any) -> None:
+def finish_layerwise_reload(model: Any, vllm_config: Any) -> None:
+    """Close a layerwise reload: vLLM's ``finalize_layerwise_reload``, then the tied head's
+    repacking it misses (``_reprocess_tied_head``)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, vllm_config.model_config)
+    _reprocess_tied_head(model)
+
+
+def _reprocess_tied_head(model: Any) -> None:
     """A tied lm_head shares the embedding's weight but is a layer of its own, which the reload
     never sees load anything: on CPU it keeps the GEMM kernel packed from the old weight at start-up
     (``dispatch_cpu_unquantized_gemm``). Re-run its post-load processing from the shared weight."""

@@ -6,6 +6,9 @@ in a private world of its two peers beside the program's world.
   to both peers, which receive them through one reused staging buffer;
 - ``0,1`` of 2 ranks (colocated): every rank loads the full weights in process.
 
+A third argument ``compiled`` builds the engine with ``cpu_compile`` (torch.compile, as vLLM runs
+by default) and checks it is compiled; every check below is the same.
+
 Each peer checks: greedy output before and after the sync equals transformers' with the same
 weights token for token (fp32); sampled output with a seed is the same on both peers and differs
 between seeds; the program's collectives still work after vLLM started and after each call."""
@@ -35,6 +38,7 @@ comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
 peers = [int(r) for r in sys.argv[2].split(",")]
 colocated = comm.size == len(peers)
+compiled = sys.argv[3:] == ["compiled"]  # engine_args.cpu_compile: torch.compile, as vLLM runs by default
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 mesh = DeviceMesh("cpu", torch.tensor(peers).reshape(1, len(peers)), mesh_dim_names=("dp", "tp"))  # collective
@@ -51,9 +55,10 @@ tok = load_tokenizer(cfg.model)
 cpu = torch.device("cpu")
 engine = hf = None
 if comm.rank in peers:
-    engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, cfg.algo, tok, cpu,
+    engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64, cpu_compile=compiled), cfg.model, cfg.algo, tok, cpu,
                                       seed=SEED, mesh=mesh))
     assert engine.world.default_pg.size() == len(peers) and engine.tp_ranks == tuple(peers)
+    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is not compiled
     hf = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, tok, cpu, seed=SEED))
 program_collective_works()  # also: every peer's engine has started
 if engine is not None:
