@@ -297,7 +297,10 @@ def runnable_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
     """Everything this build or this machine cannot run, one line each."""
     problems = []
     if plain.get("program", "train") == "train":
+        from rlbatch.config.megatron_rules import megatron_problems
+
         problems += engine_problems(engines) + program_problems(plain) + files_problems(plain)
+        problems += megatron_problems(plain, engines)
     if (problem := run_dir_problem(plain)) is not None:
         problems.append(problem)
     return problems

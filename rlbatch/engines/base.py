@@ -75,6 +75,10 @@ class EngineContext:
     head: str = "lm"
     """'lm': the policy (a causal LM); 'value': a value model (the critic: a scalar per token);
     'reward': a sequence-classification model (a reward model: a score per sequence)."""
+    groups: dict[str, Any] = field(default_factory=dict)
+    """Process groups beyond the mesh axes, created by ``rlbatch.runtime.world`` on every rank:
+    'role' (all the role's ranks) and, with pipeline stages, 'model_parallel' and 'pipeline_ends'
+    (``rlbatch.placement.subgroups``). Empty for an engine built by hand over a mesh."""
 
     def group(self, axis: str) -> Any:
         """The process group of one mesh axis (e.g. 'dp') containing this rank."""

@@ -264,9 +264,8 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.v
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward")))
-# dims "dt": tensor and data parallel; the placement language keeps "dtpce" so plans with pipeline,
+# dims "dtp": tensor, pipeline and data parallel; the placement language keeps "dtpce" so plans with
 # context and expert parallelism are still modelled (and refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
-                    dims="dt", data_axes=("dp",), heads=("lm", "value", "reward"),
-                    note="megatron: pipeline (p), context (c) and expert (e) parallelism are not built yet: "
-                         "use megatron:dXtY"))
+                    dims="dtp", data_axes=("dp",), heads=("lm", "value", "reward"),
+                    note="megatron: context (c) and expert (e) parallelism are not built yet: use megatron:dXtYpZ"))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlbatch.placement import Placement, ProcessKind, ProcessSlot, RolePlacement
+from rlbatch.placement import Placement, ProcessKind, ProcessSlot, RolePlacement, subgroups
 from rlbatch.placement.backend import EngineKind
 from rlbatch.runtime.control import timed_barrier, timed_bcast
 from rlbatch.runtime.env import SchedulerEnv
@@ -56,6 +56,8 @@ class World:
     timeout_s: float
     members: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """World ranks of every role (and SYNC)."""
+    subgroups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """This process's groups beyond the mesh axes, per role (``rlbatch.placement.subgroups``)."""
 
     @property
     def rank(self) -> int:
@@ -166,6 +168,7 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
     )
     groups: dict[str, Any] = {}
     meshes: dict[str, DeviceMesh] = {}
+    more: dict[str, dict[str, Any]] = {}
     mesh_device = "cuda" if any_cuda else "cpu"
     mine = slot_roles(slot)
     for name, role in p.roles.items():
@@ -176,6 +179,9 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
         mesh = DeviceMesh(mesh_device, t, mesh_dim_names=names)
         if name in mine:
             meshes[name] = mesh
+        extra = subgroups.create(role.gpu_ranks, role.mesh, slot.world_rank, dist.new_group)
+        if name in mine and extra:
+            more[name] = extra
         if (ffn := _ffn_mesh(role)) is not None:
             fmesh = DeviceMesh(mesh_device, ffn[0], mesh_dim_names=ffn[1])
             if name in mine:
@@ -185,7 +191,7 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
         # The first actor_train rank broadcasts full weights to every actor_infer rank.
         members[SYNC] = tuple(sorted({train.gpu_ranks[0], *infer.gpu_ranks}))
         groups[SYNC] = dist.new_group(list(members[SYNC]))
-    return World(p, slot, comm, role_comms, groups, meshes, dev, timeout_s, members)
+    return World(p, slot, comm, role_comms, groups, meshes, dev, timeout_s, members, more)
 
 
 def slot_roles(slot: ProcessSlot) -> set[str]:

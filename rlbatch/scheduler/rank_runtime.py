@@ -72,7 +72,8 @@ class RankRuntime:
             model, tokenizer = role_model(role, cfg, self.tokenizer)
             ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), model, role_algo(role, cfg.algo),
                                 tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
-                                role in TRAINABLE_ROLES, HEADS.get(role, "lm"))
+                                role in TRAINABLE_ROLES, HEADS.get(role, "lm"),
+                                {"role": world.groups[role], **world.subgroups.get(role, {})})
             self.engines[role] = build_engine(rp.engine, ctx)
             log.info("built %s engine for %s", rp.engine, role)
             if ctx.head == "reward":

@@ -28,3 +28,9 @@ def test_megatron_distributed_optimizer_halves_adam_state_trains_like_adamw_and_
     out = mpirun("megatron_distopt.py", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("megatron distributed optimizer ok") == 2, out.stdout[-2000:]
+
+
+def test_megatron_pipeline_stages_match_one_stage_train_alike_resume_bitwise_and_share_checkpoints() -> None:
+    out = mpirun("megatron_pp.py", 2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron pipeline ok") == 2, out.stdout[-2000:]

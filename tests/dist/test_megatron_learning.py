@@ -1,5 +1,6 @@
-"""The first command users try with Megatron learns: the default experiment with
-``roles.actor_train.backend=megatron:t2`` (the reference inherits it). On this CPU machine the
+"""The first commands users try with Megatron learn: the default experiment with
+``roles.actor_train.backend=megatron:t2`` or ``megatron:p2`` (the reference inherits it), colocated
+with the hf actor_infer and (p2) on ranks of its own. On this CPU machine the
 test-only shim reaches every rank through the plugin mechanism (docs/megatron.md)."""
 
 from __future__ import annotations
@@ -14,13 +15,28 @@ from tests.dist.test_learning import rewards
 pytestmark = pytest.mark.dist
 
 
+DISAGGREGATED = ["roles=disaggregated", "roles.actor_train.device_mapping=[1,2]",
+                 "roles.reference.device_mapping=[1,2]", "roles.actor_infer.device_mapping=[0]"]
+"""actor_train and the reference on ranks 1-2, the hf actor_infer on rank 0: a role that does not
+hold global rank 0, weights synced across processes."""
+
+CASES = {
+    # backend, placement -> (steps, rise of the last four steps' mean reward over the first four's).
+    # Seed 1: colocated, either backend, ~0.01 over steps 1-4 and ~0.18 over steps 13-16 (the
+    # full 80-step run reaches 0.81 by step 33-38); p2 disaggregated 0.006 and 0.32 over steps 21-24.
+    "t2-colocated": (["roles.actor_train.backend=megatron:t2"], 16, 0.1),
+    "p2-colocated": (["roles.actor_train.backend=megatron:p2"], 16, 0.1),
+    "p2-disaggregated": (["roles.actor_train.backend=megatron:p2", *DISAGGREGATED], 24, 0.2),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(960)
-def test_default_experiment_with_megatron_t2_learns(run_root: Path) -> None:
-    # 16 steps of the 80-step default (the full run reaches reward 0.85 by step 38 here): on seed 1
-    # the first four steps average ~0.01 and steps 13-16 ~0.2.
-    out = launch(["roles.actor_train.backend=megatron:t2", "plugins=[tests.plugins.megatron_cpu]", "steps=16",
-                  f"run_dir={run_root / 'run'}"], run_root, timeout=900)
+@pytest.mark.parametrize("case", list(CASES))
+def test_default_experiment_with_megatron_learns(case: str, run_root: Path) -> None:
+    overrides, steps, rise = CASES[case]
+    out = launch([*overrides, "plugins=[tests.plugins.megatron_cpu]", f"steps={steps}", f"run_dir={run_root / 'run'}"],
+                 run_root, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     r = rewards(run_root / "run")
-    assert len(r) == 16 and sum(r[-4:]) / 4 > sum(r[:4]) / 4 + 0.1, r
+    assert len(r) == steps and sum(r[-4:]) / 4 > sum(r[:4]) / 4 + rise, r

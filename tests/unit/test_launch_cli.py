@@ -100,7 +100,7 @@ import json, sys
 from rlbatch.launch.__main__ import main
 codes = [
     main(["dry_run=true"]),
-    main(["dry_run=true", "roles=areal_megatron_16gpu"]),  # refused: megatron is not built
+    main(["dry_run=true", "roles=areal_megatron_16gpu"]),  # refused: megatron's e is not built
     main(["dry_run=true", "program=selftest", "roles=areal_moe_hybrid_32gpu", "cluster=slurm",
           "run_dir=/shared/runs/probe"]),
     main(["dry_run=true", "roles.actor_infer.backend=vllm:d9"]),
@@ -134,7 +134,7 @@ def test_plan_imports_no_engine(tmp_path: Path, cli_env: dict[str, str]) -> None
         "try:\n"
         "    check(cfg)\n"
         "except ValueError as e:\n"
-        "    assert 'supports d (data), t (tensor) only' in str(e), e\n"
+        "    assert 'supports d (data), t (tensor), p (pipeline) only' in str(e), e\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} + ('hydra', 'omegaconf')))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)

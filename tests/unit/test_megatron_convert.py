@@ -53,6 +53,40 @@ def test_hf_to_megatron_to_hf_is_exact_for_every_tp(tp: int, tied: bool, bias: b
     assert lay.padded_vocab % tp == 0 and torch.count_nonzero(torch.cat(emb)[lay.vocab:]) == 0
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2), (1, 4), (2, 3)])
+@pytest.mark.parametrize(("tied", "head"), [(True, "lm"), (False, "lm"), (False, "value")])
+def test_pipeline_stages_hold_contiguous_layers_and_together_give_back_every_weight(tp: int, pp: int, tied: bool,
+                                                                                    head: str) -> None:
+    lay = Layout(layers=12, hidden=8, heads=4, groups=2, head_dim=2, ffn=4, vocab=9, tied=tied, qkv_bias=True, tp=tp,
+                 pp=pp, head=head, head_bias=head == "value")
+    hf = hf_weights(lay)
+    back: dict[str, torch.Tensor] = {}
+    for stage in range(pp):
+        per_rank = [convert.to_megatron(hf, lay, r, stage) for r in range(tp)]
+        local = per_rank[0]
+        # layers numbered from 0 on every stage; the embedding first, the norm and the head last
+        assert {int(n.split(".")[2]) for n in local if n.startswith("decoder.layers.")} == set(range(12 // pp))
+        assert ("embedding.word_embeddings.weight" in local) is (stage == 0)
+        assert ("decoder.final_layernorm.weight" in local) is (stage == pp - 1)
+        assert ("output_layer.weight" in local) is (stage == pp - 1)
+        if tied and stage == pp - 1:  # the last stage's copy of the tied embedding
+            assert torch.equal(torch.cat([p["output_layer.weight"] for p in per_rank])[: lay.vocab],
+                               hf["model.embed_tokens.weight"])
+        part = convert.to_hf({name: [p[name] for p in per_rank] for name in local}, lay, stage)
+        assert {lay.stage_of(n) for n in part} == {stage}
+        assert not part.keys() & back.keys()
+        back |= part
+    first_layer_of_last_stage = f"model.layers.{(pp - 1) * 12 // pp}.mlp.down_proj.weight"
+    assert lay.stage_of(first_layer_of_last_stage) == pp - 1
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_layers_not_divisible_by_the_stages_are_a_problem_with_the_numbers() -> None:
+    lay = Layout(layers=5, hidden=8, heads=4, groups=2, head_dim=2, ffn=4, vocab=9, tied=True, qkv_bias=True, pp=2)
+    assert convert.problems(lay) == ["num_hidden_layers = 5 is not divisible by pipeline parallel p = 2"]
+
+
 @pytest.mark.parametrize(("head", "bias"), [("value", True), ("reward", False)])
 def test_a_scalar_head_replaces_the_output_layer_whole_on_every_tp_rank(head: str, bias: bool) -> None:
     lay = Layout(layers=1, hidden=8, heads=4, groups=2, head_dim=2, ffn=4, vocab=9, tied=False, qkv_bias=True, tp=2,

@@ -112,21 +112,36 @@ def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]
 
 def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_not_built(cfg: dict[str, Any]) -> None:
     c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
-    assert problems(c) == ["roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor) only in this "
-                           "build; got p=2, c=2, e=2 in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'"]
+    assert problems(c) == ["roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor), p (pipeline) "
+                           "only in this build; got c=2, e=2 in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'"]
     check(c, runnable=False)
 
 
-def test_megatron_runs_tensor_and_data_parallel_and_refuses_pipeline_context_expert(cfg: dict[str, Any]) -> None:
+def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_expert(cfg: dict[str, Any]) -> None:
     assert set(check(on_ranks(cfg, 2, "megatron:t2", "hf:d2")).roles) >= {"actor_train", "reference"}
     assert check(on_ranks(cfg, 4, "megatron:d2t2", "hf:d4")).roles["actor_train"].mesh == (
         ("pp", 1), ("dp", 2), ("cp", 1), ("tp", 2))
-    assert problems(on_ranks(cfg, 4, "megatron:d2p2", "hf:d4")) == [
-        "roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor) only in this build; "
-        "got p=2 in 'megatron:d2p2'"]
+    assert check(on_ranks(cfg, 4, "megatron:d2p2", "hf:d4")).roles["actor_train"].mesh == (
+        ("pp", 2), ("dp", 2), ("cp", 1), ("tp", 1))
     assert problems(on_ranks(cfg, 2, "megatron:c2", "hf:d2")) == [
-        "roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor) only in this build; "
+        "roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor), p (pipeline) only in this build; "
         "got c=2 in 'megatron:c2'"]
+
+
+def test_megatron_splits_that_do_not_divide_and_the_distributed_optimizer_with_stages_are_refused(
+        cfg: dict[str, Any]) -> None:
+    c = set_(on_ranks(cfg, 4, "megatron:p4", "hf:d4"), model__num_layers=6,
+             roles__actor_train__engine_args={"distributed_optimizer": True})
+    assert problems(c) == [
+        "roles.actor_train.backend: 'megatron:p4' splits the model's layers over pipeline stages p=4, but "
+        "num_layers=6 is not divisible by 4",
+        "roles.actor_train.engine_args.distributed_optimizer: not built with pipeline parallelism (p=4 in "
+        "'megatron:p4'); set it to false or use megatron:dXtY"]
+    check(set_(c, model__num_layers=8, roles__actor_train__engine_args={}))
+    # the tiny model: 4 heads, 2 kv heads, intermediate 256
+    assert problems(on_ranks(cfg, 4, "megatron:t4", "hf:d4")) == [
+        "roles.actor_train.backend: 'megatron:t4' splits the model's attention over tensor-parallel ranks t=4, but "
+        "num_kv_heads=2 is not divisible by 4"]
 
 
 def test_engine_args_are_read_by_the_engines_typed_arguments(cfg: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
-"""``megatron`` training engine: megatron-core's GPTModel, tensor-parallel over the role's tp axis
-and data-parallel over its dp axis (``megatron:dXtY``).
+"""``megatron`` training engine: megatron-core's GPTModel, tensor-parallel over the role's tp axis,
+pipeline-parallel over its pp axis and data-parallel over its dp axis (``megatron:dXtYpZ``).
 
 Also serves forward-only roles (reference). The model is built from the run's transformers
 Qwen2/Llama model (a local HF directory or the random-init one every engine builds from the seed)
@@ -9,7 +9,13 @@ checkpoint of this engine loads into the fsdp engine and back. AdamW with the fs
 warm-up, gradient clipping over the TP shards and gradient accumulation; gradients are averaged
 over dp (with ``engine_args.distributed_optimizer``, megatron-core's DDP and DistributedOptimizer
 shard the AdamW state over dp instead: ``megatron_optim``). bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-only shim, see
-``megatron_device``). Pipeline, context and expert parallelism are refused by the registry.
+``megatron_device``). Context and expert parallelism are refused by the registry.
+
+Pipeline stages (p > 1) each hold 1/p of the layers; every forward and training step runs
+megatron-core's 1F1B schedule over the role's micro-batches (``engine_args.micro_batch`` sequences
+each, or the update's gradient-accumulation micro-batches), and what the last stage computes
+(log-probs, values, scores, the training stats) is broadcast to the other stages, so every rank
+of the role returns the same. Weights leave whole: each stage's are broadcast over pp.
 
 The critic and a reward model are the same GPTModel body with a scalar head (hidden -> 1) in place
 of the vocabulary output layer, whole on every TP rank: ``values()`` reads it at every response
@@ -20,12 +26,14 @@ token, ``scores()`` at each sequence's last non-pad token (transformers' pooling
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from rlbatch import algos
 from rlbatch.algos.objective import LossInput
@@ -37,7 +45,7 @@ from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_ten
 from rlbatch.engines.train import common, megatron_optim
 from rlbatch.engines.train import megatron_convert as convert
 from rlbatch.engines.train.megatron_device import check_device
-from rlbatch.engines.train.megatron_model import build_gpt, freeze_padding_row, process_groups, role_group
+from rlbatch.engines.train.megatron_model import build_gpt, engine_groups, freeze_padding_row, process_groups
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
@@ -50,25 +58,37 @@ class MegatronEngine(StashedState):
     def __init__(self, ctx: EngineContext) -> None:
         check_device(ctx.device)
         dims = dict(zip(ctx.mesh.mesh_dim_names, ctx.mesh.mesh.shape, strict=True))
-        if dims.get("pp", 1) > 1 or dims.get("cp", 1) > 1:
-            raise NotImplementedError(f"megatron engine: pipeline and context parallelism are not built, got mesh {dims}")
+        if dims.get("cp", 1) > 1:
+            raise NotImplementedError(f"megatron engine: context parallelism is not built, got mesh {dims}")
         self.device, self.algo, self.tokenizer = ctx.device, ctx.algo, ctx.tokenizer
         self.micro_batch = int(ctx.args.micro_batch)
-        self.tp_group, self.dp_group = ctx.group("tp"), ctx.group("dp")
+        self.tp_group, self.dp_group, self.pp_group = ctx.group("tp"), ctx.group("dp"), ctx.group("pp")
         self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
-        self.group = role_group(ctx.mesh)
+        self.pp, self.stage = dist.get_world_size(self.pp_group), dist.get_rank(self.pp_group)
+        self.last = self.stage == self.pp - 1
+        if self.pp > 1 and ctx.trainable and ctx.args.distributed_optimizer:
+            raise NotImplementedError(f"megatron engine, role {ctx.role}: engine_args.distributed_optimizer with "
+                                      f"pipeline parallelism (p={self.pp}) is not built")
+        groups = engine_groups(ctx)
+        self.group = groups["role"]
         self.head = ctx.head
         hf = load_engine_model(ctx, torch.float32)
         self.hf_config = hf.config
         self.pad_id = hf.config.pad_token_id  # a reward model pools at the last token that is not this one
         self.hf_names = [n for n, _ in hf.named_parameters()]
-        self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names)
+        self.hf_shapes = {n: p.shape for n, p in hf.named_parameters()}
+        self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names, self.pp)
         if bad := convert.problems(self.lay):
             raise ValueError(f"megatron engine, role {ctx.role}: " + "; ".join(bad))
         dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-        pgc = process_groups(ctx)
+        self.pgc = pgc = process_groups(ctx, groups)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
-                               self.lay.head_bias).to(ctx.device)
+                               self.lay.head_bias, self.pp).to(ctx.device)
+        self.p2p: Any = None
+        if self.pp > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            self.p2p = P2PCommunicator(pp_group=self.pp_group, config=self.model.config)
         freeze_padding_row(self.model, hf.get_input_embeddings().padding_idx)
         self.params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -102,14 +122,15 @@ class MegatronEngine(StashedState):
 
     # -- weights in and out -------------------------------------------------------------------
     def _load_full(self, hf: dict[str, torch.Tensor]) -> None:
-        local = convert.to_megatron(hf, self.lay, self.tp_rank)
+        local = convert.to_megatron(hf, self.lay, self.tp_rank, self.stage)
         if missing := sorted(set(self.params) ^ set(local)):
             raise RuntimeError(f"megatron engine: GPTModel and the HF mapping disagree on {missing}")
         for name, p in self.params.items():
             p.copy_(local[name])
 
     def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors from this rank's GPTModel-shaped tensors (collective over tp)."""
+        """Full HF-named tensors of the whole model from this rank's GPTModel-shaped tensors
+        (collective over tp, then over pp)."""
         shards: dict[str, list[torch.Tensor]] = {}
         for name, t in local.items():
             t = t.detach().contiguous()
@@ -119,7 +140,25 @@ class MegatronEngine(StashedState):
             parts = [torch.empty_like(t) for _ in range(self.tp)]
             dist.all_gather(parts, t, group=self.tp_group)
             shards[name] = parts
-        return convert.to_hf(shards, self.lay)
+        return self._across_stages(convert.to_hf(shards, self.lay, self.stage))
+
+    def _across_stages(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's HF-named tensors on every stage: each stage broadcasts its own, flattened
+        into one buffer (the other stages know the names and shapes from the HF model)."""
+        if self.pp == 1:
+            return part
+        like = next(iter(part.values()))
+        full: dict[str, torch.Tensor] = {}
+        for s in range(self.pp):
+            names = [n for n in self.hf_names if self.lay.stage_of(n) == s]
+            sizes = [self.hf_shapes[n].numel() for n in names]
+            if s == self.stage:
+                flat = torch.cat([part[n].reshape(-1) for n in names])
+            else:
+                flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+            dist.broadcast(flat, src=dist.get_global_rank(self.pp_group, s), group=self.pp_group)
+            full.update({n: t.view(self.hf_shapes[n]) for n, t in zip(names, flat.split(sizes), strict=True)})
+        return full
 
     @contextmanager
     def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -138,65 +177,109 @@ class MegatronEngine(StashedState):
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, L, V] logits (or [B, L, 1] of a scalar head) at every position of right-padded
-        sequences: the causal mask alone keeps pads out of every real position."""
+        sequences: the causal mask alone keeps pads out of every real position. On a pipeline stage
+        before the last: its hidden states, for the next stage."""
         pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
         out = self.net(input_ids=ids, position_ids=pos, attention_mask=None)
-        return out[..., : self.lay.vocab] if self.head == "lm" else out
+        return out[..., : self.lay.vocab] if self.head == "lm" and self.last else out
 
-    def _logits(self, b: Packed) -> torch.Tensor:
-        """[B, R, V] logits (or [B, R, 1] of a scalar head) at the positions that score each response token."""
-        x = b.inputs
-        assert isinstance(x, Full)
-        out = self._forward(x.input_ids)
-        return out.gather(1, x.index[:, :, None].expand(-1, -1, out.shape[-1]))
+    @staticmethod
+    def _select(b: Packed, out: torch.Tensor) -> torch.Tensor:
+        """[B, R, ...] of the final output at the positions that score each response token."""
+        assert isinstance(b.inputs, Full)
+        return out.gather(1, b.inputs.index[:, :, None].expand(-1, -1, out.shape[-1]))
+
+    def _each(self, samples: list[Sample], fn: Callable[[Packed, torch.Tensor], list[Any]]) -> list[Any]:
+        """``fn(batch, final output)`` of every micro-batch, concatenated. With pipeline stages: the
+        1F1B schedule forward-only, ``fn`` run on the last stage and its results broadcast."""
+        packs = [self._pack(c) for c in self._chunks(samples)]
+        if self.pp == 1:
+            return [x for b in packs for x in fn(b, self._forward(self._ids(b)))]
+        results = self._pipeline(packs, lambda b, out, non_loss_data=True: fn(b, out), forward_only=True)
+        return [x for r in self._from_last(results) for x in r]
+
+    @staticmethod
+    def _ids(b: Packed) -> torch.Tensor:
+        assert isinstance(b.inputs, Full)
+        return b.inputs.input_ids
+
+    def _pipeline(self, packs: list[Packed], loss_func: Callable[..., Any], forward_only: bool) -> list[Any]:
+        """megatron-core's 1F1B schedule over ``packs`` (one micro-batch each): every stage runs its
+        layers; the last calls ``loss_func(batch, output)`` per micro-batch and returns what it did
+        (others: nothing). Training: megatron backpropagates each micro-batch's loss as it is."""
+        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+        def step(data: Iterator[Packed], model: Any) -> tuple[torch.Tensor, Any]:
+            b = next(data)
+            return self._forward(self._ids(b)), partial(loss_func, b)
+
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func=step, data_iterator=iter(packs), model=self.net, num_microbatches=len(packs),
+            seq_length=0, micro_batch_size=0, forward_only=forward_only, collect_non_loss_data=forward_only,
+            p2p_communicator=self.p2p, pg_collection=self.pgc)
+
+    def _from_last(self, obj: Any) -> Any:
+        """The last pipeline stage's ``obj`` on every stage (tensors come back on this rank's device)."""
+        box = [tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, obj) if self.last else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
+        return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, box[0])
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for chunk in self._chunks(samples):
-            b = self._pack(chunk)
-            out += unpack(algos.token_logprobs(self._logits(b).float(), b.targets), b.lengths)
-        return out
+        return self._each(samples, lambda b, out: unpack(
+            algos.token_logprobs(self._select(b, out).float(), b.targets), b.lengths))
 
     @torch.no_grad()
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-sample response-token values of the value head (the critic)."""
-        out: list[torch.Tensor] = []
-        for chunk in self._chunks(samples):
-            b = self._pack(chunk)
-            out += unpack(self._logits(b)[..., 0].float(), b.lengths)
-        return out
+        return self._each(samples, lambda b, out: unpack(self._select(b, out)[..., 0].float(), b.lengths))
 
     @torch.no_grad()
     def scores(self, samples: list[Sample]) -> list[float]:
         """One score per sample from the reward head, read at the sequence's rightmost token that is not
         the model's pad token (transformers' sequence-classification pooling; the last position
         when the model names no pad token)."""
-        out: list[float] = []
-        for chunk in self._chunks(samples):
-            x = self._pack(chunk).inputs
-            assert isinstance(x, Full)
-            ids = x.input_ids
-            per_token = self._forward(ids)[..., 0].float()
-            if self.pad_id is None:
-                last = torch.full((ids.shape[0],), ids.shape[1] - 1, device=ids.device)
-            else:
-                cols = torch.arange(ids.shape[1], device=ids.device)
-                last = (cols * (ids != self.pad_id)).argmax(-1)
-            out += per_token[torch.arange(ids.shape[0], device=ids.device), last].tolist()
-        return out
+        return self._each(samples, self._pool)
+
+    def _pool(self, b: Packed, out: torch.Tensor) -> list[float]:
+        ids = self._ids(b)
+        per_token = out[..., 0].float()
+        if self.pad_id is None:
+            last = torch.full((ids.shape[0],), ids.shape[1] - 1, device=ids.device)
+        else:
+            cols = torch.arange(ids.shape[1], device=ids.device)
+            last = (cols * (ids != self.pad_id)).argmax(-1)
+        return per_token[torch.arange(ids.shape[0], device=ids.device), last].tolist()
 
     # -- training -----------------------------------------------------------------------------
-    def _loss(self, chunk: list[Sample], objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """The objective on one micro-batch: the policy's on log-probs, or the value objective
-        (``head == "value"``) on the value head's output."""
-        b = self._pack(chunk)
+    def _loss(self, b: Packed, out: torch.Tensor, objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective on one micro-batch's final output: the policy's on log-probs, or the value
+        objective (``head == "value"``) on the value head's output."""
         if objective.head == "value":
-            return objective(ValueInput(self._logits(b)[..., 0].float(), b.mask, b.fields))
-        logits = self._logits(b).float()
+            return objective(ValueInput(self._select(b, out)[..., 0].float(), b.mask, b.fields))
+        logits = self._select(b, out).float()
         logp = algos.token_logprobs(logits, b.targets)
         return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
                                    logits if objective.needs_logits else None))
+
+    def _backward(self, micro_batches: list[list[Sample]], objective: Any, totals: common.Totals) -> None:
+        """Gradients of one update, each micro-batch's loss divided by ``grad_accum``."""
+        packs = [self._pack(c) for c in micro_batches]
+        ga = self.algo.grad_accum
+        if self.pp == 1:
+            for b in packs:
+                loss, stats = self._loss(b, self._forward(self._ids(b)), objective)
+                (loss / ga).backward()
+                totals.add(stats)
+            return
+        one = torch.ones((), dtype=torch.int, device=self.device)
+
+        def loss_func(b: Packed, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+            loss, stats = self._loss(b, out, objective)
+            return loss / ga, one, stats
+
+        for stats in self._pipeline(packs, loss_func, forward_only=False):  # the last stage's only
+            totals.add(stats)
 
     def _reduce_grads(self) -> None:
         """Average gradients over dp (each dp rank's loss is the mean over its own share)."""
@@ -209,15 +292,27 @@ class MegatronEngine(StashedState):
         torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads,
                                                                     strict=True)])
 
+    def _sync_tied(self) -> None:
+        """A tied embedding split over pipeline stages: sum the gradients of its two copies (the first
+        stage's lookup table, the last stage's output layer), so both take the same update."""
+        if self.lay.tied and self.pp > 1 and self.pgc.embd is not None:
+            w = self.model.shared_embedding_or_output_weight()
+            dist.all_reduce(w.grad, group=self.pgc.embd)
+
     def _clip(self, max_norm: float) -> float:
-        """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once."""
-        split = [p.grad for p in self.model.parameters() if p.grad is not None and getattr(p, "tensor_model_parallel", False)]
-        repl = [p.grad for p in self.model.parameters() if p.grad is not None and not getattr(p, "tensor_model_parallel", False)]
-        sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros(())
+        """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once,
+        each pipeline stage its own (the last stage's copy of a tied embedding not again)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        split = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
+        repl = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
+        counted = [p.grad for p in params if getattr(p, "tensor_model_parallel", False) and not getattr(p, "shared", False)]
+        sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
         if self.tp > 1:
             dist.all_reduce(sq, group=self.tp_group)
         if repl:
             sq = sq + torch.stack([g.float().pow(2).sum() for g in repl]).sum()
+        if self.pp > 1:
+            dist.all_reduce(sq, group=self.pp_group)
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(split + repl, coef)
@@ -235,10 +330,7 @@ class MegatronEngine(StashedState):
                 self.dist_opt.zero_grad()
             else:
                 self.optimizer.zero_grad(set_to_none=False)
-            for chunk in micro_batches:
-                loss, stats = self._loss(chunk, objective)
-                (loss / a.grad_accum).backward()
-                totals.add(stats)
+            self._backward(micro_batches, objective, totals)
             if self.dist_opt is not None:
                 self.net.finish_grad_sync()  # reduce-scatter: each dp rank gets the averaged gradients of its slices
                 _, norm, _ = self.dist_opt.step()  # clips by the global norm, steps its slices, all-gathers the weights
@@ -246,12 +338,14 @@ class MegatronEngine(StashedState):
                     totals.add({"grad_norm": float(norm)}, 1.0)
             else:
                 self._reduce_grads()
+                self._sync_tied()
                 if a.grad_clip > 0:
                     totals.add({"grad_norm": self._clip(a.grad_clip)}, 1.0)
                 self.optimizer.step()
             self.scheduler.step()
             totals.updates += 1
-        return totals.result(float(self.scheduler.get_last_lr()[0]))
+        result = totals.result(float(self.scheduler.get_last_lr()[0]))
+        return result if self.pp == 1 else self._from_last(result)  # the loss stats are the last stage's
 
     # -- checkpoint ---------------------------------------------------------------------------
     def checkpoint_state(self) -> CheckpointState | None:
@@ -290,7 +384,7 @@ class MegatronEngine(StashedState):
         with torch.no_grad():
             self._load_full({n: t[f"model.{n}"] for n in self.hf_names})
             moments = {key: convert.to_megatron({n: t[f"optim.{n}.{key}"] for n in self.hf_names}, self.lay,
-                                                self.tp_rank) for key in ADAM_KEYS}
+                                                self.tp_rank, self.stage) for key in ADAM_KEYS}
             step = t[f"optim.{self.hf_names[0]}.step"]
             if self.dist_opt is not None:
                 main = convert.to_megatron({n: t[f"model.{n}"] for n in self.hf_names}, self.lay, self.tp_rank)

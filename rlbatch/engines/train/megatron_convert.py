@@ -15,6 +15,12 @@ The mapping (exact: it only moves numbers):
     model.norm                       -> decoder.final_layernorm               replicated
     score.{weight,bias} (value/reward)-> output_layer.{weight,bias}           replicated
 
+Under pipeline parallelism (p stages) each stage holds a contiguous 1/p of the layers, numbered
+from 0 on every stage (HF layer ``stage * layers/p + j`` is the stage's ``decoder.layers.j``); the
+embedding lives on the first stage, the final norm and the output layer on the last. A tied
+embedding is held twice then: the last stage's ``output_layer.weight`` is a copy of the first
+stage's embedding (kept equal by summing their gradients), and only the first's leaves.
+
 A value model (transformers' ``...ForTokenClassification``: ``score.weight`` [1, hidden] and
 ``score.bias``) or a reward model (``...ForSequenceClassification``: ``score.weight`` only) has the
 same body; its scalar head takes the place of the vocabulary output layer, whole on every TP rank.
@@ -47,6 +53,8 @@ class Layout:
     tied: bool
     qkv_bias: bool
     tp: int = 1
+    pp: int = 1
+    """Pipeline stages: each holds ``layers // pp`` consecutive layers."""
     head: str = "lm"
     """'lm' (the vocabulary output layer), or a scalar head: 'value' or 'reward' (``score.*``)."""
     head_bias: bool = False
@@ -60,14 +68,24 @@ class Layout:
     def q_per_group(self) -> int:
         return self.heads // self.groups
 
+    @property
+    def stage_layers(self) -> int:
+        return self.layers // self.pp
 
-def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False) -> Layout:
+    def stage_of(self, hf_name: str) -> int:
+        """The pipeline stage that holds an HF-named tensor."""
+        if hf_name.startswith("model.layers."):
+            return int(hf_name.split(".")[2]) // self.stage_layers
+        return 0 if hf_name == "model.embed_tokens.weight" else self.pp - 1
+
+
+def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False, pp: int = 1) -> Layout:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
     return Layout(hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads, groups,
                   head_dim, hf_config.intermediate_size, hf_config.vocab_size,
-                  head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias, tp, head,
+                  head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias, tp, pp, head,
                   head_bias)
 
 
@@ -78,6 +96,8 @@ def problems(lay: Layout) -> list[str]:
                     ("intermediate_size", lay.ffn)):
         if n % lay.tp:
             out.append(f"{what} = {n} is not divisible by tensor parallel t = {lay.tp}")
+    if lay.layers % lay.pp:
+        out.append(f"num_hidden_layers = {lay.layers} is not divisible by pipeline parallel p = {lay.pp}")
     return out
 
 
@@ -106,19 +126,25 @@ def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, rank: i
     return _rows(fused, rank, lay.tp).reshape(-1, *tail)
 
 
-def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int) -> dict[str, torch.Tensor]:
-    """This TP rank's GPTModel tensors from full HF-named tensors (weights or weight-shaped state)."""
-    tp = lay.tp
-    out = {"embedding.word_embeddings.weight": _rows(_pad_vocab(hf["model.embed_tokens.weight"], lay), rank, tp),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if lay.head != "lm":
-        out["output_layer.weight"] = hf["score.weight"]
-        if lay.head_bias:
-            out["output_layer.bias"] = hf["score.bias"]
-    elif not lay.tied:
-        out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], lay), rank, tp)
-    for i in range(lay.layers):
-        h, m = _hf_layer(i), _mc_layer(i)
+def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int, stage: int = 0) -> dict[str, torch.Tensor]:
+    """This TP rank's GPTModel tensors of pipeline stage ``stage`` from HF-named tensors (weights or
+    weight-shaped state; only the stage's own names are read)."""
+    tp, first, last = lay.tp, stage == 0, stage == lay.pp - 1
+    out: dict[str, torch.Tensor] = {}
+    if first:
+        out["embedding.word_embeddings.weight"] = _rows(_pad_vocab(hf["model.embed_tokens.weight"], lay), rank, tp)
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if lay.head != "lm":
+            out["output_layer.weight"] = hf["score.weight"]
+            if lay.head_bias:
+                out["output_layer.bias"] = hf["score.bias"]
+        elif not lay.tied:
+            out["output_layer.weight"] = _rows(_pad_vocab(hf["lm_head.weight"], lay), rank, tp)
+        elif not first:  # the tied embedding's copy on the last stage
+            out["output_layer.weight"] = _rows(_pad_vocab(hf["model.embed_tokens.weight"], lay), rank, tp)
+    for j in range(lay.stage_layers):
+        h, m = _hf_layer(stage * lay.stage_layers + j), _mc_layer(j)
         a = h + "self_attn."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
@@ -142,11 +168,15 @@ def _unqkv(shards: list[torch.Tensor], lay: Layout) -> tuple[torch.Tensor, torch
     return q.reshape(g * qpg * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)
 
 
-def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout) -> dict[str, torch.Tensor]:
-    """Full HF-named tensors from every TP rank's GPTModel tensors (``shards[name][r]``: rank r's)."""
-    out = {"model.embed_tokens.weight": torch.cat(shards["embedding.word_embeddings.weight"])[: lay.vocab]}
-    for i in range(lay.layers):
-        h, m = _hf_layer(i), _mc_layer(i)
+def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout, stage: int = 0) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors of pipeline stage ``stage`` from its TP ranks' GPTModel tensors
+    (``shards[name][r]``: rank r's). The last stage's copy of a tied embedding is not among them."""
+    first, last = stage == 0, stage == lay.pp - 1
+    out: dict[str, torch.Tensor] = {}
+    if first:
+        out["model.embed_tokens.weight"] = torch.cat(shards["embedding.word_embeddings.weight"])[: lay.vocab]
+    for j in range(lay.stage_layers):
+        h, m = _hf_layer(stage * lay.stage_layers + j), _mc_layer(j)
         a = h + "self_attn."
         out[h + "input_layernorm.weight"] = shards[m + "input_layernorm.weight"][0]
         for kind in ("weight", "bias") if lay.qkv_bias else ("weight",):
@@ -158,11 +188,12 @@ def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout) -> dict[str, to
         out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
         out[h + "mlp.down_proj.weight"] = torch.cat(shards[m + "mlp.linear_fc2.weight"], dim=1)
         out[h + "post_attention_layernorm.weight"] = shards[m + "pre_mlp_layernorm.weight"][0]
-    out["model.norm.weight"] = shards["decoder.final_layernorm.weight"][0]
-    if lay.head != "lm":
-        out["score.weight"] = shards["output_layer.weight"][0]
-        if lay.head_bias:
-            out["score.bias"] = shards["output_layer.bias"][0]
-    elif not lay.tied:
-        out["lm_head.weight"] = torch.cat(shards["output_layer.weight"])[: lay.vocab]
+    if last:
+        out["model.norm.weight"] = shards["decoder.final_layernorm.weight"][0]
+        if lay.head != "lm":
+            out["score.weight"] = shards["output_layer.weight"][0]
+            if lay.head_bias:
+                out["score.bias"] = shards["output_layer.bias"][0]
+        elif not lay.tied:
+            out["lm_head.weight"] = torch.cat(shards["output_layer.weight"])[: lay.vocab]
     return out

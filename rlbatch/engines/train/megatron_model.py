@@ -12,37 +12,59 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_ROLE_GROUPS: dict[tuple[int, ...], Any] = {}
+from rlbatch.placement import subgroups
+
+_BY_HAND: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
-def role_group(mesh: Any) -> Any:
-    """One process group over all ranks of the role's mesh (checkpoint writes, export). Created with
-    group-local synchronisation, so only the role's ranks call it and the global group numbering
-    that ``world`` relies on is untouched; cached per rank set (colocated roles share it)."""
-    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
-    if ranks not in _ROLE_GROUPS:
-        _ROLE_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _ROLE_GROUPS[ranks]
+def engine_groups(ctx: Any) -> dict[str, Any]:
+    """The role's groups beyond the mesh axes (``EngineContext.groups``: 'role', and with pipeline
+    stages 'model_parallel' and 'pipeline_ends'), which ``rlbatch.runtime.world`` creates on every
+    rank of the job. An engine built by hand over a mesh that spans the whole world (tests, tools)
+    gets the same groups created here: every rank builds such an engine, so every rank makes the
+    same calls in the same order. Cached per mesh (colocated roles share them)."""
+    if ctx.groups:
+        return dict(ctx.groups)
+    ranks = [int(r) for r in ctx.mesh.mesh.flatten().tolist()]
+    if len(ranks) != dist.get_world_size():
+        raise RuntimeError(f"megatron engine, role {ctx.role}: its groups beyond the mesh axes come from "
+                           f"rlbatch.runtime.world (EngineContext.groups); built by hand, the mesh must span "
+                           f"the whole world ({dist.get_world_size()} ranks), got ranks {ranks}")
+    mesh = tuple(zip(ctx.mesh.mesh_dim_names, ctx.mesh.mesh.shape, strict=True))
+    key = (tuple(ranks), mesh)
+    if key not in _BY_HAND:
+        _BY_HAND[key] = {"role": dist.new_group(ranks),
+                         **subgroups.create(ranks, mesh, dist.get_rank(), dist.new_group)}
+    return _BY_HAND[key]
 
 
-def process_groups(ctx: Any) -> Any:
-    """megatron-core's ProcessGroupCollection from the role's mesh (pp = cp = 1 here: the tp group
-    is also the model-parallel group, dp the data-parallel one)."""
+def process_groups(ctx: Any, groups: dict[str, Any]) -> Any:
+    """megatron-core's ProcessGroupCollection from the role's mesh (axes pp, dp, cp, tp; cp = 1) and
+    ``engine_groups``.
+
+    Without pipeline stages the tp group is also the model-parallel group and the pp group (this
+    rank alone) the embedding group. With them, the model-parallel group spans this replica's tp x pp
+    ranks and the embedding group the first and last stages' ranks at this tp position (the two
+    copies of a tied embedding; a middle stage has none)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pgc = ProcessGroupCollection()
-    tp, dp = ctx.group("tp"), ctx.group("dp")
-    pgc.tp, pgc.pp, pgc.cp, pgc.dp = tp, ctx.group("pp"), ctx.group("cp"), dp
+    tp, dp, pp = ctx.group("tp"), ctx.group("dp"), ctx.group("pp")
+    pgc.tp, pgc.pp, pgc.cp, pgc.dp = tp, pp, ctx.group("cp"), dp
     pgc.mp, pgc.tp_cp, pgc.dp_cp = tp, tp, dp
-    pgc.embd = ctx.group("pp")  # one stage: the embedding group is that stage alone
-    pgc.pos_embd = ctx.group("pp")
+    pgc.embd = pgc.pos_embd = pp
+    stages = dist.get_world_size(pp)
+    if stages > 1:
+        pgc.mp = groups["model_parallel"]
+        pgc.embd = groups["pipeline_ends"] if dist.get_rank(pp) in (0, stages - 1) else None
+        pgc.pos_embd = None  # rotary positions: no position-embedding weights to share
     # No expert parallelism: the expert groups are a rank alone (ep) and dp; given here, so that
     # megatron-core's DDP does not create a group on this rank alone (out of step with the others).
     pgc.ep, pgc.expt_dp = ctx.group("cp"), dp
     return pgc
 
 
-def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype) -> Any:
+def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -58,7 +80,11 @@ def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype) -> Any:
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, sequence_parallel=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        # Between stages: micro-batches of any shape (the shapes travel first), the loss each
+        # micro-batch returns used as it is (the engine scales it; not divided by their number).
+        pipeline_dtype=dtype, variable_seq_lengths=pp > 1, calculate_per_token_loss=pp > 1,
+        moe_token_dispatcher_type="alltoall",  # no experts; the default (allgather) refuses variable lengths
         use_cpu_initialization=True, perform_initialization=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16,
     )
@@ -90,12 +116,15 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
             keep = (ids != padding_idx).transpose(0, 1)[..., None].to(out.dtype)  # [b, s] -> [s, b, 1] like out
             out.register_hook(lambda g: g * keep)
 
-    model.embedding.register_forward_hook(hook, with_kwargs=True)
+    if getattr(model, "pre_process", True):  # pipeline stages after the first have no embedding
+        model.embedding.register_forward_hook(hook, with_kwargs=True)
 
 
 def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
-              head_bias: bool = False) -> Any:
-    """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller). ``head``
+              head_bias: bool = False, pp: int = 1) -> Any:
+    """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller): this pipeline
+    stage's part of it (``pgc.pp``'s rank of ``pp``: its layers, the embedding on the first stage,
+    the final norm and output layer on the last). ``head``
     'value' or 'reward': a ``ScalarHead`` replaces the vocabulary output layer (the policy's, built by
     GPTModel first, is dropped at once: a transient on the host with ``use_cpu_initialization``)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -109,14 +138,15 @@ def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
         "rope_theta", 10000.0)
+    stage = dist.get_rank(pgc.pp) if pp > 1 else 0
     model = GPTModel(
-        config=transformer_config(hf_config, tp, dtype),
+        config=transformer_config(hf_config, tp, dtype, pp),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=True, post_process=True, parallel_output=False,
+        pre_process=stage == 0, post_process=stage == pp - 1, parallel_output=False,
         share_embeddings_and_output_weights=head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=int(rope), pg_collection=pgc,
     )
-    if head != "lm":
+    if head != "lm" and stage == pp - 1:
         model.output_layer = ScalarHead(hf_config.hidden_size, 1, bias=head_bias, dtype=dtype)
     return model

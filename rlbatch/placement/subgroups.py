@@ -1,0 +1,47 @@
+"""Rank sets of the process groups a role needs beyond its mesh axes (pure Python).
+
+``rlbatch.runtime.world`` creates them on every rank of the job, in the same order, like every
+other group (a group created by its members alone takes a name from how many groups each member
+already has, which differs between ranks of different roles). Engines receive this rank's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import product
+from typing import Any
+
+Mesh = Sequence[tuple[str, int]]
+
+
+def axis_groups(ranks: Sequence[int], mesh: Mesh, axes: set[str]) -> list[tuple[int, ...]]:
+    """The ranks of a row-major ``mesh`` grouped by their coordinates on every axis not in ``axes``
+    (each group in mesh order)."""
+    names = [n for n, _ in mesh]
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for i, coord in enumerate(product(*(range(s) for _, s in mesh))):
+        key = tuple(c for n, c in zip(names, coord, strict=True) if n not in axes)
+        buckets.setdefault(key, []).append(int(ranks[i]))
+    return [tuple(b) for b in buckets.values()]
+
+
+def subgroups(ranks: Sequence[int], mesh: Mesh) -> dict[str, list[tuple[int, ...]]]:
+    """With pipeline stages (pp > 1): ``model_parallel``, each replica's tp x pp ranks (Megatron's
+    model-parallel group), and ``pipeline_ends``, the first and last stages' ranks at each dp, cp and
+    tp position (where a tied embedding's two copies live). None without."""
+    if dict(mesh).get("pp", 1) <= 1:
+        return {}
+    return {"model_parallel": axis_groups(ranks, mesh, {"pp", "tp"}),
+            "pipeline_ends": [(g[0], g[-1]) for g in axis_groups(ranks, mesh, {"pp"})]}
+
+
+def create(ranks: Sequence[int], mesh: Mesh, me: int, new_group: Callable[[list[int]], Any]) -> dict[str, Any]:
+    """``new_group`` for every set of ``subgroups`` (collective: every rank of the job calls this
+    for every role, in the same order); this rank's group of each kind."""
+    mine: dict[str, Any] = {}
+    for kind, sets in subgroups(ranks, mesh).items():
+        for s in sets:
+            group = new_group(list(s))
+            if me in s:
+                mine[kind] = group
+    return mine

@@ -1,0 +1,36 @@
+"""The rank sets of the groups beyond a role's mesh axes (``rlbatch.placement.subgroups``)."""
+
+from __future__ import annotations
+
+from rlbatch.placement.subgroups import axis_groups, create, subgroups
+
+MESH = (("pp", 2), ("dp", 2), ("cp", 1), ("tp", 2))
+RANKS = list(range(10, 18))  # row-major: pp outermost, tp innermost
+
+
+def test_axis_groups_vary_only_along_the_named_axes() -> None:
+    assert axis_groups(RANKS, MESH, {"tp"}) == [(10, 11), (12, 13), (14, 15), (16, 17)]
+    assert axis_groups(RANKS, MESH, {"pp"}) == [(10, 14), (11, 15), (12, 16), (13, 17)]
+    assert axis_groups(RANKS, MESH, {"dp"}) == [(10, 12), (11, 13), (14, 16), (15, 17)]
+
+
+def test_pipeline_stages_get_model_parallel_and_end_groups_and_none_without() -> None:
+    four = (("pp", 4), ("dp", 1), ("cp", 1), ("tp", 2))
+    assert subgroups(RANKS, four) == {
+        "model_parallel": [tuple(RANKS)],                       # one replica: all its tp x pp ranks
+        "pipeline_ends": [(10, 16), (11, 17)],                  # stage 0 and stage 3 at each tp
+    }
+    assert subgroups(RANKS, MESH)["model_parallel"] == [(10, 11, 14, 15), (12, 13, 16, 17)]
+    assert subgroups(RANKS, (("pp", 1), ("dp", 4), ("cp", 1), ("tp", 2))) == {}
+
+
+def test_create_calls_new_group_for_every_set_in_order_and_keeps_this_ranks() -> None:
+    calls: list[list[int]] = []
+
+    def new_group(ranks: list[int]) -> str:
+        calls.append(ranks)
+        return "g" + "-".join(map(str, ranks))
+
+    mine = create(RANKS, MESH, 15, new_group)
+    assert calls == [[10, 11, 14, 15], [12, 13, 16, 17], [10, 14], [11, 15], [12, 16], [13, 17]]
+    assert mine == {"model_parallel": "g10-11-14-15", "pipeline_ends": "g11-15"}
