@@ -35,14 +35,15 @@ def _table(stdout: str) -> list[dict[str, str]]:
     return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
 
 
-def test_quick_run_of_four_engine_configs_prints_a_table_with_equal_losses() -> None:
+def test_quick_run_of_five_engine_configs_prints_a_table_with_equal_losses() -> None:
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/train_engines.py"), "--quick",
-                          "--engines", "fsdp,zero1,tp1,tp2"], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          "--engines", "fsdp,zero1,tp1,tp2,pp2"], capture_output=True, text=True, timeout=TIMEOUT_S,
                          cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = _table(out.stdout)
     assert [(r["engine"], r["config"]) for r in rows] == [("fsdp", "FSDP2 d2"), ("deepspeed", "ZeRO-1 d2"),
-                                                           ("megatron", "TP=1 d2"), ("megatron", "TP=2 t2")], out.stdout[-3000:]
+                                                           ("megatron", "TP=1 d2"), ("megatron", "TP=2 t2"),
+                                                           ("megatron", "PP=2 p2")], out.stdout[-3000:]
     for r in rows:
         assert float(r["s/step"]) > 0 and float(r["peak RSS MiB/rank"]) > 0, r
         assert r["MFU"] == "-", r  # CPU: no MFU

@@ -1,13 +1,14 @@
 """The training engines side by side: one training step of the same model on the same batch with
-fsdp, deepspeed (ZeRO-1, -2, -3) and megatron (TP=1, TP=2), 2 ranks, in one run.
+fsdp, deepspeed (ZeRO-1, -2, -3) and megatron (TP=1, TP=2, PP=2), 2 ranks, in one run.
 
     python tools/bench/train_engines.py [--model-size 15m] [--batch 8 --seq 128] [--steps 3]
-                                        [--engines fsdp,zero1,zero2,zero3,tp1,tp2] [--quick]
+                                        [--engines fsdp,zero1,zero2,zero3,tp1,tp2,pp2] [--quick]
 
 Starts itself under mpiexec (the mpich wheel's) with 2 processes. Each rank builds every engine in
 turn through the engine contract (``build_engine`` with an ``EngineContext`` whose DeviceMesh has
 the (pp, dp, cp, tp) axes ``rlbatch/runtime/world.py`` gives a role): fsdp and deepspeed on
-``d2``, megatron on ``d2`` (TP=1) and ``t2`` (TP=2). The model is a random-initialised Qwen2 of
+``d2``, megatron on ``d2`` (TP=1), ``t2`` (TP=2) and ``p2`` (two pipeline stages, one
+micro-batch per update: the schedule's cost without overlap). The model is a random-initialised Qwen2 of
 ``--model-size`` built from the same seed by every engine, so all start from the same weights.
 The batch: ``--batch`` sequences of ``--seq`` tokens (``--prompt-len`` of them prompt), all of one
 length so each dp rank's share has as many tokens as the others and every engine minimises the
@@ -72,6 +73,7 @@ class Config:
     args: dict[str, Any]
     dp: int
     tp: int
+    pp: int = 1
 
 
 CONFIGS = [
@@ -81,6 +83,7 @@ CONFIGS = [
     Config("zero3", "deepspeed", "ZeRO-3 d2", {"zero_stage": 3}, 2, 1),
     Config("tp1", "megatron", "TP=1 d2", {}, 2, 1),
     Config("tp2", "megatron", "TP=2 t2", {}, 1, 2),
+    Config("pp2", "megatron", "PP=2 p2", {}, 1, 1, pp=2),
 ]
 BY_KEY = {c.key: c for c in CONFIGS}
 COLUMNS = ["engine", "config", "s/step", "CPU s/step", "peak RSS MiB/rank", "engine MiB/rank", "loss step 1", "loss after", "MFU"]
@@ -170,7 +173,7 @@ def bench_one(c: Config, args: argparse.Namespace, env: dict[str, Any]) -> dict[
     from rlbatch.engines.registry import engine_args
 
     device, sync, cuda = env["device"], env["sync"], env["device"].type == "cuda"
-    mesh = env["meshes"][(c.dp, c.tp)]
+    mesh = env["meshes"][(c.pp, c.dp, c.tp)]
     ctx = EngineContext("actor_train", engine_args(c.engine, c.args), env["model"], env["algo"], env["vocab"], device,
                         seed=args.seed, mesh=mesh, trainable=True)
     release_memory()
@@ -302,8 +305,8 @@ def worker(args: argparse.Namespace) -> int:
         say(f"{name}, hardware profile {profile}")
     # Every mesh on every rank, in one order (as runtime/world.py creates a job's groups).
     names = ("pp", "dp", "cp", "tp")
-    env["meshes"] = {(dp, tp): DeviceMesh(device.type, torch.arange(size).reshape(1, dp, 1, tp), mesh_dim_names=names)
-                     for dp, tp in ((2, 1), (1, 2))}
+    env["meshes"] = {(pp, dp, tp): DeviceMesh(device.type, torch.arange(size).reshape(pp, dp, 1, tp),
+                                              mesh_dim_names=names) for pp, dp, tp in ((1, 2, 1), (1, 1, 2), (2, 1, 1))}
     say(f"{size} ranks ({'NCCL, ' + str(device.type) if cuda else f'gloo, CPU, {args.threads} thread(s) each'}), "
         f"Qwen2 {args.model_size}: {shape.params / 1e6:.2f}M parameters (hidden {model_cfg.hidden_size}, "
         f"{model_cfg.num_layers} layers, vocab {len(vocab)}), batch {args.batch} x {args.seq} tokens "
