@@ -27,3 +27,56 @@ def checkpoint(e, path):  # type: ignore[no-untyped-def]
 
 def restore(e, path):  # type: ignore[no-untyped-def]
     e.load_checkpoint_state(load_state(path, e.checkpoint_state()))
+
+
+def resumes_exactly(make, train, path, want, what):  # type: ignore[no-untyped-def]
+    """3 updates, a checkpoint through the DCP store, a new engine, 3 more: the weights ``want`` of 6
+    updates in one go, bit for bit. Returns the resumed engine."""
+    half = make()
+    train(half, range(3))
+    checkpoint(half, path)
+    resumed = make()
+    restore(resumed, path)
+    train(resumed, range(3, 6))
+    same(weights(resumed), want, what)
+    return resumed
+
+
+def shares_checkpoints_with_fsdp(make_fsdp, make, train, tmp, what):  # type: ignore[no-untyped-def]
+    """An fsdp checkpoint after 3 updates loads into ``make()``'s engine (weights and Adam moments
+    bitwise); that engine's checkpoint one update later loads back into fsdp (weights bitwise)."""
+    f = make_fsdp()
+    train(f, range(3))
+    checkpoint(f, tmp / "fsdp3")
+    m = make()
+    restore(m, tmp / "fsdp3")
+    same(weights(m), weights(f), f"fsdp checkpoint into {what}: weights")
+    ms, fs = m.checkpoint_state().tensors, f.checkpoint_state().tensors
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in fs.items()}
+    same({k: ms[k] for k in ms if ".exp_avg" in k}, {k: full[k] for k in ms if ".exp_avg" in k},
+         f"fsdp checkpoint into {what}: Adam moments")
+    train(m, range(3, 4))
+    checkpoint(m, tmp / "other4")
+    f2 = make_fsdp()
+    restore(f2, tmp / "other4")
+    same(weights(f2), weights(m), f"{what} checkpoint into fsdp: weights")
+
+
+def critic_directory(cfg, tok, seed, path):  # type: ignore[no-untyped-def]
+    """On rank 0, a token-classification critic with a random head saved to ``path`` (value_model's
+    head is zero: every value would be 0); every rank waits for it. Returns a model config naming it."""
+    import copy
+
+    from rlbatch.engines.model import load_model, value_model
+
+    if dist.get_rank() == 0:
+        critic = value_model(load_model(cfg.model, tok, seed))
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            critic.score.weight.copy_(torch.randn(critic.score.weight.shape, generator=g) / 8)
+            critic.score.bias.fill_(0.3)
+        critic.save_pretrained(path)
+    dist.barrier()
+    model = copy.deepcopy(cfg.model)
+    model.path = str(path)
+    return model

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import checkpoint, restore, same, weights
+from engine_state import resumes_exactly, same, shares_checkpoints_with_fsdp, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -91,13 +91,7 @@ for name, e in (("TP=1", tp1), ("TP=2", tp2)):
 
 # -- exact resume at TP=2: 3 + 3 == 6 -------------------------------------------------------------
 train(tp2, range(6))
-half = megatron(mesh_tp2)
-train(half, range(3))
-checkpoint(half, TMP / "mcore3")
-resumed = megatron(mesh_tp2)
-restore(resumed, TMP / "mcore3")
-train(resumed, range(3, 6))
-same(weights(resumed), weights(tp2), "TP=2 resume 3+3 vs 6")
+resumes_exactly(lambda: megatron(mesh_tp2), train, TMP / "mcore3", weights(tp2), "TP=2 resume 3+3 vs 6")
 assert not torch.equal(weights(tp2)["model.norm.weight"], hf_weights["model.norm.weight"]), "training changed nothing"
 
 # -- weight sync from the TP=2 trainer to the hf engine: greedy output equals transformers' -------
@@ -121,20 +115,7 @@ with torch.no_grad():
 assert got == want, f"greedy after weight sync {got} != transformers {want}"
 
 # -- fsdp <-> megatron checkpoints ---------------------------------------------------------------
-f = fsdp(mesh_dp2)
-train(f, range(3))
-checkpoint(f, TMP / "fsdp3")
-m = megatron(mesh_tp2)
-restore(m, TMP / "fsdp3")
-same(weights(m), weights(f), "fsdp checkpoint into megatron TP=2: weights")
-ms, fs = m.checkpoint_state().tensors, f.checkpoint_state().tensors
-full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in fs.items()}
-same({k: ms[k] for k in ms if ".exp_avg" in k}, {k: full[k] for k in ms if ".exp_avg" in k}, "Adam moments")
-train(m, range(3, 4))
-checkpoint(m, TMP / "mcore4")
-f2 = fsdp(mesh_dp2)
-restore(f2, TMP / "mcore4")
-same(weights(f2), weights(m), "megatron TP=2 checkpoint into fsdp: weights")
+shares_checkpoints_with_fsdp(lambda: fsdp(mesh_dp2), lambda: megatron(mesh_tp2), train, TMP, "megatron TP=2")
 dist.barrier()
 if comm.rank == 0:
     shutil.rmtree(TMP, ignore_errors=True)

@@ -11,7 +11,6 @@ test-only shim), against transformers and the fsdp engine:
 - a reward model (sequence classification) at TP=2: scores within float tolerance of transformers'.
 """
 
-import copy
 import shutil
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import checkpoint, restore, same, weights
+from engine_state import checkpoint, critic_directory, restore, same, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -50,17 +49,7 @@ TOL = 1e-4
 """fp32 with |values| ~ 1: the engines sum in other orders (TP-split matmuls, fused qkv), ~1e-6
 apart; a wrong mapping or a head read at the wrong position is off by ~0.1 or more."""
 
-# A critic directory with a random head (value_model's head is zero: every value would be 0).
-if comm.rank == 0:
-    critic = value_model(load_model(cfg.model, tok, SEED))
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        critic.score.weight.copy_(torch.randn(critic.score.weight.shape, generator=g) / 8)
-        critic.score.bias.fill_(0.3)
-    critic.save_pretrained(TMP / "critic")
-dist.barrier()
-critic_model = copy.deepcopy(cfg.model)
-critic_model.path = str(TMP / "critic")
+critic_model = critic_directory(cfg, tok, SEED, TMP / "critic")
 
 
 def engine(cls, args, mesh, head, trainable=True, model=critic_model):

@@ -15,7 +15,6 @@ stages (the lookup on the first, the output layer on the last). Against the sing
   scores equal transformers'.
 """
 
-import copy
 import shutil
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import checkpoint, restore, same, weights
+from engine_state import critic_directory, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +33,7 @@ from rlbatch.algos.objective import PolicyObjective
 from rlbatch.algos.value import ValueObjective
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack, response_logits, unpack
-from rlbatch.engines.model import load_model, load_tokenizer, reward_model, value_model
+from rlbatch.engines.model import load_model, load_tokenizer, reward_model
 from rlbatch.engines.registry import FSDPArgs, MegatronArgs
 from rlbatch.engines.train import common
 from rlbatch.engines.train.fsdp import FSDPEngine
@@ -143,43 +142,16 @@ dist.all_gather(copies, tied)
 assert torch.equal(copies[0], copies[1]), "the tied embedding's two copies drifted apart"
 
 # -- exact resume at PP=2: 3 + 3 == 6 -------------------------------------------------------------
-half = engine(mesh_pp2)
-train(half, range(3))
-checkpoint(half, TMP / "pp3")
-resumed = engine(mesh_pp2)
-restore(resumed, TMP / "pp3")
-train(resumed, range(3, 6))
-same(weights(resumed), trained, "PP=2 resume 3+3 vs 6")
+resumes_exactly(lambda: engine(mesh_pp2), train, TMP / "pp3", trained, "PP=2 resume 3+3 vs 6")
 
 # -- fsdp <-> megatron PP=2 checkpoints -------------------------------------------------------------
-f = FSDPEngine(EngineContext("actor_train", FSDPArgs(share_prompts=False), cfg.model, cfg.algo, tok,
-                             torch.device("cpu"), seed=SEED, mesh=mesh_dp2, trainable=True))
-train(f, range(3))
-checkpoint(f, TMP / "fsdp3")
-m = engine(mesh_pp2)
-restore(m, TMP / "fsdp3")
-same(weights(m), weights(f), "fsdp checkpoint into megatron PP=2: weights")
-ms, fs = m.checkpoint_state().tensors, f.checkpoint_state().tensors
-full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in fs.items()}
-same({k: ms[k] for k in ms if ".exp_avg" in k}, {k: full[k] for k in ms if ".exp_avg" in k}, "Adam moments")
-train(m, range(3, 4))
-checkpoint(m, TMP / "pp4")
-f2 = FSDPEngine(EngineContext("actor_train", FSDPArgs(share_prompts=False), cfg.model, cfg.algo, tok,
-                              torch.device("cpu"), seed=SEED, mesh=mesh_dp2, trainable=True))
-restore(f2, TMP / "pp4")
-same(weights(f2), weights(m), "megatron PP=2 checkpoint into fsdp: weights")
+shares_checkpoints_with_fsdp(
+    lambda: FSDPEngine(EngineContext("actor_train", FSDPArgs(share_prompts=False), cfg.model, cfg.algo, tok,
+                                     torch.device("cpu"), seed=SEED, mesh=mesh_dp2, trainable=True)),
+    lambda: engine(mesh_pp2), train, TMP, "megatron PP=2")
 
 # -- critic and reward model at PP=2 -------------------------------------------------------------
-if comm.rank == 0:  # a critic directory with a random head (value_model's head is zero)
-    critic = value_model(load_model(cfg.model, tok, SEED))
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        critic.score.weight.copy_(torch.randn(critic.score.weight.shape, generator=g) / 8)
-        critic.score.bias.fill_(0.3)
-    critic.save_pretrained(TMP / "critic")
-dist.barrier()
-critic_model = copy.deepcopy(cfg.model)
-critic_model.path = str(TMP / "critic")
+critic_model = critic_directory(cfg, tok, SEED, TMP / "critic")
 c_pp, c_tp = engine(mesh_pp2, head="value", model=critic_model), engine(mesh_dp2, head="value", model=critic_model)
 err = gap(c_pp.values(batch(0)), c_tp.values(batch(0)))
 assert err < TOL and max(float(v.abs().max()) for v in c_tp.values(batch(0))) > 0.1, f"PP=2 values differ by {err}"
