@@ -171,8 +171,9 @@ def engine_problems(engines: list[RoleEngine]) -> list[str]:
         bad = {x: getattr(d, x) for d in sections for x in "dtpce" if getattr(d, x) > 1 and x not in spec.dims}
         if bad:
             got = ", ".join(f"{x}={n}" for x, n in bad.items())
+            why = f" ({spec.note})" if spec.note else ""
             problems.append(f"{field}: engine '{b.engine}' supports {_dims_text(spec.dims)} only in this build; "
-                            f"got {got} in '{b}'")
+                            f"got {got} in '{b}'{why}")
     return problems
 
 

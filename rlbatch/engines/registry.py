@@ -268,4 +268,6 @@ register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engin
 # context and expert parallelism are still modelled (and refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
                     dims="dtp", data_axes=("dp",), heads=("lm", "value", "reward"),
-                    note="megatron: context (c) and expert (e) parallelism are not built yet: use megatron:dXtYpZ"))
+                    note="context parallelism (c) needs TransformerEngine's attention (megatron-core's local "
+                         "attention has none), which this build does not use; expert parallelism (e) needs a "
+                         "mixture-of-experts model, and the engine converts dense Qwen2/Llama models only"))

@@ -89,6 +89,8 @@ def test_gpu_bench_cpu_smoke_measures_everything(tmp_path: Path) -> None:
     # The whole training state went through the stashes: fp32 params, grads and two AdamW moments.
     assert r["offload"]["bytes"] == r["offload"]["stash_bytes"] == 16 * r["model"]["params"]
     assert r["train"]["mfu"] > 0 and r["train"]["flops_per_token"] == 3 * 2 * r["train"]["matmul_params"] + 12 * 2 * 4 * 16 * 32
-    assert 0 < r["generate"]["tokens"] <= 2 * 4 and r["generate"]["decode_step_s"] > 0
+    # decode_step_s is (full - prefill-only) / 15 steps, medians of 3: 15 steps of the tiny model
+    # outweigh the timing noise of a loaded machine (with 3 steps and one run it once came out < 0)
+    assert 0 < r["generate"]["tokens"] <= 2 * 16 and r["generate"]["decode_step_s"] > 0
     for line in ("train (FSDP2 bf16, AdamW)", "decode step", "offload (device -> host)", "reload (host -> device)"):
         assert line in out.stdout

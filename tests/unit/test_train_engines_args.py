@@ -29,7 +29,7 @@ def test_every_config_names_a_registered_training_engine_and_fits_two_ranks() ->
     for c in train_engines.CONFIGS:
         assert spec_of(c.engine).built, c
         engine_args(c.engine, c.args)  # accepted by the registry's typed engine_args
-        assert c.dp * c.tp == train_engines.RANKS, c
+        assert c.dp * c.tp * c.pp == train_engines.RANKS, c
 
 
 def test_describe_lists_each_training_engines_heads() -> None:

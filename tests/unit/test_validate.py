@@ -110,10 +110,15 @@ def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]
         f"which needs a training engine; built: {engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"]
 
 
+WHY_NOT_CE = ("(context parallelism (c) needs TransformerEngine's attention (megatron-core's local attention has "
+              "none), which this build does not use; expert parallelism (e) needs a mixture-of-experts model, and the "
+              "engine converts dense Qwen2/Llama models only)")
+
+
 def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_not_built(cfg: dict[str, Any]) -> None:
     c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
     assert problems(c) == ["roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor), p (pipeline) "
-                           "only in this build; got c=2, e=2 in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'"]
+                           "only in this build; got c=2, e=2 in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' " + WHY_NOT_CE]
     check(c, runnable=False)
 
 
@@ -125,7 +130,7 @@ def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_exp
         ("pp", 2), ("dp", 2), ("cp", 1), ("tp", 1))
     assert problems(on_ranks(cfg, 2, "megatron:c2", "hf:d2")) == [
         "roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor), p (pipeline) only in this build; "
-        "got c=2 in 'megatron:c2'"]
+        "got c=2 in 'megatron:c2' " + WHY_NOT_CE]
 
 
 def test_megatron_splits_that_do_not_divide_and_the_distributed_optimizer_with_stages_are_refused(

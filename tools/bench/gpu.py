@@ -41,7 +41,7 @@ QWEN2_5: dict[str, dict[str, Any]] = {
     # --cpu-smoke only.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, vocab=256),
 }
-SMOKE = dict(size="tiny", batch=2, seq=32, prompt_len=8, new_tokens=4, gen_batch=2, warmup=1, steps=1, iters=1)
+SMOKE = dict(size="tiny", batch=2, seq=32, prompt_len=8, new_tokens=16, gen_batch=2, warmup=1, steps=1, iters=3)
 
 
 @dataclass
