@@ -34,3 +34,9 @@ def test_megatron_pipeline_stages_match_one_stage_train_alike_resume_bitwise_and
     out = mpirun("megatron_pp.py", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("megatron pipeline ok") == 2, out.stdout[-2000:]
+
+
+def test_megatron_pipeline_stages_with_data_parallelism_and_the_distributed_optimizer_train_like_one_stage() -> None:
+    out = mpirun("megatron_pp_dp.py", 4)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron pipeline with data parallelism ok") == 4, out.stdout[-2000:]

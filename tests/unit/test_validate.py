@@ -133,16 +133,12 @@ def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_exp
         "got c=2 in 'megatron:c2' " + WHY_NOT_CE]
 
 
-def test_megatron_splits_that_do_not_divide_and_the_distributed_optimizer_with_stages_are_refused(
-        cfg: dict[str, Any]) -> None:
-    c = set_(on_ranks(cfg, 4, "megatron:p4", "hf:d4"), model__num_layers=6,
-             roles__actor_train__engine_args={"distributed_optimizer": True})
+def test_megatron_splits_that_do_not_divide_are_refused_with_the_numbers(cfg: dict[str, Any]) -> None:
+    c = set_(on_ranks(cfg, 4, "megatron:p4", "hf:d4"), model__num_layers=6)
     assert problems(c) == [
         "roles.actor_train.backend: 'megatron:p4' splits the model's layers over pipeline stages p=4, but "
-        "num_layers=6 is not divisible by 4",
-        "roles.actor_train.engine_args.distributed_optimizer: not built with pipeline parallelism (p=4 in "
-        "'megatron:p4'); set it to false or use megatron:dXtY"]
-    check(set_(c, model__num_layers=8, roles__actor_train__engine_args={}))
+        "num_layers=6 is not divisible by 4"]
+    check(set_(c, model__num_layers=8, roles__actor_train__engine_args={"distributed_optimizer": True}))
     # the tiny model: 4 heads, 2 kv heads, intermediate 256
     assert problems(on_ranks(cfg, 4, "megatron:t4", "hf:d4")) == [
         "roles.actor_train.backend: 'megatron:t4' splits the model's attention over tensor-parallel ranks t=4, but "

@@ -66,9 +66,6 @@ class MegatronEngine(StashedState):
         self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         self.pp, self.stage = dist.get_world_size(self.pp_group), dist.get_rank(self.pp_group)
         self.last = self.stage == self.pp - 1
-        if self.pp > 1 and ctx.trainable and ctx.args.distributed_optimizer:
-            raise NotImplementedError(f"megatron engine, role {ctx.role}: engine_args.distributed_optimizer with "
-                                      f"pipeline parallelism (p={self.pp}) is not built")
         groups = engine_groups(ctx)
         self.group = groups["role"]
         self.head = ctx.head
@@ -273,10 +270,13 @@ class MegatronEngine(StashedState):
                 totals.add(stats)
             return
         one = torch.ones((), dtype=torch.int, device=self.device)
+        # The schedule backpropagates the loss as it is (calculate_per_token_loss), and megatron-core's
+        # DDP then sums the gradients over dp instead of averaging them: the mean over dp is taken here.
+        scale = ga * (dist.get_world_size(self.dp_group) if self.dist_opt is not None else 1)
 
         def loss_func(b: Packed, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
             loss, stats = self._loss(b, out, objective)
-            return loss / ga, one, stats
+            return loss / scale, one, stats
 
         for stats in self._pipeline(packs, loss_func, forward_only=False):  # the last stage's only
             totals.add(stats)
@@ -294,10 +294,12 @@ class MegatronEngine(StashedState):
 
     def _sync_tied(self) -> None:
         """A tied embedding split over pipeline stages: sum the gradients of its two copies (the first
-        stage's lookup table, the last stage's output layer), so both take the same update."""
+        stage's lookup table, the last stage's output layer), so both take the same update. Before
+        the reduction over dp: with the distributed optimizer each dp rank then holds only its
+        slice of the buffer reduced, at other offsets on the two stages."""
         if self.lay.tied and self.pp > 1 and self.pgc.embd is not None:
             w = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(w.grad, group=self.pgc.embd)
+            dist.all_reduce(w.main_grad if self.dist_opt is not None else w.grad, group=self.pgc.embd)
 
     def _clip(self, max_norm: float) -> float:
         """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once,
@@ -331,14 +333,14 @@ class MegatronEngine(StashedState):
             else:
                 self.optimizer.zero_grad(set_to_none=False)
             self._backward(micro_batches, objective, totals)
+            self._sync_tied()
             if self.dist_opt is not None:
-                self.net.finish_grad_sync()  # reduce-scatter: each dp rank gets the averaged gradients of its slices
+                self.net.finish_grad_sync()  # reduce-scatter: each dp rank gets its slices' gradients, averaged over dp
                 _, norm, _ = self.dist_opt.step()  # clips by the global norm, steps its slices, all-gathers the weights
                 if a.grad_clip > 0:
                     totals.add({"grad_norm": float(norm)}, 1.0)
             else:
                 self._reduce_grads()
-                self._sync_tied()
                 if a.grad_clip > 0:
                     totals.add({"grad_norm": self._clip(a.grad_clip)}, 1.0)
                 self.optimizer.step()
@@ -387,7 +389,8 @@ class MegatronEngine(StashedState):
                                                 self.tp_rank, self.stage) for key in ADAM_KEYS}
             step = t[f"optim.{self.hf_names[0]}.step"]
             if self.dist_opt is not None:
-                main = convert.to_megatron({n: t[f"model.{n}"] for n in self.hf_names}, self.lay, self.tp_rank)
+                main = convert.to_megatron({n: t[f"model.{n}"] for n in self.hf_names}, self.lay, self.tp_rank,
+                                           self.stage)
                 megatron_optim.scatter(self.dist_opt, {p: {"param": main[name], **{k: moments[k][name] for k in ADAM_KEYS}}
                                                        for name, p in self.params.items()}, step)
             else:

@@ -1,0 +1,116 @@
+"""Under mpiexec -n 4, the megatron engine's pipeline stages beside data parallelism (d2p2) on real
+megatron-core (CPU, gloo, the test-only shim), with torch AdamW and with megatron-core's
+distributed optimizer, against the single-stage engine on four data-parallel ranks (d4). Every
+rank gets the same samples, so every configuration takes the same step; the gradient norm would
+show a sum over dp where a mean is due (AdamW itself is blind to the scale):
+
+- d2p2, plain optimizer: three updates with d4's losses and gradient norms, weights within float
+  tolerance after;
+- d2p2, distributed optimizer: each rank holds about half of its stage's AdamW state; the same
+  losses, gradient norms and weights; the tied embedding's two copies equal; exact resume
+  (3 + 3 == 6, bitwise); its checkpoint loads into the plain optimizer and into itself alike.
+"""
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from engine_state import restore, resumes_exactly, same, weights
+from mpi4py import MPI
+from mpi_exit import end_script
+from torch.distributed.device_mesh import DeviceMesh
+
+import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
+from rlbatch.algos.objective import PolicyObjective
+from rlbatch.engines.base import EngineContext
+from rlbatch.engines.model import load_tokenizer
+from rlbatch.engines.registry import MegatronArgs
+from rlbatch.engines.train import megatron_optim
+from rlbatch.engines.train.megatron import MegatronEngine
+from rlbatch.launch.compose import compose
+
+comm = MPI.COMM_WORLD
+port = comm.bcast(int(sys.argv[1]), root=0)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+NAMES = ("pp", "dp", "cp", "tp")
+mesh_d2p2 = DeviceMesh("cpu", torch.arange(4).reshape(2, 2, 1, 1), mesh_dim_names=NAMES)
+mesh_d4 = DeviceMesh("cpu", torch.arange(4).reshape(1, 4, 1, 1), mesh_dim_names=NAMES)
+cfg = compose(["algo.lr=1e-2", "algo.warmup_steps=2", "algo.grad_clip=0.5", "algo.grad_accum=2"])
+tok = load_tokenizer(cfg.model)
+objective = PolicyObjective(cfg.algo)
+TMP = Path(comm.bcast(tempfile.mkdtemp(prefix="mcore-ppdp-") if comm.rank == 0 else None, root=0))
+TOL, WEIGHT_TOL = 1e-4, 1e-3
+"""Stats: relative, float rounding ~1e-6 apart (a sum over dp doubles the gradient norm). Weights:
+AdamW divides by sqrt(v), so rounding differences of the gradient sums grow over the updates
+(~1e-5 here); the bound is 100x below how far they move (~0.1)."""
+
+
+def engine(mesh, distributed=False):
+    return MegatronEngine(EngineContext("actor_train", MegatronArgs(micro_batch=3, distributed_optimizer=distributed),
+                                        cfg.model, cfg.algo, tok, torch.device("cpu"), seed=3, mesh=mesh,
+                                        trainable=True))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [{"prompt": torch.randint(4, 18, (3 + k % 4,), generator=g),
+             "response": torch.randint(4, 18, (1 + k % 5,), generator=g),
+             "advantage": torch.tensor(float(k % 5) - 2.0)} for k in range(8)]
+
+
+def train(e, steps):
+    stats = []
+    for s in steps:
+        samples = batch(s)
+        for x, old in zip(samples, e.logprobs(samples), strict=True):
+            x["old_logprobs"], x["ref_logprobs"] = old, old - 0.05
+        stats.append(e.train(samples, objective))
+    return stats
+
+
+def agree(name, e, ref_stats, ref_weights):
+    got = train(e, range(3))
+    for step, (a, b) in enumerate(zip(got, ref_stats, strict=True)):
+        for key in ("pg_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < TOL * max(1.0, abs(b[key])), f"{name} step {step} {key}: {a[key]} vs {b[key]}"
+    w = weights(e)
+    err = max(float((w[n] - ref_weights[n]).abs().max()) for n in ref_weights)
+    assert err < WEIGHT_TOL, f"{name}: weights {err} from d4's after 3 updates"
+    print(f"rank {comm.rank}: {name} grad norms {[round(s['grad_norm'], 5) for s in got]}, weights within {err:.1e} "
+          "of d4's", flush=True)
+    return w
+
+
+d4 = engine(mesh_d4)
+ref_stats = train(d4, range(3))
+ref = weights(d4)
+agree("d2p2 AdamW", engine(mesh_d2p2), ref_stats, ref)
+
+sharded = engine(mesh_d2p2, distributed=True)
+agree("d2p2 distributed optimizer", sharded, ref_stats, ref)
+held = sum(t.numel() for t in megatron_optim.state_tensors(sharded.dist_opt))
+full = 2 * sum(p.numel() for p in sharded.model.parameters())  # this stage's two AdamW moments
+assert 0.4 < held / full < 0.6, f"rank {comm.rank} holds {held} of its stage's {full} AdamW elements"
+tied = sharded.model.shared_embedding_or_output_weight().detach()
+copies = [torch.empty_like(tied) for _ in range(4)]
+dist.all_gather(copies, tied)
+assert all(torch.equal(c, copies[0]) for c in copies), "the tied embedding's copies (two stages x two replicas) differ"
+
+six = engine(mesh_d2p2, distributed=True)
+train(six, range(6))
+resumes_exactly(lambda: engine(mesh_d2p2, distributed=True), train, TMP / "do3", weights(six),
+                "d2p2 distributed optimizer: resume 3+3 vs 6")
+plain = engine(mesh_d2p2)
+restore(plain, TMP / "do3")
+half = engine(mesh_d2p2, distributed=True)
+restore(half, TMP / "do3")
+same(plain.checkpoint_state().tensors, half.checkpoint_state().tensors,
+     "d2p2 distributed optimizer checkpoint into the plain optimizer")
+dist.barrier()
+if comm.rank == 0:
+    shutil.rmtree(TMP, ignore_errors=True)
+print(f"rank {comm.rank}: megatron pipeline with data parallelism ok", flush=True)
+end_script(comm)
