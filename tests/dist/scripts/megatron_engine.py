@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import resumes_exactly, same, shares_checkpoints_with_fsdp, weights
+from engine_state import policy_steps, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -66,11 +66,7 @@ def batch(step):
 
 
 def train(e, steps):
-    for s in steps:
-        samples = batch(s)
-        for x, old in zip(samples, e.logprobs(samples), strict=True):
-            x["old_logprobs"], x["ref_logprobs"] = old, old - 0.05
-        e.train(samples, objective)
+    policy_steps(e, steps, batch, objective)
 
 
 # -- conversion and numerics ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import critic_directory, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
+from engine_state import critic_directory, policy_steps, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -83,14 +83,9 @@ def gap(xs, ys):
 
 
 def train(e, steps, objective=policy):
-    stats = []
-    for s in steps:
-        samples = batch(s)
-        if objective is policy:
-            for x, old in zip(samples, e.logprobs(samples), strict=True):
-                x["old_logprobs"], x["ref_logprobs"] = old, old - 0.05
-        stats.append(e.train(samples, objective))
-    return stats
+    if objective is policy:
+        return policy_steps(e, steps, batch, policy)
+    return [e.train(batch(s), objective) for s in steps]
 
 
 def close(a, b, what):

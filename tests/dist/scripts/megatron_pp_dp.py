@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import restore, resumes_exactly, same, weights
+from engine_state import policy_steps, restore, resumes_exactly, same, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -62,13 +62,7 @@ def batch(step):
 
 
 def train(e, steps):
-    stats = []
-    for s in steps:
-        samples = batch(s)
-        for x, old in zip(samples, e.logprobs(samples), strict=True):
-            x["old_logprobs"], x["ref_logprobs"] = old, old - 0.05
-        stats.append(e.train(samples, objective))
-    return stats
+    return policy_steps(e, steps, batch, objective)
 
 
 def agree(name, e, ref_stats, ref_weights):
