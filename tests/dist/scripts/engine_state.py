@@ -92,3 +92,21 @@ def policy_steps(e, steps, batch, objective):  # type: ignore[no-untyped-def]
             x["old_logprobs"], x["ref_logprobs"] = old, old - 0.05
         stats.append(e.train(samples, objective))
     return stats
+
+
+def scores_like_transformers(rm, cfg, tok, seed, samples, tol, what):  # type: ignore[no-untyped-def]
+    """A reward engine's scores against transformers' sequence classification of the same
+    random-init reward model (``reward_model`` from ``seed``): within ``tol``, and the reference
+    not trivial. Returns the engine's scores."""
+    from rlbatch.engines.batch import pack
+    from rlbatch.engines.model import load_model, reward_model
+    from rlbatch.engines.train import common
+
+    ref = reward_model(load_model(cfg.model, tok, seed), seed).eval()
+    want = common.scores(ref, samples, 0, lambda c: pack(c, tok.pad_token_id, torch.device("cpu"), share_prompts=False))
+    got = rm.scores(samples)
+    err = max(abs(x - y) for x, y in zip(got, want, strict=True))
+    assert err < tol, f"{what} reward scores differ from transformers by {err}: {got} vs {want}"
+    assert len(set(round(x, 4) for x in want)) > 4, f"the reference scores are trivial: {want}"
+    print(f"rank {dist.get_rank()}: {what} reward scores within {err:.1e} of transformers", flush=True)
+    return got

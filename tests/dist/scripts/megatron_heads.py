@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import checkpoint, critic_directory, restore, same, weights
+from engine_state import checkpoint, critic_directory, restore, same, scores_like_transformers, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,7 +28,7 @@ from rlbatch.algos.value import ValueObjective
 from rlbatch.checkpoint.hf_export import load_weights
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack
-from rlbatch.engines.model import load_model, load_tokenizer, reward_model, value_model
+from rlbatch.engines.model import load_model, load_tokenizer, value_model
 from rlbatch.engines.registry import FSDPArgs, MegatronArgs
 from rlbatch.engines.train import common
 from rlbatch.engines.train.fsdp import FSDPEngine
@@ -122,14 +122,8 @@ err = gap(m2.values(batch(9)), fs.values(batch(9)))
 assert err < TOL, f"one update after the cross-engine load, TP=2 and fsdp values differ by {err}"
 
 # -- reward model: scores against transformers -----------------------------------------------------
-rm_ref = reward_model(load_model(cfg.model, tok, SEED), SEED).eval()
-rm = engine(MegatronEngine, MegatronArgs(), mesh_tp2, "reward", trainable=False, model=cfg.model)
-want = common.scores(rm_ref, samples, 0, lambda c: pack(c, tok.pad_token_id, torch.device("cpu"), share_prompts=False))
-got = rm.scores(samples)
-err = max(abs(x - y) for x, y in zip(got, want, strict=True))
-assert err < TOL, f"TP=2 reward scores differ from transformers by {err}: {got} vs {want}"
-assert len(set(round(x, 4) for x in want)) > 4, f"the reference scores are trivial: {want}"
-print(f"rank {comm.rank}: TP=2 reward scores within {err:.1e} of transformers", flush=True)
+scores_like_transformers(engine(MegatronEngine, MegatronArgs(), mesh_tp2, "reward", trainable=False, model=cfg.model),
+                         cfg, tok, SEED, samples, TOL, "TP=2")
 
 dist.barrier()
 if comm.rank == 0:

@@ -22,7 +22,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import critic_directory, policy_steps, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
+from engine_state import (
+    critic_directory,
+    policy_steps,
+    resumes_exactly,
+    same,
+    scores_like_transformers,
+    shares_checkpoints_with_fsdp,
+    weights,
+)
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,9 +41,8 @@ from rlbatch.algos.objective import PolicyObjective
 from rlbatch.algos.value import ValueObjective
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack, response_logits, unpack
-from rlbatch.engines.model import load_model, load_tokenizer, reward_model
+from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import FSDPArgs, MegatronArgs
-from rlbatch.engines.train import common
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.engines.train.megatron import MegatronEngine
 from rlbatch.launch.compose import compose
@@ -155,14 +162,9 @@ for step, (a, b1) in enumerate(zip(train(c_pp, range(2), value), train(c_tp, ran
 err = gap(c_pp.values(batch(9)), c_tp.values(batch(9)))
 assert err < TOL, f"after 2 updates the PP=2 and TP=1 critics' values differ by {err}"
 print(f"rank {comm.rank}: PP=2 critic values within {err:.1e} of TP=1's after 2 updates", flush=True)
-rm_ref = reward_model(load_model(cfg.model, tok, SEED), SEED).eval()
-rm = engine(mesh_pp2, trainable=False, head="reward")
-want = common.scores(rm_ref, samples, 0, lambda c: pack(c, tok.pad_token_id, torch.device("cpu"), share_prompts=False))
-got_scores = rm.scores(samples)
-err = max(abs(x - y) for x, y in zip(got_scores, want, strict=True))
-assert err < TOL and len(set(round(x, 4) for x in want)) > 4, f"PP=2 scores {got_scores} vs transformers {want}"
+got_scores = scores_like_transformers(engine(mesh_pp2, trainable=False, head="reward"), cfg, tok, SEED, samples, TOL,
+                                      "PP=2")
 on_every_rank(got_scores, "PP=2 scores")
-print(f"rank {comm.rank}: PP=2 reward scores within {err:.1e} of transformers", flush=True)
 
 dist.barrier()
 if comm.rank == 0:
