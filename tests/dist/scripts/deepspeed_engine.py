@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from engine_state import policy_steps
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -58,13 +59,7 @@ def batch(step):
 
 
 def train(engine, steps):
-    stats = []
-    for step in steps:
-        samples = batch(step)
-        for s, old in zip(samples, engine.logprobs(samples), strict=True):
-            s["old_logprobs"], s["ref_logprobs"] = old, old - 0.05
-        stats.append(engine.train(samples, objective))
-    return stats
+    return policy_steps(engine, steps, batch, objective)
 
 
 def weights(engine):
