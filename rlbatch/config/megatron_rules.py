@@ -1,14 +1,16 @@
 """What the megatron engine cannot split, said before anything starts: the model's layers over
-pipeline stages, its attention heads and MLP over tensor-parallel ranks (the shape of ``model``:
-its config.json, or the random-init fields). The engine refuses the same at build, with the same
-numbers."""
+pipeline stages, its attention heads and MLP over tensor-parallel ranks, its routed experts over
+expert-parallel ranks (the shape of ``model``: its config.json, or the random-init fields); and the
+layouts it does not build (AReaL's hybrid attn|ffn layout; training a Mixture-of-Experts model under
+tensor parallelism, which megatron-core does with sequence parallelism only; expert parallelism with
+the distributed optimizer). The engine refuses the same at build, with the same numbers."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.config.runnable import RoleEngine
+from rlbatch.config.runnable import RoleEngine, role_ops
 from rlbatch.errors import ConfigError
 
 
@@ -26,12 +28,47 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
     problems = []
     for e in mine:
         b, d = e.backend, e.backend.dims  # a hybrid spec's dims: attn's
+        field = f"roles.{e.role}.backend"
+        if b.ffn is not None:
+            problems.append(f"{field}: '{b}' is a hybrid layout (attention and MLP on different meshes), which the "
+                            f"megatron engine does not build; write one mesh for both, e.g. 'megatron:d4p2e2'")
+            continue
+        trains = "train" in role_ops().get(e.role, [])
+        problems += _expert_problems(field, b, spec, _section(plain, "roles", e.role, "engine_args"), trains)
         splits = (("layers", "num_layers", spec.layers, d.p, "pipeline stages p"),
                   ("attention", "num_heads", spec.heads, d.t, "tensor-parallel ranks t"),
                   ("attention", "num_kv_heads", spec.kv_heads, d.t, "tensor-parallel ranks t"),
                   ("MLP", "intermediate_size", spec.ffn, d.t, "tensor-parallel ranks t"))
         for what, name, n, by, axis in splits:
             if by > 1 and n % by:
-                problems.append(f"roles.{e.role}.backend: '{b}' splits the model's {what} over {axis}={by}, but "
+                problems.append(f"{field}: '{b}' splits the model's {what} over {axis}={by}, but "
                                 f"{name}={n} is not divisible by {by}")
     return problems
+
+
+def _section(plain: Mapping[str, Any], *keys: str) -> Mapping[str, Any]:
+    for k in keys:
+        plain = plain.get(k) if isinstance(plain, Mapping) else None  # type: ignore[assignment]
+    return plain if isinstance(plain, Mapping) else {}
+
+
+def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:
+    d = b.dims
+    if d.e > 1 and not spec.experts:
+        return [f"{field}: '{b}' splits the model's routed experts over expert-parallel ranks e={d.e}, but the model "
+                f"has none (a dense {spec.arch}); expert parallelism needs a Mixture-of-Experts model, e.g. "
+                f"model.arch=qwen2_moe"]
+    out = []
+    if d.e > 1 and spec.experts % d.e:
+        out.append(f"{field}: '{b}' splits the model's {spec.experts} routed experts over expert-parallel ranks "
+                   f"e={d.e}, but num_experts={spec.experts} is not divisible by {d.e}")
+    if d.e > 1 and d.d % d.e:
+        out.append(f"{field}: '{b}' folds expert parallelism onto data parallelism, but e={d.e} does not divide "
+                   f"d={d.d}")
+    if spec.experts and d.t > 1 and trains:  # forward-only roles (the reference) run it
+        out.append(f"{field}: '{b}' trains a Mixture-of-Experts model under tensor parallelism t={d.t}, which "
+                   f"megatron-core does with sequence parallelism only, not built here; use t=1 with d, p and e")
+    if d.e > 1 and engine_args.get("distributed_optimizer"):
+        out.append(f"{field}: engine_args.distributed_optimizer with expert parallelism e={d.e} is not built; "
+                   f"leave it false")
+    return out

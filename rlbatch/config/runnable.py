@@ -133,7 +133,8 @@ def head_problems(engines: list[RoleEngine]) -> list[str]:
     return problems
 
 
-def _role_ops() -> dict[str, list[str]]:
+def role_ops() -> dict[str, list[str]]:
+    """The engine operations each role's phases call (``generate``, ``logprobs``, ``train`` ...)."""
     ops: dict[str, list[str]] = {}
     for p in PHASES.values():
         if p.op in _OP_KIND and p.op not in ops.setdefault(p.role, []):
@@ -148,7 +149,7 @@ def _dims_text(letters: str) -> str:
 def engine_problems(engines: list[RoleEngine]) -> list[str]:
     """Engines this build does not have, engines of the wrong kind for the role, dims above 1 the
     built engine does not support. Inherited backends are reported once, on actor_train."""
-    ops = _role_ops()
+    ops = role_ops()
     problems = []
     for e in engines:
         if e.inherited or e.role not in ops:

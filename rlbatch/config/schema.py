@@ -153,8 +153,9 @@ class ModelConfig:
     the machine that launches. Set false when only the compute nodes see it (a node-local copy,
     a filesystem the login node does not mount)."""
     arch: str = "qwen2"
-    """Architecture of a random-initialised model when no path is given: 'qwen2' (q/k/v biases)
-    or 'llama' (no biases)."""
+    """Architecture of a random-initialised model when no path is given: 'qwen2' (q/k/v biases),
+    'llama' (no biases) or 'qwen2_moe' (Qwen2 attention; every layer's MLP a Mixture of Experts:
+    routed experts and a gated shared expert)."""
     hidden_size: int = 64
     """Random-init model: hidden size."""
     intermediate_size: int = 256
@@ -165,6 +166,14 @@ class ModelConfig:
     """Random-init model: attention heads."""
     num_kv_heads: int = 2
     """Random-init model: key/value heads (grouped-query attention)."""
+    num_experts: int = 4
+    """Random-init qwen2_moe model: routed experts per layer (other archs: unused)."""
+    num_experts_per_token: int = 2
+    """Random-init qwen2_moe model: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 64
+    """Random-init qwen2_moe model: MLP size of one routed expert."""
+    shared_expert_intermediate_size: int = 128
+    """Random-init qwen2_moe model: MLP size of the shared expert every token passes through."""
     max_position_embeddings: int = 128
     """Random-init model: longest sequence (sizes the rotary tables; no parameters)."""
     tie_word_embeddings: bool = True

@@ -51,7 +51,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbat
     "cluster.name": ("local", "slurm"),
     "cluster.device": ("auto", "cuda", "cpu"),
     "cluster.preempt_signal": ("USR2", "TERM", "INT", "HUP", "URG", "XCPU"),
-    "model.arch": ("qwen2", "llama"),
+    "model.arch": ("qwen2", "llama", "qwen2_moe"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
     "data.name": ("synthetic", "file", "synthetic_code", "code_file"),
     "sandbox.isolation": ("auto", "namespaces", "process"),

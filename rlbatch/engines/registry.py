@@ -264,10 +264,10 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.v
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward")))
-# dims "dtp": tensor, pipeline and data parallel; the placement language keeps "dtpce" so plans with
-# context and expert parallelism are still modelled (and refused with the note before submit).
+# dims "dtpe": tensor, pipeline, data and expert parallel (e over d, for Mixture-of-Experts models);
+# the placement language keeps "dtpce" so plans with context parallelism are still modelled (and
+# refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
-                    dims="dtp", data_axes=("dp",), heads=("lm", "value", "reward"),
+                    dims="dtpe", data_axes=("dp",), heads=("lm", "value", "reward"),
                     note="context parallelism (c) needs TransformerEngine's attention (megatron-core's local "
-                         "attention has none), which this build does not use; expert parallelism (e) needs a "
-                         "mixture-of-experts model, and the engine converts dense Qwen2/Llama models only"))
+                         "attention has none), which this build does not use"))

@@ -20,7 +20,7 @@ from typing import Any
 from rlbatch.config.schema import ModelConfig
 from rlbatch.errors import ConfigError
 
-BUILDABLE_ARCHS = ("qwen2", "llama")
+BUILDABLE_ARCHS = ("qwen2", "llama", "qwen2_moe")
 """Architectures ``rlbatch.models.tiny`` builds from a spec (random-init models)."""
 
 _GATED_ACTS = ("silu", "swiglu", "swish")
@@ -96,14 +96,24 @@ def spec_from_model_config(model: Any, vocab: int | None = None) -> ModelSpec:
         problems.append(f"model.hidden_size {h} must divide evenly into model.num_heads {heads} heads")
     if kv <= 0 or heads % kv:
         problems.append(f"model.num_heads {heads} must divide evenly into model.num_kv_heads {kv} groups")
+    moe: dict[str, Any] = {}
+    if arch == "qwen2_moe":
+        moe = dict(experts=int(m["num_experts"]), experts_per_token=int(m["num_experts_per_token"]),
+                   moe_ffn=int(m["moe_intermediate_size"]), shared_ffn=int(m["shared_expert_intermediate_size"]))
+        if not 1 <= moe["experts_per_token"] <= moe["experts"]:
+            problems.append(f"model.num_experts_per_token {moe['experts_per_token']} must be between 1 and "
+                            f"model.num_experts {moe['experts']}")
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if int(m[key]) <= 0:
+                problems.append(f"model.{key} must be positive, got {m[key]}")
     if problems:
         raise ConfigError(problems)
     layers = int(m["num_layers"])
     return ModelSpec(
         layers=layers, hidden=h, heads=heads, kv_heads=kv, head_dim=h // heads, ffn=int(m["intermediate_size"]),
         vocab=vocab if vocab is not None else char_vocab_size(), tied=bool(m["tie_word_embeddings"]),
-        qkv_bias=arch == "qwen2", arch=arch, max_positions=int(m["max_position_embeddings"]),
-        initializer_range=float(m["initializer_range"]), name=f"{arch}-h{h}-l{layers}",
+        qkv_bias=arch.startswith("qwen2"), arch=arch, max_positions=int(m["max_position_embeddings"]),
+        initializer_range=float(m["initializer_range"]), name=f"{arch}-h{h}-l{layers}", **moe,
     )
 
 
@@ -156,9 +166,11 @@ def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
     problems = []
     if spec.arch not in BUILDABLE_ARCHS:
         problems.append(f"arch {spec.arch!r} is not one of {BUILDABLE_ARCHS}")
-    if spec.experts or not spec.gated:
-        problems.append("only dense SwiGLU MLPs are built (experts == 0, gated)")
-    if spec.arch == "qwen2" and (not spec.qkv_bias or spec.o_bias):
+    if not spec.gated:
+        problems.append("only SwiGLU MLPs are built (gated)")
+    if (spec.arch == "qwen2_moe") != bool(spec.experts):
+        problems.append("experts are built for arch qwen2_moe, which has them (experts > 0)")
+    if spec.arch.startswith("qwen2") and (not spec.qkv_bias or spec.o_bias):
         problems.append("a Qwen2 has q/k/v biases and no o bias")
     if spec.arch == "llama" and spec.qkv_bias != spec.o_bias:
         problems.append("a Llama has biases on all of q/k/v/o or on none (attention_bias)")
@@ -175,6 +187,10 @@ def hf_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
     )
     if spec.arch == "llama":
         kw.update(attention_bias=spec.qkv_bias, head_dim=spec.head_dim)
+    if spec.arch == "qwen2_moe":  # every layer sparse; top-k weights as softmax gives them (not renormalised)
+        kw.update(num_experts=spec.experts, num_experts_per_tok=spec.experts_per_token,
+                  moe_intermediate_size=spec.moe_ffn, shared_expert_intermediate_size=spec.shared_ffn,
+                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
     elif spec.head_dim != spec.hidden // spec.heads:  # Qwen2Config has no head_dim field; the modules read one
         kw.update(head_dim=spec.head_dim)
     return kw

@@ -1,6 +1,6 @@
 """Random-initialised causal LMs built from a ``ModelSpec``: no weights are downloaded.
 
-The model is an ordinary ``transformers`` Qwen2 or Llama, so everything that works on a
+The model is an ordinary ``transformers`` Qwen2, Llama or Qwen2-MoE, so everything that works on a
 real checkpoint (``generate``, ``save_pretrained``, state-dict weight sync) works here too.
 The spec usually comes from the run's config (``rlbatch.models.spec.spec_from_config``), the
 same spec the planner counts.
@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 
 from rlbatch.models.spec import ModelSpec, hf_config_kwargs
 
@@ -29,7 +38,8 @@ def _token_ids(tokenizer: Any) -> dict[str, int]:
 
 def build_tiny_model(spec: ModelSpec, seed: int = 0, tokenizer: Any = None,
                      attn_implementation: AttnImpl = "sdpa") -> PreTrainedModel:
-    """Build a random-initialised ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` of ``spec`` in float32.
+    """Build a random-initialised ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` / ``Qwen2MoeForCausalLM``
+    of ``spec`` in float32.
 
     Initialisation uses a private RNG seeded with ``seed``: the same spec gives the same weights
     whatever the caller's global RNG state, and building a model does not shift the caller's
@@ -40,8 +50,8 @@ def build_tiny_model(spec: ModelSpec, seed: int = 0, tokenizer: Any = None,
     """
     kwargs = hf_config_kwargs(spec)  # refuses what these classes do not build, naming why
     ids = _token_ids(tokenizer)
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[spec.arch]
-    model_cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[spec.arch]
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen2_moe": Qwen2MoeConfig}[spec.arch]
+    model_cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM}[spec.arch]
     hf_cfg = config_cls(**kwargs, **ids)
     hf_cfg._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):

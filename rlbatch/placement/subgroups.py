@@ -25,21 +25,34 @@ def axis_groups(ranks: Sequence[int], mesh: Mesh, axes: set[str]) -> list[tuple[
     return [tuple(b) for b in buckets.values()]
 
 
-def subgroups(ranks: Sequence[int], mesh: Mesh) -> dict[str, list[tuple[int, ...]]]:
+def subgroups(ranks: Sequence[int], mesh: Mesh, ep: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """With pipeline stages (pp > 1): ``model_parallel``, each replica's tp x pp ranks (Megatron's
     model-parallel group), and ``pipeline_ends``, the first and last stages' ranks at each dp, cp and
-    tp position (where a tied embedding's two copies live). None without."""
-    if dict(mesh).get("pp", 1) <= 1:
-        return {}
-    return {"model_parallel": axis_groups(ranks, mesh, {"pp", "tp"}),
-            "pipeline_ends": [(g[0], g[-1]) for g in axis_groups(ranks, mesh, {"pp"})]}
+    tp position (where a tied embedding's two copies live).
+
+    With expert parallelism (``ep`` > 1, folded onto dp): ``expert``, ``ep`` consecutive dp ranks at
+    each pp, cp and tp position (the placement keeps them inside a node), which split the experts
+    between them, and ``expert_dp``, the ranks that hold the same experts (every ``ep``-th dp rank).
+    None of these without pipeline stages or expert parallelism."""
+    out: dict[str, list[tuple[int, ...]]] = {}
+    if dict(mesh).get("pp", 1) > 1:
+        out["model_parallel"] = axis_groups(ranks, mesh, {"pp", "tp"})
+        out["pipeline_ends"] = [(g[0], g[-1]) for g in axis_groups(ranks, mesh, {"pp"})]
+    if ep > 1:
+        dp = axis_groups(ranks, mesh, {"dp"})
+        if len(dp[0]) % ep:
+            raise ValueError(f"expert parallel e={ep} does not divide data parallel d={len(dp[0])}")
+        out["expert"] = [g[i : i + ep] for g in dp for i in range(0, len(g), ep)]
+        out["expert_dp"] = [g[i::ep] for g in dp for i in range(ep)]
+    return out
 
 
-def create(ranks: Sequence[int], mesh: Mesh, me: int, new_group: Callable[[list[int]], Any]) -> dict[str, Any]:
+def create(ranks: Sequence[int], mesh: Mesh, me: int, new_group: Callable[[list[int]], Any],
+           ep: int = 1) -> dict[str, Any]:
     """``new_group`` for every set of ``subgroups`` (collective: every rank of the job calls this
     for every role, in the same order); this rank's group of each kind."""
     mine: dict[str, Any] = {}
-    for kind, sets in subgroups(ranks, mesh).items():
+    for kind, sets in subgroups(ranks, mesh, ep).items():
         for s in sets:
             group = new_group(list(s))
             if me in s:

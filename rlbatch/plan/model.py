@@ -51,11 +51,18 @@ class ModelShape(ModelSpec):
         return self.experts * self._mlp(self.moe_ffn) if self.experts else 0
 
     @property
+    def shared_gate(self) -> bool:
+        """A Qwen2-MoE shared expert is scaled by a gate of its own (hidden -> 1)."""
+        return bool(self.experts and self.shared_ffn and self.arch == "qwen2_moe")
+
+    @property
     def mlp_params(self) -> int:
-        """All MLP parameters of one layer (router, routed and shared experts for MoE)."""
+        """All MLP parameters of one layer (router, routed and shared experts and the shared
+        expert's gate for MoE)."""
         if not self.experts:
             return self._mlp(self.ffn)
-        return self.expert_params + self.hidden * self.experts + self._mlp(self.shared_ffn)
+        return (self.expert_params + self.hidden * self.experts + self._mlp(self.shared_ffn)
+                + (self.hidden if self.shared_gate else 0))
 
     @property
     def layer_params(self) -> int:
@@ -88,9 +95,12 @@ class ModelShape(ModelSpec):
 
     @property
     def tensors(self) -> int:
-        """Parameter tensors: each costs a few ops in optimizer steps, offloads and weight syncs."""
+        """Parameter tensors: each costs a few ops in optimizer steps, offloads and weight syncs.
+        transformers holds a layer's routed experts as two stacked tensors (gate-up and down)."""
         attn = 4 + (3 if self.qkv_bias else 0) + (1 if self.o_bias else 0)
-        mlp = (3 if self.gated else 2) * max(1, self.experts) + (1 if self.experts else 0)
+        mlp = 3 if self.gated else 2
+        if self.experts:  # routed (2), router, shared expert, its gate
+            mlp = 2 + 1 + (mlp if self.shared_ffn else 0) + (1 if self.shared_gate else 0)
         return self.layers * (attn + mlp + 2) + 2 + (0 if self.tied else 1)
 
     # -- compute and KV cache ---------------------------------------------------------------

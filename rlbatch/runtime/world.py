@@ -179,7 +179,8 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
         mesh = DeviceMesh(mesh_device, t, mesh_dim_names=names)
         if name in mine:
             meshes[name] = mesh
-        extra = subgroups.create(role.gpu_ranks, role.mesh, slot.world_rank, dist.new_group)
+        ep = role.backend.e if role.backend is not None and role.backend.ffn is None else 1
+        extra = subgroups.create(role.gpu_ranks, role.mesh, slot.world_rank, dist.new_group, ep)
         if name in mine and extra:
             more[name] = extra
         if (ffn := _ffn_mesh(role)) is not None:

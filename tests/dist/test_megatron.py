@@ -36,6 +36,12 @@ def test_megatron_pipeline_stages_match_one_stage_train_alike_resume_bitwise_and
     assert out.stdout.count("megatron pipeline ok") == 2, out.stdout[-2000:]
 
 
+def test_megatron_mixture_of_experts_with_expert_parallelism_matches_transformers_and_trains_like_fsdp() -> None:
+    out = mpirun("megatron_moe.py", 2)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron moe ok") == 2, out.stdout[-2000:]
+
+
 def test_megatron_pipeline_stages_with_data_parallelism_and_the_distributed_optimizer_train_like_one_stage() -> None:
     out = mpirun("megatron_pp_dp.py", 4)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -9,13 +9,16 @@ in a run, or a plain import in a test script) installs, for the whole process:
 - a ``TorchFunctionMode`` that turns ``device="cuda"`` (or a CUDA index) in any torch call into
   ``cpu``, ``Tensor.cuda()`` into a no-op, and reports a CPU tensor's ``Tensor.type()`` as
   ``torch.cuda.*`` (megatron-core's distributed optimizer asserts CUDA tensor types);
-- stubs for ``torch.cuda.current_device``, ``synchronize`` and ``current_stream``;
+- stubs for ``torch.cuda.current_device``, ``synchronize``, ``current_stream``, ``Stream`` and
+  ``stream`` (the Mixture-of-Experts token dispatcher copies its split sizes on a side stream),
+  and those split sizes turned into numpy arrays as on a GPU;
 - the marker the engine checks before it agrees to run on CPU
   (``rlbatch.engines.train.megatron_device.CPU_SHIM``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -48,19 +51,49 @@ class CudaToCpu(TorchFunctionMode):
 
 
 class _Stream:
+    """A CUDA stream or event on CPU, where every operation is already complete in order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
     def wait_stream(self, other: Any) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
+    def record_event(self) -> _Stream:
+        return self
+
+
+def _splits_as_numpy() -> None:
+    """The MoE token dispatcher copies its all-to-all split sizes off the GPU as numpy arrays
+    (``maybe_move_tensor_to_cpu(..., as_numpy=True)``), and leaves a tensor already on the host as
+    it is, which torch's ``all_to_all_single`` does not take as split sizes. On CPU every tensor is
+    already there: convert it as the GPU path would."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
 
 def install() -> None:
     if megatron_device.CPU_SHIM is not None:
         return
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]  # mapped to cpu by the mode
+    # "cpu", not an index: a device index means the accelerator, and what backward() runs (the MoE
+    # all-to-all's buffers) runs outside the mode (a mode is off inside its own handler).
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
+    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]  # the MoE dispatcher's side stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    _splits_as_numpy()
     CudaToCpu().__enter__()  # for the rest of the process
     megatron_device.CPU_SHIM = __name__
 

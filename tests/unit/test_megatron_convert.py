@@ -31,9 +31,16 @@ def hf_weights(lay: Layout, seed: int = 0) -> dict[str, torch.Tensor]:
             w |= {a + "q_proj.bias": r(lay.heads * d), a + "k_proj.bias": r(lay.groups * d),
                   a + "v_proj.bias": r(lay.groups * d)}
         m = f"model.layers.{i}."
-        w |= {m + "mlp.gate_proj.weight": r(lay.ffn, H), m + "mlp.up_proj.weight": r(lay.ffn, H),
-              m + "mlp.down_proj.weight": r(H, lay.ffn), m + "input_layernorm.weight": r(H),
-              m + "post_attention_layernorm.weight": r(H)}
+        w |= {m + "input_layernorm.weight": r(H), m + "post_attention_layernorm.weight": r(H)}
+        if lay.experts:  # transformers' Qwen2-MoE: stacked experts, a gated shared expert
+            f, sh = lay.moe_ffn, lay.shared_ffn
+            w |= {m + "mlp.gate.weight": r(lay.experts, H), m + "mlp.experts.gate_up_proj": r(lay.experts, 2 * f, H),
+                  m + "mlp.experts.down_proj": r(lay.experts, H, f), m + "mlp.shared_expert.gate_proj.weight": r(sh, H),
+                  m + "mlp.shared_expert.up_proj.weight": r(sh, H), m + "mlp.shared_expert.down_proj.weight": r(H, sh),
+                  m + "mlp.shared_expert_gate.weight": r(1, H)}
+        else:
+            w |= {m + "mlp.gate_proj.weight": r(lay.ffn, H), m + "mlp.up_proj.weight": r(lay.ffn, H),
+                  m + "mlp.down_proj.weight": r(H, lay.ffn)}
     return w
 
 
@@ -129,3 +136,50 @@ def test_what_tp_cannot_split_is_named_with_the_numbers() -> None:
         "num_key_value_heads = 3 is not divisible by tensor parallel t = 4",
         "num_attention_heads = 6 is not divisible by tensor parallel t = 4",
         "intermediate_size = 10 is not divisible by tensor parallel t = 4"]
+
+
+def moe_layout(**kw: int) -> Layout:
+    base = dict(layers=4, hidden=8, heads=4, groups=2, head_dim=2, ffn=16, vocab=9, tied=True, qkv_bias=True,
+                experts=4, moe_ffn=6, shared_ffn=10, sparse_layers=(0, 1, 2, 3))
+    return Layout(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("ep", "pp"), [(1, 1), (2, 1), (4, 1), (2, 2)])
+def test_mixture_of_experts_layers_split_their_experts_over_ep_and_give_back_every_weight(ep: int, pp: int) -> None:
+    lay = moe_layout(ep=ep, pp=pp)
+    hf = hf_weights(lay)
+    back: dict[str, torch.Tensor] = {}
+    for stage in range(pp):
+        per_rank = [convert.to_megatron(hf, lay, 0, stage, ep_rank=r) for r in range(ep)]
+        shards: dict[str, list[torch.Tensor]] = {}
+        for r, local in enumerate(per_rank):
+            for name, t in local.items():
+                glob = convert.global_expert_name(name, lay, r)
+                if glob is not None:
+                    shards[glob] = [t]
+                elif r == 0:
+                    shards[name] = [t]
+                else:  # everything but the routed experts is the same on every ep rank
+                    assert torch.equal(t, shards[name][0]), name
+        experts = [n for n in per_rank[0] if n.startswith("decoder.layers.0.mlp.experts.")]
+        assert len(experts) == 2 * lay.experts // ep  # fc1 and fc2 of each local expert
+        back |= convert.to_hf(shards, lay, stage)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+    # expert 3 is ep rank (3 // (4 / ep))'s local expert 3 % (4 / ep): gate rows, then up rows
+    local = convert.to_megatron(hf, lay, 0, 0, ep_rank=3 * ep // 4)
+    fc1 = local[f"decoder.layers.0.mlp.experts.local_experts.{3 % (4 // ep)}.linear_fc1.weight"]
+    assert torch.equal(fc1, hf["model.layers.0.mlp.experts.gate_up_proj"][3])
+
+
+def test_what_a_mixture_of_experts_model_cannot_split_is_named_with_the_numbers() -> None:
+    assert convert.problems(moe_layout(ep=2)) == []
+    assert convert.problems(moe_layout(ep=3)) == ["num_experts = 4 is not divisible by expert parallel e = 3"]
+    assert convert.problems(moe_layout(experts=0, ep=2)) == [
+        "expert parallel e = 2 needs a Mixture-of-Experts model (num_experts), this one is dense"]
+    assert convert.problems(moe_layout(tp=2)) == []  # forward-only at t=2 runs; training is refused by the engine
+    assert convert.problems(moe_layout(tp=4, heads=8, groups=4)) == [
+        "moe_intermediate_size = 6 is not divisible by tensor parallel t = 4",
+        "shared_expert_intermediate_size = 10 is not divisible by tensor parallel t = 4"]
+    assert convert.problems(moe_layout(sparse_layers=(1, 3))) == [
+        "layers [0, 2] have a dense MLP (decoder_sparse_step / mlp_only_layers); the engine converts Qwen2-MoE "
+        "models whose every layer is sparse"]

@@ -24,6 +24,7 @@ from rlbatch.plan.model import ModelShape, shape_from_config
 # Random-init configs: the default, both archs, tied and untied, MHA, GQA and MQA.
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
+    "qwen2-moe": {"arch": "qwen2_moe"},
     "llama-untied": {"arch": "llama", "tie_word_embeddings": False},
     "qwen2-untied-mqa": {"arch": "qwen2", "tie_word_embeddings": False, "num_kv_heads": 1},
     "llama-tied-mha": {"arch": "llama", "num_heads": 8, "num_kv_heads": 8},
@@ -45,7 +46,8 @@ def test_built_model_has_the_planners_parameter_count(name: str) -> None:
         model = load_model(cfg, tok, seed=0)
     shape = shape_from_config(CONFIGS[name])  # what `python -m rlbatch.plan` counts for this config
     assert _built(model) == (shape.params, shape.tensors)
-    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.arch]
+    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                                      "qwen2_moe": "Qwen2MoeForCausalLM"}[cfg.arch]
 
 
 def test_attention_biases_are_counted_as_the_builder_makes_them() -> None:
@@ -131,11 +133,29 @@ def test_bad_head_split_is_a_config_error_naming_the_fields() -> None:
 
 def test_the_builder_refuses_what_it_cannot_make() -> None:
     moe = spec_from_hf_config(json.loads((Path(__file__).parent / "planner/models/qwen1_5_moe_a2_7b/config.json").read_text()))
-    for spec, why in [(moe, "arch 'qwen2_moe'"), (replace(spec_from_config({}), qkv_bias=False), "q/k/v biases"),
+    assert isinstance(moe, ModelSpec) and moe.experts == 60
+    for spec, why in [(replace(spec_from_config({}), experts=4, experts_per_token=2, moe_ffn=8), "arch qwen2_moe"),
+                      (replace(moe, experts=0), "arch qwen2_moe"),
+                      (replace(spec_from_config({}), gated=False), "SwiGLU"),
+                      (replace(spec_from_config({}), qkv_bias=False), "q/k/v biases"),
                       (replace(spec_from_config({"arch": "llama"}), qkv_bias=True), "all of q/k/v/o")]:
         with pytest.raises(ValueError, match=why):
             build_tiny_model(spec)
-    assert isinstance(moe, ModelSpec) and moe.experts == 60
+
+
+def test_a_random_init_mixture_of_experts_model_is_a_qwen2_moe_of_the_configs_shape() -> None:
+    spec = spec_from_config({"arch": "qwen2_moe", "num_experts": 6, "num_experts_per_token": 3,
+                             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
+    model = build_tiny_model(spec, seed=1)
+    c = model.config
+    assert type(model).__name__ == "Qwen2MoeForCausalLM" and c.qkv_bias and not c.norm_topk_prob
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == (
+        6, 3, 32, 48)
+    assert c.decoder_sparse_step == 1 and not c.mlp_only_layers  # every layer sparse
+    assert model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"].shape == (6, 64, spec.hidden)
+    assert spec_from_hf_config(c.to_dict(), name=spec.name) == spec  # the planner counts the model that runs
+    with pytest.raises(ConfigError, match="num_experts_per_token 5 must be between 1 and model.num_experts 4"):
+        spec_from_config({"arch": "qwen2_moe", "num_experts_per_token": 5})
 
 
 # ---------------------------------------------------------------- the builder

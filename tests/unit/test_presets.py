@@ -32,12 +32,12 @@ RUN_DIR = "run_dir=/shared/runs/preset"
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
 PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
-MEGATRON = "engine 'megatron' supports d (data), t (tensor), p (pipeline) only in this build; got {} in '{}'"
+MEGATRON = "engine 'megatron' supports d (data), t (tensor), p (pipeline), e (expert) only in this build; got {} in '{}'"
 FSDP_T2 = "roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; got t=2 in '{}'"
 
 
 def train(spec: str, got: str, role: str = "actor_train") -> str:
-    """Megatron with context or expert parallelism: this build runs d, t and p."""
+    """Megatron with context parallelism: this build runs d, t, p and e."""
     return f"roles.{role}.backend: " + MEGATRON.format(got, spec)
 
 
@@ -52,14 +52,18 @@ SANDBOX_WITHOUT_CODE = "roles.code_sandbox: runs code against a problem's tests,
 
 GOLDEN_REFUSED: dict[str, list[str]] = {
     "areal_16gpu": [FSDP_T2.format("fsdp:d4t2")],
-    "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "c=2, e=2"), VLLM_T8],
+    "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "c=2"),
+                               "roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' is a hybrid layout",
+                               VLLM_T8],
     "roll_mixed_cpu_sandbox": [SANDBOX_WITHOUT_CODE],
 }
 """Golden sbatch cases (cluster=slurm) this build cannot run -> the start of each line."""
 
 REFUSED: dict[tuple[str, str], list[str]] = {
     ("roles", "areal_16gpu"): [*GOLDEN_REFUSED["areal_16gpu"], *CPU_HEAD_DIM],
-    ("roles", "areal_megatron_16gpu"): [train("megatron:d2p2t4e4", "e=4"), *[
+    ("roles", "areal_megatron_16gpu"): [
+        "roles.actor_train.backend: 'megatron:d2p2t4e4' splits the model's routed experts over expert-parallel "
+        "ranks e=4, but the model has none", *[
         f"roles.{role}.backend: '{spec}' splits the model's attention over tensor-parallel ranks t=4, but "
         "num_kv_heads=2" for role, spec in (("actor_train", "megatron:d2p2t4e4"), ("reference", "megatron:d2p2t4"))],
         *CPU_HEAD_DIM],

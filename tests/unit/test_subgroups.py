@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rlbatch.placement.subgroups import axis_groups, create, subgroups
 
 MESH = (("pp", 2), ("dp", 2), ("cp", 1), ("tp", 2))
@@ -34,3 +36,15 @@ def test_create_calls_new_group_for_every_set_in_order_and_keeps_this_ranks() ->
     mine = create(RANKS, MESH, 15, new_group)
     assert calls == [[10, 11, 14, 15], [12, 13, 16, 17], [10, 14], [11, 15], [12, 16], [13, 17]]
     assert mine == {"model_parallel": "g10-11-14-15", "pipeline_ends": "g11-15"}
+
+
+def test_expert_groups_split_each_positions_dp_ranks_into_consecutive_blocks() -> None:
+    mesh = (("pp", 2), ("dp", 4), ("cp", 1), ("tp", 1))
+    ranks = list(range(8))  # stage 0: 0-3, stage 1: 4-7
+    groups = subgroups(ranks, mesh, ep=2)
+    assert groups["expert"] == [(0, 1), (2, 3), (4, 5), (6, 7)]          # consecutive, as placement checks them
+    assert groups["expert_dp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]       # the same experts
+    assert set(subgroups(ranks, mesh, ep=4)["expert_dp"]) == {(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)}
+    assert "expert" not in subgroups(ranks, mesh)
+    with pytest.raises(ValueError, match="e=3 does not divide data parallel d=4"):
+        subgroups(ranks, mesh, ep=3)

@@ -110,16 +110,43 @@ def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]
         f"which needs a training engine; built: {engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"]
 
 
-WHY_NOT_CE = ("(context parallelism (c) needs TransformerEngine's attention (megatron-core's local attention has "
-              "none), which this build does not use; expert parallelism (e) needs a mixture-of-experts model, and the "
-              "engine converts dense Qwen2/Llama models only)")
+WHY_NOT_C = ("(context parallelism (c) needs TransformerEngine's attention (megatron-core's local attention has "
+             "none), which this build does not use)")
+SUPPORTED = "engine 'megatron' supports d (data), t (tensor), p (pipeline), e (expert) only in this build"
 
 
-def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_not_built(cfg: dict[str, Any]) -> None:
+def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_and_the_layout_not_built(cfg: dict[str, Any]) -> None:
     c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
-    assert problems(c) == ["roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor), p (pipeline) "
-                           "only in this build; got c=2, e=2 in 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' " + WHY_NOT_CE]
+    hybrid = ("is a hybrid layout (attention and MLP on different meshes), which the megatron engine does not "
+              "build; write one mesh for both, e.g. 'megatron:d4p2e2'")
+    assert problems(c) == [f"roles.actor_train.backend: {SUPPORTED}; got c=2 in "
+                           "'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' " + WHY_NOT_C,
+                           f"roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' {hybrid}"]
     check(c, runnable=False)
+    c = on_ranks(cfg, 16, "megatron:(attn:d4p2t2|ffn:d2p2t2e2)", "hf:d16")
+    assert problems(c) == [f"roles.actor_train.backend: 'megatron:(attn:d4p2t2|ffn:d2p2t2e2)' {hybrid}"]
+
+
+def test_megatron_expert_parallelism_needs_a_mixture_of_experts_model_and_refuses_what_is_not_built(
+        cfg: dict[str, Any]) -> None:
+    moe = set_(cfg, model__arch="qwen2_moe")  # 4 routed experts
+    check(on_ranks(moe, 4, "megatron:d4e2", "hf:d4"))
+    check(on_ranks(moe, 4, "megatron:d2p2e2", "hf:d4"))
+    assert problems(on_ranks(cfg, 2, "megatron:d2e2", "hf:d2")) == [
+        "roles.actor_train.backend: 'megatron:d2e2' splits the model's routed experts over expert-parallel ranks "
+        "e=2, but the model has none (a dense qwen2); expert parallelism needs a Mixture-of-Experts model, e.g. "
+        "model.arch=qwen2_moe"]
+    assert problems(set_(on_ranks(moe, 4, "megatron:d4e4", "hf:d4"), model__num_experts=6)) == [
+        "roles.actor_train.backend: 'megatron:d4e4' splits the model's 6 routed experts over expert-parallel ranks "
+        "e=4, but num_experts=6 is not divisible by 4"]
+    check(set_(on_ranks(moe, 2, "megatron:d2", "hf:d2"), roles__reference__backend="megatron:t2"))  # forward-only
+    assert problems(on_ranks(moe, 4, "megatron:d2t2", "hf:d4")) == [
+        "roles.actor_train.backend: 'megatron:d2t2' trains a Mixture-of-Experts model under tensor parallelism t=2, "
+        "which megatron-core does with sequence parallelism only, not built here; use t=1 with d, p and e"]
+    assert problems(set_(on_ranks(moe, 2, "megatron:d2e2", "hf:d2"),
+                         roles__actor_train__engine_args={"distributed_optimizer": True})) == [
+        "roles.actor_train.backend: engine_args.distributed_optimizer with expert parallelism e=2 is not built; "
+        "leave it false"]
 
 
 def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_expert(cfg: dict[str, Any]) -> None:
@@ -129,8 +156,7 @@ def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_exp
     assert check(on_ranks(cfg, 4, "megatron:d2p2", "hf:d4")).roles["actor_train"].mesh == (
         ("pp", 2), ("dp", 2), ("cp", 1), ("tp", 1))
     assert problems(on_ranks(cfg, 2, "megatron:c2", "hf:d2")) == [
-        "roles.actor_train.backend: engine 'megatron' supports d (data), t (tensor), p (pipeline) only in this build; "
-        "got c=2 in 'megatron:c2' " + WHY_NOT_CE]
+        f"roles.actor_train.backend: {SUPPORTED}; got c=2 in 'megatron:c2' " + WHY_NOT_C]
 
 
 def test_megatron_splits_that_do_not_divide_are_refused_with_the_numbers(cfg: dict[str, Any]) -> None:

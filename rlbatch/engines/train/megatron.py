@@ -1,15 +1,21 @@
 """``megatron`` training engine: megatron-core's GPTModel, tensor-parallel over the role's tp axis,
-pipeline-parallel over its pp axis and data-parallel over its dp axis (``megatron:dXtYpZ``).
+pipeline-parallel over its pp axis and data-parallel over its dp axis (``megatron:dXtYpZ``), and
+for a Qwen2-MoE model expert-parallel over e ranks folded onto dp (``megatron:dXeK``).
 
 Also serves forward-only roles (reference). The model is built from the run's transformers
-Qwen2/Llama model (a local HF directory or the random-init one every engine builds from the seed)
+Qwen2/Llama/Qwen2-MoE model (a local HF directory or the random-init one every engine builds from the seed)
 and its weights converted in (``megatron_convert``); weights leave it, for weight sync, export and
 checkpoints, as full tensors under Hugging Face names, so any inference engine loads them and a
 checkpoint of this engine loads into the fsdp engine and back. AdamW with the fsdp engine's
 warm-up, gradient clipping over the TP shards and gradient accumulation; gradients are averaged
 over dp (with ``engine_args.distributed_optimizer``, megatron-core's DDP and DistributedOptimizer
 shard the AdamW state over dp instead: ``megatron_optim``). bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-only shim, see
-``megatron_device``). Context and expert parallelism are refused by the registry.
+``megatron_device``). Context parallelism is refused by the registry.
+
+A Mixture-of-Experts model's routed experts (megatron-core's MoE layer, tokens sent to their
+experts by all-to-all) are split over the 'expert' group: each rank holds experts / e of them. Their
+gradients are summed over 'expert_dp' (the ranks holding the same experts) and divided by d, and
+count once per ep rank in the gradient norm; weights leave whole (gathered over ep).
 
 Pipeline stages (p > 1) each hold 1/p of the layers; every forward and training step runs
 megatron-core's 1F1B schedule over the role's micro-batches (``engine_args.micro_batch`` sequences
@@ -52,6 +58,12 @@ MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mu
 """Param-group keys megatron-core's optimizer reads, not AdamW's: left out of the checkpoint's groups."""
 
 
+def _routed(p: torch.nn.Parameter, ep: int) -> bool:
+    """A routed expert's weight split over ep > 1 ranks (megatron-core marks expert weights
+    ``allreduce=False``: not reduced over all of dp)."""
+    return ep > 1 and getattr(p, "allreduce", True) is False
+
+
 class MegatronEngine(StashedState):
     """A role's model as a megatron-core GPTModel over its tp and dp axes (see the module docstring)."""
 
@@ -68,19 +80,29 @@ class MegatronEngine(StashedState):
         self.last = self.stage == self.pp - 1
         groups = engine_groups(ctx)
         self.group = groups["role"]
+        self.ep_group, self.edp_group = groups.get("expert"), groups.get("expert_dp")
+        self.ep = dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
+        self.ep_rank = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
         self.head = ctx.head
         hf = load_engine_model(ctx, torch.float32)
         self.hf_config = hf.config
         self.pad_id = hf.config.pad_token_id  # a reward model pools at the last token that is not this one
         self.hf_names = [n for n, _ in hf.named_parameters()]
         self.hf_shapes = {n: p.shape for n, p in hf.named_parameters()}
-        self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names, self.pp)
+        self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names, self.pp, self.ep)
         if bad := convert.problems(self.lay):
             raise ValueError(f"megatron engine, role {ctx.role}: " + "; ".join(bad))
+        if self.lay.experts and self.tp > 1 and ctx.trainable:
+            raise ValueError(f"megatron engine, role {ctx.role}: a Mixture-of-Experts model at tensor parallel "
+                             f"t = {self.tp}: megatron-core trains MoE layers under tensor parallelism with sequence "
+                             f"parallelism only, which the engine does not build; use t = 1 (with d, p and e)")
+        if self.ep > 1 and ctx.trainable and ctx.args.distributed_optimizer:
+            raise ValueError(f"megatron engine, role {ctx.role}: engine_args.distributed_optimizer with expert "
+                             f"parallelism (e = {self.ep}) is not built; leave it false")
         dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
         self.pgc = pgc = process_groups(ctx, groups)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
-                               self.lay.head_bias, self.pp).to(ctx.device)
+                               self.lay.head_bias, self.pp, self.ep).to(ctx.device)
         self.p2p: Any = None
         if self.pp > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -119,7 +141,7 @@ class MegatronEngine(StashedState):
 
     # -- weights in and out -------------------------------------------------------------------
     def _load_full(self, hf: dict[str, torch.Tensor]) -> None:
-        local = convert.to_megatron(hf, self.lay, self.tp_rank, self.stage)
+        local = convert.to_megatron(hf, self.lay, self.tp_rank, self.stage, self.ep_rank)
         if missing := sorted(set(self.params) ^ set(local)):
             raise RuntimeError(f"megatron engine: GPTModel and the HF mapping disagree on {missing}")
         for name, p in self.params.items():
@@ -127,10 +149,16 @@ class MegatronEngine(StashedState):
 
     def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full HF-named tensors of the whole model from this rank's GPTModel-shaped tensors
-        (collective over tp, then over pp)."""
+        (collective over tp, the routed experts over ep, then over pp)."""
         shards: dict[str, list[torch.Tensor]] = {}
         for name, t in local.items():
             t = t.detach().contiguous()
+            if self.ep > 1 and convert.global_expert_name(name, self.lay, 0) is not None:  # tp = 1
+                parts = [torch.empty_like(t) for _ in range(self.ep)]
+                dist.all_gather(parts, t, group=self.ep_group)
+                for r, x in enumerate(parts):
+                    shards[str(convert.global_expert_name(name, self.lay, r))] = [x]
+                continue
             if self.tp == 1:
                 shards[name] = [t]
                 continue
@@ -282,15 +310,22 @@ class MegatronEngine(StashedState):
             totals.add(stats)
 
     def _reduce_grads(self) -> None:
-        """Average gradients over dp (each dp rank's loss is the mean over its own share)."""
-        if dist.get_world_size(self.dp_group) == 1:
+        """Average gradients over dp (each dp rank's loss is the mean over its own share). A routed
+        expert under expert parallelism is held by the expert_dp ranks only, and its gradient on each
+        already sums what the tokens of its ep peers sent it: summed over expert_dp, divided by d."""
+        d = dist.get_world_size(self.dp_group)
+        if d == 1:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= dist.get_world_size(self.dp_group)
-        torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads,
-                                                                    strict=True)])
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None and not _routed(p, self.ep)]
+        experts = [p.grad for p in self.model.parameters() if p.grad is not None and _routed(p, self.ep)]
+        for part, group in ((grads, self.dp_group), (experts, self.edp_group)):
+            if not part:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in part])
+            dist.all_reduce(flat, group=group)
+            flat /= d
+            torch._foreach_copy_(part, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in part]), part,
+                                                                       strict=True)])
 
     def _sync_tied(self) -> None:
         """A tied embedding split over pipeline stages: sum the gradients of its two copies (the first
@@ -303,8 +338,10 @@ class MegatronEngine(StashedState):
 
     def _clip(self, max_norm: float) -> float:
         """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once,
-        each pipeline stage its own (the last stage's copy of a tied embedding not again)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        routed experts under expert parallelism each ep rank's, each pipeline stage its own (the last
+        stage's copy of a tied embedding not again)."""
+        experts = [p.grad for p in self.model.parameters() if p.grad is not None and _routed(p, self.ep)]
+        params = [p for p in self.model.parameters() if p.grad is not None and not _routed(p, self.ep)]
         split = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
         repl = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
         counted = [p.grad for p in params if getattr(p, "tensor_model_parallel", False) and not getattr(p, "shared", False)]
@@ -313,11 +350,15 @@ class MegatronEngine(StashedState):
             dist.all_reduce(sq, group=self.tp_group)
         if repl:
             sq = sq + torch.stack([g.float().pow(2).sum() for g in repl]).sum()
+        if experts:  # tp = 1: each ep rank's experts once
+            own = torch.stack([g.float().pow(2).sum() for g in experts]).sum()
+            dist.all_reduce(own, group=self.ep_group)
+            sq = sq + own
         if self.pp > 1:
             dist.all_reduce(sq, group=self.pp_group)
         norm = sq.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(split + repl, coef)
+        torch._foreach_mul_(split + repl + experts, coef)
         return float(norm)
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
@@ -386,7 +427,7 @@ class MegatronEngine(StashedState):
         with torch.no_grad():
             self._load_full({n: t[f"model.{n}"] for n in self.hf_names})
             moments = {key: convert.to_megatron({n: t[f"optim.{n}.{key}"] for n in self.hf_names}, self.lay,
-                                                self.tp_rank, self.stage) for key in ADAM_KEYS}
+                                                self.tp_rank, self.stage, self.ep_rank) for key in ADAM_KEYS}
             step = t[f"optim.{self.hf_names[0]}.step"]
             if self.dist_opt is not None:
                 main = convert.to_megatron({n: t[f"model.{n}"] for n in self.hf_names}, self.lay, self.tp_rank,

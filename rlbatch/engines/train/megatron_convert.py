@@ -13,6 +13,20 @@ The mapping (exact: it only moves numbers):
     layers.i.mlp.{gate,up}_proj      -> decoder.layers.i.mlp.linear_fc1       per rank cat(gate_r, up_r)
     layers.i.mlp.down_proj           -> decoder.layers.i.mlp.linear_fc2       columns split over TP
     model.norm                       -> decoder.final_layernorm               replicated
+
+A Qwen2-MoE layer's MLP (every layer sparse) maps to megatron-core's MoE layer (SequentialMLP
+experts, a gated shared expert):
+
+    layers.i.mlp.gate.weight         -> ...mlp.router.weight                  replicated
+    layers.i.mlp.experts.gate_up_proj[e] (gate rows, then up rows)
+                                     -> ...mlp.experts.local_experts.e.linear_fc1  as a dense fc1
+    layers.i.mlp.experts.down_proj[e]-> ...mlp.experts.local_experts.e.linear_fc2  as a dense fc2
+    layers.i.mlp.shared_expert.{gate,up,down}_proj
+                                     -> ...mlp.shared_experts.linear_fc{1,2}  as a dense MLP
+    layers.i.mlp.shared_expert_gate  -> ...mlp.shared_experts.gate_weight     replicated
+
+With expert parallelism (ep ranks, tp = 1) each rank holds ``experts / ep`` consecutive experts as
+its ``local_experts`` 0, 1, ... (``global_expert_name`` numbers them back).
     score.{weight,bias} (value/reward)-> output_layer.{weight,bias}           replicated
 
 Under pipeline parallelism (p stages) each stage holds a contiguous 1/p of the layers, numbered
@@ -59,6 +73,17 @@ class Layout:
     """'lm' (the vocabulary output layer), or a scalar head: 'value' or 'reward' (``score.*``)."""
     head_bias: bool = False
     """Whether the scalar head has a bias (``score.bias``: transformers' token classification)."""
+    experts: int = 0
+    """Routed experts per layer (Qwen2-MoE); 0 for a dense MLP."""
+    moe_ffn: int = 0
+    """Intermediate size of one routed expert."""
+    shared_ffn: int = 0
+    """Intermediate size of the shared expert."""
+    ep: int = 1
+    """Expert-parallel ranks the routed experts are split over."""
+    sparse_layers: tuple[int, ...] = ()
+    """The HF layers whose MLP is sparse (a Qwen2-MoE config's ``decoder_sparse_step`` and
+    ``mlp_only_layers``): every layer, or the model is refused (``problems``)."""
 
     @property
     def padded_vocab(self) -> int:
@@ -67,6 +92,10 @@ class Layout:
     @property
     def q_per_group(self) -> int:
         return self.heads // self.groups
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep
 
     @property
     def stage_layers(self) -> int:
@@ -79,14 +108,31 @@ class Layout:
         return 0 if hf_name == "model.embed_tokens.weight" else self.pp - 1
 
 
-def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False, pp: int = 1) -> Layout:
+def qkv_bias(hf_config: Any) -> bool:
+    """Whether q, k and v have biases: always in Qwen2, ``qkv_bias`` in Qwen2-MoE, ``attention_bias`` in Llama."""
+    if hf_config.model_type == "qwen2":
+        return True
+    return bool(getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "attention_bias", False))
+
+
+def sparse_layers(hf_config: Any) -> tuple[int, ...]:
+    """The layers with a Mixture-of-Experts MLP (transformers' Qwen2-MoE rule); none for a dense model."""
+    if not getattr(hf_config, "num_experts", 0):
+        return ()
+    step, dense = int(getattr(hf_config, "decoder_sparse_step", 1)), set(getattr(hf_config, "mlp_only_layers", []) or [])
+    return tuple(i for i in range(hf_config.num_hidden_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+
+
+def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False, pp: int = 1, ep: int = 1) -> Layout:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    qkv_bias = hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+    experts = int(getattr(hf_config, "num_experts", 0) or 0)
     return Layout(hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.num_attention_heads, groups,
                   head_dim, hf_config.intermediate_size, hf_config.vocab_size,
-                  head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias, tp, pp, head,
-                  head_bias)
+                  head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias(hf_config), tp, pp,
+                  head, head_bias, experts, int(getattr(hf_config, "moe_intermediate_size", 0) or 0) if experts else 0,
+                  int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
+                  ep, sparse_layers(hf_config))
 
 
 def problems(lay: Layout) -> list[str]:
@@ -98,6 +144,20 @@ def problems(lay: Layout) -> list[str]:
             out.append(f"{what} = {n} is not divisible by tensor parallel t = {lay.tp}")
     if lay.layers % lay.pp:
         out.append(f"num_hidden_layers = {lay.layers} is not divisible by pipeline parallel p = {lay.pp}")
+    if lay.ep > 1 and not lay.experts:
+        out.append(f"expert parallel e = {lay.ep} needs a Mixture-of-Experts model (num_experts), this one is dense")
+    if lay.experts and lay.experts % lay.ep:
+        out.append(f"num_experts = {lay.experts} is not divisible by expert parallel e = {lay.ep}")
+    if lay.experts:
+        for what, n in (("moe_intermediate_size", lay.moe_ffn), ("shared_expert_intermediate_size", lay.shared_ffn)):
+            if n % lay.tp:
+                out.append(f"{what} = {n} is not divisible by tensor parallel t = {lay.tp}")
+        if not lay.shared_ffn:
+            out.append("a Qwen2-MoE model without a shared expert (shared_expert_intermediate_size = 0) is not converted")
+        if len(lay.sparse_layers) != lay.layers:
+            dense = sorted(set(range(lay.layers)) - set(lay.sparse_layers))
+            out.append(f"layers {dense} have a dense MLP (decoder_sparse_step / mlp_only_layers); the engine "
+                       f"converts Qwen2-MoE models whose every layer is sparse")
     return out
 
 
@@ -126,9 +186,21 @@ def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout, rank: i
     return _rows(fused, rank, lay.tp).reshape(-1, *tail)
 
 
-def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int, stage: int = 0) -> dict[str, torch.Tensor]:
+def global_expert_name(name: str, lay: Layout, ep_rank: int) -> str | None:
+    """A routed expert's GPTModel name on expert-parallel rank ``ep_rank`` as expert parallel rank 0
+    of ``ep = 1`` would name it (its global index); None for a tensor that is not a routed expert's."""
+    head, sep, tail = name.partition(".mlp.experts.local_experts.")
+    if not sep:
+        return None
+    k, rest = tail.split(".", 1)
+    return f"{head}{sep}{ep_rank * lay.local_experts + int(k)}.{rest}"
+
+
+def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int, stage: int = 0,
+                ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """This TP rank's GPTModel tensors of pipeline stage ``stage`` from HF-named tensors (weights or
-    weight-shaped state; only the stage's own names are read)."""
+    weight-shaped state; only the stage's own names are read); with expert parallelism, the routed
+    experts of expert-parallel rank ``ep_rank``."""
     tp, first, last = lay.tp, stage == 0, stage == lay.pp - 1
     out: dict[str, torch.Tensor] = {}
     if first:
@@ -154,9 +226,31 @@ def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int, stage: i
             out[m + "self_attention.linear_qkv.bias"] = _qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"],
                                                              hf[a + "v_proj.bias"], lay, rank)
         out[m + "self_attention.linear_proj.weight"] = _rows(hf[a + "o_proj.weight"], rank, tp, dim=1)
-        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)])
-        out[m + "mlp.linear_fc2.weight"] = _rows(hf[h + "mlp.down_proj.weight"], rank, tp, dim=1)
+        out.update(_moe_to_megatron(hf, h, m, lay, rank, ep_rank) if lay.experts else
+                   _mlp_to_megatron(hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"],
+                                    hf[h + "mlp.down_proj.weight"], m + "mlp.", lay, rank))
+    return out
+
+
+def _mlp_to_megatron(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, m: str, lay: Layout,
+                     rank: int) -> dict[str, torch.Tensor]:
+    """A SwiGLU MLP's ``linear_fc1`` (this rank's gate rows, then its up rows) and ``linear_fc2``."""
+    return {m + "linear_fc1.weight": torch.cat([_rows(gate, rank, lay.tp), _rows(up, rank, lay.tp)]),
+            m + "linear_fc2.weight": _rows(down, rank, lay.tp, dim=1)}
+
+
+def _moe_to_megatron(hf: Mapping[str, torch.Tensor], h: str, m: str, lay: Layout, rank: int,
+                     ep_rank: int) -> dict[str, torch.Tensor]:
+    out = {m + "mlp.router.weight": hf[h + "mlp.gate.weight"],
+           m + "mlp.shared_experts.gate_weight": hf[h + "mlp.shared_expert_gate.weight"]}
+    s = h + "mlp.shared_expert."
+    out.update(_mlp_to_megatron(hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"], hf[s + "down_proj.weight"],
+                                m + "mlp.shared_experts.", lay, rank))
+    gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
+    for k in range(lay.local_experts):
+        e = ep_rank * lay.local_experts + k
+        gate, up = gate_up[e].chunk(2)
+        out.update(_mlp_to_megatron(gate, up, down[e], m + f"mlp.experts.local_experts.{k}.", lay, rank))
     return out
 
 
@@ -168,9 +262,28 @@ def _unqkv(shards: list[torch.Tensor], lay: Layout) -> tuple[torch.Tensor, torch
     return q.reshape(g * qpg * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)
 
 
+def _mlp_to_hf(shards: Mapping[str, list[torch.Tensor]], m: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full gate, up and down projections from a SwiGLU MLP's TP shards."""
+    halves = [s.chunk(2) for s in shards[m + "linear_fc1.weight"]]
+    return (torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves]),
+            torch.cat(shards[m + "linear_fc2.weight"], dim=1))
+
+
+def _moe_to_hf(shards: Mapping[str, list[torch.Tensor]], h: str, m: str, lay: Layout) -> dict[str, torch.Tensor]:
+    gate, up, down = _mlp_to_hf(shards, m + "mlp.shared_experts.")
+    out = {h + "mlp.gate.weight": shards[m + "mlp.router.weight"][0],
+           h + "mlp.shared_expert_gate.weight": shards[m + "mlp.shared_experts.gate_weight"][0],
+           h + "mlp.shared_expert.gate_proj.weight": gate, h + "mlp.shared_expert.up_proj.weight": up,
+           h + "mlp.shared_expert.down_proj.weight": down}
+    experts = [_mlp_to_hf(shards, m + f"mlp.experts.local_experts.{e}.") for e in range(lay.experts)]
+    out[h + "mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
+    out[h + "mlp.experts.down_proj"] = torch.stack([d for _, _, d in experts])
+    return out
+
+
 def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout, stage: int = 0) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of pipeline stage ``stage`` from its TP ranks' GPTModel tensors
-    (``shards[name][r]``: rank r's). The last stage's copy of a tied embedding is not among them."""
+    (``shards[name][r]``: rank r's; routed experts under ``global_expert_name``, all of them). The last stage's copy of a tied embedding is not among them."""
     first, last = stage == 0, stage == lay.pp - 1
     out: dict[str, torch.Tensor] = {}
     if first:
@@ -183,10 +296,11 @@ def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout, stage: int = 0)
             q, k, v = _unqkv(shards[m + f"self_attention.linear_qkv.{kind}"], lay)
             out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
         out[a + "o_proj.weight"] = torch.cat(shards[m + "self_attention.linear_proj.weight"], dim=1)
-        halves = [s.chunk(2) for s in shards[m + "mlp.linear_fc1.weight"]]
-        out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves])
-        out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves])
-        out[h + "mlp.down_proj.weight"] = torch.cat(shards[m + "mlp.linear_fc2.weight"], dim=1)
+        if lay.experts:
+            out.update(_moe_to_hf(shards, h, m, lay))
+        else:
+            gate, up, down = _mlp_to_hf(shards, m + "mlp.")
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"], out[h + "mlp.down_proj.weight"] = gate, up, down
         out[h + "post_attention_layernorm.weight"] = shards[m + "pre_mlp_layernorm.weight"][0]
     if last:
         out["model.norm.weight"] = shards["decoder.final_layernorm.weight"][0]

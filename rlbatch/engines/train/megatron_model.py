@@ -1,5 +1,5 @@
 """Build a megatron-core GPTModel (local spec: no TransformerEngine needed) from a transformers
-Qwen2/Llama config, over explicit process groups (no global ``parallel_state`` world).
+Qwen2/Llama/Qwen2-MoE config, over explicit process groups (no global ``parallel_state`` world).
 
 The groups come from the role's DeviceMesh (axes pp, dp, cp, tp) that ``rlbatch.runtime.world``
 carves on every rank in the same order; megatron-core receives them as a ``ProcessGroupCollection``.
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlbatch.engines.train.megatron_convert import qkv_bias
 from rlbatch.placement import subgroups
 
 _BY_HAND: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -58,13 +59,33 @@ def process_groups(ctx: Any, groups: dict[str, Any]) -> Any:
         pgc.mp = groups["model_parallel"]
         pgc.embd = groups["pipeline_ends"] if dist.get_rank(pp) in (0, stages - 1) else None
         pgc.pos_embd = None  # rotary positions: no position-embedding weights to share
-    # No expert parallelism: the expert groups are a rank alone (ep) and dp; given here, so that
+    # The experts of a Mixture-of-Experts layer are split over tp like a dense MLP (expert tp = tp).
+    # Without expert parallelism the expert groups are a rank alone (ep) and dp; given here, so that
     # megatron-core's DDP does not create a group on this rank alone (out of step with the others).
-    pgc.ep, pgc.expt_dp = ctx.group("cp"), dp
+    # With it (tp = 1), 'expert' splits the experts and 'expert_dp' holds the same ones.
+    pgc.ep, pgc.expt_dp = groups.get("expert", ctx.group("cp")), groups.get("expert_dp", dp)
+    pgc.expt_tp, pgc.tp_ep = tp, groups.get("expert", tp)
     return pgc
 
 
-def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1) -> Any:
+def moe_config(hf_config: Any) -> dict[str, Any]:
+    """TransformerConfig fields of a Qwen2-MoE model (none for a dense one): top-k routing on the
+    router's softmax (renormalised over the k only with ``norm_topk_prob``), in fp32 as transformers
+    computes it; every token kept (no capacity); a shared expert scaled by ``sigmoid(gate . x)``; no
+    load-balancing loss (the fsdp engine trains the transformers model without one either)."""
+    if not getattr(hf_config, "num_experts", 0):
+        return {}
+    return dict(
+        num_moe_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=hf_config.shared_expert_intermediate_size, moe_shared_expert_gate=True,
+        moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False), moe_router_score_function="softmax",
+        moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False, moe_permute_fusion=False,
+    )
+
+
+def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1, ep: int = 1) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -75,18 +96,19 @@ def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1)
         ffn_hidden_size=hf_config.intermediate_size, kv_channels=head_dim,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        add_qkv_bias=qkv_bias(hf_config),
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        sequence_parallel=False,
         # Between stages: micro-batches of any shape (the shapes travel first), the loss each
         # micro-batch returns used as it is (the engine scales it; not divided by their number).
         pipeline_dtype=dtype, variable_seq_lengths=pp > 1, calculate_per_token_loss=pp > 1,
-        moe_token_dispatcher_type="alltoall",  # no experts; the default (allgather) refuses variable lengths
+        moe_token_dispatcher_type="alltoall",  # the default (allgather) refuses variable lengths
         use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, **moe_config(hf_config),
     )
 
 
@@ -121,7 +143,7 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
 
 
 def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
-              head_bias: bool = False, pp: int = 1) -> Any:
+              head_bias: bool = False, pp: int = 1, ep: int = 1) -> Any:
     """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller): this pipeline
     stage's part of it (``pgc.pp``'s rank of ``pp``: its layers, the embedding on the first stage,
     the final norm and output layer on the last). ``head``
@@ -140,8 +162,9 @@ def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch
         "rope_theta", 10000.0)
     stage = dist.get_rank(pgc.pp) if pp > 1 else 0
     model = GPTModel(
-        config=transformer_config(hf_config, tp, dtype, pp),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=transformer_config(hf_config, tp, dtype, pp, ep),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=getattr(hf_config, "num_experts", None) or None,
+                                                        normalization="RMSNorm"),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=stage == 0, post_process=stage == pp - 1, parallel_output=False,
         share_embeddings_and_output_weights=head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)),
