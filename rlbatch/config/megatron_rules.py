@@ -1,9 +1,9 @@
 """What the megatron engine cannot split, said before anything starts: the model's layers over
 pipeline stages, its attention heads and MLP over tensor-parallel ranks, its routed experts over
 expert-parallel ranks (the shape of ``model``: its config.json, or the random-init fields); and the
-layouts it does not build (AReaL's hybrid attn|ffn layout; training a Mixture-of-Experts model under
-tensor parallelism, which megatron-core does with sequence parallelism only; expert parallelism with
-the distributed optimizer). The engine refuses the same at build, with the same numbers."""
+layouts it does not build or megatron-core refuses (AReaL's hybrid attn|ffn layout; training a
+Mixture-of-Experts model under tensor parallelism without sequence parallelism; expert parallelism
+with the distributed optimizer). The engine refuses the same at build, with the same numbers."""
 
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, An
     if d.e > 1 and d.d % d.e:
         out.append(f"{field}: '{b}' folds expert parallelism onto data parallelism, but e={d.e} does not divide "
                    f"d={d.d}")
-    if spec.experts and d.t > 1 and trains:  # forward-only roles (the reference) run it
+    if spec.experts and d.t > 1 and trains and engine_args.get("sequence_parallel") is False:
         out.append(f"{field}: '{b}' trains a Mixture-of-Experts model under tensor parallelism t={d.t}, which "
-                   f"megatron-core does with sequence parallelism only, not built here; use t=1 with d, p and e")
+                   f"megatron-core does with sequence parallelism only; leave engine_args.sequence_parallel true")
     if d.e > 1 and engine_args.get("distributed_optimizer"):
         out.append(f"{field}: engine_args.distributed_optimizer with expert parallelism e={d.e} is not built; "
                    f"leave it false")

@@ -124,6 +124,11 @@ class MegatronArgs:
     the fp32 main weights and AdamW state of 1/d of the parameters (gradients reduce-scattered,
     weights all-gathered). Off: torch AdamW on every rank and one all-reduce of the gradients.
     Trainable roles only (a forward-only role has no optimizer)."""
+    sequence_parallel: bool = True
+    """At t > 1: megatron-core's sequence parallelism, the activations outside the tensor-parallel
+    regions (norms, residuals, the MoE router) split along the sequence over tp: 1/t of their memory,
+    all-gather and reduce-scatter in place of all-reduce. Needed to train a Mixture-of-Experts
+    model at t > 1. No effect at t = 1."""
 
 
 @dataclass(frozen=True)

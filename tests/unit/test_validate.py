@@ -140,9 +140,11 @@ def test_megatron_expert_parallelism_needs_a_mixture_of_experts_model_and_refuse
         "roles.actor_train.backend: 'megatron:d4e4' splits the model's 6 routed experts over expert-parallel ranks "
         "e=4, but num_experts=6 is not divisible by 4"]
     check(set_(on_ranks(moe, 2, "megatron:d2", "hf:d2"), roles__reference__backend="megatron:t2"))  # forward-only
-    assert problems(on_ranks(moe, 4, "megatron:d2t2", "hf:d4")) == [
+    check(on_ranks(moe, 4, "megatron:d2t2", "hf:d4"))  # sequence parallel by default
+    assert problems(set_(on_ranks(moe, 4, "megatron:d2t2", "hf:d4"),
+                         roles__actor_train__engine_args={"sequence_parallel": False})) == [
         "roles.actor_train.backend: 'megatron:d2t2' trains a Mixture-of-Experts model under tensor parallelism t=2, "
-        "which megatron-core does with sequence parallelism only, not built here; use t=1 with d, p and e"]
+        "which megatron-core does with sequence parallelism only; leave engine_args.sequence_parallel true"]
     assert problems(set_(on_ranks(moe, 2, "megatron:d2e2", "hf:d2"),
                          roles__actor_train__engine_args={"distributed_optimizer": True})) == [
         "roles.actor_train.backend: engine_args.distributed_optimizer with expert parallelism e=2 is not built; "

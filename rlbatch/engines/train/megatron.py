@@ -64,6 +64,18 @@ def _routed(p: torch.nn.Parameter, ep: int) -> bool:
     return ep > 1 and getattr(p, "allreduce", True) is False
 
 
+def _sum_over(grads: list[torch.Tensor], group: Any, divide: int = 1) -> None:
+    """Sum ``grads`` in place over ``group`` (one all-reduce of their concatenation), divided by ``divide``."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat /= divide
+    torch._foreach_copy_(grads, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in grads]), grads,
+                                                               strict=True)])
+
+
 class MegatronEngine(StashedState):
     """A role's model as a megatron-core GPTModel over its tp and dp axes (see the module docstring)."""
 
@@ -92,17 +104,18 @@ class MegatronEngine(StashedState):
         self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names, self.pp, self.ep)
         if bad := convert.problems(self.lay):
             raise ValueError(f"megatron engine, role {ctx.role}: " + "; ".join(bad))
-        if self.lay.experts and self.tp > 1 and ctx.trainable:
-            raise ValueError(f"megatron engine, role {ctx.role}: a Mixture-of-Experts model at tensor parallel "
-                             f"t = {self.tp}: megatron-core trains MoE layers under tensor parallelism with sequence "
-                             f"parallelism only, which the engine does not build; use t = 1 (with d, p and e)")
+        self.sp = bool(ctx.args.sequence_parallel) and self.tp > 1
+        if self.lay.experts and self.tp > 1 and ctx.trainable and not self.sp:
+            raise ValueError(f"megatron engine, role {ctx.role}: a Mixture-of-Experts model trains at tensor "
+                             f"parallel t = {self.tp} with sequence parallelism only (megatron-core's rule); leave "
+                             f"engine_args.sequence_parallel true")
         if self.ep > 1 and ctx.trainable and ctx.args.distributed_optimizer:
             raise ValueError(f"megatron engine, role {ctx.role}: engine_args.distributed_optimizer with expert "
                              f"parallelism (e = {self.ep}) is not built; leave it false")
         dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
         self.pgc = pgc = process_groups(ctx, groups)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
-                               self.lay.head_bias, self.pp, self.ep).to(ctx.device)
+                               self.lay.head_bias, self.pp, self.ep, self.sp).to(ctx.device)
         self.p2p: Any = None
         if self.pp > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -202,11 +215,17 @@ class MegatronEngine(StashedState):
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, L, V] logits (or [B, L, 1] of a scalar head) at every position of right-padded
-        sequences: the causal mask alone keeps pads out of every real position. On a pipeline stage
-        before the last: its hidden states, for the next stage."""
+        sequences: the causal mask alone keeps pads out of every real position (so does the padding
+        to a multiple of t under sequence parallelism). On a pipeline stage before the last: its
+        hidden states, for the next stage."""
+        length = ids.shape[1]
+        if self.sp and length % self.tp:  # the sequence splits evenly over tp; pads after it change nothing before
+            ids = torch.nn.functional.pad(ids, (0, self.tp - length % self.tp), value=self.tokenizer.pad_token_id)
         pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
         out = self.net(input_ids=ids, position_ids=pos, attention_mask=None)
-        return out[..., : self.lay.vocab] if self.head == "lm" and self.last else out
+        if not self.last:
+            return out
+        return out[:, :length, : self.lay.vocab] if self.head == "lm" else out[:, :length]
 
     @staticmethod
     def _select(b: Packed, out: torch.Tensor) -> torch.Tensor:
@@ -318,14 +337,8 @@ class MegatronEngine(StashedState):
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None and not _routed(p, self.ep)]
         experts = [p.grad for p in self.model.parameters() if p.grad is not None and _routed(p, self.ep)]
-        for part, group in ((grads, self.dp_group), (experts, self.edp_group)):
-            if not part:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in part])
-            dist.all_reduce(flat, group=group)
-            flat /= d
-            torch._foreach_copy_(part, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in part]), part,
-                                                                       strict=True)])
+        _sum_over(grads, self.dp_group, d)
+        _sum_over(experts, self.edp_group, d)
 
     def _sync_tied(self) -> None:
         """A tied embedding split over pipeline stages: sum the gradients of its two copies (the first
@@ -335,6 +348,15 @@ class MegatronEngine(StashedState):
         if self.lay.tied and self.pp > 1 and self.pgc.embd is not None:
             w = self.model.shared_embedding_or_output_weight()
             dist.all_reduce(w.main_grad if self.dist_opt is not None else w.grad, group=self.pgc.embd)
+
+    def _sync_sequence_parallel(self) -> None:
+        """Under sequence parallelism each TP rank's norms (and MoE router) saw its slice of the
+        sequence: sum their gradients over tp, so every rank holds the whole one."""
+        if not self.sp:
+            return
+        grads = [p.main_grad if self.dist_opt is not None else p.grad for p in self.model.parameters()
+                 if getattr(p, "sequence_parallel", False)]
+        _sum_over([g for g in grads if g is not None], self.tp_group)
 
     def _clip(self, max_norm: float) -> float:
         """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once,
@@ -375,6 +397,7 @@ class MegatronEngine(StashedState):
                 self.optimizer.zero_grad(set_to_none=False)
             self._backward(micro_batches, objective, totals)
             self._sync_tied()
+            self._sync_sequence_parallel()
             if self.dist_opt is not None:
                 self.net.finish_grad_sync()  # reduce-scatter: each dp rank gets its slices' gradients, averaged over dp
                 _, norm, _ = self.dist_opt.step()  # clips by the global norm, steps its slices, all-gathers the weights

@@ -85,7 +85,8 @@ def moe_config(hf_config: Any) -> dict[str, Any]:
     )
 
 
-def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1, ep: int = 1) -> Any:
+def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1, ep: int = 1,
+                       sequence_parallel: bool = False) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -102,7 +103,7 @@ def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and tp > 1,
         # Between stages: micro-batches of any shape (the shapes travel first), the loss each
         # micro-batch returns used as it is (the engine scales it; not divided by their number).
         pipeline_dtype=dtype, variable_seq_lengths=pp > 1, calculate_per_token_loss=pp > 1,
@@ -112,15 +113,36 @@ def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1,
     )
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """megatron-core's local-spec norm (torch's RMSNorm) that also runs under sequence parallelism,
+    which megatron-core's own wrapper refuses without TransformerEngine or Apex: a norm is per token,
+    so on a sequence shard it computes what it computes on the whole; only its weight's gradient is
+    partial on each TP rank, marked ``sequence_parallel`` for the engine to sum over tp."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)  # as megatron-core's wrapper makes it
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
 class ScalarHead(torch.nn.Linear):
     """A value or reward head (hidden -> 1) in place of GPTModel's vocabulary output layer: the same
     call and return as megatron-core's ``ColumnParallelLinear`` (``(output, bias)``), not split over
-    TP. The final hidden states are whole on every TP rank (no sequence parallelism), so every rank
-    computes the same values and the head's gradients are the same on each (replicated, like the
-    norms: counted once in the gradient norm)."""
+    TP. It reads the final hidden states whole on every TP rank (under sequence parallelism gathered
+    over tp first; the backward keeps each rank's own part, as every rank computes the same loss),
+    so every rank computes the same values and the head's gradients are the same on each
+    (replicated, like the norms: counted once in the gradient norm)."""
+
+    def __init__(self, hidden: int, bias: bool, dtype: torch.dtype, tp_group: Any = None) -> None:
+        super().__init__(hidden, 1, bias=bias, dtype=dtype)
+        self.tp_group = tp_group
+        """The tp group to gather the sequence over (None: no sequence parallelism)."""
 
     def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None,  # type: ignore[override]
                 ) -> tuple[torch.Tensor, None]:
+        if self.tp_group is not None:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
         return torch.nn.functional.linear(x, self.weight, self.bias), None
 
 
@@ -128,14 +150,19 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
     """transformers' ``nn.Embedding(padding_idx=...)``: a lookup of the padding token passes no
     gradient to its row. megatron-core's embedding has no such index, and a sampled response may
     contain the pad token as a real token; so the gradient reaching the embedding's output is zeroed
-    at those positions (the row still learns through a tied output layer, as in transformers)."""
+    at those positions (the row still learns through a tied output layer, as in transformers).
+    Under sequence parallelism the output is this TP rank's slice of the sequence."""
     if padding_idx is None:
         return
+    sp = model.config.sequence_parallel
 
     def hook(module: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         if out.requires_grad:
             keep = (ids != padding_idx).transpose(0, 1)[..., None].to(out.dtype)  # [b, s] -> [s, b, 1] like out
+            if sp:
+                tp = model.pg_collection.tp
+                keep = keep.chunk(dist.get_world_size(tp))[dist.get_rank(tp)]
             out.register_hook(lambda g: g * keep)
 
     if getattr(model, "pre_process", True):  # pipeline stages after the first have no embedding
@@ -143,15 +170,18 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
 
 
 def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
-              head_bias: bool = False, pp: int = 1, ep: int = 1) -> Any:
+              head_bias: bool = False, pp: int = 1, ep: int = 1, sequence_parallel: bool = False) -> Any:
     """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller): this pipeline
     stage's part of it (``pgc.pp``'s rank of ``pp``: its layers, the embedding on the first stage,
-    the final norm and output layer on the last). ``head``
+    the final norm and output layer on the last; with ``ep`` > 1, its share of the routed experts).
+    Under ``sequence_parallel`` (t > 1) the activations outside the TP regions are split along the
+    sequence over tp (the norms and the MoE router see a slice each). ``head``
     'value' or 'reward': a ``ScalarHead`` replaces the vocabulary output layer (the policy's, built by
     GPTModel first, is dropped at once: a transient on the host with ``use_cpu_initialization``)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # scratch space of the TP layers, once per process
         parallel_state._set_global_memory_buffer()
@@ -161,15 +191,20 @@ def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch
     rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
         "rope_theta", 10000.0)
     stage = dist.get_rank(pgc.pp) if pp > 1 else 0
+    config = transformer_config(hf_config, tp, dtype, pp, ep, sequence_parallel)
+    layer = get_gpt_layer_local_spec(num_experts=getattr(hf_config, "num_experts", None) or None,
+                                     normalization="RMSNorm")
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
     model = GPTModel(
-        config=transformer_config(hf_config, tp, dtype, pp, ep),
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=getattr(hf_config, "num_experts", None) or None,
-                                                        normalization="RMSNorm"),
+        config=config,
+        transformer_layer_spec=TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(config, pp_rank=stage), layer_norm=RMSNorm),
         vocab_size=padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=stage == 0, post_process=stage == pp - 1, parallel_output=False,
         share_embeddings_and_output_weights=head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=int(rope), pg_collection=pgc,
     )
     if head != "lm" and stage == pp - 1:
-        model.output_layer = ScalarHead(hf_config.hidden_size, 1, bias=head_bias, dtype=dtype)
+        model.output_layer = ScalarHead(hf_config.hidden_size, head_bias, dtype,
+                                        pgc.tp if config.sequence_parallel else None)
     return model

@@ -1,7 +1,8 @@
 """Under mpiexec -n 2, the megatron engine on real megatron-core (CPU, gloo, the test-only shim):
 
 - HF -> GPTModel -> HF is exact (export at TP=1 and TP=2 gives the HF weights bit for bit);
-- TP=2 and TP=1 log-probs equal the transformers model's within float tolerance;
+- TP=2 (with sequence parallelism, the default, and without) and TP=1 log-probs equal the
+  transformers model's within float tolerance;
 - exact resume at TP=2: 3 steps, checkpoint through the DCP store, 3 more == 6 steps, bitwise;
 - weight sync from the TP=2 trainer into the hf engine: greedy output equals transformers with
   the same weights;
@@ -46,9 +47,9 @@ SEED = 3
 TMP = Path(comm.bcast(tempfile.mkdtemp(prefix="mcore-") if comm.rank == 0 else None, root=0))
 
 
-def megatron(mesh, trainable=True):
-    return MegatronEngine(EngineContext("actor_train", MegatronArgs(), cfg.model, cfg.algo, tok, torch.device("cpu"),
-                                        seed=SEED, mesh=mesh, trainable=trainable))
+def megatron(mesh, trainable=True, sequence_parallel=True):
+    return MegatronEngine(EngineContext("actor_train", MegatronArgs(sequence_parallel=sequence_parallel), cfg.model,
+                                        cfg.algo, tok, torch.device("cpu"), seed=SEED, mesh=mesh, trainable=trainable))
 
 
 def fsdp(mesh):
@@ -73,13 +74,15 @@ def train(e, steps):
 hf = load_model(cfg.model, tok, SEED)
 hf_weights = {n: p.detach().clone() for n, p in hf.named_parameters()}
 tp1, tp2 = megatron(mesh_dp2, trainable=False), megatron(mesh_tp2)
+plain_tp2 = megatron(mesh_tp2, trainable=False, sequence_parallel=False)
+assert tp2.model.config.sequence_parallel and not plain_tp2.model.config.sequence_parallel
 same(weights(tp1), hf_weights, "HF -> GPTModel -> HF at TP=1")
 same(weights(tp2), hf_weights, "HF -> GPTModel -> HF at TP=2")
 samples = batch(0)
 b = pack(samples, tok.pad_token_id, torch.device("cpu"))
 with torch.no_grad():
     ref = unpack(algos.token_logprobs(response_logits(hf, b).float(), b.targets), b.lengths)
-for name, e in (("TP=1", tp1), ("TP=2", tp2)):
+for name, e in (("TP=1", tp1), ("TP=2", tp2), ("TP=2 without sequence parallelism", plain_tp2)):
     err = max(float((x - y).abs().max()) for x, y in zip(e.logprobs(samples), ref, strict=True))
     # fp32 with |logp| ~ 3: summation-order differences are ~1e-6; a wrong mapping is ~0.1 or more
     assert err < 1e-4, f"{name} log-probs differ from transformers by {err}"

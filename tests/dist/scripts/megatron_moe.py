@@ -4,8 +4,11 @@ shim), data parallel d=2 without expert parallelism and with it (e=2: each rank 
 experts, tokens travel to them by all-to-all), against transformers and the fsdp engine:
 
 - HF -> GPTModel -> HF is exact (export gives the HF weights bit for bit) at e=1, e=2, p=2 and,
-  forward-only (a reference), t=2; training at t=2 is refused (it needs sequence parallelism);
+  forward-only (a reference), t=2;
 - log-probs equal transformers' within float tolerance at e=1, e=2, p=2 and forward-only t=2;
+- four updates at t=2 with sequence parallelism (the norms and the router on half the sequence
+  each), with torch AdamW and with the distributed optimizer, give p=2's losses and gradient norms,
+  and weights within float tolerance, on the same samples; a trainable t=2 engine without sequence parallelism is refused (megatron-core's rule);
 - six updates (two mini-batches of two gradient-accumulation micro-batches each per step), each
   rank its own samples: e=1 and e=2 give the fsdp engine's losses and gradient norms on the
   transformers model, and weights within float tolerance after;
@@ -59,8 +62,8 @@ EP2 = {"role": dist.new_group([0, 1]),
        **subgroups.create([0, 1], (("pp", 1), ("dp", 2), ("cp", 1), ("tp", 1)), comm.rank, dist.new_group, ep=2)}
 
 
-def engine(mesh, groups=None, trainable=True):
-    return MegatronEngine(EngineContext("actor_train", MegatronArgs(micro_batch=3), cfg.model, cfg.algo, tok,
+def engine(mesh, groups=None, trainable=True, args=None):
+    return MegatronEngine(EngineContext("actor_train", args or MegatronArgs(micro_batch=3), cfg.model, cfg.algo, tok,
                                         torch.device("cpu"), seed=SEED, mesh=mesh, trainable=trainable,
                                         groups=groups or {}))
 
@@ -102,13 +105,37 @@ for name, e, own in (("e=1", e1, batch(0)), ("e=2", e2, batch(0)), ("p=2", pp2, 
     err = gap(e.logprobs(own), ref)
     assert err < TOL, f"{name} log-probs differ from transformers' by {err}"
     print(f"rank {comm.rank}: {name} MoE log-probs within {err:.1e} of transformers'", flush=True)
-del pp2, tp2
+del tp2
+
+# -- t=2 (sequence parallel) against p=2: one replica each, the same samples on both ranks ---------------
 try:  # megatron-core trains MoE layers under tensor parallelism only with sequence parallelism
-    engine(mesh_tp2)
+    engine(mesh_tp2, args=MegatronArgs(micro_batch=3, sequence_parallel=False))
 except ValueError as err:
     assert "sequence parallelism only" in str(err), err
 else:
-    raise AssertionError("a trainable MoE engine at t=2 was built")
+    raise AssertionError("a trainable MoE engine at t=2 without sequence parallelism was built")
+tp2 = engine(mesh_tp2)
+tp2_distopt = engine(mesh_tp2, args=MegatronArgs(micro_batch=3, distributed_optimizer=True))
+assert tp2.sp and tp2.model.config.sequence_parallel
+
+
+def one_replica(e, steps):
+    return policy_steps(e, steps, lambda step: batch(step, rank=0), policy)
+
+
+want_stats = one_replica(pp2, range(4))
+want = weights(pp2)
+for name, e in (("t=2", tp2), ("t=2 distributed optimizer", tp2_distopt)):
+    for step, (a, b) in enumerate(zip(one_replica(e, range(4)), want_stats, strict=True)):
+        for key in ("pg_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < TOL * max(1.0, abs(b[key])), f"step {step} {key}: {name} {a[key]} p=2 {b[key]}"
+        print(f"rank {comm.rank}: step {step} pg_loss {name} {a['pg_loss']:.7f} p=2 {b['pg_loss']:.7f} grad_norm "
+              f"{a['grad_norm']:.6f} {b['grad_norm']:.6f}", flush=True)
+    got = weights(e)
+    err = max(float((got[n] - want[n]).abs().max()) for n in want)
+    assert err < WEIGHT_TOL, f"after 4 updates {name} and p=2 weights differ by {err}"
+    print(f"rank {comm.rank}: after 4 updates {name} (sequence parallel) weights within {err:.1e} of p=2's", flush=True)
+del tp2, tp2_distopt, pp2
 
 # -- training against the fsdp engine on the transformers model -------------------------------------
 f = fsdp()
