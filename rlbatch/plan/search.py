@@ -64,7 +64,8 @@ def train_dims(engine: str, n: int, gpn: int, shape: ModelShape, w: Workload) ->
                 continue
             es = [1]
             if engine == "megatron" and shape.experts:
-                es = [e for e in _pow2_upto(min(shape.experts, gpn)) if shape.experts % e == 0 and (d * t) % e == 0]
+                # the engine splits the experts over groups of e data-parallel ranks (expert tensor parallel = t)
+                es = [e for e in _pow2_upto(min(shape.experts, gpn)) if shape.experts % e == 0 and d % e == 0]
             for e in es:
                 dims = "".join(f"{k}{v}" for k, v in (("d", d), ("p", p), ("t", t), ("e", e)) if v > 1 or k == "d")
                 out.append(f"{engine}:{dims}")

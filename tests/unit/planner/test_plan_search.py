@@ -82,3 +82,15 @@ def test_other_training_engines_get_their_own_dims(engine: str) -> None:
         assert any("p" in s.split(":")[1] for s in specs)
     else:
         assert all(re.fullmatch(r"deepspeed:d\d+", s) for s in specs)  # ZeRO has only data parallelism
+
+
+def test_megatron_expert_parallelism_is_proposed_only_as_the_engine_splits_experts_over_dp() -> None:
+    cfg = make_config(model={"path": str(MODELS / "qwen1_5_moe_a2_7b")}, algo=ALGO,
+                      roles=roles("megatron:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    specs = {str(c.layout.roles["actor_train"].backend)
+             for c in candidates(cfg, 8, 8, shape_from_config(cfg["model"]), workload_from_config(cfg, 512))}
+    with_e = [s for s in specs if "e" in s.split(":")[1]]
+    assert with_e, specs
+    for s in with_e:
+        dims = dict((k, int(v)) for k, v in re.findall(r"([dpte])(\d+)", s.split(":")[1]))
+        assert dims.get("d", 1) % dims["e"] == 0 and 60 % dims["e"] == 0, s  # e divides d and the 60 experts
