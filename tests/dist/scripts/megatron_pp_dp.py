@@ -8,7 +8,8 @@ show a sum over dp where a mean is due (AdamW itself is blind to the scale):
   tolerance after;
 - d2p2, distributed optimizer: each rank holds about half of its stage's AdamW state; the same
   losses, gradient norms and weights; the tied embedding's two copies equal; exact resume
-  (3 + 3 == 6, bitwise); its checkpoint loads into the plain optimizer and into itself alike.
+  (3 + 3 == 6, bitwise); its checkpoint loads into the plain optimizer and into itself alike;
+- a Qwen2-MoE at d2p2e2 (expert parallelism inside each stage) against the same model at d4.
 """
 
 import shutil
@@ -31,6 +32,7 @@ from rlbatch.engines.registry import MegatronArgs
 from rlbatch.engines.train import megatron_optim
 from rlbatch.engines.train.megatron import MegatronEngine
 from rlbatch.launch.compose import compose
+from rlbatch.placement import subgroups
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
@@ -48,10 +50,10 @@ AdamW divides by sqrt(v), so rounding differences of the gradient sums grow over
 (~1e-5 here); the bound is 100x below how far they move (~0.1)."""
 
 
-def engine(mesh, distributed=False):
+def engine(mesh, distributed=False, model=None, groups=None):
     return MegatronEngine(EngineContext("actor_train", MegatronArgs(micro_batch=3, distributed_optimizer=distributed),
-                                        cfg.model, cfg.algo, tok, torch.device("cpu"), seed=3, mesh=mesh,
-                                        trainable=True))
+                                        model or cfg.model, cfg.algo, tok, torch.device("cpu"), seed=3, mesh=mesh,
+                                        trainable=True, groups=groups or {}))
 
 
 def batch(step):
@@ -103,6 +105,15 @@ half = engine(mesh_d2p2, distributed=True)
 restore(half, TMP / "do3")
 same(plain.checkpoint_state().tensors, half.checkpoint_state().tensors,
      "d2p2 distributed optimizer checkpoint into the plain optimizer")
+# A Qwen2-MoE (4 experts) at d2p2e2: each stage's two replicas split the experts, 2 each (the
+# expert groups world makes: ranks 0-1 on stage 0, 2-3 on stage 1), against the same model at d4.
+moe = compose(["model.arch=qwen2_moe"]).model
+groups = {"role": dist.new_group(list(range(4))),
+          **subgroups.create(range(4), (("pp", 2), ("dp", 2), ("cp", 1), ("tp", 1)), comm.rank, dist.new_group, ep=2)}
+moe_d4 = engine(mesh_d4, model=moe)
+moe_stats = train(moe_d4, range(3))
+agree("MoE d2p2e2", engine(mesh_d2p2, model=moe, groups=groups), moe_stats, weights(moe_d4))
+
 dist.barrier()
 if comm.rank == 0:
     shutil.rmtree(TMP, ignore_errors=True)
