@@ -3,7 +3,7 @@ on both ranks (``vllm:d2``, weight sync in process) and on a rank of its own (``
 sync broadcast in buckets to the one rank that holds a vLLM engine). A tensor-parallel vLLM
 worker (t=2) on the job's ranks 0-1 and on ranks 1-2 of 3 (not on rank 0): greedy output equals
 transformers' before and after a weight sync, and both peers sample alike; the same with the
-engine compiled (``cpu_compile``)."""
+engine compiled (``cpu_compile``), and with a Mixture-of-Experts model."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def test_grpo_with_vllm_generating(run_root: Path, roles: str, backend: str) -> 
     assert logs.count("built vllm engine for actor_infer") == (2 if roles == "colocated" else 1)
 
 
-@pytest.mark.parametrize(("ranks", "args"), [(2, ["0,1"]), (3, ["1,2"]), (2, ["0,1", "compiled"])],
-                         ids=["colocated-d1t2", "subset-t2", "colocated-d1t2-compiled"])
+@pytest.mark.parametrize(("ranks", "args"), [(2, ["0,1"]), (3, ["1,2"]), (2, ["0,1", "compiled"]), (2, ["0,1", "moe"])],
+                         ids=["colocated-d1t2", "subset-t2", "colocated-d1t2-compiled", "colocated-d1t2-moe"])
 def test_tensor_parallel_vllm_worker_matches_transformers(ranks: int, args: list[str]) -> None:
     out = mpirun("vllm_tp.py", ranks, *args)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -324,12 +324,30 @@ def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool
 
 
 def finish_layerwise_reload(model: Any, vllm_config: Any) -> None:
-    """Close a layerwise reload: vLLM's ``finalize_layerwise_reload``, then the tied head's
-    repacking it misses (``_reprocess_tied_head``)."""
+    """Close a layerwise reload: vLLM's ``finalize_layerwise_reload``, then the repacking it misses
+    on CPU (``_reprocess_tied_head``, ``_reprocess_cpu_experts``)."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     finalize_layerwise_reload(model, vllm_config.model_config)
     _reprocess_tied_head(model)
+    _reprocess_cpu_experts(model)
+
+
+def _reprocess_cpu_experts(model: Any) -> None:
+    """A Mixture-of-Experts layer's post-load processing, re-run by the reload, skips the experts'
+    own step once its kernel is built (``fused_experts.process_weights_after_loading``, to keep
+    captured CUDA-graph addresses). On CPU that step packs the routed experts' weights into the
+    grouped-GEMM layout the kernel reads: skipped, the reloaded weights stay in checkpoint layout
+    and the layer computes garbage, without an error. Re-run it for vLLM's CPU experts."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a build without the CPU MoE kernels
+        return
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
 
 
 def _reprocess_tied_head(model: Any) -> None:

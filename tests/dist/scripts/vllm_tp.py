@@ -7,7 +7,8 @@ in a private world of its two peers beside the program's world.
 - ``0,1`` of 2 ranks (colocated): every rank loads the full weights in process.
 
 A third argument ``compiled`` builds the engine with ``cpu_compile`` (torch.compile, as vLLM runs
-by default) and checks it is compiled; every check below is the same.
+by default) and checks it is compiled; ``moe`` runs a Qwen2-MoE model (vLLM's CPU MoE kernel packs
+the experts' weights, and must pack them again after each sync); every check below is the same.
 
 Each peer checks: greedy output before and after the sync equals transformers' with the same
 weights token for token (fp32); sampled output with a seed is the same on both peers and differs
@@ -38,7 +39,8 @@ comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
 peers = [int(r) for r in sys.argv[2].split(",")]
 colocated = comm.size == len(peers)
-compiled = sys.argv[3:] == ["compiled"]  # engine_args.cpu_compile: torch.compile, as vLLM runs by default
+compiled = "compiled" in sys.argv[3:]  # engine_args.cpu_compile: torch.compile, as vLLM runs by default
+moe = "moe" in sys.argv[3:]  # a Qwen2-MoE (4 experts, top-2): vLLM's fused MoE layer, repacked on each sync
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 mesh = DeviceMesh("cpu", torch.tensor(peers).reshape(1, len(peers)), mesh_dim_names=("dp", "tp"))  # collective
@@ -50,7 +52,8 @@ def program_collective_works() -> None:
     assert t.tolist() == [float(comm.size)] * 2, t
 
 
-cfg = compose(["model.num_heads=2", "model.num_kv_heads=1"])  # head_dim 32: vLLM's CPU attention
+cfg = compose(["model.num_heads=2", "model.num_kv_heads=1",  # head_dim 32: vLLM's CPU attention
+               *(["model.arch=qwen2_moe"] if moe else [])])
 tok = load_tokenizer(cfg.model)
 cpu = torch.device("cpu")
 engine = hf = None
