@@ -38,7 +38,9 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
         splits = (("layers", "num_layers", spec.layers, d.p, "pipeline stages p"),
                   ("attention", "num_heads", spec.heads, d.t, "tensor-parallel ranks t"),
                   ("attention", "num_kv_heads", spec.kv_heads, d.t, "tensor-parallel ranks t"),
-                  ("MLP", "intermediate_size", spec.ffn, d.t, "tensor-parallel ranks t"))
+                  ("MLP", "intermediate_size", spec.ffn, d.t, "tensor-parallel ranks t"),
+                  ("routed experts", "moe_intermediate_size", spec.moe_ffn, d.t, "tensor-parallel ranks t"),
+                  ("shared expert", "shared_expert_intermediate_size", spec.shared_ffn, d.t, "tensor-parallel ranks t"))
         for what, name, n, by, axis in splits:
             if by > 1 and n % by:
                 problems.append(f"{field}: '{b}' splits the model's {what} over {axis}={by}, but "
