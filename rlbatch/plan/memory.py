@@ -162,9 +162,10 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
             notes.append(f"distributed optimizer: optimizer state / {d * c}")
         buffers = 0.0
         layers_held = math.ceil(shape.layers / p)
-    # rlbatch's megatron engine runs tensor parallelism without sequence parallelism (its
-    # TransformerConfig): a layer keeps Korthikanti's 10 + 24/t count, not (34 + ...)/t.
-    sp = b.engine == "fsdp"
+    # rlbatch's megatron engine runs tensor parallelism with sequence parallelism unless
+    # engine_args.sequence_parallel is false: then a layer keeps Korthikanti's 10 + 24/t count,
+    # not (34 + ...)/t.
+    sp = b.engine == "fsdp" or (b.engine == "megatron" and bool(ea.get("sequence_parallel", True)))
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     s = w.seq_len / c
     vocab = 1 if r.name in HEADS else shape.vocab  # a value or reward head: a scalar per token

@@ -121,18 +121,22 @@ def test_shared_prompts_hold_each_prompt_once_in_activations_and_logits(h100) ->
     assert a["activations"] < b["activations"] * (2 * 512 + 16 * 1023) / (16 * 1536) * 1.05
 
 
-def test_megatron_activations_are_counted_without_sequence_parallelism(h100) -> None:  # type: ignore[no-untyped-def]
-    # rlbatch's megatron engine runs TP without sequence parallelism: a layer keeps Korthikanti's
-    # s*b*h*(10 + 24/t + ...) (the norms' and dropouts' inputs whole on every TP rank), not (34 + ...)/t.
-    # fsdp at the same dims and whole-sequence passes is counted with the activations divided by t.
+def test_megatron_activations_follow_its_sequence_parallelism(h100) -> None:  # type: ignore[no-untyped-def]
+    # rlbatch's megatron engine runs TP with sequence parallelism by default: a layer's activations
+    # are (34 + ...)/t like fsdp's at the same dims and whole-sequence passes. With
+    # engine_args.sequence_parallel=false it keeps Korthikanti's s*b*h*(10 + 24/t + ...) (the norms'
+    # and dropouts' inputs whole on every TP rank).
     from rlbatch.plan import activations as act
 
     full = {"engine_args": {"share_prompts": False}}
     f = make_config(algo=ALGO, roles=roles("fsdp:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))", actor_train=full))
     m = make_config(algo=ALGO, roles=roles("megatron:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+    no_sp = make_config(algo=ALGO, roles=roles("megatron:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))",
+                                               actor_train={"engine_args": {"sequence_parallel": False}}))
     w = workload_from_config(f, 512)
-    a = role_memory(make_layout(f).roles["actor_train"], Q7B, w, 2, h100).transient["train"]["activations"]
-    b = role_memory(make_layout(m).roles["actor_train"], Q7B, w, 2, h100).transient["train"]["activations"]
+    a, b, c = (role_memory(make_layout(x).roles["actor_train"], Q7B, w, 2, h100).transient["train"]["activations"]
+               for x in (f, m, no_sp))
     s = w.seq_len
     ratio = act.layer_bytes(Q7B, s, 1, 2, 2, sp=False) / act.layer_bytes(Q7B, s, 1, 2, 2, sp=True)
-    assert ratio > 1.1 and b == pytest.approx(a * ratio, rel=1e-9)
+    assert b == pytest.approx(a, rel=1e-9)
+    assert ratio > 1.1 and c == pytest.approx(a * ratio, rel=1e-9)
