@@ -4,7 +4,7 @@ shim), data parallel d=2 without expert parallelism and with it (e=2: each rank 
 experts, tokens travel to them by all-to-all), against transformers and the fsdp engine:
 
 - HF -> GPTModel -> HF is exact (export gives the HF weights bit for bit) at e=1, e=2, p=2 and,
-  forward-only (a reference), t=2;
+  forward-only (a reference), t=2, and from a saved model directory (model.path) at e=2;
 - log-probs equal transformers' within float tolerance at e=1, e=2, p=2 and forward-only t=2;
 - four updates at t=2 with sequence parallelism (the norms and the router on half the sequence
   each), with torch AdamW and with the distributed optimizer, give p=2's losses and gradient norms,
@@ -62,10 +62,10 @@ EP2 = {"role": dist.new_group([0, 1]),
        **subgroups.create([0, 1], (("pp", 1), ("dp", 2), ("cp", 1), ("tp", 1)), comm.rank, dist.new_group, ep=2)}
 
 
-def engine(mesh, groups=None, trainable=True, args=None):
-    return MegatronEngine(EngineContext("actor_train", args or MegatronArgs(micro_batch=3), cfg.model, cfg.algo, tok,
-                                        torch.device("cpu"), seed=SEED, mesh=mesh, trainable=trainable,
-                                        groups=groups or {}))
+def engine(mesh, groups=None, trainable=True, args=None, model=None):
+    return MegatronEngine(EngineContext("actor_train", args or MegatronArgs(micro_batch=3), model or cfg.model,
+                                        cfg.algo, tok, torch.device("cpu"), seed=SEED, mesh=mesh,
+                                        trainable=trainable, groups=groups or {}))
 
 
 def fsdp():
@@ -106,6 +106,15 @@ for name, e, own in (("e=1", e1, batch(0)), ("e=2", e2, batch(0)), ("p=2", pp2, 
     assert err < TOL, f"{name} log-probs differ from transformers' by {err}"
     print(f"rank {comm.rank}: {name} MoE log-probs within {err:.1e} of transformers'", flush=True)
 del tp2
+
+# -- a Qwen2-MoE model directory (model.path: transformers saves the experts one by one) --------------
+if comm.rank == 0:
+    hf.save_pretrained(TMP / "moe-dir")
+    tok.save_pretrained(TMP / "moe-dir")
+dist.barrier()
+from_dir = engine(mesh_dp2, EP2, model=compose(["algo=ppo", f"model.path={TMP / 'moe-dir'}"]).model)
+same(weights(from_dir), hf_weights, "a Qwen2-MoE directory -> GPTModel (e=2) -> HF")
+del from_dir
 
 # -- t=2 (sequence parallel) against p=2: one replica each, the same samples on both ranks ---------------
 try:  # megatron-core trains MoE layers under tensor parallelism only with sequence parallelism
