@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.config.runnable import RoleEngine, role_ops
+from rlbatch.config.runnable import RoleEngine, section
+from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.errors import ConfigError
 
 
@@ -33,8 +34,8 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
             problems.append(f"{field}: '{b}' is a hybrid layout (attention and MLP on different meshes), which the "
                             f"megatron engine does not build; write one mesh for both, e.g. 'megatron:d4p2e2'")
             continue
-        trains = "train" in role_ops().get(e.role, [])
-        problems += _expert_problems(field, b, spec, _section(plain, "roles", e.role, "engine_args"), trains)
+        problems += _expert_problems(field, b, spec, section(plain, "roles", e.role, "engine_args"),
+                                     e.role in TRAINABLE_ROLES)
         splits = (("layers", "num_layers", spec.layers, d.p, "pipeline stages p"),
                   ("attention", "num_heads", spec.heads, d.t, "tensor-parallel ranks t"),
                   ("attention", "num_kv_heads", spec.kv_heads, d.t, "tensor-parallel ranks t"),
@@ -46,12 +47,6 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
                 problems.append(f"{field}: '{b}' splits the model's {what} over {axis}={by}, but "
                                 f"{name}={n} is not divisible by {by}")
     return problems
-
-
-def _section(plain: Mapping[str, Any], *keys: str) -> Mapping[str, Any]:
-    for k in keys:
-        plain = plain.get(k) if isinstance(plain, Mapping) else None  # type: ignore[assignment]
-    return plain if isinstance(plain, Mapping) else {}
 
 
 def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:

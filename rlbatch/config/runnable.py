@@ -41,8 +41,11 @@ _OP_KIND = {"generate": EngineKind.INFER, "logprobs": EngineKind.TRAIN, "values"
             "train": EngineKind.TRAIN, "score": EngineKind.TRAIN}
 
 
-def _section(plain: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    node = plain.get(key)
+def section(plain: Mapping[str, Any], *keys: str) -> Mapping[str, Any]:
+    """The mapping at ``plain[k1][k2]...``; empty where a key is missing or not a mapping."""
+    node: Any = plain
+    for key in keys:
+        node = node.get(key) if isinstance(node, Mapping) else None
     return node if isinstance(node, Mapping) else {}
 
 
@@ -81,7 +84,7 @@ class RoleEngine:
 
 def role_engines(plain: Mapping[str, Any]) -> list[RoleEngine]:
     """Every enabled GPU role whose backend parses (place() reports the ones that do not)."""
-    roles = _section(plain, "roles")
+    roles = section(plain, "roles")
     train = roles.get("actor_train")
     train_backend = train.get("backend") if _enabled(train) else None
     out = []
@@ -103,7 +106,7 @@ def role_engines(plain: Mapping[str, Any]) -> list[RoleEngine]:
 
 def engine_args_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> list[str]:
     """Each role's engine_args against its engine's typed arguments (unknown keys, wrong types)."""
-    roles = _section(plain, "roles")
+    roles = section(plain, "roles")
     problems = []
     for e in engines:
         raw = roles[e.role].get("engine_args")
@@ -133,8 +136,7 @@ def head_problems(engines: list[RoleEngine]) -> list[str]:
     return problems
 
 
-def role_ops() -> dict[str, list[str]]:
-    """The engine operations each role's phases call (``generate``, ``logprobs``, ``train`` ...)."""
+def _role_ops() -> dict[str, list[str]]:
     ops: dict[str, list[str]] = {}
     for p in PHASES.values():
         if p.op in _OP_KIND and p.op not in ops.setdefault(p.role, []):
@@ -149,7 +151,7 @@ def _dims_text(letters: str) -> str:
 def engine_problems(engines: list[RoleEngine]) -> list[str]:
     """Engines this build does not have, engines of the wrong kind for the role, dims above 1 the
     built engine does not support. Inherited backends are reported once, on actor_train."""
-    ops = role_ops()
+    ops = _role_ops()
     problems = []
     for e in engines:
         if e.inherited or e.role not in ops:
@@ -182,8 +184,8 @@ def program_problems(plain: Mapping[str, Any]) -> list[str]:
     """program=train: the critic is used by the program, the reward role scores on CPUs. (algo.name
     itself is checked by ``check``, with ``program_name_problem``.)"""
     problems = []
-    name = _section(plain, "algo").get("name")
-    roles = _section(plain, "roles")
+    name = section(plain, "algo").get("name")
+    roles = section(plain, "roles")
     if isinstance(name, str) and name in PROGRAMS and _enabled(roles.get("critic")) and name not in USES_CRITIC:
         problems.append(f"roles.critic: enabled, but algo.name={name} does not use a critic (programs that do: "
                         f"{sorted(USES_CRITIC)}); set roles.critic.enabled=false or algo=ppo")
@@ -250,17 +252,17 @@ def _resume_problem(resume: str, run_dir: Any) -> str | None:
 
 def files_problems(plain: Mapping[str, Any]) -> list[str]:
     """The model, dataset, reward function and checkpoint the config names are there."""
-    model, data = _section(plain, "model"), _section(plain, "data")
+    model, data = section(plain, "model"), section(plain, "data")
     checks: list[tuple[str, Any]] = []
     if model.get("path") and model.get("check_path", True) is not False:
         checks.append(("model.path", lambda: _model_dir_problem(str(model["path"]))))
-    for section in ("reward_model", "critic_model"):
-        own = _section(plain, section)
+    for name in ("reward_model", "critic_model"):
+        own = section(plain, name)
         if own.get("path") and own.get("check_path", True) is not False:
-            checks.append((f"{section}.path", lambda p=str(own["path"]), f=section: _model_dir_problem(p, f)))
+            checks.append((f"{name}.path", lambda p=str(own["path"]), f=name: _model_dir_problem(p, f)))
     if data.get("name") == "file" and data.get("path") and data.get("check_path", True) is not False:
         checks.append(("data.path", lambda: _data_file_problem(str(data["path"]))))
-    if data.get("reward_fn") is not None and _enabled(_section(plain, "roles").get("reward")):
+    if data.get("reward_fn") is not None and _enabled(section(plain, "roles").get("reward")):
         checks.append(("data.reward_fn", lambda: _reward_fn_problem(data["reward_fn"])))
     resume = plain.get("resume")
     if isinstance(resume, str) and resume not in ("", "auto", "never"):
@@ -279,7 +281,7 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
 def run_dir_problem(plain: Mapping[str, Any]) -> str | None:
     """cluster=slurm: a run directory under a node-local directory is invisible to the job's nodes."""
     run_dir = plain.get("run_dir")
-    if _section(plain, "cluster").get("name") != "slurm" or not isinstance(run_dir, str) or not run_dir:
+    if section(plain, "cluster").get("name") != "slurm" or not isinstance(run_dir, str) or not run_dir:
         return None
     try:
         given = Path(run_dir).expanduser().absolute()

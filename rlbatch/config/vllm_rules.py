@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlbatch.config.runnable import RoleEngine
+from rlbatch.config.runnable import RoleEngine, section
 from rlbatch.engines.registry import VLLMArgs, parse_args
 from rlbatch.engines.vllm_limits import (
     BLOCK_TOKENS_CPU,
@@ -43,15 +43,10 @@ MiB = float(1 << 20)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def _section(plain: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    node = plain.get(key)
-    return node if isinstance(node, Mapping) else {}
-
-
 def on_cpu(plain: Mapping[str, Any]) -> bool | None:
     """Whether the ranks run on CPUs: cluster.device, or for 'auto' on cluster=local whether this
     machine has NVIDIA devices; None when unknown (a Slurm job's nodes with device=auto)."""
-    cluster = _section(plain, "cluster")
+    cluster = section(plain, "cluster")
     device = cluster.get("device", "auto")
     if device in ("cpu", "cuda"):
         return device == "cpu"
@@ -82,12 +77,12 @@ def _hardware(plain: Mapping[str, Any]) -> dict[str, float]:
 
 def node_memory(plain: Mapping[str, Any]) -> tuple[float, str] | None:
     """(bytes, where the figure comes from) of one node's memory, or None when unknown."""
-    mem_gb = _section(plain, "cluster").get("mem_gb")
+    mem_gb = section(plain, "cluster").get("mem_gb")
     if isinstance(mem_gb, int) and not isinstance(mem_gb, bool) and mem_gb > 0:
         return mem_gb * float(1 << 30), f"cluster.mem_gb={mem_gb}"
     if "host_ram_bytes" in (hw := _hardware(plain)):
         return hw["host_ram_bytes"], "the hardware config's host_ram_bytes"
-    if _section(plain, "cluster").get("name", "local") == "local":
+    if section(plain, "cluster").get("name", "local") == "local":
         try:
             return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine"
         except (OSError, ValueError):
@@ -100,7 +95,7 @@ def gpu_memory(plain: Mapping[str, Any]) -> tuple[float, str] | None:
     (nvidia-smi) for cluster=local; None when unknown."""
     if "hbm_bytes" in (hw := _hardware(plain)):
         return hw["hbm_bytes"], "the hardware config's hbm_bytes"
-    if _section(plain, "cluster").get("name", "local") != "local":
+    if section(plain, "cluster").get("name", "local") != "local":
         return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
@@ -112,7 +107,7 @@ def gpu_memory(plain: Mapping[str, Any]) -> tuple[float, str] | None:
 
 def _dtype_bytes(plain: Mapping[str, Any], engine_dtype: str, cpu: bool) -> int:
     """Bytes per weight and KV element: engine_args.dtype, else model.dtype; 'auto' is fp32 on CPU, bf16 on GPU."""
-    for name in (engine_dtype, _section(plain, "model").get("dtype", "auto")):
+    for name in (engine_dtype, section(plain, "model").get("dtype", "auto")):
         if name in _DTYPE_BYTES:
             return _DTYPE_BYTES[name]
     return 4 if cpu else 2
@@ -215,14 +210,14 @@ def vllm_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
         return []
     from rlbatch.models.spec import spec_from_config
 
-    model = _section(plain, "model")
+    model = section(plain, "model")
     try:
         spec = spec_from_config(model)
     except (ConfigError, OSError, ValueError, TypeError):
         return []
     cpu = on_cpu(plain)
     problems = []
-    roles = _section(plain, "roles")
+    roles = section(plain, "roles")
     for e in vllm:
         b = e.backend
         if b.t > 1 and (why := tp_heads_problem(b.t, spec.heads, spec.kv_heads)) is not None:

@@ -153,8 +153,12 @@ class MegatronEngine(StashedState):
             self.model.eval()
 
     # -- weights in and out -------------------------------------------------------------------
+    def _local(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's GPTModel-shaped share of HF-named tensors (its tp rank, stage and experts)."""
+        return convert.to_megatron(hf, self.lay, self.tp_rank, self.stage, self.ep_rank)
+
     def _load_full(self, hf: dict[str, torch.Tensor]) -> None:
-        local = convert.to_megatron(hf, self.lay, self.tp_rank, self.stage, self.ep_rank)
+        local = self._local(hf)
         if missing := sorted(set(self.params) ^ set(local)):
             raise RuntimeError(f"megatron engine: GPTModel and the HF mapping disagree on {missing}")
         for name, p in self.params.items():
@@ -335,10 +339,15 @@ class MegatronEngine(StashedState):
         d = dist.get_world_size(self.dp_group)
         if d == 1:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None and not _routed(p, self.ep)]
-        experts = [p.grad for p in self.model.parameters() if p.grad is not None and _routed(p, self.ep)]
-        _sum_over(grads, self.dp_group, d)
+        dense, experts = self._grads()
+        _sum_over([g for _, g in dense], self.dp_group, d)
         _sum_over(experts, self.edp_group, d)
+
+    def _grads(self) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], list[torch.Tensor]]:
+        """(parameter, gradient) of every parameter with one but the routed experts under expert
+        parallelism, and the routed experts' gradients."""
+        with_grad = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        return [(p, g) for p, g in with_grad if not _routed(p, self.ep)], [g for p, g in with_grad if _routed(p, self.ep)]
 
     def _sync_tied(self) -> None:
         """A tied embedding split over pipeline stages: sum the gradients of its two copies (the first
@@ -362,11 +371,10 @@ class MegatronEngine(StashedState):
         """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once,
         routed experts under expert parallelism each ep rank's, each pipeline stage its own (the last
         stage's copy of a tied embedding not again)."""
-        experts = [p.grad for p in self.model.parameters() if p.grad is not None and _routed(p, self.ep)]
-        params = [p for p in self.model.parameters() if p.grad is not None and not _routed(p, self.ep)]
-        split = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
-        repl = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
-        counted = [p.grad for p in params if getattr(p, "tensor_model_parallel", False) and not getattr(p, "shared", False)]
+        params, experts = self._grads()
+        split = [g for p, g in params if getattr(p, "tensor_model_parallel", False)]
+        repl = [g for p, g in params if not getattr(p, "tensor_model_parallel", False)]
+        counted = [g for p, g in params if getattr(p, "tensor_model_parallel", False) and not getattr(p, "shared", False)]
         sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), device=self.device)
         if self.tp > 1:
             dist.all_reduce(sq, group=self.tp_group)
@@ -449,12 +457,10 @@ class MegatronEngine(StashedState):
         t = state.tensors
         with torch.no_grad():
             self._load_full({n: t[f"model.{n}"] for n in self.hf_names})
-            moments = {key: convert.to_megatron({n: t[f"optim.{n}.{key}"] for n in self.hf_names}, self.lay,
-                                                self.tp_rank, self.stage, self.ep_rank) for key in ADAM_KEYS}
+            moments = {key: self._local({n: t[f"optim.{n}.{key}"] for n in self.hf_names}) for key in ADAM_KEYS}
             step = t[f"optim.{self.hf_names[0]}.step"]
             if self.dist_opt is not None:
-                main = convert.to_megatron({n: t[f"model.{n}"] for n in self.hf_names}, self.lay, self.tp_rank,
-                                           self.stage)
+                main = self._local({n: t[f"model.{n}"] for n in self.hf_names})
                 megatron_optim.scatter(self.dist_opt, {p: {"param": main[name], **{k: moments[k][name] for k in ADAM_KEYS}}
                                                        for name, p in self.params.items()}, step)
             else:

@@ -13,6 +13,7 @@ The mapping (exact: it only moves numbers):
     layers.i.mlp.{gate,up}_proj      -> decoder.layers.i.mlp.linear_fc1       per rank cat(gate_r, up_r)
     layers.i.mlp.down_proj           -> decoder.layers.i.mlp.linear_fc2       columns split over TP
     model.norm                       -> decoder.final_layernorm               replicated
+    score.{weight,bias} (value/reward)-> output_layer.{weight,bias}           replicated
 
 A Qwen2-MoE layer's MLP (every layer sparse) maps to megatron-core's MoE layer (SequentialMLP
 experts, a gated shared expert):
@@ -27,7 +28,6 @@ experts, a gated shared expert):
 
 With expert parallelism (ep ranks, tp = 1) each rank holds ``experts / ep`` consecutive experts as
 its ``local_experts`` 0, 1, ... (``global_expert_name`` numbers them back).
-    score.{weight,bias} (value/reward)-> output_layer.{weight,bias}           replicated
 
 Under pipeline parallelism (p stages) each stage holds a contiguous 1/p of the layers, numbered
 from 0 on every stage (HF layer ``stage * layers/p + j`` is the stage's ``decoder.layers.j``); the
@@ -283,7 +283,8 @@ def _moe_to_hf(shards: Mapping[str, list[torch.Tensor]], h: str, m: str, lay: La
 
 def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout, stage: int = 0) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of pipeline stage ``stage`` from its TP ranks' GPTModel tensors
-    (``shards[name][r]``: rank r's; routed experts under ``global_expert_name``, all of them). The last stage's copy of a tied embedding is not among them."""
+    (``shards[name][r]``: rank r's; routed experts under ``global_expert_name``, all of them). The
+    last stage's copy of a tied embedding is not among them."""
     first, last = stage == 0, stage == lay.pp - 1
     out: dict[str, torch.Tensor] = {}
     if first:
