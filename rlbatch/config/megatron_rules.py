@@ -3,7 +3,7 @@ pipeline stages, its attention heads and MLP over tensor-parallel ranks, its rou
 expert-parallel ranks (the shape of ``model``: its config.json, or the random-init fields); and the
 layouts it does not build or megatron-core refuses (AReaL's hybrid attn|ffn layout; training a
 Mixture-of-Experts model under tensor parallelism without sequence parallelism; expert parallelism
-with the distributed optimizer). The engine refuses the same at build, with the same numbers."""
+with tensor parallelism or with the distributed optimizer). The engine refuses the same at build, with the same numbers."""
 
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, An
     if d.e > 1 and spec.experts % d.e:
         out.append(f"{field}: '{b}' splits the model's {spec.experts} routed experts over expert-parallel ranks "
                    f"e={d.e}, but num_experts={spec.experts} is not divisible by {d.e}")
+    if d.e > 1 and d.t > 1:
+        out.append(f"{field}: '{b}' combines expert parallelism e={d.e} with tensor parallelism t={d.t}, which the "
+                   f"megatron engine does not build; use t=1 with e (or t without e)")
     if d.e > 1 and d.d % d.e:
         out.append(f"{field}: '{b}' folds expert parallelism onto data parallelism, but e={d.e} does not divide "
                    f"d={d.d}")

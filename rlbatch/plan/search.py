@@ -63,8 +63,8 @@ def train_dims(engine: str, n: int, gpn: int, shape: ModelShape, w: Workload) ->
             if w.sequences % (d * w.mini_batches * w.grad_accum):
                 continue
             es = [1]
-            if engine == "megatron" and shape.experts:
-                # the engine splits the experts over groups of e data-parallel ranks (expert tensor parallel = t)
+            if engine == "megatron" and shape.experts and t == 1:
+                # the engine splits the experts over groups of e data-parallel ranks, without tensor parallelism
                 es = [e for e in _pow2_upto(min(shape.experts, gpn)) if shape.experts % e == 0 and d % e == 0]
             for e in es:
                 dims = "".join(f"{k}{v}" for k, v in (("d", d), ("p", p), ("t", t), ("e", e)) if v > 1 or k == "d")

@@ -176,7 +176,9 @@ def test_what_a_mixture_of_experts_model_cannot_split_is_named_with_the_numbers(
     assert convert.problems(moe_layout(ep=3)) == ["num_experts = 4 is not divisible by expert parallel e = 3"]
     assert convert.problems(moe_layout(experts=0, ep=2)) == [
         "expert parallel e = 2 needs a Mixture-of-Experts model (num_experts), this one is dense"]
-    assert convert.problems(moe_layout(tp=2)) == []  # forward-only at t=2 runs; training is refused by the engine
+    assert convert.problems(moe_layout(tp=2)) == []  # sequence parallel; without it training is refused by the engine
+    assert convert.problems(moe_layout(tp=2, ep=2)) == [
+        "expert parallel e = 2 with tensor parallel t = 2 is not built; use t = 1 with e"]
     assert convert.problems(moe_layout(tp=4, heads=8, groups=4)) == [
         "moe_intermediate_size = 6 is not divisible by tensor parallel t = 4",
         "shared_expert_intermediate_size = 10 is not divisible by tensor parallel t = 4"]

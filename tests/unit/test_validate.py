@@ -141,6 +141,9 @@ def test_megatron_expert_parallelism_needs_a_mixture_of_experts_model_and_refuse
         "e=4, but num_experts=6 is not divisible by 4"]
     check(set_(on_ranks(moe, 2, "megatron:d2", "hf:d2"), roles__reference__backend="megatron:t2"))  # forward-only
     check(on_ranks(moe, 4, "megatron:d2t2", "hf:d4"))  # sequence parallel by default
+    assert problems(on_ranks(moe, 4, "megatron:d2t2e2", "hf:d4")) == [
+        "roles.actor_train.backend: 'megatron:d2t2e2' combines expert parallelism e=2 with tensor parallelism t=2, "
+        "which the megatron engine does not build; use t=1 with e (or t without e)"]
     assert problems(set_(on_ranks(moe, 2, "megatron:t2", "hf:d2"), model__moe_intermediate_size=63)) == [
         "roles.actor_train.backend: 'megatron:t2' splits the model's routed experts over tensor-parallel ranks "
         "t=2, but moe_intermediate_size=63 is not divisible by 2"]

@@ -148,6 +148,8 @@ def problems(lay: Layout) -> list[str]:
         out.append(f"expert parallel e = {lay.ep} needs a Mixture-of-Experts model (num_experts), this one is dense")
     if lay.experts and lay.experts % lay.ep:
         out.append(f"num_experts = {lay.experts} is not divisible by expert parallel e = {lay.ep}")
+    if lay.ep > 1 and lay.tp > 1:
+        out.append(f"expert parallel e = {lay.ep} with tensor parallel t = {lay.tp} is not built; use t = 1 with e")
     if lay.experts:
         for what, n in (("moe_intermediate_size", lay.moe_ffn), ("shared_expert_intermediate_size", lay.shared_ffn)):
             if n % lay.tp:

@@ -94,3 +94,4 @@ def test_megatron_expert_parallelism_is_proposed_only_as_the_engine_splits_exper
     for s in with_e:
         dims = dict((k, int(v)) for k, v in re.findall(r"([dpte])(\d+)", s.split(":")[1]))
         assert dims.get("d", 1) % dims["e"] == 0 and 60 % dims["e"] == 0, s  # e divides d and the 60 experts
+        assert dims.get("t", 1) == 1, s  # and comes without tensor parallelism
