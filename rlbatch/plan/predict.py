@@ -14,8 +14,10 @@ log-probs run beside the CPU reward; a colocated placement is still the sum).
 
 Asynchronous training (``Workload.max_staleness > 0``) on a placement where actor_infer's GPUs
 hold no other role: generation (of a later step) runs beside every other phase of the step, and
-the weight sync waits for it, so the step is max(generation, the rest) + sync. On shared GPUs the
-run is synchronous, and so is the prediction (with a note).
+the weight sync waits for it, so the step is max(generation, the rest) + sync. A reference on
+actor_infer's GPUs (each shard inside a worker) takes its log-probs right after the generation,
+there: the step is max(generation + reference, the rest) + sync. On other shared GPUs the run is
+synchronous, and so is the prediction (with a note).
 """
 
 from __future__ import annotations
@@ -189,12 +191,25 @@ def _transitions(layout: Layout, gpus: list[GpuKind], mems: dict[str, RoleMemory
     return totals, per_phase
 
 
-def _infer_alone(layout: Layout) -> bool:
-    """actor_infer's GPUs hold no other GPU role (asynchronous generation can run beside them)."""
+def _reference_rides(layout: Layout) -> bool:
+    """The reference's GPUs are actor_infer's and each of its shards fits inside an inference
+    worker: asynchronously, its log-probs are taken there right after each generation
+    (``rlbatch.scheduler.ahead.rider_for``, which checks the exact rank groups)."""
+    ref, infer = layout.roles.get("reference"), layout.roles.get("actor_infer")
+    if ref is None or infer is None or ref.backend is None or infer.backend is None or set(ref.ranks) != set(infer.ranks):
+        return False
+    shard, worker = len(ref.ranks) // ref.backend.d, len(infer.ranks) // max(1, infer.world_size)
+    return worker % shard == 0
+
+
+def _infer_alone(layout: Layout, beside: tuple[str, ...] = ()) -> bool:
+    """actor_infer's GPUs hold no other GPU role but those in ``beside`` (asynchronous generation
+    can run beside the rest)."""
     infer = layout.roles.get("actor_infer")
     if infer is None or not infer.is_gpu:
         return False
-    return not any(layout.colocated("actor_infer", r) for r, rl in layout.roles.items() if r != "actor_infer" and rl.is_gpu)
+    return not any(layout.colocated("actor_infer", r) for r, rl in layout.roles.items()
+                   if r != "actor_infer" and r not in beside and rl.is_gpu)
 
 
 def _conflict(a: Phase, b: Phase, layout: Layout) -> bool:
@@ -253,11 +268,16 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
             work_s *= w.generation_rounds
         times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, work_s, rel, off))
     dynamic = w.zero_variance_frac is not None
-    ahead = w.max_staleness > 0 and _infer_alone(layout)
+    rides = w.max_staleness > 0 and _reference_rides(layout)
+    ahead = w.max_staleness > 0 and _infer_alone(layout, ("reference",) if rides else ())
+    riding = {"ref_logprobs"} if ahead and rides else set()
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
-        if ahead and ph.kind != "sync":  # generation ran ahead: the step's samples are already there
+        if ph.name in riding:  # right after the generation, on its GPUs
+            ready = [times[j].end for j, q in enumerate(phases[:i]) if q.kind == "generate"]
+        elif ahead and ph.kind != "sync":  # generation ran ahead: the step's samples are already there
             ready = [times[j].end for j, q in enumerate(phases[:i])
-                     if q.kind != "generate" and (q.kind != "reward" or q.name in ph.after or _conflict(q, ph, layout))]
+                     if q.kind != "generate" and q.name not in riding
+                     and (q.kind != "reward" or q.name in ph.after or _conflict(q, ph, layout))]
         elif overlap:
             ready = [times[j].end for j, q in enumerate(phases[:i])
                      if q.name in ph.after or _conflict(q, ph, layout) or (dynamic and q.kind == "reward")]
@@ -278,7 +298,8 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
                           f"from a zero-variance group fraction of {w.zero_variance_frac:g} (set --zero-variance-frac)")
     if w.max_staleness > 0:
         pred.notes.append(f"max_staleness={w.max_staleness}: generation runs beside the other phases (step = "
-                          f"max(generation, the rest) + sync)" if ahead else
+                          f"max(generation, the rest) + sync)" + (", the reference's log-probs right after it on its "
+                          "GPUs" if riding else "") if ahead else
                           f"max_staleness={w.max_staleness}: actor_infer shares GPUs with another role, so the run "
                           f"is synchronous")
     if w.response_assumed:

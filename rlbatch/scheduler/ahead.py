@@ -21,55 +21,127 @@ one run. A checkpoint at the end of step s holds the generations of steps s+1 ..
 trained yet (tokens, behaviour log-probs, the policy version that generated them) in ``rollouts.pt``, and
 the data position after their prompts; resume puts them back on an inference rank and goes on.
 Rewards are computed when a step takes its samples, so none are buffered.
+
+The reference is frozen, so its log-probs of a generation do not depend on when they are taken.
+Where the reference's ranks are the inference ranks (each of its shards inside one inference
+worker), they are taken there right after each generation, queued behind it (``Rider``): the
+trainer receives them with the samples and never waits for them. On other ranks the reference
+works when the step takes its samples, as in the synchronous loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlbatch.checkpoint.store import CheckpointError
-from rlbatch.scheduler.controller import Generation, PendingPhase, Pipeline, Role, Rollouts
+from rlbatch.phases import phase_for
+from rlbatch.scheduler.controller import Generation, PendingPhase, Pipeline, Role, Rollouts, split_even
 from rlbatch.scheduler.scoring import Scoring
 
 ROLLOUTS_FILE = "rollouts.pt"
 
 
-def async_staleness(pipe: Pipeline, k: int) -> int:
-    """The staleness the run can use: ``k``, or 0 (with a one-line note) when actor_infer shares
-    ranks with another GPU role, whose phases would wait for its generation."""
+@dataclass
+class Rider:
+    """A role whose log-probs of each generation are taken on the inference ranks right after it
+    (the frozen reference): ``on`` maps each inference worker to the role's shards on its ranks."""
+
+    role: Role
+    on: dict[tuple[int, ...], list[tuple[int, ...]]]
+
+    @property
+    def field(self) -> str:
+        return phase_for(self.role.name, "logprobs").writes[0]
+
+    def start(self, gen: Generation) -> tuple[PendingPhase, dict[tuple[int, ...], list[int]]]:
+        """Queue the log-probs of ``gen``'s samples behind it on its ranks: each worker's samples
+        split evenly over the shards on the worker (every rank of a worker holds its samples)."""
+        assign = {sh: part for worker, ids in gen.ids_of.items()
+                  for sh, part in zip(self.on[worker], split_even(ids, len(self.on[worker])), strict=True)}
+        return self.role.start_logprobs_held(assign), assign
+
+
+def rider_for(infer: Role, reference: Role | None) -> Rider | None:
+    """The reference as a ``Rider`` when its ranks are the inference ranks and each of its shards
+    lies inside one inference worker; else None (it works where it is placed)."""
+    if reference is None or set(reference.ranks) != set(infer.ranks):
+        return None
+    on: dict[tuple[int, ...], list[tuple[int, ...]]] = {tuple(w): [] for w in infer.placement.workers}
+    for sh in reference.shards:
+        worker = next((w for w in on if set(sh) <= set(w)), None)
+        if worker is None:
+            return None
+        on[worker].append(sh)
+    return Rider(reference, on) if all(on.values()) else None
+
+
+def async_plan(pipe: Pipeline, infer: Role, reference: Role | None, k: int) -> tuple[int, Rider | None]:
+    """The staleness the run can use, and the reference riding on the inference ranks (or None).
+
+    ``k``, or 0 (with a one-line note) when actor_infer shares ranks with another GPU role whose
+    phases would wait for its generation. The reference (given when its log-probs are used) may
+    share them when it can ride along (``rider_for``)."""
     if k == 0:
-        return 0
-    infer = set(pipe.world.members["actor_infer"])
+        return 0, None
+    rider = rider_for(infer, reference)
+    ranks = set(pipe.world.members["actor_infer"])
     shared = sorted(r for r, rp in pipe.p.roles.items()
-                    if r != "actor_infer" and rp.is_gpu and infer & set(pipe.world.members.get(r, ())))
+                    if r != "actor_infer" and rp.is_gpu and ranks & set(pipe.world.members.get(r, ()))
+                    and not (rider is not None and r == rider.role.name))
     if shared:
+        why = (" (the reference takes its log-probs beside the generation only when its ranks are actor_infer's "
+               "and each of its shards lies inside one inference worker)" if reference is not None
+               and reference.name in shared else "")
         print(f"algo.max_staleness={k}: actor_infer shares its ranks with {', '.join(shared)}, so generation "
-              f"cannot run alongside their phases: this run trains synchronously (max_staleness 0)", flush=True)
-        return 0
-    return k
+              f"cannot run alongside their phases: this run trains synchronously (max_staleness 0){why}", flush=True)
+        return 0, None
+    return k, rider
+
+
+class Ahead:
+    """A step's generation under way, and the rider's log-probs queued behind it."""
+
+    def __init__(self, gen: Generation, rider: Rider | None) -> None:
+        self.gen, self.rider = gen, rider
+        self.riding = rider.start(gen) if rider is not None else None
+
+    def result(self) -> Rollouts:
+        ro = self.gen.result()
+        if self.rider is not None and self.riding is not None:
+            pending, assign = self.riding
+            pending.result()
+            self.rider.role.record(phase_for(self.rider.role.name, "logprobs"), assign)
+            self.riding = None
+        return ro
 
 
 class GenerationQueue:
     """The generations started and not yet trained on, by step; ``take(step)`` hands out a step's
     rollouts (with scoring started) and keeps ``k`` steps generating ahead."""
 
-    def __init__(self, actor_infer: Role, consumers: list[Role], scoring: Scoring, data: Any, cfg: Any, k: int) -> None:
-        self.infer, self.consumers, self.scoring, self.data = actor_infer, consumers, scoring, data
-        self.k = k
+    def __init__(self, actor_infer: Role, consumers: list[Role], scoring: Scoring, data: Any, cfg: Any, k: int,
+                 rider: Rider | None = None) -> None:
+        self.infer, self.scoring, self.data = actor_infer, scoring, data
+        self.k, self.rider = k, rider
+        self.consumers = [c for c in consumers if rider is None or c is not rider.role]
+        self.also = (rider.field,) if rider is not None else ()
+        """Fields made on the inference ranks beside the generated ones (the rider's)."""
         self.prompts, self.n, self.seed = int(cfg.algo.prompts_per_step), int(cfg.algo.samples_per_prompt), int(cfg.seed)
-        self.ahead: dict[int, Generation | Rollouts] = {}
+        self.ahead: dict[int, Ahead | Rollouts] = {}
+        self.unridden: set[int] = set()
+        """Restored steps whose samples lack the rider's field (saved by a run where it did not ride)."""
         self.version = 0
         """The policy version the inference engine holds (actor updates synced to it)."""
 
     def _start(self, step: int) -> None:
         per_step = self.prompts * self.n
-        self.ahead[step] = self.infer.start_generate(self.data.next_batch(self.prompts), self.n,
-                                                     first_id=step * per_step, seed=self.seed * 100_003 + step,
-                                                     version=self.version)
+        gen = self.infer.start_generate(self.data.next_batch(self.prompts), self.n, first_id=step * per_step,
+                                        seed=self.seed * 100_003 + step, version=self.version)
+        self.ahead[step] = Ahead(gen, self.rider)
 
     def take(self, step: int) -> Rollouts:
         """Step ``step``'s rollouts, their scoring started (``scoring.result()`` waits)."""
@@ -78,10 +150,12 @@ class GenerationQueue:
                 self._start(j)
         got = self.ahead.pop(step)
         rollouts = got if isinstance(got, Rollouts) else got.result()
+        if step in self.unridden and self.rider is not None:  # restored from a checkpoint without them
+            self.rider.role.logprobs(rollouts)
         if self.k == 0:
             self.scoring.start(rollouts)
             return rollouts
-        moving: list[PendingPhase] = [role.receive(rollouts) for role in self.consumers]
+        moving: list[PendingPhase] = [role.receive(rollouts, self.also) for role in self.consumers]
         self.scoring.start(rollouts)
         self._start(step + self.k)  # past the last step too: a run extended later goes on exactly
         for m in moving:
@@ -103,10 +177,13 @@ class GenerationQueue:
             ro = got if isinstance(got, Rollouts) else got.result()
             self.ahead[step] = ro
             holders: dict[int, list[int]] = {}
-            for sid, rank in self.infer.pipe.holder(ro.ids).items():
+            # A rider's field is on its shard's first rank, which holds the generated fields too.
+            held = self.rider.field if self.rider is not None else "response"
+            for sid, rank in self.infer.pipe.holder(ro.ids, held).items():
                 holders.setdefault(rank, []).append(sid)
+            names = [*phase_for(self.infer.name, "buffer").writes, *self.also]
             out = self.infer.pipe.run("rollout_buffer", (self.infer.name,),
-                                      {r: {"op": "read", "ids": ids} for r, ids in holders.items()})
+                                      {r: {"op": "read", "ids": ids, "fields": names} for r, ids in holders.items()})
             samples = {sid: fields for part in out.values() for sid, fields in part.items()}
             entries.append({"step": step, "rollouts": asdict(ro), "samples": samples})
         torch.save({"max_staleness": self.k, "entries": entries}, stage / ROLLOUTS_FILE)
@@ -135,3 +212,5 @@ class GenerationQueue:
                 pipe.produced(leader, sid, name, len(value))
         for entry in saved["entries"]:
             self.ahead[int(entry["step"])] = Rollouts(**entry["rollouts"])
+            if self.rider is not None and any(self.rider.field not in f for f in entry["samples"].values()):
+                self.unridden.add(int(entry["step"]))

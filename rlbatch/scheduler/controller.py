@@ -123,8 +123,9 @@ class Pipeline:
         }
         return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank), start)
 
-    def produced(self, rank: int, sid: int, field: str, length: int) -> None:
-        self.where[(sid, field)] = {rank}
+    def produced(self, ranks: int | tuple[int, ...], sid: int, field: str, length: int) -> None:
+        """``field`` of sample ``sid`` (``length`` values) is now held by ``ranks``."""
+        self.where[(sid, field)] = {ranks} if isinstance(ranks, int) else set(ranks)
         self.length[(sid, field)] = length
 
     def forget(self, ids: list[int]) -> None:
@@ -177,9 +178,10 @@ class PendingPhase:
 
 class Generation:
     """A round of generation under way; ``result()`` waits and returns its Rollouts, with every
-    sample's fields recorded as held by its worker's first rank."""
+    sample's fields recorded as held by each rank of its worker (every rank of a worker keeps
+    what the worker generated; its first rank answers and is the one read from)."""
 
-    def __init__(self, pipe: Pipeline, spec: PhaseSpec, pending: PendingPhase, ids_of: dict[int, list[int]],
+    def __init__(self, pipe: Pipeline, spec: PhaseSpec, pending: PendingPhase, ids_of: dict[tuple[int, ...], list[int]],
                  rollouts: Rollouts) -> None:
         self.pipe, self.spec, self.pending, self.ids_of, self.rollouts = pipe, spec, pending, ids_of, rollouts
         self.done = False
@@ -189,11 +191,11 @@ class Generation:
             return self.rollouts
         out = self.pending.result()
         ro = self.rollouts
-        for leader, ids in self.ids_of.items():
+        for worker, ids in self.ids_of.items():
             for sid in ids:
-                ro.prompt_len[sid], ro.response_len[sid] = out[leader][sid]
+                ro.prompt_len[sid], ro.response_len[sid] = out[worker[0]][sid]
                 for f in self.spec.writes:
-                    self.pipe.produced(leader, sid, f, ro.prompt_len[sid] if f == "prompt" else ro.response_len[sid])
+                    self.pipe.produced(worker, sid, f, ro.prompt_len[sid] if f == "prompt" else ro.response_len[sid])
         self.done = True
         return ro
 
@@ -261,6 +263,7 @@ class Role:
         self.pipe, self.name = pipe, name
         self.placement = pipe.p.roles[name]
         self.shards = shards(self.placement, self.ranks)
+        self._assigned: tuple[tuple[int, ...], dict[tuple[int, ...], list[int]]] | None = None
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -279,8 +282,7 @@ class Role:
         work, ids_of = {}, {}
         for w, prompt_idx in enumerate(groups):
             ids = [first_id + i * n + k for i in prompt_idx for k in range(n)]
-            leader = self.placement.workers[w][0]
-            ids_of[leader] = ids
+            ids_of[tuple(self.placement.workers[w])] = ids
             sampling = {"max_new_tokens": int(a.max_new_tokens), "temperature": float(a.temperature),
                         "top_p": float(a.top_p), "seed": seed * 1_000_003 + w}
             for r in self.placement.workers[w]:
@@ -290,11 +292,12 @@ class Role:
                       n, {}, {}, version)
         return Generation(self.pipe, spec, pending, ids_of, ro)
 
-    def receive(self, ro: Rollouts) -> PendingPhase:
-        """Start moving the rollouts' generated fields that this role's phases read onto the
-        shards that will work on them (the same assignment its phases compute), and nothing else:
-        the holders take part only in the move, so a rank that generates next is freed at once."""
-        generated = set(phase_for("actor_infer", "generate").writes)
+    def receive(self, ro: Rollouts, also: tuple[str, ...] = ()) -> PendingPhase:
+        """Start moving the rollouts' generated fields that this role's phases read (and those of
+        ``also`` made on the inference ranks with them) onto the shards that will work on them
+        (the same assignment its phases compute), and nothing else: the holders take part only
+        in the move, so a rank that generates next is freed at once."""
+        generated = {*phase_for("actor_infer", "generate").writes, *also}
         fields = sorted({f for p in PHASES.values() if p.role == self.name for f in self._reads(p) if f in generated})
         need = {r: (ids, fields) for sh, ids in self._assign(ro).items() for r in sh}
         return self.pipe.start("receive", (self.name,), {}, need)
@@ -310,11 +313,19 @@ class Role:
         return Scores(self.pipe.start(spec.name, (self.name,), work, need), ro.ids)
 
     def _assign(self, ro: Rollouts) -> dict[tuple[int, ...], list[int]]:
-        """Samples of each shard: an even split, keeping each sample on the shard that holds it."""
-        leader_of = {r: sh[0] for sh in self.shards for r in sh}
-        holder = {sid: leader_of[r] for sid, r in self.pipe.holder(ro.ids).items() if r in leader_of}
-        by_leader = assign_local_first(ro.ids, tuple(sh[0] for sh in self.shards), holder)
-        return {sh: by_leader[sh[0]] for sh in self.shards}
+        """Samples of each shard: an even split, keeping each sample on the shard that holds it.
+
+        Computed once per batch and kept: every phase of the role on these rollouts (receive,
+        log-probs, training) sees the same shards in the same order, though the data moves of
+        the earlier ones change which ranks hold what. Training's mini-batches are cut from this
+        order, and the old log-probs leave out the first one."""
+        key = tuple(ro.ids)
+        if self._assigned is None or self._assigned[0] != key:
+            leader_of = {r: sh[0] for sh in self.shards for r in sh}
+            holder = {sid: leader_of[r] for sid, r in self.pipe.holder(ro.ids).items() if r in leader_of}
+            by_leader = assign_local_first(ro.ids, tuple(sh[0] for sh in self.shards), holder)
+            self._assigned = (key, {sh: by_leader[sh[0]] for sh in self.shards})
+        return self._assigned[1]
 
     def _start_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
                        extra: dict[int, dict[str, Any]] | None = None) -> PendingPhase:
@@ -327,11 +338,21 @@ class Role:
                      extra: dict[int, dict[str, Any]] | None = None) -> dict[tuple[int, ...], Any]:
         """Run ``spec`` with each shard's samples on every rank of the shard; {shard: its leader's output}."""
         out = self._start_sharded(spec, assign, fields, extra).result()
+        self.record(spec, assign)
+        return {sh: out[sh[0]] for sh in assign}
+
+    def record(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]]) -> None:
+        """``spec``'s per-token fields of each shard's samples are held by the shard's first rank."""
         for sh, ids in assign.items():
             for f in spec.writes:
                 for sid in ids:
-                    self.pipe.produced(sh[0], sid, f, self.pipe.length[(sid, "response")])  # per-token
-        return {sh: out[sh[0]] for sh in assign}
+                    self.pipe.produced(sh[0], sid, f, self.pipe.length[(sid, "response")])
+
+    def start_logprobs_held(self, assign: dict[tuple[int, ...], list[int]]) -> PendingPhase:
+        """Start this role's log-probs of samples every rank of each shard holds already (no data
+        moves, so it may be queued behind the phase that makes them); ``record(spec, assign)``
+        once it is done."""
+        return self._start_sharded(phase_for(self.name, "logprobs"), assign, [])
 
     def logprobs(self, ro: Rollouts, kl_estimator: str | None = None, skip_first_mini_batch: bool = False,
                  ) -> dict[int, Any]:

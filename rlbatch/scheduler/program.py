@@ -29,7 +29,7 @@ from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.runtime.world import World
-from rlbatch.scheduler.ahead import GenerationQueue, async_staleness
+from rlbatch.scheduler.ahead import GenerationQueue, async_plan
 from rlbatch.scheduler.checkpointing import Checkpointer
 from rlbatch.scheduler.controller import Pipeline, Role, Rollouts
 from rlbatch.scheduler.metrics import Metrics, step_row
@@ -75,10 +75,11 @@ class Loop:
         self.data, fingerprint = make_stream(cfg.data, int(cfg.seed))
         self.kl_in_reward = bool(self.a.kl_in_reward) and self.a.kl_coef > 0 and self.reference is not None
         self.critic = Role(self.pipe, "critic") if "critic" in world.placement.roles else None
-        consumers = [self.actor_train, *([self.reference] if self.reference is not None and self.a.kl_coef > 0 else []),
+        used_reference = self.reference if self.reference is not None and self.a.kl_coef > 0 else None
+        consumers = [self.actor_train, *([used_reference] if used_reference else []),
                      *([self.critic] if self.critic is not None else [])]
-        self.queue = GenerationQueue(self.actor_infer, consumers, self.scoring, self.data, cfg,
-                                     async_staleness(self.pipe, int(self.a.max_staleness)))
+        k, rider = async_plan(self.pipe, self.actor_infer, used_reference, int(self.a.max_staleness))
+        self.queue = GenerationQueue(self.actor_infer, consumers, self.scoring, self.data, cfg, k, rider)
         self.ckpt = Checkpointer(self.pipe, run, cfg, self.data, fingerprint, parts=(self.queue,))
         self.start = self.ckpt.resume()
         self.version = self.queue.version
@@ -128,7 +129,7 @@ class Loop:
         (when the batch is reused, or the KL is in the reward); returns each sample's per-token KL
         when it goes into the reward."""
         a = self.a
-        if self.reference is not None and a.kl_coef > 0:
+        if self.reference is not None and a.kl_coef > 0 and self.queue.rider is None:  # else taken with generation
             self.reference.logprobs(rollouts)
         if not (self.reuse_batch or self.kl_in_reward):
             return None

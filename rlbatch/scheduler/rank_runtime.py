@@ -179,15 +179,16 @@ class RankRuntime:
         return self.engines[spec.role].train(self.store.get(ids, fields), objective)
 
     def _buffer(self, spec: PhaseSpec, op: str, ids: list[int] | None = None,
-                samples: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[int, dict[str, torch.Tensor]]:
-        """Generated samples not yet trained on: ``op=read`` returns their fields (for a
-        checkpoint), ``op=restore`` keeps ``samples`` on this rank again."""
+                samples: dict[int, dict[str, torch.Tensor]] | None = None,
+                fields: list[str] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+        """Generated samples not yet trained on: ``op=read`` returns their ``fields`` (the phase's
+        by default; for a checkpoint), ``op=restore`` keeps ``samples`` on this rank again."""
         if op == "restore":
-            for sid, fields in (samples or {}).items():
-                for name, value in fields.items():
+            for sid, held in (samples or {}).items():
+                for name, value in held.items():
                     self.store.put(sid, name, value)
             return {}
-        return {sid: {f: self.store.samples[sid][f].clone() for f in spec.writes} for sid in ids or []}
+        return {sid: {f: self.store.samples[sid][f].clone() for f in fields or spec.writes} for sid in ids or []}
 
     def _checkpoint(self, spec: PhaseSpec, op: str, path: str) -> dict[str, float]:
         """Write (op=save, into the staging dir) or read (op=load) this rank's part of a checkpoint."""

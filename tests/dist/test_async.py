@@ -41,6 +41,23 @@ def test_the_default_experiment_learns_asynchronously(run_root: Path) -> None:
     assert all(t < 0 for t in ahead), ahead
 
 
+def test_a_reference_on_the_inference_rank_takes_its_log_probs_right_after_each_generation(run_root: Path) -> None:
+    """The frozen reference placed on actor_infer's rank rides along: its log-probs of step s+1
+    are taken there right after step s+1's generation, while step s trains, so they start before
+    the step does. The run is the one with the reference beside the trainer, number for number."""
+    runs = {name: run_root / name for name in ("beside_trainer", "on_inference")}
+    for name, extra in (("beside_trainer", []), ("on_inference", ["roles.reference.device_mapping=[1]"])):
+        out = launch([*ASYNC, *extra, "steps=4", f"run_dir={runs[name]}"], run_root, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "trains synchronously" not in out.stdout
+    keys = ("reward_mean", "train/pg_loss", "train/grad_norm", "train/kl_ref", "train/staleness")
+    a, b = rows(runs["beside_trainer"]), rows(runs["on_inference"])
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    assert all(r["train/kl_ref"] > 0 for r in b[1:]), "the KL to the reference is in the loss"
+    assert all(r["at/ref_logprobs/start"] < 0 for r in b[1:]), [r["at/ref_logprobs/start"] for r in b]
+    assert all(r["at/ref_logprobs/start"] > 0 for r in a), [r["at/ref_logprobs/start"] for r in a]
+
+
 def test_an_inference_rank_killed_while_generating_ahead_ends_the_job_fast_and_is_named(run_root: Path) -> None:
     """Rank 1 (actor_infer) dies as it starts its 3rd generation (step 2's, started while step 1
     trains): the job ends well within the control timeout and the report names the rank."""

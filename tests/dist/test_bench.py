@@ -1,5 +1,6 @@
 """tools/bench/ end to end on tiny workloads: vs_trl.py runs TRL and rlbatch (1 and 2 ranks, and a
---baseline checkout beside each) and ends with the speedup line; overheads.py prints every ratio."""
+--baseline checkout beside each) and ends with the speedup line; overheads.py prints every ratio;
+async.py runs each staleness and ends with its speedup line."""
 
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def test_vs_trl_runs_both_frameworks_on_the_same_workload(run_root: Path) -> Non
     speedup = max(r["samples_per_s"] for r in ours) / result["results"][0]["samples_per_s"]
     assert last == f"speedup vs TRL: {speedup:.2f}x"
     assert (run_root / "bench" / "reward_curves.png").stat().st_size > 0
+
+
+def test_async_bench_runs_each_staleness_and_ends_with_the_speedup(run_root: Path) -> None:
+    """Tiny sizes, hf rollouts, the reference on the inference rank (its default): every setting
+    launches and trains at its staleness, and the last line is the speedup of max_staleness=1."""
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/async.py"), "--steps", "4", "--warmup", "1",
+                          "--staleness", "1", "--infer", "hf:d1", "--hidden", "64", "--layers", "2", "--heads", "4",
+                          "--kv-heads", "2", "--max-new-tokens", "2", "--prompts", "4", "--samples", "4",
+                          "--out", str(run_root / "bench")], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((run_root / "bench" / "results.json").read_text())
+    assert "roles.reference.device_mapping=[1]" in result["workload"]
+    runs = {name: r["runs"][0] for name, r in result["results"].items()}
+    assert runs["max_staleness=0"]["staleness"] == [0.0] and runs["max_staleness=1"]["staleness"] == [0.0, 1.0]
+    speedup = result["results"]["max_staleness=1"]["samples_per_s"] / result["results"]["max_staleness=0"]["samples_per_s"]
+    assert out.stdout.strip().splitlines()[-1] == f"async speedup: {speedup:.2f}x"
+    assert (run_root / "bench" / "timeline.png").stat().st_size > 0
 
 
 def test_overheads_prints_every_ratio() -> None:

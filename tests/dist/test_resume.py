@@ -57,15 +57,20 @@ CASES = {
     # Asynchronous: step s+1 generates (on its own rank) while step s trains; the checkpoint holds
     # the generation made ahead, which the resumed run trains on instead of generating it again.
     "async": (["roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis"], 300),
+    # The same with the reference on the inference rank: the checkpoint's generation carries its
+    # reference log-probs, taken right after it.
+    "async-reference-rides": (["roles=disaggregated", "roles.reference.device_mapping=[1]", "algo.max_staleness=1",
+                               "algo.off_policy=tis"], 300),
 }
+ASYNC_KEYS = ("train/staleness", "train/offpolicy/ratio_mean", "train/offpolicy/weight_mean", "train/kl_ref")
 KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/explained_variance"),
-        "async": ("train/staleness", "train/offpolicy/ratio_mean", "train/offpolicy/weight_mean")}
+        "async": ASYNC_KEYS, "async-reference-rides": ASYNC_KEYS}
 """Per-step metrics compared beside the reward, the tokens and the actor's loss and gradient norm."""
 
 
 @pytest.mark.parametrize("case", [
     pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)]),
-    pytest.param("ppo"), pytest.param("async")])
+    pytest.param("ppo"), pytest.param("async"), pytest.param("async-reference-rides")])
 def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) -> None:
     whole, split, (extra, timeout) = run_root / "whole", run_root / "split", CASES[case]
     done = run(whole, "steps=6", *extra, timeout=timeout)
@@ -81,12 +86,14 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) ->
     assert [[r.get(k) for k in keys] for r in a] == [[r.get(k) for k in keys] for r in b]
     assert any(r.get("train/grad_norm", 0) > 0 for r in a), "the weights must move for this test to mean anything"
     assert export(whole, run_root / "e_whole") == export(split, run_root / "e_split")
-    if case == "async":
+    if case.startswith("async"):
         assert [r["train/staleness"] for r in a] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
         assert all("train/offpolicy/weight_mean" in r for r in a), "the trainer reads the behaviour log-probs"
         saved = torch_load(split / "checkpoints" / "step_000002" / "rollouts.pt")
         assert [e["step"] for e in saved["entries"]] == [3], "step 3's generation is in the checkpoint"
         assert saved["entries"][0]["rollouts"]["version"] == 2  # made with the policy after 2 updates
+        held = {name for fields in saved["entries"][0]["samples"].values() for name in fields}
+        assert ("ref_logprobs" in held) == (case == "async-reference-rides"), held
     if case == "ppo":
         w, s = role_state(whole, "critic"), role_state(split, "critic")
         assert sorted(w) == sorted(s) and any(k.startswith("optim.") for k in w)
@@ -98,6 +105,22 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) ->
         assert [r["critic/warmup"] for r in a] == [1.0, 0, 0, 0, 0, 0]
         assert ["train/pg_loss" in r for r in a] == [False, True, True, True, True, True]
         assert ["time/sync" in r for r in a] == [False, True, True, True, True, True]
+
+
+def test_async_buffer_saved_with_the_reference_beside_the_trainer_resumes_with_it_on_the_inference_rank(
+        run_root: Path) -> None:
+    """Moving the reference onto the inference rank between two jobs: the buffered generation has
+    no reference log-probs, so the resumed run takes them before training on it, and equals a run
+    that had the reference there from the start."""
+    async_args, rides = CASES["async"][0], CASES["async-reference-rides"][0]
+    whole, split = run_root / "whole", run_root / "split"
+    for d, steps, extra in ((whole, 6, rides), (split, 3, async_args), (split, 6, rides)):
+        done = run(d, f"steps={steps}", *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+    keys = ("reward_mean", "tokens/generated", "train/pg_loss", "train/grad_norm", *ASYNC_KEYS)
+    assert [[r.get(k) for k in keys] for r in rows(whole)] == [[r.get(k) for k in keys] for r in rows(split)]
+    resumed = rows(split)[3]  # trained on the generation restored from the checkpoint
+    assert resumed["train/kl_ref"] > 0 and resumed["train/grad_norm"] > 0, resumed
 
 
 def torch_load(path: Path) -> dict:

@@ -50,7 +50,7 @@ class FakeConsumer:
     def __init__(self, log: list[tuple[str, int, int]]) -> None:
         self.log = log
 
-    def receive(self, ro: Rollouts) -> Any:
+    def receive(self, ro: Rollouts, also: tuple[str, ...] = ()) -> Any:
         self.log.append(("receive", ro.ids[0], ro.version))
         return SimpleNamespace(result=lambda: None)
 
@@ -202,20 +202,82 @@ def test_async_settings_are_validated(tmp_path: Path) -> None:
         "algo.mask_ratio_low: must be in (0, 1], got 1.5", "algo.mask_ratio_high: must be >= 1, got 0.5"]
 
 
+def roles_on(backends: dict[str, tuple[list[int], str]]) -> dict[str, Any]:
+    """Controller role handles for a placement of ``backends`` (role -> device_mapping, backend),
+    a reward on a CPU worker beside them; world ranks are the GPU indices."""
+    from rlbatch.placement import place
+    from rlbatch.scheduler.controller import Role
+
+    placement = place({"cluster": {"gpus_per_node": 8}, "roles": {
+        role: {"device_mapping": dm, "backend": backend} for role, (dm, backend) in backends.items()}})
+    members = {role: tuple(dm) for role, (dm, _) in backends.items()} | {"reward": (8,)}
+    pipe = SimpleNamespace(p=placement, world=SimpleNamespace(members=members), cfg=SimpleNamespace(algo=AlgoConfig()))
+    return {"pipe": pipe} | {role: Role(pipe, role) for role in backends}  # type: ignore[arg-type]
+
+
 def test_a_placement_where_inference_shares_ranks_runs_synchronously_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    from rlbatch.scheduler.ahead import async_staleness
+    from rlbatch.scheduler.ahead import async_plan
 
-    def pipe(infer: tuple[int, ...]) -> Any:
-        gpu, cpu = SimpleNamespace(is_gpu=True), SimpleNamespace(is_gpu=False)
-        return SimpleNamespace(p=SimpleNamespace(roles={"actor_train": gpu, "actor_infer": gpu, "reference": gpu,
-                                                        "reward": cpu}),
-                               world=SimpleNamespace(members={"actor_train": (0,), "reference": (0,),
-                                                              "actor_infer": infer, "reward": (2,)}))
+    def plan(infer: list[int], reference: list[int], k: int = 2) -> tuple[int, Any]:
+        r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": (infer, f"hf:d{len(infer)}"),
+                      "reference": (reference, "fsdp:d1")})
+        return async_plan(r["pipe"], r["actor_infer"], r["reference"], k)
 
-    assert async_staleness(pipe((1,)), 2) == 2 and capsys.readouterr().out == ""
-    assert async_staleness(pipe((0, 1)), 2) == 0
+    assert plan([1], [0]) == (2, None) and capsys.readouterr().out == ""
+    assert plan([0, 1], [0]) == (0, None)
     assert "shares its ranks with actor_train, reference" in capsys.readouterr().out
-    assert async_staleness(pipe((0,)), 0) == 0 and capsys.readouterr().out == ""
+    assert plan([1], [0], k=0) == (0, None) and capsys.readouterr().out == ""
+    # The reference alone on the inference rank rides along: asynchronous, no note.
+    k, rider = plan([1], [1])
+    assert k == 2 and rider.role.name == "reference" and rider.on == {(1,): [(1,)]} and capsys.readouterr().out == ""
+    assert rider.field == "ref_logprobs"
+    # On one of two inference workers' ranks it cannot: synchronous, and the note says when it could.
+    r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": ([1, 2], "hf:d2"), "reference": ([1], "fsdp:d1")})
+    assert async_plan(r["pipe"], r["actor_infer"], r["reference"], 1) == (0, None)
+    assert "each of its shards lies inside one inference worker" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("infer", "reference", "on"), [
+    (([1, 2], "vllm:d1t2"), ([1, 2], "fsdp:d2"), {(1, 2): [(1,), (2,)]}),  # two shards inside one worker
+    (([1, 2], "vllm:d2"), ([1, 2], "fsdp:d2"), {(1,): [(1,)], (2,): [(2,)]}),
+    (([1, 2], "vllm:d1t2"), ([1, 2], "megatron:t2"), {(1, 2): [(1, 2)]}),
+    (([1, 2], "vllm:d2"), ([1, 2], "megatron:t2"), None),  # a shard across two workers
+    (([1, 2], "vllm:d2"), ([1], "fsdp:d1"), None),  # worker (2,) would need its samples moved first
+    (([1], "vllm:d1"), ([2], "fsdp:d1"), None),  # elsewhere: works where it is placed
+])
+def test_the_reference_rides_on_the_inference_ranks_when_each_shard_lies_inside_one_worker(
+        infer: tuple[list[int], str], reference: tuple[list[int], str], on: Any) -> None:
+    """Every rank of an inference worker holds what it generated, so a reference shard inside a
+    worker can take its log-probs there with no data moved; each worker needs a shard."""
+    from rlbatch.scheduler.ahead import rider_for
+
+    r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": infer, "reference": reference})
+    rider = rider_for(r["actor_infer"], r["reference"])
+    assert (rider.on if rider is not None else None) == on
+
+
+def test_a_riding_reference_splits_each_workers_samples_over_its_shards_with_nothing_moved() -> None:
+    """Queued behind the generation on the same ranks: no data moves (the start carries none), and
+    once both are done the reference's log-probs are recorded as held by each shard's first rank."""
+    from rlbatch.scheduler.ahead import Ahead, rider_for
+
+    r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": ([1, 2], "vllm:d1t2"),
+                  "reference": ([1, 2], "fsdp:d2")})
+    pipe, started, produced = r["pipe"], [], {}
+    pipe.start = lambda phase, roles, work, need=None: started.append((phase, work, need)) or SimpleNamespace(
+        result=lambda: {})
+    pipe.produced = lambda ranks, sid, field, length: produced.__setitem__((sid, field), (ranks, length))
+    pipe.length = {(sid, "response"): 5 + sid for sid in range(4)}
+    ro = Rollouts([0, 1, 2, 3], ["a"] * 4, 2, {}, {})
+    gen = SimpleNamespace(ids_of={(1, 2): [0, 1, 2, 3]}, result=lambda: ro)
+    rider = rider_for(r["actor_infer"], r["reference"])
+    assert rider is not None
+    ahead = Ahead(gen, rider)  # type: ignore[arg-type]
+    assert started == [("ref_logprobs", {1: {"ids": [0, 1]}, 2: {"ids": [2, 3]}}, {1: ([0, 1], []), 2: ([2, 3], [])})]
+    assert produced == {}
+    assert ahead.result() is ro
+    assert produced == {(0, "ref_logprobs"): (1, 5), (1, "ref_logprobs"): (1, 6),
+                        (2, "ref_logprobs"): (2, 7), (3, "ref_logprobs"): (2, 8)}
 
 
 @pytest.mark.parametrize(("correction", "fields"), [("none", ["prompt", "response"]),

@@ -2,10 +2,11 @@
 
     python tools/bench/async.py [--steps 40] [--staleness 1,2] [--infer vllm:d1] [--out .bench-runs/async]
 
-The placement is ``roles=disaggregated``: actor_train (and the reference) on one rank,
-actor_infer on another, the reward on a CPU worker. Each setting is one launch of the default
+The placement is ``roles=disaggregated``: actor_train on one rank, actor_infer on another, the
+reward on a CPU worker, and the reference (``--reference``) on the inference rank, where
+asynchronously its log-probs of each generation are taken right after it, or on the trainer's. Each setting is one launch of the default
 task with vLLM rollouts of a wider random-initialised Qwen2 (``--hidden``/``--layers``: the
-default ~21M parameters, head_dim 64) and longer responses, so that generation and training
+default ~4M parameters, head_dim 64) and longer responses, so that generation and training
 take comparable time: first ``algo.max_staleness=0`` (the synchronous loop), then each staleness
 in ``--staleness`` with truncated importance sampling. Launches alternate over ``--repeats``.
 
@@ -38,6 +39,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the throughput")
     p.add_argument("--staleness", default="1,2", help="comma-separated max_staleness values besides 0")
     p.add_argument("--infer", default="vllm:d1", help="actor_infer's backend (its one rank)")
+    p.add_argument("--reference", choices=("inference", "trainer"), default="inference",
+                   help="the reference's rank: actor_infer's (asynchronously its log-probs follow each "
+                        "generation there) or actor_train's")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -53,7 +57,8 @@ def parse() -> argparse.Namespace:
 
 
 def overrides(a: argparse.Namespace, staleness: int) -> list[str]:
-    out = ["roles=disaggregated", f"roles.actor_infer.backend={a.infer}", f"steps={a.steps}",
+    out = ["roles=disaggregated", f"roles.actor_infer.backend={a.infer}",
+           f"roles.reference.device_mapping=[{1 if a.reference == 'inference' else 0}]", f"steps={a.steps}",
            f"model.hidden_size={a.hidden}", f"model.intermediate_size={4 * a.hidden}", f"model.num_layers={a.layers}",
            f"model.num_heads={a.heads}", f"model.num_kv_heads={a.kv_heads}", f"model.max_position_embeddings={max(128, 64 + a.max_new_tokens)}",
            f"algo.max_new_tokens={a.max_new_tokens}", f"algo.prompts_per_step={a.prompts}",
@@ -78,15 +83,15 @@ def summary(rows: list[dict[str, Any]], warmup: int, threshold: float) -> dict[s
     reward = [r["reward_mean"] for r in rows]
     reached = next((k for k in range(2, len(reward)) if sum(reward[k - 2 : k + 1]) / 3 >= threshold), None)
     med = {k: statistics.median(r.get(k, 0.0) for r in timed)
-           for k in ("time/step", "time/generate", "time/train", "overlap/generate_train", "idle/actor_infer",
-                     "idle/actor_train")}
+           for k in ("time/step", "time/generate", "time/ref_logprobs", "time/train", "overlap/generate_train",
+                     "idle/actor_infer", "idle/actor_train")}
     return {"samples_per_s": samples / seconds, "median": med, "reward_first": reward[0], "reward_last": reward[-1],
             "reached_step": reached,
             "reached_samples": None if reached is None else sum(r["samples"] for r in rows[: reached + 1]),
             "staleness": sorted({r.get("train/staleness", 0.0) for r in rows})}
 
 
-def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path) -> None:
+def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path, reference_row: int) -> None:
     try:
         import matplotlib
 
@@ -101,7 +106,7 @@ def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path) -> None:
         rows = runs[0][1:13]  # steps 1..12 (step 0 includes start-up)
         t = 0.0
         for r in rows:
-            for y, phase, color in ((1, "generate", "tab:blue"), (0, "ref_logprobs", "tab:green"),
+            for y, phase, color in ((1, "generate", "tab:blue"), (reference_row, "ref_logprobs", "tab:green"),
                                     (0, "old_logprobs", "tab:olive"), (0, "train", "tab:orange")):
                 if f"at/{phase}/start" in r:
                     start, end = r[f"at/{phase}/start"], r[f"at/{phase}/end"]
@@ -131,18 +136,19 @@ def main() -> None:
         results[name] = {"runs": each, "samples_per_s": statistics.median(e["samples_per_s"] for e in each)}
     print(f"\nworkload: {' '.join(overrides(a, 0))}  (samples/s over steps {a.warmup}..{a.steps - 1}, "
           f"median of {a.repeats} launch(es) per setting)")
-    print(f"{'setting':18} {'samples/s':>9} {'step s':>7} {'gen s':>6} {'train s':>7} {'overlap':>7} "
+    print(f"{'setting':18} {'samples/s':>9} {'step s':>7} {'gen s':>6} {'ref s':>6} {'train s':>7} {'overlap':>7} "
           f"{'idle inf':>8} {'idle trn':>8} {'reward':>13} {f'>= {a.threshold} at':>14} staleness")
     for name, res in results.items():
         e = res["runs"][0]
         m = e["median"]
         at = "-" if e["reached_step"] is None else f"step {e['reached_step']} ({e['reached_samples']})"
         print(f"{name:18} {res['samples_per_s']:9.1f} {m['time/step']:7.2f} {m['time/generate']:6.2f} "
+              f"{m['time/ref_logprobs']:6.2f} "
               f"{m['time/train']:7.2f} {m['overlap/generate_train']:7.2f} {m['idle/actor_infer']:8.2f} "
               f"{m['idle/actor_train']:8.2f} {e['reward_first']:5.2f} -> {e['reward_last']:4.2f} {at:>14} "
               f"{e['staleness']}")
     (a.out / "results.json").write_text(json.dumps({"workload": overrides(a, 0), "results": results}, indent=1))
-    plot(runs, a.out / "timeline.png")
+    plot(runs, a.out / "timeline.png", 1 if a.reference == "inference" else 0)
     base = results["max_staleness=0"]["samples_per_s"]
     for k in settings[1:]:
         print(f"max_staleness={k}: {results[f'max_staleness={k}']['samples_per_s'] / base:.2f}x synchronous")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from conftest import make_config, make_layout, roles
@@ -125,6 +126,29 @@ def test_asynchronous_generation_runs_beside_the_step_and_the_sync_waits_for_it(
     c0 = predict(make_layout(colocated), shape_from_config(colocated["model"]), workload_from_config(colocated),
                  load_hardware("cpu"))
     assert c.step_s == pytest.approx(c0.step_s) and any("is synchronous" in n for n in c.notes)
+
+
+def test_a_reference_on_the_inference_gpus_runs_ahead_with_the_generation() -> None:
+    """Asynchronously, a reference on actor_infer's GPU takes its log-probs right after the
+    generation there; the trainer's phases do not wait for either, the sync waits for both.
+    Synchronously the same placement runs them one after the other."""
+    cfg = make_config(roles=roles("fsdp:d1", "hf:d1", [0], [1], reference={"device_mapping": [1]}))
+    cfg["algo"]["max_staleness"] = 1
+
+    def pred(c: dict) -> Any:
+        return predict(make_layout(c), shape_from_config(c["model"]), workload_from_config(c), load_hardware("cpu"))
+
+    p = pred(cfg)
+    ph = {t.name: t for t in p.phases}
+    assert ph["generate"].start == 0 and ph["ref_logprobs"].start == pytest.approx(ph["generate"].end)
+    assert ph["old_logprobs"].start == 0
+    assert ph["train"].start == pytest.approx(max(ph["old_logprobs"].end, ph["score"].end))  # not the reference
+    assert ph["sync"].start == pytest.approx(max(ph["ref_logprobs"].end, ph["train"].end, ph["score"].end))
+    assert any("the reference's log-probs right after it" in n for n in p.notes)
+    s = pred(dict(cfg, algo={**cfg["algo"], "max_staleness": 0}))
+    sy = {t.name: t for t in s.phases}
+    assert sy["ref_logprobs"].start >= sy["generate"].end and sy["train"].start >= sy["ref_logprobs"].end
+    assert p.step_s < s.step_s
 
 
 def ph_end(p) -> float:  # type: ignore[no-untyped-def]
