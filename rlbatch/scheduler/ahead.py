@@ -106,15 +106,15 @@ class Ahead:
     """A step's generation under way, and the rider's log-probs queued behind it."""
 
     def __init__(self, gen: Generation, rider: Rider | None) -> None:
-        self.gen, self.rider = gen, rider
-        self.riding = rider.start(gen) if rider is not None else None
+        self.gen = gen
+        self.riding = (rider, *rider.start(gen)) if rider is not None else None
 
     def result(self) -> Rollouts:
         ro = self.gen.result()
-        if self.rider is not None and self.riding is not None:
-            pending, assign = self.riding
+        if self.riding is not None:
+            rider, pending, assign = self.riding
             pending.result()
-            self.rider.role.record(phase_for(self.rider.role.name, "logprobs"), assign)
+            rider.role.record(phase_for(rider.role.name, "logprobs"), assign)
             self.riding = None
         return ro
 
@@ -176,18 +176,25 @@ class GenerationQueue:
             got = self.ahead[step]
             ro = got if isinstance(got, Rollouts) else got.result()
             self.ahead[step] = ro
-            holders: dict[int, list[int]] = {}
-            # A rider's field is on its shard's first rank, which holds the generated fields too.
-            held = self.rider.field if self.rider is not None else "response"
-            for sid, rank in self.infer.pipe.holder(ro.ids, held).items():
-                holders.setdefault(rank, []).append(sid)
-            names = [*phase_for(self.infer.name, "buffer").writes, *self.also]
-            out = self.infer.pipe.run("rollout_buffer", (self.infer.name,),
-                                      {r: {"op": "read", "ids": ids, "fields": names} for r, ids in holders.items()})
-            samples = {sid: fields for part in out.values() for sid, fields in part.items()}
+            samples = self._read(ro.ids, list(phase_for(self.infer.name, "buffer").writes))
+            for name in self.also:  # where taken (a step restored without them has none to read)
+                for sid, fields in self._read(ro.ids, [name]).items():
+                    samples[sid].update(fields)
             entries.append({"step": step, "rollouts": asdict(ro), "samples": samples})
         torch.save({"max_staleness": self.k, "entries": entries}, stage / ROLLOUTS_FILE)
         return {"policy_version": self.version, "generations_ahead": len(entries)}
+
+    def _read(self, ids: list[int], names: list[str]) -> dict[int, dict[str, torch.Tensor]]:
+        """The fields ``names`` of the samples ``ids`` that have the first of them, each read from
+        a rank that holds it."""
+        holders: dict[int, list[int]] = {}
+        for sid, rank in self.infer.pipe.holder(ids, names[0]).items():
+            holders.setdefault(rank, []).append(sid)
+        if not holders:
+            return {}
+        out = self.infer.pipe.run("rollout_buffer", (self.infer.name,),
+                                  {r: {"op": "read", "ids": held, "fields": names} for r, held in holders.items()})
+        return {sid: fields for part in out.values() for sid, fields in part.items()}
 
     def load(self, ckpt: Path, state: dict[str, Any]) -> None:
         """Restore what ``save`` wrote: the version, and the buffered generations onto the first

@@ -299,3 +299,41 @@ def test_the_trainer_takes_off_the_inference_ranks_every_field_it_will_read(corr
                            start=lambda phase, roles, work, need=None: calls.append((phase, need)))
     Role(pipe, "actor_train").receive(Rollouts([0, 1], ["a", "b"], 2, {0: 1, 1: 1}, {0: 1, 1: 1}))  # type: ignore[arg-type]
     assert calls == [("receive", {0: ([0, 1], fields)})]
+
+
+def test_a_checkpoint_keeps_every_buffered_generation_whether_or_not_the_reference_rode_on_it(tmp_path: Path) -> None:
+    """The generated fields are read from the rank that holds them, the rider's log-probs from
+    theirs where taken: a step restored from a checkpoint saved without them (not yet trained, as
+    with max_staleness=2) is written again with its samples, and loads as still lacking them."""
+    from rlbatch.scheduler.ahead import ROLLOUTS_FILE, Rider
+
+    generated = ("prompt", "response", "behaviour_logprobs")
+    where = {(sid, f): 1 for sid in range(4) for f in generated} | {(sid, "ref_logprobs"): 2 for sid in (0, 1)}
+    reads: list[tuple[int, list[int], list[str]]] = []
+
+    def run(phase: str, roles: tuple[str, ...], work: dict[int, dict[str, Any]]) -> dict[int, Any]:
+        assert phase == "rollout_buffer"
+        for r, w in work.items():
+            assert all(where[(sid, f)] == r for sid in w["ids"] for f in w["fields"]), (r, w)
+            reads.append((r, w["ids"], w["fields"]))
+        return {r: {sid: {f: torch.tensor([float(sid)]) for f in w["fields"]} for sid in w["ids"]}
+                for r, w in work.items()}
+
+    pipe = SimpleNamespace(holder=lambda ids, field="response": {i: where[(i, field)] for i in ids if (i, field) in where},
+                           run=run)
+    infer = SimpleNamespace(pipe=pipe, name="actor_infer")
+    reference = SimpleNamespace(name="reference")
+    cfg = SimpleNamespace(seed=0, algo=SimpleNamespace(prompts_per_step=1, samples_per_prompt=2))
+    q = GenerationQueue(infer, [], SimpleNamespace(), None, cfg, 2, Rider(reference, {(1,): [(2,)]}))  # type: ignore[arg-type]
+    q.ahead = {3: Rollouts([0, 1], ["a", "a"], 2, {}, {}), 4: Rollouts([2, 3], ["a", "a"], 2, {}, {})}
+    q.save(tmp_path)
+    saved = torch.load(tmp_path / ROLLOUTS_FILE)
+    held = [{sid: sorted(fields) for sid, fields in e["samples"].items()} for e in saved["entries"]]
+    assert held == [{0: sorted([*generated, "ref_logprobs"]), 1: sorted([*generated, "ref_logprobs"])},
+                    {2: sorted(generated), 3: sorted(generated)}]
+    assert reads == [(1, [0, 1], list(generated)), (2, [0, 1], ["ref_logprobs"]), (1, [2, 3], list(generated))]
+    restored = SimpleNamespace(run=lambda *a: {}, produced=lambda *a: None)
+    again = GenerationQueue(SimpleNamespace(pipe=restored, name="actor_infer", placement=SimpleNamespace(workers=[(1,)])),
+                            [], SimpleNamespace(), None, cfg, 2, Rider(reference, {(1,): [(2,)]}))  # type: ignore[arg-type]
+    again.load(tmp_path, {"policy_version": 2})
+    assert sorted(again.ahead) == [3, 4] and again.unridden == {4}
