@@ -77,7 +77,10 @@ class PolicyObjective:
                  "clip_frac_high": clip.clip_frac_high.item(), "approx_kl_old": clip.approx_kl.item()}
         if "loss_mask" in x.fields:
             stats["loss_masked_frac"] = 1.0 - (mask.sum() / x.mask.sum().clamp(min=1.0)).item()
-        if self.kl_coef > 0 and "ref_logprobs" in x.fields:
+        if self.kl_coef > 0:
+            if "ref_logprobs" not in x.fields:  # a phase or a restored buffer lost them: never train without the KL
+                raise ValueError(f"train: algo.kl_coef={self.kl_coef} but the batch has no reference log-probs "
+                                 f"(fields: {sorted(x.fields)})")
             kl = self.agg(self.kl(x.logp, x.fields["ref_logprobs"]), mask)
             loss = loss + self.kl_coef * kl
             stats["kl_ref"] = kl.item()

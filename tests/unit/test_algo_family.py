@@ -213,6 +213,20 @@ def test_objective_uses_the_registered_loss_and_aggregation() -> None:
     assert {"clip_frac_low", "clip_frac_high"} <= set(stats)
 
 
+def test_objective_with_a_kl_term_refuses_a_batch_without_reference_logprobs() -> None:
+    """The KL is part of the loss whenever kl_coef > 0: a batch that lost its reference log-probs
+    is an error, never a step trained without the KL; with them, the KL term is in the loss."""
+    algo = AlgoConfig(kl_coef=0.5, max_new_tokens=2)
+    logp = torch.tensor([[-1.0, -2.0]])
+    x = LossInput(logp, torch.ones(1, 2), torch.ones(1, 2), {"old_logprobs": logp})
+    with pytest.raises(ValueError, match=r"kl_coef=0.5 .* no reference log-probs"):
+        PolicyObjective(algo)(x)
+    x.fields["ref_logprobs"] = logp - 1.0
+    loss, stats = PolicyObjective(algo)(x)
+    without, _ = PolicyObjective(AlgoConfig(kl_coef=0.0, max_new_tokens=2))(x)
+    assert stats["kl_ref"] > 0 and loss.item() == pytest.approx(without.item() + 0.5 * stats["kl_ref"], rel=1e-6)
+
+
 # ---------------------------------------------------------------- dynamic sampling
 
 
