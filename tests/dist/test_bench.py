@@ -77,6 +77,10 @@ def test_vs_trl_long_workload_with_vllm_on_both_sides(run_root: Path) -> None:
     assert [r["name"] for r in result["results"]] == ["TRL GRPOTrainer", "rlbatch 1 rank"]
     assert all(r["steps"] == 2 and r["samples_per_s"] > 0 for r in result["results"])
     assert result["settings"]["reward_fn"].endswith(":answer_repeated")
+    bound = result["arithmetic"]  # the arithmetic bound, printed before the last line
+    assert set(bound["runs"]) == {"TRL GRPOTrainer", "rlbatch 1 rank"} and bound["peak_gflop_per_s"] > 0
+    assert all(0 < r["gflop_per_s"] < bound["peak_gflop_per_s"] for r in bound["runs"].values()), bound
+    assert re.search(rf"^ceiling vs TRL at this arithmetic: {bound['ceiling']:.2f}x", out.stdout, re.M), out.stdout[-3000:]
     assert "4 heads (1 kv)" in result["settings"]["model"]
     assert result["settings"]["start"].startswith("warm start: 1 steps")
     warm = run_root / "bench" / "warm-start"

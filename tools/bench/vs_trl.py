@@ -30,6 +30,12 @@ the time of the training steps. Prints each framework's samples/s, generated tok
 median seconds per phase, the reward at the start and the end (both must learn), the exact
 settings, writes results.json and reward_curves.png (with matplotlib) under --out, and ends
 with one line: `speedup vs TRL: N.NNx` (rlbatch's best samples/s over TRL's).
+
+Before that line, the arithmetic bound: the FLOPs of each framework's log-prob and training passes
+(from the model's shape and the step's tokens), the GFLOP/s each reached against this CPU's fp32
+matmul peak, and `ceiling vs TRL at this arithmetic`: the speedup over TRL of a framework that
+generated as fast as the fastest generate phase measured and ran those passes at the peak. On a
+machine where that ceiling is low, no framework doing the same work can be much faster than TRL.
 """
 
 from __future__ import annotations
@@ -177,7 +183,7 @@ def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int
                  "logprobs": r.get("time/ref_logprobs", 0.0) + r.get("time/old_logprobs", 0.0), "train": r["time/train"]}
         known["other"] = max(0.0, r["time/step"] - sum(known.values()))
         steps.append({"seconds": r["time/step"], "reward": r["reward_mean"], "gen_tokens": r["tokens/generated"],
-                      "phases": known})
+                      "tokens": r["tokens/total"], "phases": known})
     return {"name": f"{label} {ranks} rank{'s' if ranks > 1 else ''}", "wall": wall, "steps": steps}
 
 
@@ -338,11 +344,66 @@ def summarise(run: dict[str, Any], batch: int) -> dict[str, Any]:
         "phase_median_s": {p: statistics.median(x["phases"][p] for x in steps) for p in PHASES},
         "step_median_s": statistics.median(x["seconds"] for x in steps),
         "reward_start": statistics.fmean(rewards[:k]), "reward_end": statistics.fmean(rewards[-k:]),
-        "rewards": rewards,
+        "rewards": rewards, "gen_tokens_per_step": statistics.fmean(x["gen_tokens"] for x in steps),
+        "prompt_tokens_per_step": statistics.fmean(x["tokens"] - x["gen_tokens"] for x in steps) if "tokens" in steps[0] else None,
     }
 
 
-def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path) -> float:
+# ----------------------------------------------------------------------------- the arithmetic bound
+
+
+def step_flops(shape: Any, s: dict[str, Any], tokens: float) -> float:
+    """FLOPs of the log-prob and training passes one step of the workload needs, whoever runs it:
+    a forward pass of the reference (kl_coef > 0) and of the policy before its updates over the
+    mini-batches after the first (the first one's old log-probs are its training forward's), and
+    forward + backward (3 forward passes) of every sample per epoch. ``tokens``: prompt and response
+    tokens of the step. Per token ``shape.fwd_flops_per_token`` at half the mean sequence length
+    (attention over the earlier tokens; the mean length undercounts it, so the bound stays a bound).
+    Generation is left out: it is timed as it runs."""
+    batch = s["prompts_per_step"] * s["samples_per_prompt"]
+    forward = tokens * shape.fwd_flops_per_token(tokens / batch / 2)
+    old = 1.0 if s["epochs"] > 1 else (s["mini_batches"] - 1) / s["mini_batches"]
+    return forward * ((1.0 if s["kl_coef"] > 0 else 0.0) + old + 3.0 * s["epochs"])
+
+
+def arithmetic(s: dict[str, Any], model_dir: Path, results: list[dict[str, Any]], threads: int) -> dict[str, Any]:
+    """The arithmetic bound of the comparison: each framework's log-prob and training passes in
+    GFLOP/s against this CPU's fp32 matmul peak (the best of square matmuls on one thread, times
+    ``threads``: data parallelism at no cost), and the most any framework running that arithmetic
+    could beat TRL by here, generating as fast as the fastest generate phase measured. Token counts
+    are each run's own (TRL's prompts are rlbatch's: the same prompts in the same order)."""
+    from rlbatch.plan.measure import matmul_flops
+    from rlbatch.plan.model import shape_from_hf_config
+
+    shape = shape_from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    batch = s["prompts_per_step"] * s["samples_per_prompt"]
+    prompt = next(r["prompt_tokens_per_step"] for r in results if r["prompt_tokens_per_step"] is not None)
+    peak = threads * max(matmul_flops(1).values())
+    rows = {}
+    for r in results:
+        flops = step_flops(shape, s, prompt + r["gen_tokens_per_step"])
+        busy = r["phase_median_s"]["logprobs"] + r["phase_median_s"]["train"]
+        rows[r["name"]] = {"gflop": flops / 1e9, "seconds": busy, "gflop_per_s": flops / busy / 1e9}
+    trl = next(r for r in results if r["name"].startswith("TRL"))
+    fastest = min(r["phase_median_s"]["generate"] for r in results)
+    least = min(v["gflop"] for v in rows.values()) * 1e9
+    floor = fastest + least / peak
+    return {"peak_gflop_per_s": peak / 1e9, "threads": threads, "runs": rows, "generate_s": fastest,
+            "floor_step_s": floor, "ceiling": batch / floor / trl["samples_per_s"]}
+
+
+def print_arithmetic(a: dict[str, Any]) -> None:
+    print(f"\n== arithmetic of the log-prob and training passes (fp32 matmul peak here: {a['peak_gflop_per_s']:.0f} GFLOP/s"
+          f" on {a['threads']} thread(s))")
+    for name, r in a["runs"].items():
+        print(f"{name:18} {r['gflop']:7.1f} GFLOP in {r['seconds']:.3f}s = {r['gflop_per_s']:6.1f} GFLOP/s "
+              f"({100 * r['gflop_per_s'] / a['peak_gflop_per_s']:.0f}% of peak)")
+    print(f"floor of a step: the fastest generate phase ({a['generate_s']:.3f}s) + the least arithmetic at peak "
+          f"= {a['floor_step_s']:.3f}s")
+    print(f"ceiling vs TRL at this arithmetic: {a['ceiling']:.2f}x (no framework doing these passes beats TRL by more here)")
+
+
+def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path, bound: dict[str, Any] | None = None) -> float:
     print("\n== settings (identical for every framework)")
     for key, value in s.items():
         print(f"  {key:24} {value}")
@@ -360,7 +421,9 @@ def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path) -> float
         print(f"{r['name']:18} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f} "
               f"({'learns' if learned else 'DOES NOT LEARN'}); start-up and teardown {r['startup_seconds']:.1f}s, "
               f"{r['steps']} steps in {r['train_seconds']:.1f}s")
-    (out / "results.json").write_text(json.dumps({"settings": s, "results": results}, indent=1))
+    if bound is not None:
+        print_arithmetic(bound)
+    (out / "results.json").write_text(json.dumps({"settings": s, "results": results, "arithmetic": bound}, indent=1))
     plot(results, out / "reward_curves.png")
     trl = next(r for r in results if r["name"].startswith("TRL"))
     best = max((r for r in results if r["name"].startswith("rlbatch")), key=lambda r: r["samples_per_s"])
@@ -439,7 +502,8 @@ def main() -> int:
         runs.append(run_rlbatch(args, out, model_dir, int(n)))
         if args.baseline:
             runs.append(run_rlbatch(args, out, model_dir, int(n), args.baseline.resolve(), "baseline"))
-    report(s, [summarise(r, batch) for r in runs], out)
+    results = [summarise(r, batch) for r in runs]
+    report(s, results, out, arithmetic(s, model_dir, results, args.threads))
     return 0
 
 
