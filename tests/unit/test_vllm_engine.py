@@ -24,7 +24,7 @@ from rlbatch import algos  # noqa: E402
 from rlbatch.engines.base import EngineContext, SamplingParams  # noqa: E402
 from rlbatch.engines.batch import pack, response_logits  # noqa: E402
 from rlbatch.engines.infer.hf import HFInferenceEngine  # noqa: E402
-from rlbatch.engines.infer.vllm import VLLMEngine  # noqa: E402
+from rlbatch.engines.infer.vllm import VLLMEngine, _launcher_env, one_rank_executor  # noqa: E402
 from rlbatch.engines.model import load_model, load_tokenizer  # noqa: E402
 from rlbatch.engines.registry import HFArgs, VLLMArgs  # noqa: E402
 from rlbatch.launch.compose import compose  # noqa: E402
@@ -59,6 +59,23 @@ def test_vllm_runs_in_its_own_world_beside_the_programs(setup: Any) -> None:
     t = torch.ones(3)
     dist.all_reduce(t)  # the program's collectives still work after vLLM started
     assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_one_rank_engine_runs_on_the_ranks_own_device(setup: Any) -> None:
+    """At t=1 the engine's executor takes its worker's device index from the rank's device, not
+    from vLLM's DeviceConfig (the device type alone: GPU 0 for every rank of a node). Checked here
+    on the running CPU engine (index 0) and, without a GPU, on the executor's own arguments for a
+    rank whose GPU is cuda:3; vLLM's own executor would give 0."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    executor = setup.engine.llm.llm_engine.engine_core.engine_core.model_executor
+    assert type(executor).__name__ == "OneRankExecutor", type(executor)
+    assert executor.driver_worker.worker.local_rank == 0
+    bare = object.__new__(one_rank_executor())
+    bare.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device=torch.device("cuda")))
+    with _launcher_env(0, torch.device("cuda", 3)):
+        assert bare._distributed_args()[1:] == (0, 3)
+        assert UniProcExecutor._distributed_args(bare)[1:] == (0, 0)  # what vLLM's own would use
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -127,6 +127,22 @@ def _launcher_env(tp_rank: int, device: torch.device) -> Any:
                 os.environ[n] = v
 
 
+def one_rank_executor() -> type:
+    """vLLM's one-process executor (``uni``), on this rank's own GPU. vLLM's own takes its worker's
+    device index from ``DeviceConfig``, which holds the device type alone (``cuda``, so GPU 0): on a
+    node where every rank sees every GPU, each rank's t=1 engine would start on GPU 0 and make it
+    the rank's current device. This one takes the index from ``LOCAL_RANK``, which
+    ``_launcher_env`` sets to the rank's GPU while the engine starts (0 on CPU, as vLLM's)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    class OneRankExecutor(UniProcExecutor):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            init_method, rank, _ = super()._distributed_args()
+            return init_method, rank, int(os.environ["LOCAL_RANK"])
+
+    return OneRankExecutor
+
+
 class VLLMEngine:
     def __init__(self, ctx: EngineContext) -> None:
         a = ctx.args
@@ -162,7 +178,7 @@ class VLLMEngine:
             key = f"rlbatch-vllm/{ctx.role}/tp" + "-".join(map(str, self.tp_ranks))
             self.world.join(key, self.tp_rank, t, "gloo" if self.on_cpu else "nccl", TP_WORLD_TIMEOUT_S)
         else:
-            kwargs |= {"distributed_executor_backend": "uni", "tensor_parallel_size": 1}
+            kwargs |= {"distributed_executor_backend": one_rank_executor(), "tensor_parallel_size": 1}
         if a.max_model_len:
             kwargs["max_model_len"] = a.max_model_len
         if a.kv_cache_mb or self.on_cpu:
