@@ -109,7 +109,9 @@ class DeepSpeedEngine(StashedState):
         import deepspeed
 
         _skip_shm_build()
-        os.environ.setdefault("LOCAL_RANK", str(ctx.device.index or 0))  # read by DeepSpeed's ZeRO checks
+        # DeepSpeed takes its device from LOCAL_RANK (and reads it in its ZeRO checks): the rank's own
+        # GPU, whatever the launcher or the job's environment exported.
+        os.environ["LOCAL_RANK"] = str(ctx.device.index or 0)
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch, self.stage = int(args.micro_batch), int(args.zero_stage)
         self.group = ctx.group("dp")

@@ -7,6 +7,7 @@ and offload/reload gives back the same state.
     mpiexec -n 3 python tests/dist/scripts/deepspeed_engine.py <port> <dir> [stages, e.g. 123]
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -95,7 +96,9 @@ if comm.rank in ROLE:
     initial = weights(ref)
     for stage in stages:
         tag = f"ZeRO-{stage}"
+        os.environ["LOCAL_RANK"] = "7"  # exported by something else: DeepSpeed would take device 7
         whole = ds(stage)
+        assert os.environ["LOCAL_RANK"] == "0", f"{tag}: LOCAL_RANK {os.environ['LOCAL_RANK']}, not the rank's device"
         got = whole.logprobs(batch(0))
         # Same fp32 weights and the same forward: only summation order may differ.
         for a, b in zip(expected, got, strict=True):
