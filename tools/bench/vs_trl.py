@@ -403,7 +403,7 @@ def print_arithmetic(a: dict[str, Any]) -> None:
     print(f"ceiling vs TRL at this arithmetic: {a['ceiling']:.2f}x (no framework doing these passes beats TRL by more here)")
 
 
-def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path, bound: dict[str, Any] | None = None) -> float:
+def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path, bound: dict[str, Any]) -> float:
     print("\n== settings (identical for every framework)")
     for key, value in s.items():
         print(f"  {key:24} {value}")
@@ -421,8 +421,7 @@ def report(s: dict[str, Any], results: list[dict[str, Any]], out: Path, bound: d
         print(f"{r['name']:18} reward {r['reward_start']:.3f} -> {r['reward_end']:.3f} "
               f"({'learns' if learned else 'DOES NOT LEARN'}); start-up and teardown {r['startup_seconds']:.1f}s, "
               f"{r['steps']} steps in {r['train_seconds']:.1f}s")
-    if bound is not None:
-        print_arithmetic(bound)
+    print_arithmetic(bound)
     (out / "results.json").write_text(json.dumps({"settings": s, "results": results, "arithmetic": bound}, indent=1))
     plot(results, out / "reward_curves.png")
     trl = next(r for r in results if r["name"].startswith("TRL"))
