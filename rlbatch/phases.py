@@ -48,6 +48,10 @@ class PhaseSpec:
     """The planner's calibration group: generate, reward, logprobs, train, sync."""
     peer: str | None = None
     """A second role working in the phase (sync: the receiving inference role)."""
+    overwrites: tuple[tuple[str, str], ...] = ()
+    """(role, state kind) pairs whose contents the phase replaces whole without reading them (sync:
+    the inference role's params). Until it runs, an offload of such state need not keep it
+    (``Pipeline.announce``)."""
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -71,7 +75,8 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
               Dispatch.SHARDS, "train"),
     PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
               ("prompt", "response", "old_logprobs", "ref_logprobs", "reward"), (), Dispatch.SHARDS, "train"),
-    PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer"),
+    PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer",
+              overwrites=(("actor_infer", "params"),)),
     PhaseSpec("checkpoint", "actor_train", "checkpoint", ("params", "optimizer"), (), (), Dispatch.COLLECTIVE, "sync"),
     PhaseSpec("rollout_buffer", "actor_infer", "buffer", (), (), ("prompt", "response", "behaviour_logprobs"),
               Dispatch.WORKERS, "sync"),

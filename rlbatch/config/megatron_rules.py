@@ -3,7 +3,7 @@ pipeline stages, its attention heads and MLP over tensor-parallel ranks, its rou
 expert-parallel ranks (the shape of ``model``: its config.json, or the random-init fields); and the
 layouts it does not build or megatron-core refuses (AReaL's hybrid attn|ffn layout; training a
 Mixture-of-Experts model under tensor parallelism without sequence parallelism; expert parallelism
-with tensor parallelism or with the distributed optimizer). The engine refuses the same at build, with the same numbers."""
+with tensor parallelism or with the distributed optimizer; training in fp16). The engine refuses the same at build, with the same numbers."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
             continue
         problems += _expert_problems(field, b, spec, section(plain, "roles", e.role, "engine_args"),
                                      e.role in TRAINABLE_ROLES)
+        if e.role in TRAINABLE_ROLES and (plain.get("model") or {}).get("dtype") == "fp16":
+            problems.append(f"{field}: the megatron engine trains in bf16 or fp32 (model.dtype), got model.dtype=fp16: "
+                            f"fp16 gradients need loss scaling, which it does not build")
         splits = (("layers", "num_layers", spec.layers, d.p, "pipeline stages p"),
                   ("attention", "num_heads", spec.heads, d.t, "tensor-parallel ranks t"),
                   ("attention", "num_kv_heads", spec.kv_heads, d.t, "tensor-parallel ranks t"),

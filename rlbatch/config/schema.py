@@ -107,6 +107,11 @@ class ClusterConfig:
     """Shell lines run in the sbatch script before srun (module load ..., source venv)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set for every rank."""
+    network_interface: str | None = None
+    """Multi-node: the network interface torch.distributed uses between nodes, e.g. 'ib0' or
+    'eth0' (one name, the same on every node); every rank gets it as NCCL_SOCKET_IFNAME and
+    GLOO_SOCKET_IFNAME. Unset, NCCL and gloo pick an interface themselves, which can be one the
+    other nodes cannot reach (a docker bridge, a management network)."""
     container_image: str | None = None
     """Container image for every rank (pyxis: srun --container-image)."""
     container_mounts: str | None = None

@@ -11,6 +11,7 @@ config names.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -157,7 +158,34 @@ def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
         and 1024 <= ports[0] < ports[1] <= 65536
     ):
         problems.append(f"cluster.port_range: expected [low, high) with 1024 <= low < high <= 65536, got {ports!r}")
+    problems.extend(_check_rank_env(_get(cfg, "cluster")))
     return problems
+
+
+INTERFACE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,14}")
+"""A Linux network interface name (at most 15 characters)."""
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+def _check_rank_env(cluster: Any) -> list[str]:
+    """What the launchers export to every rank: ``cluster.env`` and ``cluster.network_interface``.
+    Variable names go unquoted into the sbatch script's export lines, so they are identifiers and
+    nothing else (values are quoted); NCCL and gloo read the interface as one interface name."""
+    if not isinstance(cluster, Mapping):
+        return []
+    env = cluster.get("env")
+    env = env if isinstance(env, Mapping) else {}
+    problems = [f"cluster.env: {str(k)!r} is not an environment variable name (letters, digits, '_')"
+                for k in env if not ENV_NAME.fullmatch(str(k))]
+    name = cluster.get("network_interface")
+    if name is None:
+        return problems
+    if not isinstance(name, str) or not INTERFACE_NAME.fullmatch(name):
+        return [*problems, f"cluster.network_interface: expected one network interface name such as 'ib0' or 'eth0' "
+                           f"(letters, digits, '_', '.', '-'; at most 15 characters), got {name!r}"]
+    return problems + [f"cluster.env.{var}={env[var]!r} disagrees with cluster.network_interface={name!r}; set one of them"
+                       for var in SOCKET_IFNAME_VARS if var in env and str(env[var]) != name]
 
 
 def _int(v: Any) -> int | None:

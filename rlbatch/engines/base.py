@@ -8,7 +8,8 @@ carved for the role) by ``build_engine``, which finds the implementation through
 - owns its device state by kind (``params``, ``grads``, ``optimizer``, ``kv_cache``) and moves it
   to host memory and back itself (``offload`` / ``reload``, bytes and seconds reported);
 - speaks Hugging Face parameter names at its edges: a training engine exports its full weights
-  as ``(hf_name, tensor)`` pairs, an inference engine loads them, whatever each does inside;
+  as ``(hf_name, tensor)`` pairs, streamed one gathered unit at a time (``WeightStream``), an
+  inference engine loads them, whatever each does inside;
 - gives its checkpoint state as named tensors plus small metadata (``CheckpointState``), which
   one engine-neutral store writes and reads.
 
@@ -20,8 +21,10 @@ that they never look inside. Which ranks receive which samples is declared in th
 
 from __future__ import annotations
 
+import collections
 import importlib
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -95,6 +98,104 @@ class CheckpointState:
     group: Any = None
 
 
+Unit = list[tuple[str, torch.Tensor]]
+"""Weights a training engine gathers together (an FSDP unit, a decoder layer): (hf_name, tensor) pairs."""
+
+
+class WeightStream:
+    """A training engine's full weights on their way out (``TrainEngine.export_weights``), gathered
+    one unit at a time so that no rank ever holds the whole model twice.
+
+    - ``manifest``: (hf_name, full shape) of every tensor, in the order they come. Known without
+      gathering anything.
+    - ``units(dtype)``: the tensors, unit by unit, each unit a list of (hf_name, tensor) in manifest
+      order. A unit is what the engine gathers together: an FSDP unit (the whole model when it is
+      one), a decoder layer, the embedding, the final norm and head. Nothing is gathered before its
+      unit is asked for. Each tensor comes in ``dtype`` (None: the engine's own parameter dtype); an
+      engine that shards a tensor casts its own shard before gathering, so the gather moves
+      ``dtype``'s bytes (half of fp32's for bf16).
+
+    Lifetime: a unit's tensors are valid until the next unit is asked for, the iteration ends or
+    the ``with`` block of ``export_weights`` exits, whichever comes first; then the engine may free
+    or reuse their memory (FSDP reshards the unit). They are read-only: some are the engine's own
+    parameters. A consumer that needs a tensor longer copies it. An engine keeps no reference to
+    a unit it has moved past, so a consumer that keeps none either holds at most one unit of
+    gathered weights, and one that copies into a bucket at most one bucket plus one unit.
+
+    Asking for a unit is collective over the role's ranks: every rank of the role asks for the same
+    units with the same ``dtype``, in order, to the end (``drain`` on a rank that needs none).
+    """
+
+    def __init__(self, manifest: list[tuple[str, torch.Size]],
+                 produce: Callable[[torch.dtype | None], Iterator[Unit]]) -> None:
+        self.manifest = manifest
+        self._produce = produce
+        self._open: list[Generator[Any, None, None]] = []
+
+    @classmethod
+    def of(cls, named: Iterable[tuple[str, torch.Tensor]]) -> WeightStream:
+        """Tensors already in memory (nothing to gather), each its own unit: a cast copies one at a time."""
+        held = list(named)
+
+        def produce(dtype: torch.dtype | None) -> Iterator[Unit]:
+            for name, t in held:
+                yield [(name, t if dtype is None else t.to(dtype))]
+
+        return cls([(n, t.shape) for n, t in held], produce)
+
+    def units(self, dtype: torch.dtype | None = None) -> Iterator[Unit]:
+        """The tensors unit by unit (see the class docstring); checked against the manifest."""
+        inner = iter(self._produce(dtype))
+        checked = self._checked(inner)
+        if isinstance(inner, Generator):
+            self._open.append(inner)
+        self._open.append(checked)
+        return checked
+
+    def _checked(self, inner: Iterator[Unit]) -> Generator[Unit, None, None]:
+        pos = 0
+        for unit in inner:
+            want = self.manifest[pos : pos + len(unit)]
+            if [(n, t.shape) for n, t in unit] != want:
+                raise RuntimeError(f"weight export: a unit gave {[(n, tuple(t.shape)) for n, t in unit][:3]}, the "
+                                   f"manifest says {[(n, tuple(s)) for n, s in want][:3]} at position {pos}")
+            pos += len(unit)
+            yield unit
+            del unit  # the unit is the consumer's until it asks for the next one, not longer
+        if pos != len(self.manifest):
+            raise RuntimeError(f"weight export: {pos} tensors came, the manifest lists {len(self.manifest)}")
+
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors one by one; each valid until the iteration moves past its unit's last tensor."""
+        units = self.units(dtype)
+        for unit in units:
+            yield from unit
+            del unit
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.tensors()
+
+    def drain(self, dtype: torch.dtype | None = None) -> None:
+        """Take part in every unit's gather and keep nothing (a rank whose copy nobody loads)."""
+        collections.deque(self.units(dtype), maxlen=0)  # holds no unit while the next is gathered
+
+    def close(self) -> None:
+        """End iterations left unfinished (their engines release what they hold, e.g. reshard)."""
+        for gen in reversed(self._open):
+            gen.close()
+        self._open.clear()
+
+
+def layer_units(names: list[str]) -> list[list[str]]:
+    """Hugging Face names grouped as an engine that gathers per decoder layer streams them: each run of
+    consecutive names of one layer (``model.layers.<i>.``) is a unit, and so is each run between layers
+    (the embedding before them, the final norm and head after them)."""
+    def layer(name: str) -> str | None:
+        return name.split(".")[2] if name.startswith("model.layers.") else None
+
+    return [list(run) for _, run in itertools.groupby(names, key=layer)]
+
+
 class Engine(Protocol):
     state_kinds: tuple[str, ...]
     """The kinds of device state this engine holds (a subset of params, grads, optimizer, kv_cache)."""
@@ -114,8 +215,9 @@ class InferenceEngine(Engine, Protocol):
         ...
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load (hf_name, full tensor) pairs into the model; returns bytes loaded. The tensors may be
-        read after the call returns (until the next call): the caller must not reuse their memory."""
+        """Load (hf_name, full tensor) pairs into the model; returns bytes loaded. A sync may arrive in
+        several calls (a unit or a bucket each). The engine has read the tensors when the call returns,
+        or keeps copies of those it still needs: the caller may then free or overwrite their memory."""
         ...
 
     def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
@@ -142,9 +244,11 @@ class TrainEngine(Engine, Protocol):
         (``rlbatch.algos.objective``); returns averaged stats."""
         ...
 
-    def export_weights(self) -> AbstractContextManager[list[tuple[str, torch.Tensor]]]:
-        """Full weights as (hf_name, tensor), valid inside the ``with`` block. Collective over the
-        role's ranks."""
+    def export_weights(self) -> AbstractContextManager[WeightStream]:
+        """Full weights as (hf_name, tensor), streamed unit by unit (``WeightStream``: its manifest, its
+        units in a requested dtype, how long each stays valid). Nothing is gathered on entering the
+        ``with`` block; iterating is collective over the role's ranks; the block's exit ends an
+        unfinished iteration."""
         ...
 
     def checkpoint_state(self) -> CheckpointState | None:

@@ -2,14 +2,36 @@
 
 Every rank builds the same random initialisation from ``cfg.seed``, so actor_train, actor_infer
 and reference start identical without any transfer.
+
+Two ways to build an engine's model, which give the same tensors: ``load_model`` /
+``load_engine_model`` build it whole on the host (the inference engines, deepspeed, megatron,
+export); ``engine_skeleton`` gives it with its parameters on the meta device and the source of its
+weights (``rlbatch.models.weights``), so a sharded engine (fsdp) fills only its own shard: the
+rows of the seeded random initialisation, or of the directory's safetensors files, that it holds.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rlbatch.models.weights import (
+    SafetensorsFiles,
+    Tensors,
+    TensorSource,
+    allocate,
+    cast_params,
+    materialise,
+    on_meta_by_default,
+    params_on_meta,
+    params_to_meta,
+    random_init,
+)
+
+log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -37,21 +59,41 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
     """A transformers causal LM in ``dtype`` on the CPU (engines move it to their device).
 
     Random-init: the ``ModelSpec`` of ``model_cfg`` with the tokenizer's vocabulary, the same
-    description the planner counts, initialised from ``seed``."""
+    description the planner counts, initialised from ``seed``. A model directory: its safetensors
+    files read one tensor at a time into the model's own memory, so loading holds the model and one
+    tensor of the files, not the memory-mapped files beside it; files that cannot be read by name
+    are loaded by ``from_pretrained``. Under ``torch.device("meta")``: shapes only."""
     if model_cfg.path:
-        from transformers import AutoModelForCausalLM
+        try:
+            sk = model_skeleton(model_cfg, tokenizer, seed)
+        except _ReadWhole:
+            return _from_pretrained(str(model_cfg.path), dtype)
+        cast_params(sk.model, dtype)
+        if not on_meta_by_default():
+            sk.materialise(torch.device("cpu"))
+        from transformers import GenerationConfig
 
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype)
-        for t in [*model.parameters(), *model.buffers()]:
-            if not t.untyped_storage().resizable():  # memory-mapped from safetensors: own a copy,
-                t.data = t.data.clone()               # so offload can free and re-grow it
-        return model
+        try:  # as from_pretrained: the directory's generation defaults, when it has any
+            sk.model.generation_config = GenerationConfig.from_pretrained(model_cfg.path)
+        except OSError:
+            pass
+        return sk.model.eval()
     from rlbatch.models.spec import spec_from_model_config
     from rlbatch.models.tiny import build_tiny_model
 
     spec = spec_from_model_config(model_cfg, vocab=len(tokenizer))
     tiny_model: Any = build_tiny_model(spec, seed, tokenizer)
     return tiny_model.to(dtype)
+
+
+def _from_pretrained(path: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    for t in [*model.parameters(), *model.buffers()]:
+        if not t.untyped_storage().resizable():  # memory-mapped from safetensors: own a copy,
+            t.data = t.data.clone()               # so offload can free and re-grow it
+    return model
 
 
 def _with_head(lm: Any, auto_class: Any, **config: Any) -> Any:
@@ -83,9 +125,7 @@ def value_model(lm: Any) -> Any:
     from transformers import AutoModelForTokenClassification
 
     model = _with_head(lm, AutoModelForTokenClassification, classifier_dropout=0.0)
-    with torch.no_grad():
-        model.score.weight.zero_()
-        model.score.bias.zero_()
+    _set_head(model, head_weights("value", model, 0))
     return model
 
 
@@ -96,11 +136,30 @@ def reward_model(lm: Any, seed: int) -> Any:
     from transformers import AutoModelForSequenceClassification
 
     model = _with_head(lm, AutoModelForSequenceClassification)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        w = model.score.weight
-        w.copy_(torch.randn(w.shape, generator=g) / model.config.hidden_size ** 0.5)
+    _set_head(model, head_weights("reward", model, seed))
     return model
+
+
+def head_weights(head: str, model: Any, seed: int) -> dict[str, torch.Tensor]:
+    """The initial ``score.*`` parameters of a head model (its parameters may be on meta): a value
+    head all zero; a reward head's weight drawn from ``seed`` (std 1/sqrt(hidden)), its bias zero."""
+    out = {}
+    for name, p in model.named_parameters():
+        if not name.startswith("score."):
+            continue
+        if head == "reward" and name == "score.weight":
+            g = torch.Generator().manual_seed(seed)
+            out[name] = torch.randn(tuple(p.shape), generator=g) / model.config.hidden_size ** 0.5
+        else:
+            out[name] = torch.zeros(tuple(p.shape))
+    return out
+
+
+def _set_head(model: Any, weights: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in weights.items():
+            params[name].copy_(w)
 
 
 def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
@@ -126,6 +185,121 @@ def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
             _check_vocab(lm, ctx.tokenizer, ctx.model.path)
         return value_model(lm)
     return reward_model(lm, ctx.seed) if ctx.head == "reward" else lm
+
+
+@dataclass
+class Skeleton:
+    """A model with its parameters on the meta device (buffers real), and where its weights come from."""
+
+    model: Any
+    weights: TensorSource
+    whole: str = ""
+    """Why the weights were read whole on this rank (files that cannot be read by rows), else ''."""
+
+    def materialise(self, device: torch.device) -> None:
+        """Give the parameters memory on ``device`` and fill them: only this rank's rows when the
+        model has been sharded (FSDP2) since it was built."""
+        allocate(self.model, device)
+        materialise(self.model, self.weights)
+
+
+class _ReadWhole(Exception):
+    """The model directory's weights cannot be read by rows (the reason)."""
+
+
+def _directory_skeleton(auto_class: Any, config: Any, path: str) -> Skeleton:
+    """``auto_class``'s model of ``config`` with parameters on meta, its weights ``path``'s
+    safetensors files, read by rows. Where the files do not hold every parameter under the model's
+    own name (no safetensors files; names transformers maps on loading, such as per-expert MoE
+    checkpoints), rows cannot be read: ``_ReadWhole``."""
+    if not SafetensorsFiles.found(path):
+        raise _ReadWhole(f"{path} has no safetensors files")
+    with params_on_meta():
+        model = auto_class.from_config(config)
+    if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
+        raise _ReadWhole(f"{type(model).__name__} keeps some modules in fp32 whatever the dtype")
+    files = SafetensorsFiles(path)
+    missing = sorted({n for n, _ in model.named_parameters()} - files.names())
+    if missing:
+        raise _ReadWhole(f"{path}'s files do not hold {len(missing)} of the model's parameters by name "
+                         f"(e.g. {missing[0]})")
+    return Skeleton(model, files)
+
+
+def model_skeleton(model_cfg: Any, tokenizer: Any, seed: int) -> Skeleton:
+    """``load_model``'s causal LM as a ``Skeleton`` (fp32): a directory's files, or the seeded random
+    init of the config's ``ModelSpec``."""
+    if model_cfg.path:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return _directory_skeleton(AutoModelForCausalLM, AutoConfig.from_pretrained(model_cfg.path), model_cfg.path)
+    from rlbatch.models.spec import spec_from_model_config
+    from rlbatch.models.tiny import tiny_skeleton
+
+    model = tiny_skeleton(spec_from_model_config(model_cfg, vocab=len(tokenizer)), tokenizer)
+    return Skeleton(model, random_init(model, seed))
+
+
+def _head_skeleton(lm: Skeleton, head: str, auto_class: Any, seed: int, **config: Any) -> Skeleton:
+    """``_with_head`` on a skeleton: the head model's body reads the LM's weights, ``score.*`` are
+    ``head_weights``."""
+    import copy
+
+    cfg = copy.deepcopy(lm.model.config)
+    cfg.num_labels, cfg.tie_word_embeddings = 1, False
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    with params_on_meta():
+        model = auto_class.from_config(cfg)
+    lm_names = {n for n, _ in lm.model.named_parameters()}
+    strays = sorted(n for n, _ in model.named_parameters() if not n.startswith("score.") and n not in lm_names)
+    if strays:
+        raise ValueError(f"{auto_class.__name__} from {type(lm.model).__name__}: weights did not map ({strays})")
+    return Skeleton(model, Tensors(head_weights(head, model, seed), base=lm.weights))
+
+
+def _skeleton(ctx: Any) -> Skeleton:
+    path = ctx.model.path
+    if ctx.head == "reward" and path and _architecture_is(path, "ForSequenceClassification"):
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        sk = _directory_skeleton(AutoModelForSequenceClassification, AutoConfig.from_pretrained(path, num_labels=1), path)
+        if sk.model.config.pad_token_id is None:  # the score is read at the last non-pad token
+            sk.model.config.pad_token_id = ctx.tokenizer.pad_token_id
+        return sk
+    if ctx.head == "value" and path and _architecture_is(path, "ForTokenClassification"):
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        sk = _directory_skeleton(AutoModelForTokenClassification, AutoConfig.from_pretrained(path), path)
+        _check_vocab(sk.model, ctx.tokenizer, path)
+        return sk
+    lm = model_skeleton(ctx.model, ctx.tokenizer, ctx.seed)
+    if ctx.head == "value":
+        from transformers import AutoModelForTokenClassification
+
+        if path:
+            _check_vocab(lm.model, ctx.tokenizer, path)
+        return _head_skeleton(lm, "value", AutoModelForTokenClassification, ctx.seed, classifier_dropout=0.0)
+    if ctx.head == "reward":
+        from transformers import AutoModelForSequenceClassification
+
+        return _head_skeleton(lm, "reward", AutoModelForSequenceClassification, ctx.seed)
+    return lm
+
+
+def engine_skeleton(ctx: Any, dtype: torch.dtype = torch.float32) -> Skeleton:
+    """``load_engine_model(ctx, dtype)`` as a ``Skeleton``: the same model and, once materialised
+    whole, the same tensors. A directory whose files cannot be read by rows is loaded whole on
+    this rank (``load_engine_model``), and the skeleton's weights are those tensors
+    (``Skeleton.whole`` says why)."""
+    try:
+        sk = _skeleton(ctx)
+    except _ReadWhole as e:
+        log.warning("%s: %s; every rank reads the whole model before it takes its shard", ctx.role, e)
+        full = load_engine_model(ctx)
+        sk = Skeleton(full, Tensors(params_to_meta(full)), f"{e}: read whole")
+    cast_params(sk.model, dtype)
+    return sk
 
 
 def _architecture_is(path: str, suffix: str) -> bool:

@@ -2,18 +2,24 @@
 torch tensors: fsdp, hf; an engine with its own offload, such as vLLM's sleep mode, implements
 ``offload``/``reload`` its own way).
 
-A ``TensorStash`` holds one host buffer per tensor, allocated on first offload and reused on
-every later one (pinned when the device is a GPU, so copies are asynchronous DMA). Offload
-copies every tensor into its buffer without waiting, synchronises once, then frees the device
-storage with ``untyped_storage().resize_(0)`` — the tensor objects stay alive, so the module,
-the optimizer and FSDP keep their references. Reload re-grows each storage and copies back.
+A ``TensorStash`` holds one host arena (``HostArena``): a single host allocation that every
+storage of the stash is copied into at its own aligned offset, allocated on the first offload,
+reused on every later one, and grown (once, to the new total) only when the state grows, such as
+the optimizer state that appears after the first step. On a GPU the arena is page-locked, so
+copies are asynchronous DMA; one allocation per stash, not one per tensor, because each
+page-locking call is slow and many small pinned blocks fragment host memory. Offload copies every
+tensor into the arena without waiting, synchronises once, then frees the device storage with
+``untyped_storage().resize_(0)`` — the tensor objects stay alive, so the module, the optimizer
+and FSDP keep their references. Reload re-grows each storage and copies back.
 
-The same code runs on a CPU-only machine (host to host), so CI exercises it.
+The same code runs on a CPU-only machine (host to host, the arena not pinned), so CI exercises it.
 """
 
 from __future__ import annotations
 
+import mmap
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -54,43 +60,97 @@ def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Te
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
+ALIGN = 512
+"""Byte alignment of each storage's place in an arena: a multiple of every element size, so a view
+of any dtype could be taken there, and of the 512-byte granularity of CUDA's allocator."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _unregister(ptr: int, buffer: torch.Tensor) -> None:
+    """Unlock the pages at ``ptr``; ``buffer`` (held until then) is the memory they belong to."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class HostArena:
+    """One host buffer, grown only: ``reserve(nbytes)`` returns it, reallocated only when it is
+    smaller than ``nbytes``. Pinned (page-locked) when asked: an ordinary allocation registered
+    with CUDA in place, over whole pages that lie inside it (as torch's checkpoint stager pins its
+    buffers, ``torch.distributed.checkpoint._state_dict_stager``). Not ``torch.empty(pin_memory=True)``:
+    torch's pinned allocator rounds every allocation up to a power of two
+    (``CachingHostAllocator``), which for one arena of a large model's state would lock up to twice
+    its bytes."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+        self.allocations = 0
+        """Host allocations made so far (one per growth)."""
+        self._unpin: weakref.finalize | None = None
+
+    def reserve(self, nbytes: int, pin: bool) -> torch.Tensor:
+        if nbytes == 0 or (nbytes <= self.buffer.numel() and (self.pinned or not pin)):
+            return self.buffer
+        self.release()
+        if pin:
+            page = mmap.PAGESIZE
+            span = -(-nbytes // page) * page
+            raw = torch.empty(span + page, dtype=torch.uint8)
+            start = -raw.data_ptr() % page
+            buffer = raw[start : start + span]  # whole pages of this allocation only: none shared with another
+            err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), span, 1))  # 1: portable
+            if err:
+                raise RuntimeError(f"page-locking a host buffer of {span} bytes failed with CUDA error {err}")
+            # Unregistered before the memory goes: on a growth, or when the arena is collected.
+            self._unpin = weakref.finalize(self, _unregister, buffer.data_ptr(), buffer)
+            self._unpin.atexit = False  # at exit the driver releases it with the process
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.buffer, self.pinned = buffer, pin
+        self.allocations += 1
+        return buffer
+
+    def release(self) -> None:
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self.buffer, self.pinned = torch.empty(0, dtype=torch.uint8), False
+
+
 class TensorStash:
-    """Host copies of a changing set of tensors' storages.
+    """Host copies of a changing set of tensors' storages, in one ``HostArena``.
 
     ``tensors`` is a callable because the set changes (gradients appear after the first
-    backward, optimizer states after the first step). Buffers are matched to storages by
-    position in that (deterministic) order and reallocated only when a size changes, so
-    steady-state steps allocate nothing. Whole storages are moved, not views: an FSDP2 shard
-    can be a view into a padded storage that FSDP reads in full.
+    backward, optimizer states after the first step). Each offload lays the storages out in that
+    (deterministic) order at aligned offsets; the arena is reallocated only when the total
+    exceeds it, so steady-state steps allocate nothing. Whole storages are moved, not views: an
+    FSDP2 shard can be a view into a padded storage that FSDP reads in full.
     """
 
     def __init__(self, name: str, tensors: Callable[[], Iterable[torch.Tensor]]) -> None:
         self.name = name
         self._tensors = tensors
-        self._host: list[torch.Tensor] = []
-        self._offloaded: list[tuple[torch.UntypedStorage, torch.device, int]] = []
+        self.arena = HostArena()
+        self._offloaded: list[tuple[torch.UntypedStorage, torch.device, int, int]] = []
+        """(storage, its device, offset in the arena, bytes) of every storage offloaded."""
 
     @property
     def offloaded(self) -> bool:
         return bool(self._offloaded)
 
     def host_bytes(self) -> int:
-        return sum(b.numel() for b in self._host)
-
-    def _buffer(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        if i == len(self._host):
-            self._host.append(torch.empty(0, dtype=torch.uint8))
-        if self._host[i].numel() != nbytes:
-            self._host[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        return self._host[i]
+        return int(self.arena.buffer.numel())
 
     def offload(self) -> Transfer:
-        """Copy every storage to its host buffer, sync once, free the device storage."""
+        """Copy every storage to its place in the arena, sync once, free the device storage."""
         if self._offloaded:
             return Transfer()
         start = time.perf_counter()
         seen: set[int] = set()
-        moved: list[tuple[torch.UntypedStorage, torch.device, int]] = []
+        moved: list[tuple[torch.UntypedStorage, torch.device, int, int]] = []
+        total = 0
         for t in self._tensors():
             lt = local_tensor(t)
             storage = lt.untyped_storage()
@@ -100,14 +160,16 @@ class TensorStash:
             if not storage.resizable():
                 raise RuntimeError(f"offload {self.name}: a tensor of shape {tuple(lt.shape)} has storage that cannot be "
                                    f"freed (memory-mapped?); give the engine tensors that own their memory")
-            i = len(moved)
-            self._buffer(i, storage.nbytes(), lt.device).copy_(_bytes_view(storage, lt.device), non_blocking=True)
-            moved.append((storage, lt.device, i))
-        for d in {d for _, d, _ in moved}:
+            moved.append((storage, lt.device, total, storage.nbytes()))
+            total = _aligned(total + storage.nbytes())
+        arena = self.arena.reserve(total, pin=any(d.type == "cuda" for _, d, _, _ in moved))
+        for storage, device, offset, n in moved:
+            arena[offset : offset + n].copy_(_bytes_view(storage, device), non_blocking=True)
+        for d in {d for _, d, _, _ in moved}:
             _sync(d)
         nbytes = 0
-        for storage, _, _ in moved:
-            nbytes += storage.nbytes()
+        for storage, _, _, n in moved:
+            nbytes += n
             storage.resize_(0)
         self._offloaded = moved
         return Transfer(nbytes, time.perf_counter() - start, len(moved))
@@ -118,12 +180,12 @@ class TensorStash:
             return Transfer()
         start = time.perf_counter()
         nbytes = 0
-        for storage, device, i in self._offloaded:
-            buf = self._host[i]
-            storage.resize_(buf.numel())
-            _bytes_view(storage, device).copy_(buf, non_blocking=True)
-            nbytes += buf.numel()
-        for d in {d for _, d, _ in self._offloaded}:
+        arena = self.arena.buffer
+        for storage, device, offset, n in self._offloaded:
+            storage.resize_(n)
+            _bytes_view(storage, device).copy_(arena[offset : offset + n], non_blocking=True)
+            nbytes += n
+        for d in {d for _, d, _, _ in self._offloaded}:
             _sync(d)
         moved = len(self._offloaded)
         self._offloaded = []

@@ -151,6 +151,10 @@ class EngineSpec:
     heads: tuple[str, ...] = ("lm",)
     """The model heads it builds (``rlbatch.config.schema.HEADS``): 'lm' (the policy), 'value' (a
     critic), 'reward' (a sequence-classification reward model)."""
+    reserves_device_share: bool = False
+    """At start-up it reserves a share of the device's memory for itself and refuses to start when
+    that much is not free (vLLM's gpu_memory_utilization): on a rank shared with other engines it
+    is built before them, while the device is empty."""
 
     @property
     def built(self) -> bool:
@@ -265,8 +269,9 @@ register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HF
 # dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
 # keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.
 register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="dt",
-                    note="pipeline-parallel vLLM (p>1) is not built yet: use vllm:dXtY"))
-register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build"))
+                    note="pipeline-parallel vLLM (p>1) is not built yet: use vllm:dXtY", reserves_device_share=True))
+register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build",
+                    reserves_device_share=True))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward")))
 # dims "dtpe": tensor, pipeline, data and expert parallel (e over d, for Mixture-of-Experts models);

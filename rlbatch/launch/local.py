@@ -18,7 +18,7 @@ from typing import Any
 
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement
-from rlbatch.runtime.env import MPI_ENV, cpu_device_env
+from rlbatch.runtime.env import MPI_ENV, cpu_device_env, network_env
 from rlbatch.runtime.postmortem import culprits
 from rlbatch.runtime.rundir import RunDir, prepare_run_dir
 
@@ -45,13 +45,21 @@ def mpiexec_command(cfg: Any, placement: Placement, run_dir: Path) -> list[str]:
             sys.executable, "-u", "-m", "rlbatch.worker", str(run_dir)]
 
 
+def local_env(cfg: Any) -> dict[str, str]:
+    """The environment mpiexec passes to every rank: this one, MPI's settings, the CPU device's,
+    the network interface's (``cluster.network_interface``), ``cluster.env`` and a job id."""
+    c = cfg.cluster
+    env = dict(os.environ) | MPI_ENV | cpu_device_env(str(c.device)) | network_env(c.network_interface)
+    env.update({str(k): str(v) for k, v in c.env.items()})
+    env["RLBATCH_JOB_ID"] = f"local-{os.getpid()}-{time.time_ns()}"
+    env.setdefault("OMP_NUM_THREADS", str(c.cpus_per_task))
+    return env
+
+
 def run_local(cfg: Any, placement: Placement) -> int:
     run = prepare_run_dir(cfg, placement)
     cmd = mpiexec_command(cfg, placement, run.path)
-    env = dict(os.environ) | MPI_ENV | cpu_device_env(str(cfg.cluster.device))
-    env.update({str(k): str(v) for k, v in cfg.cluster.env.items()})
-    env["RLBATCH_JOB_ID"] = f"local-{os.getpid()}-{time.time_ns()}"
-    env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.cpus_per_task))
+    env = local_env(cfg)
     print(f"run_dir: {run.path}  (rank logs in {run.logs})", flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     first = tee_and_watch(proc, run, placement.world_size)

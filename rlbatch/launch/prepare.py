@@ -1,11 +1,14 @@
 """Prepare a run directory inside an allocation you made yourself (no submitit):
 
     RUN_DIR=$(python -m rlbatch.launch.prepare cluster=slurm run_dir=$PWD/runs/$SLURM_JOB_ID [overrides])
+    source "$RUN_DIR/rank_env.sh"
     srun --mpi=pmi2 --kill-on-bad-exit=1 python -u -m rlbatch.worker "$RUN_DIR"
 
 Validates the config, writes config.yaml and placement.json, checks that the allocation has the
-nodes and tasks the placement needs, and prints the run directory (only that, on stdout).
-Exit code 2 on a bad config or an allocation that does not fit.
+nodes and tasks the placement needs, writes ``rank_env.sh`` (the export lines of the environment
+every rank gets, as the submitit launcher's sbatch script has them: ``cluster.env``,
+``cluster.network_interface``, MPI's settings), and prints the run directory (only that, on
+stdout). Exit code 2 on a bad config or an allocation that does not fit.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 import sys
 
 from rlbatch.errors import ConfigError, report_config_error
+
+RANK_ENV = "rank_env.sh"
+"""File in the run directory with the ranks' environment, for the sbatch script to source."""
 
 
 def check_allocation(nodes: int | None, ntasks: int | None, need_nodes: int, need_tasks: int) -> None:
@@ -30,6 +36,7 @@ def main(argv: list[str]) -> int:
 
     from rlbatch.config.validate import check
     from rlbatch.launch.compose import compose
+    from rlbatch.launch.slurm import export_lines, rank_env
     from rlbatch.runtime.rundir import prepare_run_dir
 
     try:
@@ -42,6 +49,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         return report_config_error(e)
     run = prepare_run_dir(cfg, placement)
+    (run.path / RANK_ENV).write_text("\n".join(export_lines(rank_env(cfg, run.path))) + "\n")
     print(run.path)
     return 0
 

@@ -17,12 +17,26 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.placement import Placement
-from rlbatch.runtime.env import CPU_DEVICE_ENV, MPI_ENV
+from rlbatch.runtime.env import CPU_DEVICE_ENV, MPI_ENV, network_env
 from rlbatch.runtime.postmortem import culprits
 from rlbatch.runtime.rundir import RunDir, prepare_run_dir
 
 SUBMITIT_DIR = "slurm"
 """Sub-directory of the run directory for submitit's pickles and the per-task Slurm logs."""
+
+
+def rank_env(cfg: Any, run_dir: Path) -> dict[str, str]:
+    """The environment every rank of a Slurm job gets: MPI's settings, the CPU device's, the
+    network interface's (``cluster.network_interface``), ``cluster.env`` and the run directory."""
+    c = cfg.cluster
+    on_cpu = CPU_DEVICE_ENV if str(c.device) == "cpu" else {}  # compute nodes' GPUs are not visible here
+    return (MPI_ENV | on_cpu | network_env(c.network_interface) | {str(k): str(v) for k, v in c.env.items()}
+            | {"RLBATCH_RUN_DIR": str(run_dir)})
+
+
+def export_lines(env: dict[str, str]) -> list[str]:
+    """``export`` lines for a shell script; names are identifiers (validated), values quoted."""
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
 def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str, Any]:
@@ -35,9 +49,7 @@ def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str
     if c.container_mounts:
         srun_args.append(f"--container-mounts={c.container_mounts}")
     srun_args += [str(a) for a in c.srun_args]
-    on_cpu = CPU_DEVICE_ENV if str(c.device) == "cpu" else {}  # compute nodes' GPUs are not visible here
-    env = MPI_ENV | on_cpu | {str(k): str(v) for k, v in c.env.items()} | {"RLBATCH_RUN_DIR": str(run_dir)}
-    setup = [str(line) for line in c.setup] + [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    setup = [str(line) for line in c.setup] + export_lines(rank_env(cfg, run_dir))
     params: dict[str, Any] = {
         "job_name": c.job_name,
         "partition": c.partition,

@@ -55,6 +55,9 @@ class RoleMemory:
     """Inference: sequences an engine can decode at once (bounded by KV cache and max_num_seqs)."""
     tensors: int = 0
     """Parameter tensors per GPU: each costs a few ops to offload, reload or sync."""
+    load: float = 0.0
+    """Host bytes the engine needs beyond its state while it is built (weights read from the
+    files or drawn, or a whole model built on the host before it is sharded or moved)."""
 
 
 def compute_bytes(model_dtype: str, hw: Hardware) -> int:
@@ -64,6 +67,37 @@ def compute_bytes(model_dtype: str, hw: Hardware) -> int:
     if model_dtype == "fp32":
         return 4
     return 4 if hw.is_cpu else 2
+
+
+RANDOM_INIT_BLOCK = float(1 << 22)
+"""A random-init tensor is drawn in blocks of 2**20 fp32 elements (``rlbatch.models.weights``)."""
+
+
+def largest_tensor(shape: ModelShape) -> float:
+    """Elements of the largest parameter tensor: the embedding, an MLP matrix, or a layer's stacked
+    routed experts (gate and up of every expert: one tensor in transformers)."""
+    return float(max(shape.largest_module_params, 2 * shape.experts * shape.moe_ffn * shape.hidden))
+
+
+def load_bytes(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware) -> float:
+    """Host bytes beyond its state while a role's engine is built. rlbatch's fsdp engine builds on
+    the meta device and reads only its rows, one tensor at a time (``rlbatch.engines.model.engine_skeleton``):
+    at most the rows of the largest tensor in fp32, plus one random-init block. The hf engine reads a
+    model directory one tensor at a time into a model on the host (``load_model``), which on a GPU it
+    then copies to the device: the whole model in its dtype on the host. vLLM's loader reads a tensor
+    at a time and copies its part to the device. Not modelled: the deepspeed and megatron engines,
+    which build the whole fp32 model on the host on every rank before they shard or convert it
+    (``load_engine_model``), and vLLM's random-init path (the whole fp32 model, saved for vLLM to read)."""
+    b = r.backend
+    assert b is not None
+    rows = 4.0 * largest_tensor(shape)
+    if b.engine == "fsdp":
+        return rows / (b.t * b.d * b.c) + RANDOM_INIT_BLOCK
+    if b.engine == "hf":
+        return rows if hw.is_cpu else e * float(shape.params)
+    if b.engine == "vllm":
+        return e * largest_tensor(shape)
+    return 0.0
 
 
 def train_micro_batch(w: Workload, dp: int) -> int:
@@ -111,16 +145,31 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     big_unit = max(shape.layer_params, shape.embedding_params)
     if b.engine == "fsdp":
         n = d * c
-        # rlbatch's fsdp engine loads fp32 weights and shards them (bf16 only for compute on GPUs),
-        # so even the forward-only reference keeps 4 bytes per parameter shard.
-        state = {"params": 4 * P / t / n}
+        # rlbatch's fsdp engine keeps fp32 master weights for a role that trains (bf16 only for
+        # compute on GPUs) and the compute dtype for a forward-only one (``FSDPEngine``'s held_dtype).
+        state = {"params": (e if forward_only else 4) * P / t / n}
         if not forward_only:
             state |= {"grads": 4 * P / t / n, "optimizer": 8 * P / t / n}
-        # Unsharded all-gather outputs: the current and the prefetched unit (a layer, or the
-        # embedding/lm head), plus in backward one unsharded gradient and its reduce-scatter input.
-        buffers = e * (shape.layer_params + big_unit) / t + (0 if forward_only else (e + 4) * big_unit / t)
-        if fsdp_units(r, shape) == 1:  # a small model is one unit: all of it unsharded at once
-            buffers = e * P / t + (0 if forward_only else (e + 4) * P / t)
+        # FSDP2's collectives for the largest unit (the root: embedding, final norm, an untied head;
+        # or the whole model when it is one unit), beside the next unit prefetched (a layer). An
+        # all-gather copies the unit's shard into an input buffer (1/n), gathers it into an output
+        # buffer (1) and copies that into the unsharded parameters (1): 2 + 1/n units. Backward holds
+        # the unit's unsharded parameters, their gradients (a tied embedding's two uses summed: 2)
+        # and the reduce-scatter's input and output in the reduce dtype (fp32): 3 units in the
+        # compute dtype, 1 + 1/n in fp32. And as the engine keeps its gradients between steps
+        # (zeroed, not freed), the backward's new gradient shards stand beside them until they are
+        # added: one fp32 gradient shard more. Measured on CPU (docs/benchmarks.md, "Host memory").
+        one = fsdp_units(r, shape) == 1
+        unit = P if one else max(float(shape.layer_params), shape.embedding_params * (1 if shape.tied else 2) + shape.hidden)
+        nxt = 0.0 if one else float(shape.layer_params)
+        fwd_buffers = e * ((2 + 1 / n) * unit + nxt) / t
+        train_buffers = (3 * e * unit + 4 * (1 + 1 / n) * unit + e * (2 + 1 / n) * nxt + 4 * P / n) / t
+        # torch's foreach AdamW computes sqrt(v) for every parameter at once: one fp32 shard more,
+        # after the backward's buffers are gone.
+        step_temp = 4 * P / t / n
+        # Weight sync gathers one unit at a time, each tensor in full (a shard cast to the wire
+        # dtype, the all-gather's padded output and its unpadded copy): the unit and its largest tensor again.
+        sync_bytes = e * (unit * (1 + 1 / n) + min(unit, largest_tensor(shape))) / t
         layers_held = shape.layers
     elif b.engine == "deepspeed":
         stage = int(ea.get("zero_stage", 3))
@@ -150,18 +199,21 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         ffn = b.ffn
         e_split = (ffn.e * ffn.t) if ffn is not None else (b.e * t)
         shard = (dense / p + emb) / t + shape.layers * shape.expert_params / p / e_split
-        # engine_args.distributed_optimizer (rlbatch's megatron engine, off by default): megatron-core's
-        # DDP keeps fp32 gradient buffers and its DistributedOptimizer the fp32 main weights and AdamW
-        # moments of 1/(d*c) of them: Megatron-LM's 6 + 12/dp bytes per parameter. Off, the engine
-        # steps torch AdamW on the bf16 weights: bf16 gradients and moments, 2 + 2 + 4 bytes.
+        # rlbatch's megatron engine keeps fp32 gradients, fp32 main weights beside 16-bit weights (fp32
+        # weights are their own) and AdamW's two fp32 moments: Megatron-LM's 18 bytes per parameter in
+        # bf16. engine_args.distributed_optimizer (off by default) gives each of the d*c data-parallel
+        # ranks the main weights and moments of 1/(d*c) of them: 6 + 12/dp bytes.
         dist_opt = bool(ea.get("distributed_optimizer", False))
-        state = {"params": 2 * shard} if forward_only else (
-            {"params": 2 * shard, "grads": 4 * shard, "optimizer": 12 * shard / (d * c)} if dist_opt
-            else {"params": 2 * shard, "grads": 2 * shard, "optimizer": 4 * shard})
+        main = 4 if e < 4 else 0
+        state = {"params": e * shard} if forward_only else {
+            "params": e * shard, "grads": 4 * shard, "optimizer": (8 + main) * shard / (d * c if dist_opt else 1)}
         if dist_opt and not forward_only:
             notes.append(f"distributed optimizer: optimizer state / {d * c}")
         buffers = 0.0
         layers_held = math.ceil(shape.layers / p)
+    if b.engine != "fsdp":
+        fwd_buffers = train_buffers = buffers
+        step_temp, sync_bytes = 0.0, e * big_unit / t  # weight sync gathers full tensors one at a time
     # rlbatch's megatron engine runs tensor parallelism with sequence parallelism unless
     # engine_args.sequence_parallel is false: then a layer keeps Korthikanti's 10 + 24/t count,
     # not (34 + ...)/t.
@@ -176,8 +228,8 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         "activations": act.forward_working_bytes(shape, ftok / fmb, fmb, e, t),
         "logits": act.logits_bytes(frows, vocab, e, t),
     }
-    if buffers:
-        fwd["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = buffers * (0.5 if forward_only and b.engine == "fsdp" else 1)
+    if fwd_buffers:
+        fwd["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = fwd_buffers
     transient = {"logprobs": fwd}
     if not forward_only:
         recompute = "full" if w.recompute else "none"
@@ -188,11 +240,12 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         if recompute == "full":  # the layer being recomputed holds its full activations
             acts += act.layer_bytes(shape, st, mb, e, t, sp=sp)
         train = {"activations": acts, "logits": act.logits_bytes(trows, vocab, e, t, train=True, entropy=w.entropy)}
-        if buffers:
-            train["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = buffers
+        if train_buffers:
+            train["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = train_buffers
+        if step_temp > sum(train.values()):  # the step runs after the passes' transients are freed
+            train["optimizer_step"] = step_temp - sum(train.values())
         transient["train"] = train
-        # Weight sync gathers full tensors one at a time (largest: a layer's worth at most).
-        transient["sync"] = {"sync_buffer": e * big_unit / t}
+        transient["sync"] = {"sync_buffer": sync_bytes}
     tensors = math.ceil(shape.tensors / max(1, p))
     return RoleMemory(r.name, state, transient, notes, tensors=tensors)
 
@@ -245,6 +298,8 @@ def role_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardw
     """State and per-phase transients of one GPU role on its most loaded GPU."""
     assert r.backend is not None
     if r.backend.kind is EngineKind.INFER:
-        return infer_engine(r, shape, w, e, hw)
-    forward_only = r.name in ("reference", "reward")
-    return train_engine(r, shape, w, e, forward_only)
+        m = infer_engine(r, shape, w, e, hw)
+    else:
+        m = train_engine(r, shape, w, e, forward_only=r.name not in TRAINABLE_ROLES)
+    m.load = load_bytes(r, shape, e, hw)
+    return m

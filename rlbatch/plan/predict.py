@@ -218,6 +218,17 @@ def _conflict(a: Phase, b: Phase, layout: Layout) -> bool:
     return any(x == y or layout.colocated(x, y) for x in a.active for y in b.active)
 
 
+def rank_host_bytes(p: Prediction, g: GpuKind) -> dict[str, float]:
+    """Host memory of one rank of ``g`` by phase, and at the peak of its start-up ('startup'): the
+    process itself, the host copies its offloads keep (pinned on a GPU) and, on a CPU profile, where
+    the device is the host, everything the device holds in the phase."""
+    base = p.hardware.process_host_bytes
+    out = {"startup": base + g.startup_host}
+    for phase in g.memory:
+        out[phase] = base + g.host_bytes + (g.phase_total(phase) if p.hardware.is_cpu else 0.0)
+    return out
+
+
 def _memory_problems(p: Prediction, mem_limit: float | None) -> None:
     hw, layout = p.hardware, p.layout
     node_sum: dict[str, float] = {}
@@ -234,9 +245,11 @@ def _memory_problems(p: Prediction, mem_limit: float | None) -> None:
         for ph in g.memory:  # CPU ranks share the node's RAM: sum every rank, phase by phase
             node_sum[ph] = node_sum.get(ph, 0.0) + per_node * g.phase_total(ph)
     per_node_procs = min(layout.num_gpus, layout.gpus_per_node) + 1
-    host = sum(_concurrent(layout, g) * g.host_bytes for g in p.gpus) + per_node_procs * hw.process_host_bytes
+    steady = sum(_concurrent(layout, g) * g.host_bytes for g in p.gpus)
     if hw.is_cpu:
-        host += max(node_sum.values(), default=0.0)
+        steady += max(node_sum.values(), default=0.0)
+    startup = sum(_concurrent(layout, g) * g.startup_host for g in p.gpus)
+    host = max(steady, startup) + per_node_procs * hw.process_host_bytes
     p.host_bytes = host
     limit = hw.host_ram_bytes if mem_limit is None else min(hw.host_ram_bytes, mem_limit)
     if host > limit:
@@ -256,7 +269,7 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     e = compute_bytes(model_dtype, hw)
     mems = {r.name: role_memory(r, shape, w, e, hw) for r in layout.gpu_roles()}
     phases = step_phases(layout, w)
-    gpus = simulate(layout, mems, phases)
+    gpus = simulate(layout, mems, phases, host_is_device=hw.is_cpu)
     totals, per_phase = _transitions(layout, gpus, mems, hw, coef, phases)
     times: list[PhaseTime] = []
     for ph in phases:

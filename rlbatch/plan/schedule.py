@@ -1,8 +1,10 @@
 """The phases of one step, and what each GPU holds during each of them.
 
 The scheduler (rlbatch/scheduler/residency.py) switches residency at the start of every phase a
-rank works in: it offloads every other offloadable role on that rank (all its state kinds) and
-reloads the kinds the acting roles need; a rank with a single GPU role never offloads.
+rank works in: it offloads every other offloadable role on that rank (all its state kinds) and the
+acting roles' kinds the phase does not need (a sync leaves the trainer's gradients and optimizer
+state off the device), and reloads the kinds the acting roles need; a rank with a single GPU role
+never offloads.
 ``simulate`` replays that rule over two steps for every kind of GPU (a signature: the set of
 roles on it) and keeps the second, steady-state step: which kinds are resident in each phase,
 the bytes each switch moves, and the peak memory with the term that dominates it.
@@ -76,6 +78,8 @@ class GpuKind:
     offload_count: dict[str, int] = field(default_factory=dict)
     host_bytes: float = 0.0
     """Pinned host buffers this GPU's offloads keep (they persist across steps)."""
+    startup_host: float = 0.0
+    """Host bytes at the peak of start-up, beyond the process itself (see ``startup_host``)."""
 
     def phase_total(self, phase: str) -> float:
         return sum(sum(t.values()) for t in self.memory.get(phase, {}).values())
@@ -90,8 +94,26 @@ class GpuKind:
         return max(terms, key=lambda x: x[2], default=("-", "-", 0.0))
 
 
-def simulate(layout: Layout, mems: dict[str, RoleMemory], phases: list[Phase]) -> list[GpuKind]:
-    """Replay two steps of switch / work on every kind of GPU; keep the second."""
+def startup_host(sig: tuple[str, ...], layout: Layout, mems: dict[str, RoleMemory], host_is_device: bool) -> float:
+    """Host bytes of a rank at the peak of start-up, beyond the process: its engines are built one
+    after another, each needing ``RoleMemory.load`` beyond its state while it is built, and on a
+    shared rank each one's weights leave the device as soon as it is built
+    (``rlbatch.scheduler.residency``), into a host copy. Where the device is the host (a CPU
+    profile) every role's weights stay in host memory either way, and while one is offloaded they
+    are there twice, the copy beside the storage it frees. Bounded over any build order: all the
+    roles' weights plus the largest one-role transient."""
+    at_build = {r for r in sig if len(sig) > 1 and layout.roles[r].offload}
+    params = {r: mems[r].state.get("params", 0.0) for r in sig}
+    if host_is_device:
+        return sum(params.values()) + max((max(mems[r].load, params[r] if r in at_build else 0.0) for r in sig),
+                                          default=0.0)
+    return sum(params[r] for r in at_build) + max((mems[r].load for r in sig), default=0.0)
+
+
+def simulate(layout: Layout, mems: dict[str, RoleMemory], phases: list[Phase], host_is_device: bool = False,
+             ) -> list[GpuKind]:
+    """Replay two steps of switch / work on every kind of GPU; keep the second. ``host_is_device``:
+    a CPU profile, where a rank's device memory is host memory."""
     kinds = []
     for sig, ranks in layout.signatures().items():
         g = GpuKind(sig, ranks)
@@ -104,12 +126,13 @@ def simulate(layout: Layout, mems: dict[str, RoleMemory], phases: list[Phase]) -
                 out_b = in_b = 0.0
                 out_n = in_n = 0
                 if here:  # the rank works in this phase: the switch runs
-                    for r in offloadable - set(here):
-                        out_b += sum(mems[r].state[k] for k in resident[r] if k in COPIED)
-                        out_n += len(resident[r])
-                        if resident[r]:
+                    for r in offloadable:
+                        leaving = resident[r] - set(ph.active[r]) if r in here else resident[r]
+                        out_b += sum(mems[r].state[k] for k in leaving if k in COPIED)
+                        out_n += len(leaving)
+                        if leaving:
                             offloaded.add(r)
-                        resident[r] = set()
+                        resident[r] -= leaving
                     for r in here:
                         missing = (set(ph.active[r]) & set(mems[r].state)) - resident[r]
                         in_b += sum(mems[r].state[k] for k in missing if k in COPIED)
@@ -127,5 +150,6 @@ def simulate(layout: Layout, mems: dict[str, RoleMemory], phases: list[Phase]) -
                             mem[r] = terms
                     g.memory[ph.name] = mem
         g.host_bytes = sum(mems[r].state.get(k, 0.0) for r in offloaded for k in COPIED)
+        g.startup_host = startup_host(sig, layout, mems, host_is_device)
         kinds.append(g)
     return kinds

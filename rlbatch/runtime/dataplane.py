@@ -8,6 +8,11 @@ the order of pairs cannot deadlock. The receiver sizes its buffers from the leng
 controller sent. Message buffers on both sides come from pools (``BufferPool``) that reuse a
 buffer once nothing refers to its memory any more: fresh host memory costs a page fault per page,
 as much as the copy itself.
+
+Messages are CPU tensors on every rank, whatever its device, so both ends of a pair agree on the
+transport: under the "cpu:gloo,cuda:nccl" process group of a GPU job gloo carries them. (Were a
+GPU rank to send a CUDA buffer, it would post on NCCL while a CPU worker waits on gloo, and the
+two never meet.) Samples are small next to a step's compute, and they live on the CPU anyway.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.distributed as dist
 
 TOKEN_FIELDS = ("prompt", "response")
 INT_FIELDS = frozenset(TOKEN_FIELDS)
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -104,15 +110,13 @@ def _size(m: Move, fields: list[str]) -> int:
     return sum(lens[j] for lens in m.lengths for j in idx)
 
 
-def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str], device: torch.device) -> torch.Tensor:
-    parts = [store.samples[i][f].reshape(-1).to(dtype) for i in m.ids for f in fields]
-    cpu = torch.device("cpu")
+def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str]) -> torch.Tensor:
+    parts = [store.samples[i][f].reshape(-1).to(CPU, dtype) for i in m.ids for f in fields]
     if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
-    if len(parts) == 1 and device == cpu:
+        return torch.empty(0, dtype=dtype)
+    if len(parts) == 1:
         return parts[0].contiguous()  # one tensor: send it as it is, no copy
-    flat = torch.cat(parts, out=store.send_pool.take(m.dst, dtype, cpu, sum(p.numel() for p in parts)))
-    return flat if device == cpu else store.send_pool.take(m.dst, dtype, device, flat.numel()).copy_(flat)
+    return torch.cat(parts, out=store.send_pool.take(m.dst, dtype, CPU, sum(p.numel() for p in parts)))
 
 
 def _unpack(store: SampleStore, m: Move, fields: list[str], flat: torch.Tensor) -> None:
@@ -124,13 +128,9 @@ def _unpack(store: SampleStore, m: Move, fields: list[str], flat: torch.Tensor) 
             pos += lens[j]
 
 
-def exchange(store: SampleStore, rank: int, moves: list[Move], device: torch.device | None = None) -> dict[str, float]:
-    """Do this rank's part of ``moves``: post every send and receive, then wait for all.
-
-    ``device`` is where message buffers live (a GPU for NCCL); samples stay on the CPU.
-    """
+def exchange(store: SampleStore, rank: int, moves: list[Move]) -> dict[str, float]:
+    """Do this rank's part of ``moves``: post every send and receive (CPU buffers), then wait for all."""
     start = time.perf_counter()
-    dev = device or torch.device("cpu")
     reqs, inbox = [], []
     sent = received = 0
     for m in moves:
@@ -138,19 +138,17 @@ def exchange(store: SampleStore, rank: int, moves: list[Move], device: torch.dev
             continue
         for dtype, fields in _parts(m):
             if m.src == rank:
-                buf = _pack(store, m, dtype, fields, dev)
+                buf = _pack(store, m, dtype, fields)
                 reqs.append(dist.isend(buf, dst=m.dst))
                 sent += buf.numel() * buf.element_size()
             else:
-                buf = store.recv_pool.take(m.src, dtype, dev, _size(m, fields))
+                buf = store.recv_pool.take(m.src, dtype, CPU, _size(m, fields))
                 reqs.append(dist.irecv(buf, src=m.src))
                 inbox.append((m, fields, buf))
     for r in reqs:
         if r is not None:
             r.wait()
-    cpu = torch.device("cpu")
     for m, fields, buf in inbox:
-        host = buf if buf.device == cpu else store.recv_pool.take(m.src, buf.dtype, cpu, buf.numel()).copy_(buf)
-        _unpack(store, m, fields, host)
+        _unpack(store, m, fields, buf)
         received += buf.numel() * buf.element_size()
     return {"bytes_sent": float(sent), "bytes_received": float(received), "seconds": time.perf_counter() - start}

@@ -118,6 +118,12 @@ the job and step ids, which a requeued Slurm job reuses: after an aborted attemp
 segment makes the next attempt's MPI_Init spin for ever (and aborted runs leak segments into
 /dev/shm). MPI carries only the control plane's small messages, so it runs without shared memory."""
 
+def network_env(interface: str | None) -> dict[str, str]:
+    """Environment every rank gets for ``cluster.network_interface``: NCCL and gloo open their
+    sockets on that interface (else each picks one itself, possibly one other nodes cannot reach)."""
+    return {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface} if interface else {}
+
+
 CPU_DEVICE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 """Environment of ranks whose "device" is the CPU: glibc keeps freed memory for reuse instead of
 handing it back to the OS, as CUDA's caching allocator does on a GPU. An offload frees a state's

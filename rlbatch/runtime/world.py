@@ -107,15 +107,37 @@ def identify(p: Placement, env: SchedulerEnv, mpi_rank: int) -> ProcessSlot | No
     return p.processes[mpi_rank]
 
 
-def pick_device(p: Placement, slot: ProcessSlot, device: str) -> torch.device:
+def cuda_index(local_gpu: int, node_gpus: int, visible: int, cuda_visible_devices: str | None) -> int:
+    """The CUDA device index of a GPU rank among the ``visible`` devices its process sees.
+
+    Every GPU the job uses on the node visible: the rank's local GPU. One visible, and
+    CUDA_VISIBLE_DEVICES set: Slurm bound the task to its own GPU (``--gpus-per-task=1``,
+    ``--gpu-bind``), which the process sees as device 0. Anything else would put two ranks on
+    one GPU or ask for a device the process cannot see.
+    """
+    if visible >= node_gpus:
+        return local_gpu
+    if visible == 1 and cuda_visible_devices is not None:
+        return 0
+    raise RuntimeError(
+        f"this GPU rank (local GPU {local_gpu}) sees {visible} CUDA device(s) with "
+        f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}, but the placement uses {node_gpus} GPUs on its node: "
+        f"make all {node_gpus} visible to every task, or bind each GPU rank's task to exactly one"
+    )
+
+
+def pick_device(p: Placement, slot: ProcessSlot, device: str, cuda_visible_devices: str | None = None) -> torch.device:
+    """This process's device: the CPU for the controller and CPU workers, always (they never
+    select a GPU); for a GPU rank its GPU when ``device`` asks for CUDA (``cuda_index``)."""
     if slot.kind is not ProcessKind.GPU:
         return torch.device("cpu")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
     assert slot.local_gpu is not None
-    torch.cuda.set_device(slot.local_gpu)
-    return torch.device("cuda", slot.local_gpu)
+    index = cuda_index(slot.local_gpu, p.slurm.gpus_per_node, torch.cuda.device_count(), cuda_visible_devices)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _mesh_tensor(role: RolePlacement) -> tuple[torch.Tensor, tuple[str, ...]]:
@@ -153,7 +175,7 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
         if c != MPI.COMM_NULL:
             role_comms[name] = c
 
-    dev = pick_device(p, slot, device)
+    dev = pick_device(p, slot, device, env.cuda_visible_devices)
     any_cuda = comm.allreduce(1 if dev.type == "cuda" else 0, op=MPI.SUM) > 0
     backend = "cpu:gloo,cuda:nccl" if any_cuda else "gloo"
     addr, port = None, None
@@ -169,7 +191,12 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
     groups: dict[str, Any] = {}
     meshes: dict[str, DeviceMesh] = {}
     more: dict[str, dict[str, Any]] = {}
-    mesh_device = "cuda" if any_cuda else "cpu"
+    # Each process builds its meshes on its own device type: a DeviceMesh on "cuda" in a process
+    # that never selected a GPU (the controller, CPU workers) picks one itself from the world
+    # size, and refuses when that is not a multiple of the node's GPUs (8 GPU ranks + reward
+    # worker + controller). The device type changes no collective: every rank still creates the
+    # same groups in the same order.
+    mesh_device = dev.type
     mine = slot_roles(slot)
     for name, role in p.roles.items():
         groups[name] = dist.new_group(list(members[name]))

@@ -79,6 +79,9 @@ class Pipeline:
         self.records: list[dict[str, Any]] = []
         self.phase_seconds: dict[str, float] = {}
         self.started = 0
+        self.overwritten_next: dict[str, set[str]] = {}
+        """Role -> state kinds whose next use overwrites them (``announce``): an offload before then
+        may discard them."""
 
     def workers(self) -> list[int]:
         return [r for r in range(self.p.world_size) if r != self.world.rank]
@@ -89,6 +92,28 @@ class Pipeline:
         start = time.perf_counter()
         self.ctl.call(self.workers(), "ready", timeout_s=float(self.cfg.cluster.startup_timeout_s))
         return time.perf_counter() - start
+
+    def announce(self, phase: str) -> None:
+        """``phase`` runs before any other phase uses the state it overwrites (``PhaseSpec.overwrites``),
+        so until then that state may leave the device without a copy (vLLM: level-2 sleep, no host
+        copy of the weights). Said by a loop that knows, e.g. once a step's generation is done and
+        its sync is certain; never said, every offload keeps its state."""
+        for role, kind in PHASES[phase].overwrites:
+            self.overwritten_next.setdefault(role, set()).add(kind)
+
+    def _discardable(self, phase: str, roles: tuple[str, ...]) -> dict[str, list[str]]:
+        """What may be discarded if it leaves the device at the start of ``phase``: the announced
+        state of roles that do not work in it. A phase a role works in ends the announcement for
+        that role (it is in use, or overwritten, now)."""
+        out = {r: sorted(kinds) for r, kinds in self.overwritten_next.items() if r not in roles}
+        for r in roles:
+            self.overwritten_next.pop(r, None)
+        return out
+
+    def _discard_on(self, rank: int, discard: dict[str, list[str]]) -> dict[str, Any]:
+        """The part of ``discard`` about roles on ``rank``, as a phase command's argument."""
+        here = {r: kinds for r, kinds in discard.items() if rank in self.world.members.get(r, ())}
+        return {"discard": here} if here else {}
 
     def _moves(self, need: dict[int, tuple[list[int], list[str]]]) -> list[Move]:
         grouped: dict[tuple[int, int, tuple[str, ...]], list[int]] = defaultdict(list)
@@ -116,9 +141,10 @@ class Pipeline:
         start = time.perf_counter()
         moves = self._moves(need or {})
         ranks = sorted(set(work) | {m.src for m in moves} | {m.dst for m in moves})
+        discard = self._discardable(phase, roles) if work else {}
         per_rank = {
             r: {"phase": phase, "roles": roles, "work": work.get(r), "drop": self.pending_drop.pop(r, None),
-                "moves": [m for m in moves if r in (m.src, m.dst)]}
+                "moves": [m for m in moves if r in (m.src, m.dst)]} | self._discard_on(r, discard)
             for r in ranks
         }
         return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank), start)

@@ -1,7 +1,8 @@
 """A step's metrics: metrics.jsonl (one JSON object per step), TensorBoard, progress bar, plot.
 
 Per-phase records from every rank are reduced here: times and bytes as the maximum over ranks
-(the slowest rank sets the pace), device memory as the peak per role, host RSS as the maximum.
+(the slowest rank sets the pace), device memory as the peak per role, host RSS (after each phase,
+and its peak per phase and at start-up) as the maximum.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def reduce_records(records: list[dict[str, Any]]) -> dict[str, float]:
             out[key] = max(out.get(key, 0.0), float(rec["peak_allocated"]))
         out["mem/reserved"] = max(out.get("mem/reserved", 0.0), float(rec["mem_reserved_after"]))
         out["host/rss"] = max(out.get("host/rss", 0.0), float(rec["rss_after"]))
+        # Peak RSS per phase and of the start-up, the maximum over ranks (0: not measured).
+        for key, peak in ((f"host/peak/{rec['phase']}", rec.get("rss_peak", 0)), ("host/peak/startup", rec.get("rss_peak_startup", 0))):
+            if peak:
+                out[key] = max(out.get(key, 0.0), float(peak))
     for key in ("offload/bytes", "reload/bytes", "time/offload", "time/reload"):
         out[key] = max((acc[key] for acc in per_rank.values()), default=0.0)
     return out

@@ -25,6 +25,7 @@ from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
 from rlbatch.algos.value import explained_variance
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import make_stream
+from rlbatch.phases import phase_for
 from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
 from rlbatch.runtime.rundir import RunDir
@@ -119,6 +120,14 @@ class Loop:
         self.version += 1
         return stats | {"staleness": float(staleness)}
 
+    def sync_follows(self) -> None:
+        """Nothing reads the inference engine's weights before this step's sync overwrites them:
+        an offload until then may discard them (vLLM sleeps at level 2, with no host copy). Only
+        in the synchronous loop: with generation ahead (max_staleness > 0) another generation
+        may read them first. A loop that does not say it loses nothing but the saving."""
+        if self.queue.k == 0:
+            self.pipe.announce(phase_for(self.actor_train.name, "sync").name)
+
     def sync(self) -> None:
         """The actor's weights to the inference engine (which finishes the generation it runs first)."""
         self.actor_train.sync_weights(self.actor_infer)
@@ -182,9 +191,11 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
             rollouts, rewards, generated, extra = dynamic_batch(loop.actor_infer, loop.scoring, loop.data, step,
                                                                 int(cfg.seed), a, loop.version)
             extra["reward_batch_mean"] = float(rewards.mean())
+            loop.sync_follows()
             kl = loop.log_probs(rollouts)
         else:
             rollouts = loop.generate(step)
+            loop.sync_follows()
             kl = loop.log_probs(rollouts)  # scored meanwhile
             rewards, counts = loop.scoring.result()
             generated = rewards
@@ -210,14 +221,16 @@ def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
     assert critic is not None, "validation enables the critic for algo.name=ppo"
     estimate_advantages = ADVANTAGES.get(str(a.advantage))
     for step in loop.steps():
+        actor_trains = step >= int(a.critic_warmup_steps)
         rollouts = loop.generate(step)
+        if actor_trains:
+            loop.sync_follows()
         kl = loop.log_probs(rollouts)
         values = critic.values(rollouts)
         rewards, counts = loop.scoring.result()
         shaped, lengths = loop.shaped(rewards, rollouts)
         advantages, returns = estimate_advantages(shaped, loop.n, a, lengths=lengths, kl=kl, values=values)
         critic_training = critic.start_train(rollouts, {"returns": returns})  # alongside the actor's
-        actor_trains = step >= int(a.critic_warmup_steps)
         stats = loop.train_actor(rollouts, {"advantages": advantages}) if actor_trains else {}
         stats |= {f"critic/{k}": v for k, v in critic_training.result().items()}
         if actor_trains:

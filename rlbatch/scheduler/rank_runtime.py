@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rlbatch.algos.advantages import response_loss_mask
 from rlbatch.algos.objective import objective_for
@@ -24,7 +23,7 @@ from rlbatch.algos.registry import KL_ESTIMATORS
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, RLBatchConfig, role_algo
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
-from rlbatch.engines.registry import engine_args
+from rlbatch.engines.registry import engine_args, spec_of
 from rlbatch.phases import PHASES, PhaseSpec
 from rlbatch.rewards import build_scorer
 from rlbatch.rewards.model import ModelScorer
@@ -33,7 +32,7 @@ from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 from rlbatch.scheduler.residency import Residency
-from rlbatch.scheduler.weightsync import WeightBroadcast
+from rlbatch.scheduler.weightsync import WeightBroadcast, load_in_process
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +56,16 @@ def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
             if spec.op == "score" and spec.role in world.roles and not world.placement.roles[spec.role].is_gpu}
 
 
+def build_order(world: World) -> list[str]:
+    """This rank's GPU roles in the order their engines are built: engines that reserve a share of
+    the device at start-up (``EngineSpec.reserves_device_share``: vLLM's gpu_memory_utilization)
+    first, while the device is empty, the others in placement order. Every rank sorts the same
+    role list the same way, so engines whose construction is collective still meet."""
+    p = world.placement
+    gpu = [role for role, _ in world.slot.roles if p.roles[role].is_gpu]
+    return sorted(gpu, key=lambda r: not spec_of(p.roles[r].engine).reserves_device_share)
+
+
 class RankRuntime:
     def __init__(self, world: World, cfg: RLBatchConfig) -> None:
         self.world, self.cfg = world, cfg
@@ -65,22 +74,22 @@ class RankRuntime:
         self.engines: dict[str, Any] = {}
         p = world.placement
         self.scorers = scorers(world, cfg)
-        for role, _ in world.slot.roles:
+        order = build_order(world)
+        self.residency = Residency({r: p.roles[r].offload for r in order}, world.device)
+        for role in order:
             rp = p.roles[role]
-            if not rp.is_gpu:
-                continue
             model, tokenizer = role_model(role, cfg, self.tokenizer)
             ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), model, role_algo(role, cfg.algo),
                                 tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
                                 role in TRAINABLE_ROLES, HEADS.get(role, "lm"),
                                 {"role": world.groups[role], **world.subgroups.get(role, {})})
             self.engines[role] = build_engine(rp.engine, ctx)
-            log.info("built %s engine for %s", rp.engine, role)
+            put_away = self.residency.add(role, self.engines[role])
+            log.info("built %s engine for %s%s", rp.engine, role,
+                     f"; offloaded until its first phase ({put_away.bytes} bytes)" if role in self.residency.offloadable else "")
             if ctx.head == "reward":
                 self.scorers[role] = ModelScorer(self.engines[role], tokenizer, self.tokenizer, cfg)
         self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
-        offload = {r: p.roles[r].offload for r in self.engines}
-        self.residency = Residency(self.engines, offload, world.device)
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
         self.ops: dict[str, Any] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
@@ -96,20 +105,16 @@ class RankRuntime:
         log.info("heap settled: %d objects frozen out of garbage collection in %.2fs", frozen, secs)
 
     def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: dict[str, Any] | None,
-              drop: list[int] | None = None) -> dict[str, Any]:
+              drop: list[int] | None = None, discard: dict[str, list[str]] | None = None) -> dict[str, Any]:
         if drop:
             self.store.drop(drop)
-        xfer = exchange(self.store, self.world.rank, moves, self._transport_device())
+        xfer = exchange(self.store, self.world.rank, moves)
         if work is None:
             return {"xfer": xfer}
         spec = PHASES[phase]
-        with self.residency.phase(phase, roles) as rec:
+        with self.residency.phase(phase, roles, discard) as rec:
             out = self.ops[spec.op](spec, **work)
         return {"out": out, "rec": rec.as_dict(), "xfer": xfer}
-
-    def _transport_device(self) -> torch.device:
-        # With NCCL every message buffer must be on the GPU; gloo takes CPU tensors.
-        return self.world.device if dist.get_backend() != "gloo" and self.world.device.type == "cuda" else torch.device("cpu")
 
     def _generate(self, spec: PhaseSpec, ids: list[int], prompts: list[str], sampling: dict[str, Any],
                   ) -> dict[int, tuple[int, int]]:
@@ -201,13 +206,18 @@ class RankRuntime:
         return out
 
     def _sync(self, spec: PhaseSpec, src: int, local: bool, bucket_bytes: int) -> dict[str, float]:
-        """Trainer -> inference engine, as (hf_name, tensor) pairs. Colocated: in-process load;
-        otherwise bucketed broadcast over the sync group."""
+        """Trainer -> inference engine, streamed one gathered unit at a time in the inference engine's
+        dtype (``rlbatch.scheduler.weightsync``). Colocated: each unit loaded in process; otherwise a
+        bucketed broadcast over the sync group. Every trainer rank iterates its export to the end, in
+        the same dtype: the gathers are collective over the trainer's ranks."""
         assert spec.peer is not None
         train, infer = self.engines.get(spec.role), self.engines.get(spec.peer)
-        with train.export_weights() if train is not None else nullcontext([]) as named:  # collective over the trainer
+        wire = self.broadcast.wire_dtype
+        with train.export_weights() if train is not None else nullcontext(None) as weights:
             if local:
-                return {"bytes": float(infer.load_weights(named)) if infer is not None else 0.0}
+                return {"bytes": float(load_in_process(weights, infer, wire))}
             if self.world.rank not in self.world.members[SYNC]:
+                if weights is not None:
+                    weights.drain(wire)
                 return {"bytes": 0.0}
-            return {"bytes": float(self.broadcast(self.world, named, infer, src, bucket_bytes))}
+            return {"bytes": float(self.broadcast(self.world, weights, infer, src, bucket_bytes))}

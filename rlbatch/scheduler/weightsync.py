@@ -1,27 +1,35 @@
-"""Weight sync across ranks: full weights broadcast from actor_train's first rank to actor_infer.
+"""Weight sync: the trainer's weights into the inference engine, streamed, never the whole model at once.
 
-Weights travel in the inference engine's dtype (``wire_dtype``: bf16 for a bf16 engine on a GPU,
-half the bytes of the trainer's fp32; the cast happens once, on the sender, as it would on load)
-in buckets of about ``bucket_bytes``. The trainer exports ``(hf_name, tensor)`` pairs and the
-inference engine loads them by name, whatever either does inside; the names and shapes (the
-manifest) are broadcast once, on the first sync, and every later sync sends only tensors.
-Per bucket, the memory broadcast from and into is, in order of preference:
+The trainer exports a ``WeightStream`` (``rlbatch.engines.base``): its manifest (names and full
+shapes, known without gathering) and its tensors one gathered unit at a time (an FSDP unit, a
+decoder layer). Weights travel in the inference engine's dtype (``wire_dtype``: bf16 for a bf16
+engine on a GPU, half the bytes of the trainer's fp32 master weights): the trainer casts its own
+shards before gathering them, so the gathers move the wire's bytes too. The inference engine loads
+them by name, whatever either does inside.
 
-- the inference engine's own parameters, when ``weight_views`` gives them as one slice of the
-  wire dtype (the hf engine flattens its parameters so it can): no staging, no copy into the model;
-- on the sender, a bucket's single tensor as it is, when it is already contiguous in the wire dtype;
-- one staging buffer kept across buckets and syncs (grow-only), then ``load_weights`` from
-  views into it. Keeping it saves allocating (and on CPU page-faulting) a bucket every sync;
-  it holds at most one bucket.
+- Colocated (``load_in_process``): each rank of the trainer loads every unit into its own
+  inference engine as it is gathered; a rank holds one unit of gathered weights at a time.
+- Across ranks (``WeightBroadcast``): the trainer's first rank broadcasts to the sync group in
+  buckets of about ``bucket_bytes``; the manifest is broadcast once, on the first sync, and every
+  later sync sends only tensors. Per bucket, the memory broadcast from and into is, in order of
+  preference: the inference engine's own parameters, when ``weight_views`` gives them as one slice
+  of the wire dtype (the hf engine flattens its parameters so it can): no staging, no copy into the
+  model; on the sender, a bucket's single tensor as it is, when it is already contiguous in the
+  wire dtype; else one staging buffer kept across buckets and syncs (grow-only; keeping it saves
+  allocating, and on CPU page-faulting, a bucket every sync), then ``load_weights`` from views into
+  it. The sender copies each tensor into the bucket as it arrives and drops it: it holds the
+  bucket and at most one unit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from rlbatch.engines.base import WeightStream
 from rlbatch.runtime.world import SYNC, World
 
 
@@ -38,6 +46,24 @@ def buckets(numels: list[int], bucket_bytes: int, element_bytes: int = 4) -> lis
     return out
 
 
+@torch.no_grad()
+def load_in_process(weights: WeightStream | None, infer: Any, dtype: torch.dtype) -> int:
+    """Colocated sync on one rank: every unit of ``weights`` in ``dtype`` loaded into ``infer`` as it is
+    gathered (``load_weights`` reads it during the call), so the rank holds one unit of gathered weights
+    at a time. A trainer rank without the inference engine takes part in the gathers and keeps nothing.
+    Returns the bytes loaded."""
+    if weights is None:
+        return 0
+    if infer is None:
+        weights.drain(dtype)
+        return 0
+    total = 0
+    for unit in weights.units(dtype):
+        total += int(infer.load_weights(unit))
+        del unit  # dropped before the next unit is gathered
+    return total
+
+
 class WeightBroadcast:
     """Broadcasts full weights over the sync group; one per rank, reused for every sync."""
 
@@ -46,11 +72,11 @@ class WeightBroadcast:
         self._staging: torch.Tensor | None = None
         self._manifest: list[tuple[str, torch.Size]] | None = None
 
-    def manifest(self, world: World, named: list[tuple[str, torch.Tensor]], src: int) -> list[tuple[str, torch.Size]]:
+    def manifest(self, world: World, mine: list[tuple[str, torch.Size]] | None, src: int) -> list[tuple[str, torch.Size]]:
         """(hf_name, shape) of every tensor the sender exports, in order: broadcast on the first
         sync, then kept (the sender checks that its export has not changed)."""
         if world.rank == src:
-            mine = [(n, t.shape) for n, t in named]
+            assert mine is not None
             if self._manifest is not None and mine != self._manifest:
                 raise RuntimeError("weight sync: the exported weights changed names or shapes since the first sync")
         if self._manifest is None:
@@ -68,28 +94,30 @@ class WeightBroadcast:
         return buf[:numel]
 
     @torch.no_grad()
-    def __call__(self, world: World, named: list[tuple[str, torch.Tensor]], infer: Any, src: int,
-                 bucket_bytes: int) -> int:
-        """Send ``named`` (on ``src``) or receive into ``infer``; returns the bytes broadcast."""
+    def __call__(self, world: World, weights: WeightStream | None, infer: Any, src: int, bucket_bytes: int) -> int:
+        """Send ``weights`` (on ``src``) or receive into ``infer``; returns the bytes broadcast. Every rank
+        that holds the trainer passes its ``weights``: it advances its own stream bucket by bucket in
+        step with the sender, since the gathers are collective over the trainer's ranks (a rank that
+        both trains and receives would otherwise wait in a gather the sender reaches only after a
+        broadcast it has not joined)."""
         dev, sender = world.device, world.rank == src
-        manifest = self.manifest(world, named, src)
+        if sender and weights is None:
+            raise ValueError(f"weight sync: rank {src} sends but holds no trainer weights")
+        manifest = self.manifest(world, weights.manifest if sender and weights is not None else None, src)
+        if weights is not None and weights.manifest != manifest:
+            raise RuntimeError(f"weight sync: rank {world.rank} exports other weights than rank {src}")
         names, shapes = [n for n, _ in manifest], [s for _, s in manifest]
-        total, wire, size = 0, self.wire_dtype, self.wire_dtype.itemsize
+        wire, size = self.wire_dtype, self.wire_dtype.itemsize
+        tensors = weights.tensors(wire) if weights is not None else None
+        total = 0
         for i, j in buckets([s.numel() for s in shapes], bucket_bytes, size):
             numel = sum(s.numel() for s in shapes[i:j])
             flat = infer.weight_views(names[i:j], wire) if infer is not None else None
-            loaded = as_is = False
-            if flat is not None:
-                loaded = True
-            elif sender and j - i == 1 and _on_wire(named[i][1], wire, dev):
-                flat, as_is = named[i][1].reshape(-1), True
-            else:
+            loaded = flat is not None
+            if tensors is not None:
+                flat = self._fill(tensors, j - i, flat, numel, dev, sender)
+            if flat is None:
                 flat = self.staging(numel, dev)
-            if sender and not as_is:
-                pos = 0
-                for _, t in named[i:j]:
-                    flat[pos : pos + t.numel()].view(t.shape).copy_(t)
-                    pos += t.numel()
             world.check("broadcast weights", SYNC, dist.broadcast, flat, src=src, group=world.groups[SYNC])
             if infer is not None and not loaded:
                 pos, chunk = 0, []
@@ -97,9 +125,33 @@ class WeightBroadcast:
                     chunk.append((n, flat[pos : pos + shape.numel()].view(shape)))
                     pos += shape.numel()
                 infer.load_weights(chunk)
+                del chunk
+            flat = None  # a tensor sent as it is must not outlive its bucket
             total += numel * size
+        if tensors is not None and next(tensors, None) is not None:
+            raise RuntimeError("weight sync: the export has more tensors than its manifest")
         return total
 
-
-def _on_wire(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
-    return t.dtype == dtype and t.device == device and t.is_contiguous()
+    def _fill(self, tensors: Iterator[tuple[str, torch.Tensor]], count: int, into: torch.Tensor | None, numel: int,
+              device: torch.device, sender: bool) -> torch.Tensor | None:
+        """Take the bucket's ``count`` tensors from this rank's export. The sender copies each into
+        ``into`` (the receiving engine's own memory), or sends a lone tensor already on the wire as it
+        is, or copies into the staging buffer; another trainer rank only takes part in the gathers."""
+        if sender and into is None and count == 1:
+            _, t = next(tensors)
+            if t.dtype == self.wire_dtype and t.device == device and t.is_contiguous():
+                return t.reshape(-1)
+            into = self.staging(numel, device)
+            into.copy_(t.reshape(-1))
+            return into
+        if sender and into is None:
+            into = self.staging(numel, device)
+        pos = 0
+        for _ in range(count):
+            _, t = next(tensors)
+            if sender:
+                assert into is not None
+                into[pos : pos + t.numel()].view(t.shape).copy_(t)
+            pos += t.numel()
+            del t  # copied: not held while the next tensor is gathered
+        return into

@@ -23,13 +23,13 @@ hold global rank 0, weights synced across processes."""
 
 CASES = {
     # backend, placement -> (steps, rise of the last four steps' mean reward over the first four's).
-    # Seed 1: colocated, either backend, ~0.01 over steps 1-4 and ~0.18 over steps 13-16 (the
-    # full 80-step run reaches 0.81 by step 33-38); p2 disaggregated 0.006 and 0.32 over steps 21-24.
+    # Seed 1: colocated, either backend, 0.002 over the first 4 steps and 0.28 over steps 13-16;
+    # p2 disaggregated 0.003 and 0.52 over steps 21-24.
     "t2-colocated": (["roles.actor_train.backend=megatron:t2"], 16, 0.1),
     "p2-colocated": (["roles.actor_train.backend=megatron:p2"], 16, 0.1),
     "p2-disaggregated": (["roles.actor_train.backend=megatron:p2", *DISAGGREGATED], 24, 0.2),
-    # A Mixture-of-Experts model (4 experts, top-2), each of the two ranks holding 2 of them: 0.003
-    # over steps 1-4, 0.32 over steps 21-24 (the full run reaches 0.8 at step 34, as fsdp does).
+    # A Mixture-of-Experts model (4 experts, top-2), each of the two ranks holding 2 of them: 0.002
+    # over the first 4 steps, 0.40 over steps 21-24.
     "moe-e2-colocated": (["model.arch=qwen2_moe", "roles.actor_train.backend=megatron:d2e2"], 24, 0.2),
 }
 

@@ -19,10 +19,12 @@ from tests.dist.test_resume import export
 pytestmark = pytest.mark.dist
 
 RUN = ["algo=ppo", "steps=1", "algo.prompts_per_step=8", "algo.samples_per_prompt=4", "algo.mini_batches=1",
-       "algo.loss_agg=seq"]
+       "algo.loss_agg=seq", "seed=17"]
 """One update on the whole batch, the loss a mean over responses: fsdp:d2 gives each rank 16 of the 32
 responses and averages the gradients, megatron:t2 (one data-parallel replica) takes all 32 at once,
-and the two are the same sum. (With a token mean, or two mini-batches, they differ by design.)"""
+and the two are the same sum. (With a token mean, or two mini-batches, they differ by design.)
+Seed 17: one of the 32 first responses is right (the untrained policy answers right about once in
+300), so the returns, and the critic's update, are not all zero."""
 TOL = 1e-4
 """Relative: the engines sum in other orders (TP-split matmuls), ~1e-6 apart in fp32; a critic
 that read the wrong positions, or a head split over TP, is off by far more."""

@@ -52,8 +52,10 @@ CASES = {
     # CPU attention. Each launch starts vLLM: 50 s to 4.5 min on a loaded 2-core machine, 3-6 min a run.
     "vllm-d1t2": (["roles.actor_infer.backend=vllm:d1t2", "model.num_heads=2", "model.num_kv_heads=1"], 900),
     # PPO: the critic (colocated, fsdp) is checkpointed and resumed with the actor; the first step
-    # trains the critic alone (critic warm-up).
-    "ppo": (["algo=ppo", "algo.critic_warmup_steps=1"], 400),
+    # trains the critic alone (critic warm-up). Seed 2: a reward in every one of the 6 steps, so the
+    # critic has a non-zero return to learn, and a gradient to resume, at each (with seed 1 the first
+    # three batches score 0).
+    "ppo": (["algo=ppo", "algo.critic_warmup_steps=1", "seed=2"], 400),
     # Asynchronous: step s+1 generates (on its own rank) while step s trains; the checkpoint holds
     # the generation made ahead, which the resumed run trains on instead of generating it again.
     "async": (["roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis"], 300),

@@ -1,30 +1,38 @@
-"""GPU checks (marked `gpu`, skipped without CUDA): the pipeline in bf16 on one GPU, and
-offload/reload bandwidth against a raw pinned copy of the same bytes."""
+"""GPU checks (marked `gpu`, skipped without CUDA): the pipeline on one GPU with the CPU reward
+worker, hf and vLLM colocated (sleep and wake), each through a checkpoint and a resume; offload
+and reload bandwidth against a raw pinned copy of the same bytes.
+
+The pipeline tests launch what ``tools/gpu_check.sh`` launches (``tests/gpu/check.py``), which
+runs them as its pipeline steps and its ``--cpu`` mode runs on the CPU in CI."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import launch
+from tests.gpu import check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+VLLM_MISSING = check.vllm_missing()
 
 
 def test_pipeline_on_one_gpu_in_bf16(run_root: Path) -> None:
-    run = run_root / "run"
-    out = launch(["cluster.device=cuda", "steps=3", f"run_dir={run}", "roles.actor_train.device_mapping=[0]",
-                  "roles.actor_train.backend=fsdp:d1", "roles.actor_infer.device_mapping=[0]", "roles.actor_infer.backend=hf:d1",
-                  "roles.reference.device_mapping=[0]"], run_root)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 3
-    assert rows[-1]["mem/actor_train/peak_allocated"] > 0  # the state really lived on the GPU
-    assert rows[-1]["offload/bytes"] > 0 and rows[-1]["reload/bytes"] > 0
+    """2 steps with hf rollouts, a checkpoint after each, then a resumed third step: the state lives
+    on the GPU (peak allocated > 0), colocated roles move it off and back every step."""
+    check.run_pipeline("hf", "cuda", run_root)
+    check.resume_pipeline("hf", "cuda", run_root)
+
+
+@pytest.mark.skipif(VLLM_MISSING is not None, reason=f"needs vLLM's CUDA build: {VLLM_MISSING}")
+def test_vllm_colocated_sleeps_and_wakes_around_a_checkpoint_and_resumes(run_root: Path) -> None:
+    """vLLM colocated with actor_train and the reference on one GPU: it sleeps and wakes every step,
+    never in a state vLLM is not in (its own warnings), through the checkpoint after step 0 and a
+    resumed run."""
+    check.run_pipeline("vllm", "cuda", run_root)
+    check.resume_pipeline("vllm", "cuda", run_root)
 
 
 def test_offload_reload_bandwidth_against_raw_pinned_copy() -> None:

@@ -87,7 +87,9 @@ def test_gpu_bench_cpu_smoke_measures_everything(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "r.json").read_text())
     # The whole training state went through the stashes: fp32 params, grads and two AdamW moments.
-    assert r["offload"]["bytes"] == r["offload"]["stash_bytes"] == 16 * r["model"]["params"]
+    assert r["offload"]["bytes"] == 16 * r["model"]["params"]
+    # Each stash is one host arena holding every storage at a 512-byte-aligned offset.
+    assert r["offload"]["bytes"] <= r["offload"]["stash_bytes"] < r["offload"]["bytes"] + 512 * r["offload"]["tensors"]
     assert r["train"]["mfu"] > 0 and r["train"]["flops_per_token"] == 3 * 2 * r["train"]["matmul_params"] + 12 * 2 * 4 * 16 * 32
     # decode_step_s is (full - prefill-only) / 15 steps, medians of 3: 15 steps of the tiny model
     # outweigh the timing noise of a loaded machine (with 3 steps and one run it once came out < 0)

@@ -24,6 +24,8 @@ CASES = {
     "default": [],
     "roll_disaggregated_24gpu": ["roles=roll_disaggregated_24gpu"],
     "roll_mixed_cpu_sandbox": ["roles=roll_mixed_cpu_sandbox", "cluster.partition=gpu", "cluster.account=proj1"],
+    "roll_disaggregated_24gpu_ib0": ["roles=roll_disaggregated_24gpu", "cluster.network_interface=ib0",
+                                     "+cluster.env.NCCL_DEBUG=WARN"],
     "areal_16gpu": ["roles=areal_16gpu", "cluster.qos=high", "+cluster.sbatch_args.exclusive=true"],
     "areal_moe_hybrid_32gpu": ["roles=areal_moe_hybrid_32gpu", "cluster.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
                                "cluster.container_mounts=/scratch:/scratch", "cluster.mpi=pmix"],

@@ -1,11 +1,17 @@
-"""Weight-sync layout: buckets, and inference parameters flattened so a bucket lands in place."""
+"""Weight-sync layout: buckets, inference parameters flattened so a bucket lands in place, and the
+streamed export: its units, its manifest, a colocated load that holds one unit at a time."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
+from rlbatch.engines.base import Unit, WeightStream, layer_units
 from rlbatch.engines.flat import flatten_parameters, span
-from rlbatch.scheduler.weightsync import buckets
+from rlbatch.scheduler.weightsync import buckets, load_in_process
+from tests.alive import Alive
 
 
 def test_buckets_fill_up_to_the_limit_and_an_oversized_tensor_travels_alone() -> None:
@@ -47,3 +53,53 @@ def test_span_writes_through_to_adjacent_parameters_only() -> None:
 def test_buckets_count_the_wire_dtype() -> None:
     # bf16 on the wire: 1024 bytes hold 512 elements
     assert buckets([100, 100, 56, 200, 1000], 1024, element_bytes=2) == [(0, 4), (4, 5)]
+
+
+def test_layer_units_are_runs_of_one_layer_and_the_parts_around_them() -> None:
+    names = ["model.embed_tokens.weight", "model.layers.0.a", "model.layers.0.b", "model.layers.1.a",
+             "model.layers.10.a", "model.norm.weight", "lm_head.weight"]
+    assert layer_units(names) == [names[:1], names[1:3], names[3:4], names[4:5], names[5:]]
+
+
+def _units(sizes: list[list[int]]) -> WeightStream:
+    """A stream that makes each unit's tensors fresh when asked for, as an engine's gather does."""
+    names = [[f"u{u}.t{k}" for k in range(len(unit))] for u, unit in enumerate(sizes)]
+
+    def produce(dtype: torch.dtype | None) -> Iterator[Unit]:
+        for unit_names, unit in zip(names, sizes, strict=True):
+            yield [(n, torch.full((s,), float(s), dtype=dtype or torch.float32)) for n, s in zip(unit_names, unit,
+                                                                                                strict=True)]
+
+    return WeightStream([(n, torch.Size([s])) for ns, unit in zip(names, sizes, strict=True)
+                         for n, s in zip(ns, unit, strict=True)], produce)
+
+
+def test_a_colocated_load_holds_one_unit_at_a_time_in_the_dtype_asked_for() -> None:
+    sizes = [[300], [100, 200, 50], [400, 10], [5]]
+    stream, alive, loaded = _units(sizes), Alive(), {}
+
+    class Infer:
+        def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+            loaded.update({n: t.clone() for n, t in named})
+            return sum(t.numel() * t.element_size() for _, t in named)
+
+    def watched(dtype: torch.dtype | None, produce=stream._produce) -> Iterator[Unit]:  # type: ignore[no-untyped-def]
+        for unit in produce(dtype):
+            alive.saw(t for _, t in unit)  # as each unit arrives, before the consumer has it
+            yield unit
+            del unit
+
+    stream._produce = watched
+    total = load_in_process(stream, Infer(), torch.bfloat16)
+    assert total == 2 * sum(map(sum, sizes))
+    assert alive.peak == 2 * max(map(sum, sizes))  # one unit: the previous one is gone before the next is made
+    assert [n for n, _ in stream.manifest] == list(loaded) and all(t.dtype == torch.bfloat16 for t in loaded.values())
+
+
+def test_an_export_that_strays_from_its_manifest_is_refused() -> None:
+    good = _units([[3, 4], [5]])
+    for manifest, what in (([("u0.t0", torch.Size([3])), ("u0.t1", torch.Size([9])), ("u1.t0", torch.Size([5]))], "manifest says"),
+                           (good.manifest + [("extra", torch.Size([1]))], "the manifest lists 4")):
+        with pytest.raises(RuntimeError, match=what):
+            WeightStream(manifest, good._produce).drain()
+    assert [n for n, _ in WeightStream.of([("a", torch.zeros(2)), ("b", torch.ones(3))]).tensors(torch.bfloat16)] == ["a", "b"]

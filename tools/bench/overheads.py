@@ -130,6 +130,7 @@ def worker(args: argparse.Namespace) -> None:
     # out and loaded as the hf engine does it) vs one raw broadcast of the same bytes
     from types import SimpleNamespace
 
+    from rlbatch.engines.base import WeightStream
     from rlbatch.engines.flat import flatten_parameters
     from rlbatch.engines.infer.hf import HFInferenceEngine
     from rlbatch.runtime.world import SYNC
@@ -150,7 +151,7 @@ def worker(args: argparse.Namespace) -> None:
                             check=lambda op, role, fn, *a, **k: fn(*a, **k))
     sync, infer = WeightBroadcast(), Infer()
     flat = torch.randn(sum(a * b for a, b in shapes))
-    t_sync = _median_time(lambda: sync(world, named if rank == 0 else [], infer, 0, 256 << 20), args.iters)
+    t_sync = _median_time(lambda: sync(world, WeightStream.of(named) if rank == 0 else None, infer, 0, 256 << 20), args.iters)
     t_raw = _median_time(lambda: dist.broadcast(flat, src=0, group=everyone), args.iters)
     results["weight sync"] = (t_sync, t_raw)
 

@@ -125,9 +125,12 @@ class HFInferenceEngine(StashedState):
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each tensor into the parameter of its name (cast and moved in one copy). Blocking from
+        host memory, so the caller may free or overwrite the tensors once this returns; a copy
+        between device tensors is ordered on the stream before any later use of their memory."""
         nbytes = 0
         for name, tensor in named:
-            self._params[name].copy_(tensor, non_blocking=True)  # casts and moves in one copy
+            self._params[name].copy_(tensor)
             nbytes += tensor.numel() * tensor.element_size()
         return nbytes
 

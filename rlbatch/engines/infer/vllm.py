@@ -17,7 +17,12 @@ a worker of t ranks (``vllm:dXtY``) is t engines, one per rank, tensor-parallel 
   that does not complete the sync is cloned (weight sync reuses one staging buffer). The prefix
   cache is reset after each sync.
 - **offload/reload**: vLLM's sleep mode on a GPU (level 1: weights to host, KV cache dropped;
-  untested here); vLLM's CPU build has none, so on CPU the state stays resident (zero bytes).
+  ``discard``: level 2, the weights dropped too, when a weight sync overwrites them next), what is
+  asleep read from vLLM's executor itself (untested on a GPU here); vLLM's CPU build has none, so
+  on CPU the state stays resident (zero bytes).
+- **compile cache**: each engine gets a cache directory of its own, keyed by its world rank
+  (``compile_cache_root``): vLLM keys its own by the rank in the engine's world, 0 for every
+  one-rank engine of a node.
 - **torch.distributed**: the engine runs in a world of its own (``vllm_world``): one rank at t=1,
   the worker's t peers (the role mesh's ``tp`` axis) at t>1, where vLLM's ``external_launcher``
   adopts it. Any subset of the job's ranks may hold a worker. Every peer gets the same prompts and
@@ -51,6 +56,7 @@ TP_WORLD_TIMEOUT_S = 600.0
 """How long the tp peers of a worker wait for each other when their private world starts."""
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SLEEP_TAGS = {"params": "weights", "kv_cache": "kv_cache"}
+"""State kind -> vLLM's sleep tag."""
 
 
 @contextmanager
@@ -109,14 +115,29 @@ def _model_shape(cfg: Any) -> dict[str, int]:
             "intermediate_size": int(cfg.intermediate_size)}
 
 
+def compile_cache_root(world_rank: int, env: Any = os.environ) -> str:
+    """vLLM's cache root (``VLLM_CACHE_ROOT``) for the engine on ``world_rank``: a directory of its
+    own under the job's root (``VLLM_CACHE_ROOT``, else vLLM's default ``$XDG_CACHE_HOME/vllm`` or
+    ``~/.cache/vllm``). vLLM keys its torch.compile cache (with Inductor's and Triton's beneath it)
+    by the engine's rank in its own world: 0 for every one-rank engine of a node, 0..t-1 for every
+    worker, so without this the engines of a node compile into the same directories at once. The
+    world rank is the same in the next run of the job, which finds its compiled graphs again."""
+    base = env.get("VLLM_CACHE_ROOT") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "vllm")
+    return os.path.join(os.path.expanduser(base), f"rank{world_rank}")
+
+
 @contextmanager
-def _launcher_env(tp_rank: int, device: torch.device) -> Any:
+def _launcher_env(tp_rank: int, device: torch.device, cache_root: str | None = None) -> Any:
     """vLLM's external launcher reads its rank from RANK and its device from LOCAL_RANK: the
-    private world's rank and this rank's own GPU while vLLM starts; the caller's values after."""
-    names = ("RANK", "LOCAL_RANK")
+    private world's rank and this rank's own GPU while vLLM starts; the caller's values after.
+    ``cache_root``: the engine's own ``VLLM_CACHE_ROOT`` (vLLM reads it while it starts, and keeps
+    what it read once started)."""
+    names = ("RANK", "LOCAL_RANK", "VLLM_CACHE_ROOT")
     saved = {n: os.environ.get(n) for n in names}
     os.environ["RANK"] = str(tp_rank)
     os.environ["LOCAL_RANK"] = str(device.index or 0) if device.type == "cuda" else str(tp_rank)
+    if cache_root is not None:
+        os.environ["VLLM_CACHE_ROOT"] = cache_root
     try:
         yield
     finally:
@@ -191,7 +212,9 @@ class VLLMEngine:
         try:
             from vllm import LLM
 
-            with _rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device), private_shm_names(t > 1 and self.on_cpu):
+            cache_root = compile_cache_root(self.tp_ranks[self.tp_rank])
+            with (_rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device, cache_root),
+                  private_shm_names(t > 1 and self.on_cpu)):
                 self.llm: Any = LLM(**kwargs)
         finally:
             if tmp is not None:
@@ -204,7 +227,8 @@ class VLLMEngine:
                  "CPU" if self.on_cpu else str(ctx.device), dtype, "eager" if kwargs["enforce_eager"] else "compiled", t,
                  f", tp rank {self.tp_rank} of world ranks {list(self.tp_ranks)}" if t > 1 else "")
         self._received: set[str] = set()
-        self._asleep: set[str] = set()
+        self._weights_lost = False
+        """The weights were discarded (level-2 sleep) and no complete sync has loaded them since."""
         self._warned_no_sleep = False
 
     def close(self) -> None:
@@ -223,6 +247,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self._check_no_partial_sync()
+        self._check_awake()
         groups: dict[tuple[int, ...], list[int]] = {}  # distinct prompt -> positions in ``prompts``
         for i, p in enumerate(prompts):
             groups.setdefault(tuple(p), []).append(i)
@@ -270,6 +295,7 @@ class VLLMEngine:
             self.llm.collective_rpc(_load_bucket, args=(chunk, first, last))
             if last:
                 self._received = set()
+                self._weights_lost = False
                 self.llm.reset_prefix_cache()
         return sum(t.numel() * t.element_size() for _, t in chunk)
 
@@ -283,39 +309,95 @@ class VLLMEngine:
                                f"({len(missing)} in all)")
 
     # -- device state -------------------------------------------------------------------------
+    # What is asleep is read from vLLM's executor (its ``sleeping_tags``), never kept beside it: vLLM
+    # ignores some calls with no more than a warning (``sleep`` while the weights sleep, the whole
+    # ``wake_up(tags)`` when one of the tags is awake), and a record of the calls made drifts from
+    # what vLLM did. Reachable states: all awake, the KV cache asleep (after a sync woke the weights
+    # or a KV-only offload), or both asleep; waking the KV cache wakes the weights with it.
 
     @property
     def state_kinds(self) -> tuple[str, ...]:
         return ("params", "kv_cache")
 
+    def asleep(self) -> set[str]:
+        """The state kinds vLLM holds asleep (its executor's tags)."""
+        tags = self.llm.llm_engine.engine_core.engine_core.model_executor.sleeping_tags
+        return {k for k, tag in _SLEEP_TAGS.items() if tag in tags}
+
     def offload(self, kinds: Iterable[str]) -> Transfer:
-        """GPU: vLLM sleep level 1 (weights to host memory, KV cache dropped), once for all kinds."""
-        kinds = [k for k in kinds if k in self.state_kinds and k not in self._asleep]
-        if not kinds:
-            return Transfer()
+        """GPU: vLLM's level-1 sleep when the weights go (weights to pinned host memory, KV cache
+        dropped); the KV cache alone is released with the weights left in place."""
+        return self._put_away(kinds, level=1)
+
+    def discard(self, kinds: Iterable[str]) -> Transfer:
+        """Like ``offload``, but the weights are dropped, not copied (level-2 sleep): for when the
+        next use of them is a weight sync, which overwrites them all. Generating before a complete
+        sync has loaded them again is refused."""
+        return self._put_away(kinds, level=2)
+
+    def _put_away(self, kinds: Iterable[str], level: int) -> Transfer:
+        go = {k for k in kinds if k in self.state_kinds}
         if self.on_cpu:
-            return self._resident()
-        start, free = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+            return self._resident() if go else Transfer()
+        go -= self.asleep()
+        if not go:
+            return Transfer()
+        start, free = time.perf_counter(), self._free_memory()
         with self.world.active():
-            self.llm.sleep(level=1)
-        self._asleep = set(self.state_kinds)
-        freed = torch.cuda.mem_get_info(self.device)[0] - free
+            if "params" in go:
+                self.llm.sleep(level=level)
+            else:  # the KV cache alone: pause the scheduler (level 0), then release its memory
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
+        missed = go - self.asleep()
+        if missed:
+            raise RuntimeError(f"vllm engine: vLLM left {sorted(missed)} awake after sleep (asleep: {sorted(self.asleep())})")
+        if "params" in go and level == 2:
+            self._weights_lost = True
+        freed = self._free_memory() - free
         return Transfer(max(0, freed), time.perf_counter() - start, 0)
 
     def reload(self, kinds: Iterable[str]) -> Transfer:
-        """GPU: wake up the asked kinds (``weights``/``kv_cache`` tags); the prefix cache is reset
-        once the KV cache is back, since its contents were dropped."""
-        kinds = [k for k in kinds if k in self._asleep]
-        if not kinds:
+        """GPU: wake up the asked kinds that are asleep (``weights``/``kv_cache`` tags; the weights
+        with the KV cache); the prefix cache is reset once the KV cache is back, since its contents
+        were dropped."""
+        want = {k for k in kinds if k in self.state_kinds}
+        if "kv_cache" in want:
+            want.add("params")  # a KV cache is of use only beside the weights
+        if self.on_cpu:
             return Transfer()
-        start, free = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        wake = want & self.asleep()
+        if not wake:
+            return Transfer()
+        start, free = time.perf_counter(), self._free_memory()
         with self.world.active():
-            self.llm.wake_up(tags=[_SLEEP_TAGS[k] for k in kinds])
-            if "kv_cache" in kinds:
+            self.llm.wake_up(tags=sorted(_SLEEP_TAGS[k] for k in wake))
+            if "kv_cache" in wake:
                 self.llm.reset_prefix_cache()
-        self._asleep -= set(kinds)
-        taken = free - torch.cuda.mem_get_info(self.device)[0]
+        still = wake & self.asleep()
+        if still:
+            raise RuntimeError(f"vllm engine: vLLM did not wake {sorted(still)} (asleep: {sorted(self.asleep())})")
+        taken = free - self._free_memory()
         return Transfer(max(0, taken), time.perf_counter() - start, 0)
+
+    def _free_memory(self) -> int:
+        """Free device memory, PyTorch's cached blocks released first: vLLM's sleep and wake-up
+        release them too (``CuMemAllocator``), which would otherwise count as vLLM's own bytes."""
+        torch.cuda.empty_cache()
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def _check_awake(self) -> None:
+        """vLLM with any state asleep holds its scheduler paused and would wait for ever; with the
+        weights discarded it would generate from whatever the memory holds."""
+        if self.on_cpu:
+            return
+        asleep = self.asleep()
+        if asleep:
+            raise RuntimeError(f"vllm engine: generate while vLLM holds {sorted(asleep)} asleep (the phase must reload "
+                               f"them first)")
+        if self._weights_lost:
+            raise RuntimeError("vllm engine: generate after its weights were discarded (level-2 sleep, because a weight "
+                               "sync was announced to come first) and before a complete sync loaded them again")
 
     def _resident(self) -> Transfer:
         if not self._warned_no_sleep:

@@ -17,7 +17,7 @@ Update schedule, loss, LR warm-up and gradient clipping are those of the fsdp en
 (``rlbatch.engines.train.common``); bf16 compute with fp32 master weights on GPU, fp32 on CPU.
 Checkpoint state is full (gathered) fp32 tensors under the fsdp engine's names, so either
 engine resumes from the other's checkpoint. Forward-only roles (reference) are the plain model
-(ZeRO-3: partitioned, gathered layer by layer on forward).
+in the same compute dtype, bf16 on GPU (ZeRO-3: partitioned, gathered layer by layer on forward).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbatch.engines.base import CheckpointState, EngineContext, Sample
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample, WeightStream, layer_units
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import share_prompts
 from rlbatch.engines.model import load_engine_model
@@ -67,6 +67,19 @@ class RoleMPU:
         return 0
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """What a role's model computes in: bf16 on a GPU (DeepSpeed's bf16 mode; a trainable role keeps
+    fp32 master weights beside it), fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def plain_module(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A forward-only role under ZeRO-1/2, which would shard nothing it holds: the module itself on
+    ``device`` in the compute dtype (as a trainable role computes its log-probs), not DeepSpeed's
+    engine."""
+    return model.to(device=device, dtype=compute_dtype(device)).eval()
+
+
 def ds_config(args: Any, algo: Any, device: torch.device, trainable: bool) -> dict[str, Any]:
     """The DeepSpeed config of a role. Gradient accumulation is driven by the engine (one optimizer
     step per update of ``common.updates``), so DeepSpeed's own is 1."""
@@ -79,7 +92,7 @@ def ds_config(args: Any, algo: Any, device: torch.device, trainable: bool) -> di
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
-        "bf16": {"enabled": device.type == "cuda"},
+        "bf16": {"enabled": compute_dtype(device) == torch.bfloat16},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -127,20 +140,23 @@ class DeepSpeedEngine(StashedState):
         self.scheduler: Any = None
         config = ds_config(args, algo, ctx.device, ctx.trainable)
         mpu = RoleMPU(self.group, ctx.group("tp"))
+        # DeepSpeed gets the model on the host: it casts it to the compute dtype parameter by parameter,
+        # then moves it to its device (LOCAL_RANK's). Moved there first, the whole model would sit on
+        # the GPU in fp32 (4 bytes a parameter, left in PyTorch's cache after the cast) before ZeRO
+        # casts or partitions it.
         with role_world(self.group):
             if ctx.trainable:
                 model.train()
                 self.optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
                                                    foreach=True)
                 self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, common.warmup(int(algo.warmup_steps)))
-                self.engine, *_ = deepspeed.initialize(model=model.to(ctx.device), optimizer=self.optimizer,
-                                                       config=config, mpu=mpu, dist_init_required=False)
+                self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config, mpu=mpu,
+                                                       dist_init_required=False)
             elif self.stage == 3:
                 model.eval()
-                self.engine, *_ = deepspeed.initialize(model=model.to(ctx.device), config=config, mpu=mpu,
-                                                       dist_init_required=False)
+                self.engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu, dist_init_required=False)
             else:
-                self.engine = model.to(ctx.device).eval()
+                self.engine = plain_module(model, ctx.device)
         self.module: torch.nn.Module = getattr(self.engine, "module", self.engine)
         self.params = [p for _, p in self.module.named_parameters()]
         # Checkpoint names are the module's state_dict keys, as the fsdp engine writes them: a tied
@@ -211,17 +227,32 @@ class DeepSpeedEngine(StashedState):
 
     # -- weights out ----------------------------------------------------------------------------------
     @contextmanager
-    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every parameter in full under its Hugging Face name, valid inside the block (ZeRO-3:
-        gathered from the partitions, on every rank of the role)."""
-        with torch.no_grad(), role_world(self.group):
-            if self.stage == 3 and self.engine is not self.module:
-                import deepspeed
+    def export_weights(self) -> Iterator[WeightStream]:
+        """The weights under their Hugging Face names, streamed one decoder layer at a time
+        (``WeightStream``). Under ZeRO-3 each parameter is all-gathered from its partitions over the
+        role's ranks, each partition cast first; under ZeRO-1/2 every rank holds the parameters whole,
+        so they leave as they are (a cast copies one layer at a time)."""
+        zero3 = self.stage == 3 and self.engine is not self.module
+        shapes = [torch.Size(p.ds_shape) if zero3 else p.shape for p in self.params]
+        index = {n: k for k, n in enumerate(self.names)}
+        stream = WeightStream(list(zip(self.names, shapes, strict=True)),
+                              lambda dtype: ([(n, self._exported(self.params[index[n]], dtype, zero3)) for n in unit]
+                                             for unit in layer_units(self.names)))
+        try:
+            yield stream
+        finally:
+            stream.close()
 
-                with deepspeed.zero.GatheredParameters(self.params, modifier_rank=None):
-                    yield [(n, p.detach()) for n, p in zip(self.names, self.params, strict=True)]
-            else:
-                yield [(n, p.detach()) for n, p in zip(self.names, self.params, strict=True)]
+    @torch.no_grad()
+    def _exported(self, p: Any, dtype: torch.dtype | None, zero3: bool) -> torch.Tensor:
+        if not zero3:
+            return p.detach() if dtype is None else p.detach().to(dtype)
+        # ZeRO-3 keeps rank r's partition as elements [r*n, (r+1)*n) of the flattened parameter, the last
+        # one padded: gathered in rank order and cut to ds_numel, they are the parameter.
+        part = p.ds_tensor.detach().to(self.device, dtype or p.ds_tensor.dtype)  # on the host under offload_params
+        flat = torch.empty(part.numel() * dist.get_world_size(self.group), dtype=part.dtype, device=self.device)
+        dist.all_gather_into_tensor(flat, part, group=self.group)
+        return flat[: p.ds_numel].view(p.ds_shape)
 
     # -- checkpoint state -----------------------------------------------------------------------------
     def _ensure_optimizer_state(self) -> None:

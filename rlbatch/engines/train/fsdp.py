@@ -3,29 +3,50 @@
 Also serves forward-only roles (reference): without an optimizer it only computes log-probs.
 Parameter names are the transformers model's, i.e. Hugging Face names, so weight export and
 checkpoint state need no renaming. AdamW, gradient clipping, linear warm-up, gradient accumulation and
-activation checkpointing; bf16 compute with fp32 master weights on GPU, fp32 on CPU.
+activation checkpointing; bf16 compute with fp32 master weights on GPU, fp32 on CPU. A forward-only
+role holds its parameters in the model's dtype (bf16 on GPU): it has no update to keep precise.
+
+The model is built on the meta device, sharded, and only then given memory on the device: each rank
+reads only its own rows of the weights (``rlbatch.engines.model.engine_skeleton``), so no rank
+ever holds the whole model, on the host or on the device.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from rlbatch.engines.base import CheckpointState, EngineContext, Sample
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import fsdp_single_unit, share_prompts
-from rlbatch.engines.model import load_engine_model
+from rlbatch.engines.model import engine_skeleton, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.engines.train import common
 from rlbatch.engines.train.state import load_module_state, module_state
 
 
+@torch.no_grad()
+def _gathered(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A parameter in full, in ``dtype``: a DTensor's local shard is cast first, then all-gathered."""
+    t = p.detach().to(dtype)  # a DTensor casts its shard and keeps its placement
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * 4 for p in model.parameters())
+
+
+def held_dtype(model_dtype_name: str, device: torch.device, trainable: bool) -> torch.dtype:
+    """The dtype an fsdp engine holds its parameters in: fp32 master weights for a role that trains
+    (bf16 only for compute on a GPU, through the MixedPrecisionPolicy); the model's dtype for a
+    forward-only one ('auto': bf16 on a GPU, fp32 on a CPU), which no optimizer updates."""
+    return torch.float32 if trainable else model_dtype(model_dtype_name, device)
 
 
 class FSDPEngine(StashedState):
@@ -37,7 +58,8 @@ class FSDPEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
         self.dp_group = ctx.group("dp")
-        model = load_engine_model(ctx)
+        skeleton = engine_skeleton(ctx, held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable))
+        model = skeleton.model
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
@@ -52,7 +74,12 @@ class FSDPEngine(StashedState):
         if not self.single_unit:
             for layer in model.model.layers:  # a unit per layer: gathered one at a time, overlapping compute
                 fully_shard(layer, **kwargs)
-        self.model = fully_shard(model.to(ctx.device), **kwargs)
+        # FSDP2 leaves the root unit (embedding, final norm, head) unsharded after a forward, for the
+        # backward that follows in training; a forward-only role has none, so it would hold them
+        # gathered until its next forward, on the device through other roles' phases (offload moves shards).
+        root: dict[str, Any] = kwargs | ({} if ctx.trainable else {"reshard_after_forward": True})
+        self.model = fully_shard(model, **root)
+        skeleton.materialise(ctx.device)  # this rank's shard only, read by rows
         self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
         self.optimizer: torch.optim.Optimizer | None = None
         if ctx.trainable:
@@ -100,20 +127,54 @@ class FSDPEngine(StashedState):
         return totals.result(float(self.scheduler.get_last_lr()[0]))
 
     @contextmanager
-    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every parameter unsharded under its Hugging Face name, valid inside the block. A one-unit model without mixed
-        precision is all-gathered in one collective (``unshard``) and read in place; otherwise
-        each parameter is gathered on its own (``full_tensor``)."""
-        with torch.no_grad():
-            if self.single_unit and self.mp is None:
-                self.model.unshard()
+    def export_weights(self) -> Iterator[WeightStream]:
+        """The weights under their Hugging Face names, streamed one FSDP unit at a time
+        (``WeightStream``; the manifest's shapes are the DTensors' global ones, nothing is gathered
+        for it). Each parameter's shard is cast to the dtype asked for, then all-gathered on its own
+        (``full_tensor``). A model that is one unit, asked for in the dtype its all-gather moves (the
+        parameters', or bf16 under mixed precision: FSDP casts each shard first), is all-gathered in one
+        collective (``unshard``) and read in place instead: a small model's sync costs one collective's
+        latency, not one per parameter. A larger unit is not: FSDP's unshard copies it through one flat
+        buffer (held beside the unit) at a cost above the collectives it saves (docs/benchmarks.md)."""
+        # A forward without backward leaves the root unit unsharded (FSDP keeps it for the backward):
+        # reshard it (local, no collective) so the parameters read here are the fp32 DTensor shards.
+        self.model.reshard()
+        units = self._export_units()
+        stream = WeightStream([(n, p.shape) for _, params in units for n, p in params],
+                              lambda dtype: self._export(units, dtype))
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def _export_units(self) -> list[tuple[FSDPModule, list[tuple[str, torch.nn.Parameter]]]]:
+        """Runs of consecutive parameters (``named_parameters`` order) sharded by one FSDP unit: the whole
+        model when it is one unit; else the root's embedding, each decoder layer, the root's final norm."""
+        units = {prefix: m for prefix, m in self.model.named_modules() if isinstance(m, FSDPModule)}
+
+        def owner(name: str) -> str:  # the innermost unit holding the parameter ("" is the root)
+            parts = name.split(".")
+            return next(".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1) if ".".join(parts[:k]) in units)
+
+        return [(units[prefix], list(run)) for prefix, run in itertools.groupby(self.model.named_parameters(),
+                                                                                  key=lambda np: owner(np[0]))]
+
+    def _export(self, units: list[tuple[FSDPModule, list[tuple[str, torch.nn.Parameter]]]],
+                dtype: torch.dtype | None) -> Iterator[Unit]:
+        # No torch.no_grad() decorator here: on a generator it keeps the last unit it yielded while the
+        # next one is gathered (two units alive); each gather below needs no autograd anyway.
+        for unit, params in units:
+            want = dtype or params[0][1].dtype
+            gathers = self.mp.param_dtype if self.mp is not None and self.mp.param_dtype else params[0][1].dtype
+            if len(units) == 1 and want == gathers:
+                with torch.no_grad():
+                    unit.unshard()  # one all-gather; the module's parameters are the unsharded ones until reshard
                 try:
-                    yield [(name, p.detach()) for name, p in self.model.named_parameters()]
+                    yield [(n, self.model.get_parameter(n).detach()) for n, _ in params]
                 finally:
-                    self.model.reshard()
+                    unit.reshard()
             else:
-                yield [(name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
-                       for name, p in self.model.named_parameters()]
+                yield [(n, _gathered(p, want)) for n, p in params]
 
     def checkpoint_state(self) -> CheckpointState | None:
         """Model and AdamW state as named tensors (see ``rlbatch.engines.train.state``); None

@@ -9,8 +9,11 @@ checkpoints, as full tensors under Hugging Face names, so any inference engine l
 checkpoint of this engine loads into the fsdp engine and back. AdamW with the fsdp engine's
 warm-up, gradient clipping over the TP shards and gradient accumulation; gradients are averaged
 over dp (with ``engine_args.distributed_optimizer``, megatron-core's DDP and DistributedOptimizer
-shard the AdamW state over dp instead: ``megatron_optim``). bf16 parameters on GPU, fp32 on CPU (where it runs only with the test-only shim, see
-``megatron_device``). Context parallelism is refused by the registry.
+shard the AdamW state over dp instead: ``megatron_optim``). Parameters in ``model.dtype`` ('auto':
+bf16 on GPU, fp32 on CPU, where the engine runs only with the test-only shim, see
+``megatron_device``); 16-bit parameters train from fp32 main weights with fp32 gradients
+(``megatron_optim.MainWeights``, or the distributed optimizer's), which the checkpoint holds.
+Context parallelism is refused by the registry.
 
 A Mixture-of-Experts model's routed experts (megatron-core's MoE layer, tokens sent to their
 experts by all-to-all) are split over the 'expert' group: each rank holds experts / e of them. Their
@@ -44,10 +47,10 @@ from torch.utils._pytree import tree_map
 from rlbatch import algos
 from rlbatch.algos.objective import LossInput
 from rlbatch.algos.value import ValueInput
-from rlbatch.engines.base import CheckpointState, EngineContext, Sample
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
 from rlbatch.engines.batch import Full, Packed, pack, unpack
-from rlbatch.engines.model import load_engine_model
-from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
+from rlbatch.engines.model import load_engine_model, model_dtype
+from rlbatch.engines.offload import StashedState, Stashes, TensorStash, optimizer_tensors
 from rlbatch.engines.train import common, megatron_optim
 from rlbatch.engines.train import megatron_convert as convert
 from rlbatch.engines.train.megatron_device import check_device
@@ -112,7 +115,10 @@ class MegatronEngine(StashedState):
         if self.ep > 1 and ctx.trainable and ctx.args.distributed_optimizer:
             raise ValueError(f"megatron engine, role {ctx.role}: engine_args.distributed_optimizer with expert "
                              f"parallelism (e = {self.ep}) is not built; leave it false")
-        dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+        dtype = model_dtype(str(ctx.model.dtype), ctx.device)  # 'auto': bf16 on GPU, fp32 on CPU
+        if dtype == torch.float16 and ctx.trainable:
+            raise ValueError(f"megatron engine, role {ctx.role}: model.dtype=fp16 is not trained (fp16 gradients need "
+                             f"loss scaling, which this engine does not build); use bf16 or fp32")
         self.pgc = pgc = process_groups(ctx, groups)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
                                self.lay.head_bias, self.pp, self.ep, self.sp).to(ctx.device)
@@ -124,10 +130,15 @@ class MegatronEngine(StashedState):
         freeze_padding_row(self.model, hf.get_input_embeddings().padding_idx)
         self.params = dict(self.model.named_parameters())
         with torch.no_grad():
-            self._load_full({n: p.detach() for n, p in hf.named_parameters()})
-        del hf
+            local = self._load_full({n: p.detach() for n, p in hf.named_parameters()})
+            # 16-bit weights train from fp32 main weights that start at the model's exact values: a copy
+            # of this rank's share (the share itself may be views that keep the whole model alive).
+            initial = {n: t.clone() for n, t in local.items()} if ctx.trainable and dtype != torch.float32 else {}
+        del hf, local
         self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
         self.optimizer: torch.optim.Optimizer | None = None
+        self.main: megatron_optim.MainWeights | None = None
+        """Without the distributed optimizer: the fp32 main weights ``self.optimizer`` steps."""
         self.dist_opt: Any = None
         """megatron-core's DistributedOptimizer (engine_args.distributed_optimizer); ``self.optimizer``
         is then the torch AdamW inside it, stepping this rank's slices."""
@@ -137,16 +148,18 @@ class MegatronEngine(StashedState):
             a = ctx.algo
             if ctx.args.distributed_optimizer:
                 self.net, self.dist_opt = megatron_optim.build(self.model, pgc, a, self.group, dtype)
+                if initial:
+                    megatron_optim.set_main(self.dist_opt, {p: initial[n] for n, p in self.params.items()})
                 self.optimizer = self.dist_opt.optimizer
                 dist_opt, buffers = self.dist_opt, self.net.buffers
                 self.state.add("grads", TensorStash("grads", lambda: [b.grad_data for b in buffers]))
                 self.state.add("optimizer", TensorStash("optimizer", lambda: megatron_optim.state_tensors(dist_opt)))
             else:
-                self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
-                                                   foreach=True)
-                opt = self.optimizer
-                self.state.add("grads", TensorStash("grads", lambda: grad_tensors(self.model)))
-                self.state.add("optimizer", TensorStash("optimizer", lambda: optimizer_tensors(opt)))
+                self.main = main = megatron_optim.MainWeights(self.params.items(), initial)
+                self.optimizer = opt = torch.optim.AdamW(list(main.of.values()), lr=a.lr, weight_decay=a.weight_decay,
+                                                         foreach=True)
+                self.state.add("grads", TensorStash("grads", main.grads))
+                self.state.add("optimizer", TensorStash("optimizer", lambda: [*optimizer_tensors(opt), *main.copies()]))
             assert self.optimizer is not None
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, common.warmup(int(a.warmup_steps)))
         else:
@@ -157,16 +170,24 @@ class MegatronEngine(StashedState):
         """This rank's GPTModel-shaped share of HF-named tensors (its tp rank, stage and experts)."""
         return convert.to_megatron(hf, self.lay, self.tp_rank, self.stage, self.ep_rank)
 
-    def _load_full(self, hf: dict[str, torch.Tensor]) -> None:
+    def _load_full(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Set the model's weights from HF-named full tensors; returns this rank's share of them (as given,
+        not rounded to the model's dtype)."""
         local = self._local(hf)
         if missing := sorted(set(self.params) ^ set(local)):
             raise RuntimeError(f"megatron engine: GPTModel and the HF mapping disagree on {missing}")
         for name, p in self.params.items():
             p.copy_(local[name])
+        return local
 
     def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full HF-named tensors of the whole model from this rank's GPTModel-shaped tensors
         (collective over tp, the routed experts over ep, then over pp)."""
+        return self._across_stages(convert.to_hf(self._shards(local), self.lay, self.stage))
+
+    def _shards(self, local: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """Every TP rank's copy of each of this rank's GPTModel-shaped tensors (collective over tp); the
+        routed experts of every ep rank under their global names (collective over ep)."""
         shards: dict[str, list[torch.Tensor]] = {}
         for name, t in local.items():
             t = t.detach().contiguous()
@@ -182,7 +203,7 @@ class MegatronEngine(StashedState):
             parts = [torch.empty_like(t) for _ in range(self.tp)]
             dist.all_gather(parts, t, group=self.tp_group)
             shards[name] = parts
-        return self._across_stages(convert.to_hf(shards, self.lay, self.stage))
+        return shards
 
     def _across_stages(self, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's HF-named tensors on every stage: each stage broadcasts its own, flattened
@@ -203,11 +224,58 @@ class MegatronEngine(StashedState):
         return full
 
     @contextmanager
-    def export_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every weight in full under its Hugging Face name (gathered over tp), in the HF model's order."""
-        with torch.no_grad():
-            full = self._gather(self.params)
-            yield [(n, full[n]) for n in self.hf_names]
+    def export_weights(self) -> Iterator[WeightStream]:
+        """The weights under their Hugging Face names in the HF model's order, streamed one piece at a
+        time (``WeightStream``): the embedding, each decoder layer, the final norm and head. The stage
+        holding a piece gathers it over tp (its routed experts over ep), each shard cast first, converts
+        it, and with pipeline stages broadcasts it over pp."""
+        stream = WeightStream([(n, self.hf_shapes[n]) for n in self.hf_names],
+                              lambda dtype: (self._export_piece(names, dtype) for names in layer_units(self.hf_names)))
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    @staticmethod
+    def _hf_piece(name: str) -> str:
+        """The export piece an HF-named tensor belongs to: 'embedding', 'layer <i>' or 'head' (the final
+        norm and the output or scalar head)."""
+        return f"layer {name.split('.')[2]}" if name.startswith("model.layers.") else (
+            "embedding" if name == "model.embed_tokens.weight" else "head")
+
+    def _mc_piece(self, name: str) -> str | None:
+        """The export piece (``_hf_piece``) a GPTModel tensor of this rank converts into; None for the last
+        stage's copy of a tied embedding, which does not leave."""
+        if name.startswith("decoder.layers."):
+            return f"layer {self.stage * self.lay.stage_layers + int(name.split('.')[2])}"
+        if name.startswith("embedding."):
+            return "embedding"
+        return None if self.lay.tied and name.startswith("output_layer.") else "head"
+
+    @torch.no_grad()
+    def _export_piece(self, names: list[str], dtype: torch.dtype | None) -> Unit:
+        piece, stage = self._hf_piece(names[0]), self.lay.stage_of(names[0])
+        want = dtype or next(iter(self.params.values())).dtype
+        full: dict[str, torch.Tensor] | None = None
+        if stage == self.stage:
+            shards = self._shards({n: p.detach().to(want) for n, p in self.params.items() if self._mc_piece(n) == piece})
+            if piece == "embedding":
+                full = convert.embedding_to_hf(shards, self.lay)
+            elif piece == "head":
+                full = convert.head_to_hf(shards, self.lay)
+            else:
+                i = int(piece.split()[1])
+                full = convert.layer_to_hf(shards, self.lay, i, i - stage * self.lay.stage_layers)
+            del shards
+        if self.pp > 1:  # the holding stage's piece to every stage, as one buffer
+            sizes = [self.hf_shapes[n].numel() for n in names]
+            flat = (torch.cat([full[n].reshape(-1) for n in names]) if full is not None
+                    else torch.empty(sum(sizes), dtype=want, device=self.device))
+            full = None
+            dist.broadcast(flat, src=dist.get_global_rank(self.pp_group, stage), group=self.pp_group)
+            full = {n: t.view(self.hf_shapes[n]) for n, t in zip(names, flat.split(sizes), strict=True)}
+        assert full is not None
+        return [(n, full[n]) for n in names]
 
     # -- forward ------------------------------------------------------------------------------
     def _chunks(self, samples: list[Sample]) -> list[list[Sample]]:
@@ -343,10 +411,18 @@ class MegatronEngine(StashedState):
         _sum_over([g for _, g in dense], self.dp_group, d)
         _sum_over(experts, self.edp_group, d)
 
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The fp32 gradient the step reads for model parameter ``p``: its slot in megatron-core's DDP
+        buffer (distributed optimizer), else its main weight's (``p.grad`` itself for fp32 weights)."""
+        if self.dist_opt is not None:
+            return p.main_grad  # type: ignore[attr-defined]
+        assert self.main is not None
+        return self.main.of[p].grad
+
     def _grads(self) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], list[torch.Tensor]]:
         """(parameter, gradient) of every parameter with one but the routed experts under expert
         parallelism, and the routed experts' gradients."""
-        with_grad = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        with_grad = [(p, g) for p in self.model.parameters() if (g := self._grad(p)) is not None]
         return [(p, g) for p, g in with_grad if not _routed(p, self.ep)], [g for p, g in with_grad if _routed(p, self.ep)]
 
     def _sync_tied(self) -> None:
@@ -356,15 +432,14 @@ class MegatronEngine(StashedState):
         slice of the buffer reduced, at other offsets on the two stages."""
         if self.lay.tied and self.pp > 1 and self.pgc.embd is not None:
             w = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(w.main_grad if self.dist_opt is not None else w.grad, group=self.pgc.embd)
+            dist.all_reduce(self._grad(w), group=self.pgc.embd)
 
     def _sync_sequence_parallel(self) -> None:
         """Under sequence parallelism each TP rank's norms (and MoE router) saw its slice of the
         sequence: sum their gradients over tp, so every rank holds the whole one."""
         if not self.sp:
             return
-        grads = [p.main_grad if self.dist_opt is not None else p.grad for p in self.model.parameters()
-                 if getattr(p, "sequence_parallel", False)]
+        grads = [self._grad(p) for p in self.model.parameters() if getattr(p, "sequence_parallel", False)]
         _sum_over([g for g in grads if g is not None], self.tp_group)
 
     def _clip(self, max_norm: float) -> float:
@@ -416,6 +491,8 @@ class MegatronEngine(StashedState):
                 if a.grad_clip > 0:
                     totals.add({"grad_norm": self._clip(a.grad_clip)}, 1.0)
                 self.optimizer.step()
+                assert self.main is not None
+                self.main.to_model()
             self.scheduler.step()
             totals.updates += 1
         result = totals.result(float(self.scheduler.get_last_lr()[0]))
@@ -434,10 +511,12 @@ class MegatronEngine(StashedState):
             if self.dist_opt is not None:  # the fp32 main weights and moments, from every dp rank's slices
                 full = megatron_optim.gather(self.net, self.dist_opt, self.dp_group)
                 local = {key: {by_param[p]: full[p][key] for p in self.params.values()} for key in megatron_optim.STATE_KEYS}
-            else:
-                local = {"param": self.params} | {
-                    key: {by_param[p]: state[p][key] if key in state.get(p, {}) else torch.zeros_like(p)
-                          for p in self.params.values()} for key in ADAM_KEYS}
+            else:  # the fp32 main weights (the parameters themselves when fp32) and their moments
+                assert self.main is not None
+                mains = {n: self.main.of[p] for n, p in self.params.items()}
+                local = {"param": mains} | {
+                    key: {n: state[m][key] if key in state.get(m, {}) else torch.zeros_like(m) for n, m in mains.items()}
+                    for key in ADAM_KEYS}
             tensors = {f"model.{n}": t.clone() for n, t in self._gather(local["param"]).items()}
             if self.lay.tied:  # a transformers state dict names the shared matrix twice
                 tensors["model.lm_head.weight"] = tensors["model.model.embed_tokens.weight"]
@@ -456,17 +535,19 @@ class MegatronEngine(StashedState):
         assert self.optimizer is not None, "load_checkpoint_state on a forward-only engine"
         t = state.tensors
         with torch.no_grad():
-            self._load_full({n: t[f"model.{n}"] for n in self.hf_names})
+            main = self._load_full({n: t[f"model.{n}"] for n in self.hf_names})  # fp32: the main weights
             moments = {key: self._local({n: t[f"optim.{n}.{key}"] for n in self.hf_names}) for key in ADAM_KEYS}
             step = t[f"optim.{self.hf_names[0]}.step"]
             if self.dist_opt is not None:
-                main = self._local({n: t[f"model.{n}"] for n in self.hf_names})
                 megatron_optim.scatter(self.dist_opt, {p: {"param": main[name], **{k: moments[k][name] for k in ADAM_KEYS}}
                                                        for name, p in self.params.items()}, step)
             else:
+                assert self.main is not None
+                self.main.load({p: main[name] for name, p in self.params.items()})
                 for name, p in self.params.items():
-                    self.optimizer.state[p] = {"step": step.detach().clone().float().reshape(()),
-                                               **{k: moments[k][name].clone().to(p.device) for k in ADAM_KEYS}}
+                    m = self.main.of[p]
+                    self.optimizer.state[m] = {"step": step.detach().clone().float().reshape(()),
+                                               **{k: moments[k][name].clone().to(m) for k in ADAM_KEYS}}
         saved = state.meta["param_groups"][0]
         for group in self.optimizer.param_groups:
             group.update({k: v for k, v in saved.items() if k != "params"})

@@ -287,30 +287,48 @@ def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout, stage: int = 0)
     """Full HF-named tensors of pipeline stage ``stage`` from its TP ranks' GPTModel tensors
     (``shards[name][r]``: rank r's; routed experts under ``global_expert_name``, all of them). The
     last stage's copy of a tied embedding is not among them."""
-    first, last = stage == 0, stage == lay.pp - 1
     out: dict[str, torch.Tensor] = {}
-    if first:
-        out["model.embed_tokens.weight"] = torch.cat(shards["embedding.word_embeddings.weight"])[: lay.vocab]
+    if stage == 0:
+        out.update(embedding_to_hf(shards, lay))
     for j in range(lay.stage_layers):
-        h, m = _hf_layer(stage * lay.stage_layers + j), _mc_layer(j)
-        a = h + "self_attn."
-        out[h + "input_layernorm.weight"] = shards[m + "input_layernorm.weight"][0]
-        for kind in ("weight", "bias") if lay.qkv_bias else ("weight",):
-            q, k, v = _unqkv(shards[m + f"self_attention.linear_qkv.{kind}"], lay)
-            out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
-        out[a + "o_proj.weight"] = torch.cat(shards[m + "self_attention.linear_proj.weight"], dim=1)
-        if lay.experts:
-            out.update(_moe_to_hf(shards, h, m, lay))
-        else:
-            gate, up, down = _mlp_to_hf(shards, m + "mlp.")
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"], out[h + "mlp.down_proj.weight"] = gate, up, down
-        out[h + "post_attention_layernorm.weight"] = shards[m + "pre_mlp_layernorm.weight"][0]
-    if last:
-        out["model.norm.weight"] = shards["decoder.final_layernorm.weight"][0]
-        if lay.head != "lm":
-            out["score.weight"] = shards["output_layer.weight"][0]
-            if lay.head_bias:
-                out["score.bias"] = shards["output_layer.bias"][0]
-        elif not lay.tied:
-            out["lm_head.weight"] = torch.cat(shards["output_layer.weight"])[: lay.vocab]
+        out.update(layer_to_hf(shards, lay, stage * lay.stage_layers + j, j))
+    if stage == lay.pp - 1:
+        out.update(head_to_hf(shards, lay))
+    return out
+
+
+def embedding_to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout) -> dict[str, torch.Tensor]:
+    """The first stage's embedding, full, from its TP shards (the vocabulary padding cut off)."""
+    return {"model.embed_tokens.weight": torch.cat(shards["embedding.word_embeddings.weight"])[: lay.vocab]}
+
+
+def layer_to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout, hf_layer: int,
+                stage_layer: int) -> dict[str, torch.Tensor]:
+    """HF layer ``hf_layer``, full, from the TP shards of its stage's ``decoder.layers.<stage_layer>``."""
+    h, m = _hf_layer(hf_layer), _mc_layer(stage_layer)
+    a = h + "self_attn."
+    out: dict[str, torch.Tensor] = {h + "input_layernorm.weight": shards[m + "input_layernorm.weight"][0]}
+    for kind in ("weight", "bias") if lay.qkv_bias else ("weight",):
+        q, k, v = _unqkv(shards[m + f"self_attention.linear_qkv.{kind}"], lay)
+        out[a + f"q_proj.{kind}"], out[a + f"k_proj.{kind}"], out[a + f"v_proj.{kind}"] = q, k, v
+    out[a + "o_proj.weight"] = torch.cat(shards[m + "self_attention.linear_proj.weight"], dim=1)
+    if lay.experts:
+        out.update(_moe_to_hf(shards, h, m, lay))
+    else:
+        gate, up, down = _mlp_to_hf(shards, m + "mlp.")
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"], out[h + "mlp.down_proj.weight"] = gate, up, down
+    out[h + "post_attention_layernorm.weight"] = shards[m + "pre_mlp_layernorm.weight"][0]
+    return out
+
+
+def head_to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout) -> dict[str, torch.Tensor]:
+    """The last stage's final norm and head (the output layer, or the scalar head ``score.*``), full;
+    a tied embedding's copy on the last stage is not among them."""
+    out = {"model.norm.weight": shards["decoder.final_layernorm.weight"][0]}
+    if lay.head != "lm":
+        out["score.weight"] = shards["output_layer.weight"][0]
+        if lay.head_bias:
+            out["score.bias"] = shards["output_layer.bias"][0]
+    elif not lay.tied:
+        out["lm_head.weight"] = torch.cat(shards["output_layer.weight"])[: lay.vocab]
     return out

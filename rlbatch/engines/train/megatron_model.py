@@ -120,7 +120,9 @@ class RMSNorm(torch.nn.RMSNorm):
     partial on each TP rank, marked ``sequence_parallel`` for the engine to sum over tp."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
-        super().__init__(hidden_size, eps=eps)  # as megatron-core's wrapper makes it
+        # In the model's dtype, as every other weight (a bf16 model with fp32 norms would run torch's
+        # unfused norm on every call).
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
 

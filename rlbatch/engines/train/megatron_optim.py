@@ -1,4 +1,11 @@
-"""megatron-core's distributed optimizer for the ``megatron`` engine (``engine_args.distributed_optimizer``).
+"""The ``megatron`` engine's optimizers: fp32 main weights beside 16-bit model weights
+(``MainWeights``, with torch AdamW on every rank), or megatron-core's distributed optimizer
+(``engine_args.distributed_optimizer``).
+
+A bf16 weight holds 8 bits of mantissa: an AdamW update smaller than ~2^-9 of the weight (at RL
+learning rates, ~1e-6, nearly every update) rounds away when applied to it. Both optimizers
+therefore step fp32 main weights, accumulate and reduce fp32 gradients, and copy the weights
+back to the model rounded; the checkpoint holds the fp32 main weights.
 
 megatron-core's ``DistributedDataParallel`` puts every parameter and gradient in contiguous buffers;
 its ``DistributedOptimizer`` gives each data-parallel rank one contiguous 1/d of each buffer to
@@ -16,6 +23,8 @@ each parameter's main weight and moments from the dp slices (an all-gather of ea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +32,58 @@ import torch.distributed as dist
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 """Per parameter: the main (fp32) weight and AdamW's two moments."""
+
+
+class MainWeights:
+    """fp32 main weights of a model's parameters, the ones torch AdamW steps: a copy of each 16-bit
+    parameter, the parameter itself when it is fp32 (then nothing changes). A 16-bit parameter's
+    gradient is added into its main weight's fp32 ``.grad`` as soon as backward has produced it
+    (and dropped), so micro-batches accumulate, and the engine reduces and clips, in fp32."""
+
+    def __init__(self, params: Iterable[tuple[str, torch.nn.Parameter]], initial: dict[str, torch.Tensor]) -> None:
+        """``initial``: the weights by name in fp32 (this rank's shards of the HF model's), which
+        the model's 16-bit copies hold rounded."""
+        self.of: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for name, p in params:
+            if p.dtype == torch.float32:
+                self.of[p] = p
+                continue
+            main = torch.nn.Parameter(initial[name].detach().to(device=p.device, dtype=torch.float32, copy=True))
+            p.register_post_accumulate_grad_hook(partial(_accumulate, main))
+            self.of[p] = main
+            self.pairs.append((p, main))
+
+    def copies(self) -> list[torch.Tensor]:
+        """The fp32 copies (not the fp32 parameters that are their own main weights)."""
+        return [m for _, m in self.pairs]
+
+    def grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self.of.values() if m.grad is not None]
+
+    @torch.no_grad()
+    def to_model(self) -> None:
+        """The model's 16-bit weights from the main weights, rounded to nearest."""
+        if self.pairs:
+            torch._foreach_copy_([p for p, _ in self.pairs], [m for _, m in self.pairs])
+
+    @torch.no_grad()
+    def load(self, weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+        """Set the main weights (fp32, exact) and the model's from them."""
+        for p, w in weights.items():
+            self.of[p].copy_(w)
+        self.to_model()
+
+
+@torch.no_grad()
+def _accumulate(main: torch.Tensor, p: torch.Tensor) -> None:
+    if p.grad is None:
+        return
+    if main.grad is None:
+        main.grad = p.grad.float()
+    else:
+        main.grad.add_(p.grad)
+    p.grad = None
 
 
 def build(model: Any, pgc: Any, algo: Any, role_group: Any, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -91,19 +152,35 @@ def gather(ddp: Any, optimizer: Any, dp_group: Any) -> dict[torch.nn.Parameter, 
     return out
 
 
+def _main_slice(optimizer: Any, p: torch.nn.Parameter) -> tuple[torch.Tensor, slice] | None:
+    """This rank's fp32 main weight of parameter ``p`` and where it lies in ``p`` flattened (None:
+    no slice on this rank)."""
+    if p not in optimizer.model_param_group_index_map:
+        return None
+    r = optimizer._get_model_param_range_map(p)["param"]
+    gi, order = optimizer.model_param_group_index_map[p]
+    return optimizer.optimizer.param_groups[gi]["params"][order], slice(r.start, r.end)
+
+
+@torch.no_grad()
+def set_main(optimizer: Any, weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+    """Set this rank's slice of each parameter's main weight from the full fp32 tensor (this TP
+    rank's shape) and the model's weights of that slice from it. The optimizer makes its main
+    weights from the (16-bit) model weights; this puts the exact ones in their place."""
+    for p, w in weights.items():
+        if (own := _main_slice(optimizer, p)) is not None:
+            own[0].copy_(w.reshape(-1)[own[1]])
+    optimizer._copy_main_params_to_model_params()
+
+
 def scatter(optimizer: Any, full: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
     """Set this rank's slice of each parameter's main weight and moments from full tensors (this TP
     rank's shape), and AdamW's step count."""
-    inner = optimizer.optimizer
+    set_main(optimizer, {p: tensors["param"] for p, tensors in full.items()})
     for p, tensors in full.items():
-        if p not in optimizer.model_param_group_index_map:
-            continue  # no slice on this rank
-        r = optimizer._get_model_param_range_map(p)["param"]
-        gi, order = optimizer.model_param_group_index_map[p]
-        main = inner.param_groups[gi]["params"][order]
-        with torch.no_grad():
-            main.copy_(tensors["param"].reshape(-1)[r.start : r.end])
-            inner.state[main] = {"step": step.detach().clone().float().reshape(()),
-                                 **{k: tensors[k].reshape(-1)[r.start : r.end].clone().to(main)
-                                    for k in ("exp_avg", "exp_avg_sq")}}
-    optimizer._copy_main_params_to_model_params()
+        if (own := _main_slice(optimizer, p)) is None:
+            continue
+        main, where = own
+        optimizer.optimizer.state[main] = {"step": step.detach().clone().float().reshape(()),
+                                           **{k: tensors[k].reshape(-1)[where].clone().to(main)
+                                              for k in ("exp_avg", "exp_avg_sq")}}

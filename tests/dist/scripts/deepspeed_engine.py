@@ -63,9 +63,9 @@ def train(engine, steps):
     return policy_steps(engine, steps, batch, objective)
 
 
-def weights(engine):
+def weights(engine, dtype=None):
     with engine.export_weights() as w:
-        return {n: t.detach().clone() for n, t in w}
+        return {n: t.detach().clone() for n, t in w.tensors(dtype)}
 
 
 def full_state(engine):
@@ -104,6 +104,7 @@ if comm.rank in ROLE:
         for a, b in zip(expected, got, strict=True):
             assert torch.allclose(a, b, rtol=0, atol=1e-5), f"{tag}: log-probs differ from fsdp's by {(a - b).abs().max():.3g}"
         same(initial, weights(whole), f"{tag}: initial weights")
+        same({n: t.to(torch.bfloat16) for n, t in initial.items()}, weights(whole, torch.bfloat16), f"{tag}: bf16 export")
         stats_whole = train(whole, range(6))
         moved = max((weights(whole)[n] - initial[n]).abs().max().item() for n in initial)
         assert moved > 1e-3 and any(s["grad_norm"] > 0.5 for s in stats_whole), f"{tag}: weights must move ({moved})"

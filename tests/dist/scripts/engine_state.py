@@ -8,10 +8,15 @@ import torch.distributed as dist
 from rlbatch.checkpoint.dcp import load_state, save_state
 
 
-def weights(e):  # type: ignore[no-untyped-def]
-    """The engine's full HF-named weights, cloned."""
+def weights(e, dtype=None):  # type: ignore[no-untyped-def]
+    """The engine's full HF-named weights, cloned; in ``dtype`` (each shard cast before it is gathered)."""
     with e.export_weights() as named:
-        return {n: t.clone() for n, t in named}
+        return {n: t.clone() for n, t in named.tensors(dtype)}
+
+
+def bf16_like(full):  # type: ignore[no-untyped-def]
+    """What a bf16 export of these fp32 weights must give: each cast, bit for bit."""
+    return {n: t.to(torch.bfloat16) for n, t in full.items()}
 
 
 def same(a, b, what):  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import policy_steps, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
+from engine_state import bf16_like, policy_steps, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -78,6 +78,7 @@ plain_tp2 = megatron(mesh_tp2, trainable=False, sequence_parallel=False)
 assert tp2.model.config.sequence_parallel and not plain_tp2.model.config.sequence_parallel
 same(weights(tp1), hf_weights, "HF -> GPTModel -> HF at TP=1")
 same(weights(tp2), hf_weights, "HF -> GPTModel -> HF at TP=2")
+same(weights(tp2, torch.bfloat16), bf16_like(hf_weights), "bf16 export at TP=2")
 samples = batch(0)
 b = pack(samples, tok.pad_token_id, torch.device("cpu"))
 with torch.no_grad():

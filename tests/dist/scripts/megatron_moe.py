@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import policy_steps, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
+from engine_state import bf16_like, policy_steps, resumes_exactly, same, shares_checkpoints_with_fsdp, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -99,6 +99,7 @@ assert e2.ep == 2 and len(experts) == 4, f"e=2: each rank holds 2 experts (fc1 a
 for name, e, own in (("e=1", e1, batch(0)), ("e=2", e2, batch(0)), ("p=2", pp2, batch(0, rank=0)),
                      ("forward-only t=2", tp2, batch(0, rank=0))):
     same(weights(e), hf_weights, f"HF -> GPTModel -> HF at {name}")
+    same(weights(e, torch.bfloat16), bf16_like(hf_weights), f"bf16 export at {name}")
     b = pack(own, tok.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
         ref = unpack(algos.token_logprobs(response_logits(hf, b).float(), b.targets), b.lengths)

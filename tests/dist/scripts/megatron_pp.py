@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from engine_state import (
+    bf16_like,
     critic_directory,
     policy_steps,
     resumes_exactly,
@@ -113,6 +114,7 @@ assert hf.config.tie_word_embeddings and hf.config.num_hidden_layers == 2
 pp2, tp1 = engine(mesh_pp2), engine(mesh_dp2)
 assert pp2.stage == comm.rank and len(pp2.model.decoder.layers) == 1
 same(weights(pp2), hf_weights, "HF -> GPTModel -> HF at PP=2")
+same(weights(pp2, torch.bfloat16), bf16_like(hf_weights), "bf16 export at PP=2")
 samples = batch(0)
 b = pack(samples, tok.pad_token_id, torch.device("cpu"))
 with torch.no_grad():

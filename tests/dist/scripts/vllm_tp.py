@@ -25,7 +25,7 @@ from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlbatch.engines.base import EngineContext, SamplingParams
+from rlbatch.engines.base import EngineContext, SamplingParams, WeightStream
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.infer.vllm import VLLMEngine
 from rlbatch.engines.model import load_model, load_tokenizer
@@ -94,7 +94,7 @@ if colocated:
 else:
     world = SimpleNamespace(rank=comm.rank, device=cpu, groups={SYNC: dist.group.WORLD}, members={SYNC: (0, 1, 2)},
                             check=lambda op, role, fn, *a, **k: fn(*a, **k))
-    WeightBroadcast(torch.float32)(world, new if comm.rank == 0 else [], engine, 0, 8192)  # type: ignore[arg-type]
+    WeightBroadcast(torch.float32)(world, WeightStream.of(new) if comm.rank == 0 else None, engine, 0, 8192)  # type: ignore[arg-type]
 if hf is not None:
     hf.load_weights(new)
 program_collective_works()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from mpi_exit import end_script
 
+from rlbatch.engines.base import WeightStream
 from rlbatch.engines.flat import flatten_parameters
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.runtime.world import SYNC
@@ -54,7 +55,7 @@ def check_two_syncs(wire: torch.dtype, infer_dtypes: dict[int, torch.dtype], see
     sync = WeightBroadcast(wire)
     for seed in seeds:
         sent = weights(seed)
-        nbytes = sync(world, sent if comm.rank == 0 else [], engine, 0, BUCKET_BYTES)  # type: ignore[arg-type]
+        nbytes = sync(world, WeightStream.of(sent) if comm.rank == 0 else None, engine, 0, BUCKET_BYTES)  # type: ignore[arg-type]
         assert nbytes == wire.itemsize * sum(t.numel() for _, t in sent), nbytes
         if engine is not None:
             for name, t in sent:

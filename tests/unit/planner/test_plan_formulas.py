@@ -96,7 +96,7 @@ def test_megatron_distributed_optimizer_divides_the_optimizer_state_by_d(h100, d
     # Llama-2-7B at p2t2: the most loaded shard holds (block / 2 + h * V) / 2 parameters (untied, pp > 1:
     # the output layer sits on the last stage). engine_args.distributed_optimizer: bf16 weights (2 bytes),
     # fp32 gradient buffers (4) and the fp32 main weight + two AdamW moments (12) of 1/d of them.
-    # Off (the default): torch AdamW on the bf16 weights: bf16 gradients (2) and moments (2 + 2).
+    # Off (the default): the same 4 + 12 bytes on every rank (the engine's fp32 main weights).
     h, f, L, V = 4096, 11008, 32, 32000
     block = (2 * h * (f * 3 / 2 + 1) + 2 * h * h * 2) * L + h
     shard = (block / 2 + h * V) / 2
@@ -108,7 +108,7 @@ def test_megatron_distributed_optimizer_divides_the_optimizer_state_by_d(h100, d
                                       f"list(range(0,{4 * d}))", **extra))
         state[on] = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_from_config(cfg), 2, h100).state
     assert state[True] == pytest.approx({"params": 2 * shard, "grads": 4 * shard, "optimizer": 12 * shard / d}, rel=1e-9)
-    assert state[False] == pytest.approx({"params": 2 * shard, "grads": 2 * shard, "optimizer": 4 * shard}, rel=1e-9)
+    assert state[False] == pytest.approx({"params": 2 * shard, "grads": 4 * shard, "optimizer": 12 * shard}, rel=1e-9)
 
 
 GPT3 = ModelShape(layers=96, hidden=12288, heads=96, kv_heads=96, head_dim=128, ffn=4 * 12288, vocab=51200,

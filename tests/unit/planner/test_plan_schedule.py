@@ -25,8 +25,10 @@ def test_colocated_roles_take_turns_and_move_their_state() -> None:
     assert set(g.roles) == {"actor_train", "actor_infer", "reference"}
     train = p.roles["actor_train"].state
     infer = p.roles["actor_infer"].state
-    # The switch at generate's start sends actor_train's whole state to host (sync left it resident).
-    assert g.offload_bytes["generate"] == pytest.approx(train["params"] + train["grads"] + train["optimizer"])
+    # The sync sends actor_train's gradients and optimizer state to host (it needs only the weights),
+    # and generate's start its weights (the sync left them resident).
+    assert g.offload_bytes["sync"] == pytest.approx(train["grads"] + train["optimizer"])
+    assert g.offload_bytes["generate"] == pytest.approx(train["params"])
     assert g.reload_bytes["generate"] == 0  # its weights came back for the previous step's sync
     assert g.reload_bytes["sync"] == pytest.approx(infer["params"])
     assert g.offload_bytes["ref_logprobs"] == pytest.approx(infer["params"])

@@ -1,0 +1,29 @@
+#!/bin/bash
+
+# Parameters
+#SBATCH --cpus-per-task=4
+#SBATCH --gres=gpu:8
+#SBATCH --job-name=rlbatch
+#SBATCH --nodes=3
+#SBATCH --ntasks-per-node=9
+#SBATCH --open-mode=append
+#SBATCH --output=/shared/runs/example/slurm/%j_0_log.out
+#SBATCH --requeue
+#SBATCH --signal=USR2@120
+#SBATCH --time=240
+#SBATCH --wckey=submitit
+
+# setup
+export MPIR_CVAR_NOLOCAL=1
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
+export NCCL_DEBUG=WARN
+export RLBATCH_RUN_DIR=/shared/runs/example
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+srun --unbuffered --output /shared/runs/example/slurm/%j_%t_log.out --mpi=pmi2 --kill-on-bad-exit=1 PYTHON -u -m submitit.core._submit /shared/runs/example/slurm
+
+
+# teardown
+PYTHON -m rlbatch.runtime.postmortem /shared/runs/example
