@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from rlbatch.launch.exit_codes import ExitCode
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run. Carries every problem found, one per line.
@@ -31,4 +33,4 @@ def report_config_error(e: ConfigError) -> int:
     for p in e.problems:
         print(f"  - {p}", file=sys.stderr)
     print("nothing was started.", file=sys.stderr)
-    return 2
+    return int(ExitCode.BAD_CONFIG)

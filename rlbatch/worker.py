@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 PROGRAMS = {
@@ -32,6 +33,14 @@ SECONDARY_GRACE_S = 3.0
 
 def _on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def _quietly(fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """Call ``fn`` on the failure path, where a second failure must not stop the abort."""
+    try:
+        fn(*args, **kwargs)
+    except BaseException:  # there is nowhere left to report it
+        pass
 
 
 def main(run_dir: str) -> int:
@@ -58,6 +67,12 @@ def main(run_dir: str) -> int:
 
     placement = load_placement(run.placement)
     cfg = load_config(run.config)
+    from rlbatch.scheduler.preemption import install_handlers
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    # Before this rank reports itself running: the launcher forwards a stop request (SIGINT) only
+    # to a rank that has, and the signal would otherwise end the rank with a traceback.
+    install_handlers(str(cfg.cluster.preempt_signal))
     env = read_env()
     slot = identify(placement, env, MPI.COMM_WORLD.Get_rank())
     if slot is None:  # a spare Slurm slot: take part in the communicator split, then leave
@@ -67,10 +82,6 @@ def main(run_dir: str) -> int:
     who = describe_rank(placement, rank)
     logs = RankLog(run.rank_log(rank), rank, who, console=slot.kind.value == "controller")
     run.write_status(rank, "running", roles=[r for r, _ in slot.roles])
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    from rlbatch.scheduler.preemption import install_handler
-
-    install_handler(str(cfg.cluster.preempt_signal))
     log = logging.getLogger("rlbatch.worker")
     try:
         from rlbatch.plugins import import_plugins
@@ -87,29 +98,32 @@ def main(run_dir: str) -> int:
         assert world is not None
         log.info("%s up: device %s, job %s", who, world.device, env.job_id)
         program = importlib.import_module(PROGRAMS[str(cfg.program)])
+        outcome: dict[str, str] = {}
         if world.is_controller:
-            program.controller(world, cfg, run)
+            outcome = program.controller(world, cfg, run) or {}  # how the run ended, for the launcher
         else:
             from rlbatch.runtime.control import serve
 
             serve(world.comm, placement.controller_rank, program.handlers(world, cfg, run))
         shutdown(world)
-        run.write_status(rank, "exited", code=0)
+        run.write_status(rank, "exited", code=0, **outcome)
     except BaseException as e:
         code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 1
+        # Nothing here may raise: on a full disk the status and log writes fail too, and an error
+        # escaping this block would skip MPI_Abort and leave every rank waiting in MPI_Finalize.
         if isinstance(e, SystemExit) and code == 128 + signal.SIGTERM:
-            run.write_status(rank, "terminated", signal="SIGTERM")
+            _quietly(run.write_status, rank, "terminated", signal="SIGTERM")
         else:
             last = traceback.format_exception_only(type(e), e)[-1].strip()
-            run.write_status(rank, "failed", error=last, peers=list(getattr(e, "peers", ())))
-            log.error("failed:\n%s", traceback.format_exc())
-            logs.fatal(f"failed: {last} (traceback in {run.rank_log(rank)})")
+            _quietly(run.write_status, rank, "failed", error=last, peers=list(getattr(e, "peers", ())))
+            _quietly(log.error, "failed:\n%s", traceback.format_exc())
+            _quietly(logs.fatal, f"failed: {last} (traceback in {run.rank_log(rank)})")  # the console, not the disk
             if type(e).__name__ in SECONDARY:
                 # This failure is a consequence of another rank's. Under srun, --kill-on-bad-exit
                 # sends every rank SIGTERM within a moment: wait for it, so that ranks record
                 # "terminated" and the rank that died stands out, instead of aborting first.
                 time.sleep(SECONDARY_GRACE_S)
-        sys.stdout.flush()
+        _quietly(sys.stdout.flush)
         MPI.COMM_WORLD.Abort(code or 1)
         os._exit(code or 1)  # MPI_Abort may return before the launcher acts
     return 0

@@ -18,7 +18,9 @@ from typing import Any
 
 from rlbatch.checkpoint.dcp import load_rng, load_state, save_rng, save_state
 from rlbatch.checkpoint.files import rng_dir, role_dir
+from rlbatch.checkpoint.space import disk_full_error, failure_summary, is_disk_full
 from rlbatch.checkpoint.store import CheckpointError
+from rlbatch.runtime.faults import maybe_fault
 
 
 def _with_state(engines: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -32,10 +34,28 @@ def _with_state(engines: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
 
 
 def save_rank(ckpt: Path, engines: Mapping[str, Any], rank: int) -> dict[str, float]:
-    """Write this rank's shards and RNG into the staging dir ``ckpt``; returns seconds per role."""
-    out = {role: save_state(role_dir(ckpt, role), state)["seconds"] for role, _, state in _with_state(engines)}
-    save_rng(rng_dir(ckpt), rank)
+    """Write this rank's shards and RNG into the staging dir ``ckpt``; returns seconds per role.
+
+    A write that fails raises an ``Exception`` (``DiskFull`` with the free space when the disk is
+    full), never DCP's ``CheckpointException``, a BaseException that the command server would not
+    answer the controller with (it would wait out its timeout)."""
+    maybe_fault("checkpoint_write", rank)
+    try:
+        out = {role: save_state(role_dir(ckpt, role), state)["seconds"] for role, _, state in _with_state(engines)}
+        save_rng(rng_dir(ckpt), rank)
+    except (Exception, _checkpoint_exception()) as e:
+        if is_disk_full(e, ckpt):
+            raise disk_full_error(ckpt, e) from e
+        if isinstance(e, Exception):
+            raise
+        raise RuntimeError(f"checkpoint write into {ckpt} failed: {failure_summary(e)}") from e
     return out
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def load_rank(ckpt: Path, engines: Mapping[str, Any], rank: int) -> dict[str, float]:
@@ -45,7 +65,11 @@ def load_rank(ckpt: Path, engines: Mapping[str, Any], rank: int) -> dict[str, fl
         if not (role_dir(ckpt, role) / ".metadata").is_file():
             raise CheckpointError(f"{ckpt}: no state for role {role} (was it trainable when this was saved?)")
         t0 = time.perf_counter()
-        engine.load_checkpoint_state(load_state(role_dir(ckpt, role), template))
+        try:
+            state = load_state(role_dir(ckpt, role), template)
+        except _checkpoint_exception() as e:  # a BaseException: see save_rank
+            raise CheckpointError(f"{ckpt}: reading {role} failed: {failure_summary(e)}") from e
+        engine.load_checkpoint_state(state)
         out[role] = time.perf_counter() - t0
     load_rng(rng_dir(ckpt), rank)
     return out

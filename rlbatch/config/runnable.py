@@ -4,19 +4,26 @@ The launcher's ``check(cfg)`` refuses, before anything starts or is submitted, w
 only once the ranks are up: an engine this build does not have, dims its engine does not split
 over, a role given an engine of the wrong kind, a program that is not registered, a critic that
 nothing uses, a reward model on GPUs, a model, dataset, reward function or checkpoint that is not
-there, and (cluster=slurm) a run directory the compute nodes cannot see.
+there (or a reward function that cannot be called as ``fn(completion, answer)``, a checkpoint that
+fails its checksums), a run directory that cannot be made (empty, under a file, on a filesystem
+the kernel provides such as /proc, not writable), (cluster=local) no mpiexec to start the ranks,
+and (cluster=slurm) a run directory the compute nodes cannot see.
 The planner's ``check(cfg, runnable=False)`` keeps only what holds in any build: placement,
 schema, typed engine_args and the registered algorithm parts (and it accepts the programs it
 models, such as PPO).
 
 ``program=selftest`` starts no engine and loads no model, data, reward function or checkpoint;
-only the run directory rule applies to it.
+only the run directory and mpiexec rules apply to it.
 
 No torch: the only imports are the modules the config names (``plugins``, ``data.reward_fn``).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +41,12 @@ PLANNED_PROGRAMS: dict[str, str] = {}
 
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm")
 """Directories each node has its own of: a run directory there is invisible to the job's nodes."""
+
+KERNEL_FILESYSTEMS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                                "securityfs", "configfs", "bpf", "pstore", "efivarfs", "mqueue", "fusectl",
+                                "binfmt_misc"})
+"""Filesystems the kernel makes up rather than stores (/proc, /sys, /dev): no run directory can live
+there, whatever the permission bits say (root passes every permission check on /proc)."""
 
 _KIND_WORD = {EngineKind.TRAIN: "training", EngineKind.INFER: "inference"}
 _A = {EngineKind.TRAIN: "a", EngineKind.INFER: "an"}
@@ -244,10 +257,51 @@ def _resume_problem(resume: str, run_dir: Any) -> str | None:
         where = f"neither {tried[0]} nor {tried[1]} exists" if len(tried) > 1 else f"{tried[0]} does not exist"
         return f"resume: {resume!r} is not 'auto', 'never' or an existing checkpoint path ({where})"
     try:
-        open_checkpoint(path, verify=False)  # manifests and file sizes; checksums are read when resuming
+        # Manifests, sizes and checksums, as the run checks them when it resumes: an explicit
+        # checkpoint that fails would otherwise end the run after every rank has started.
+        open_checkpoint(path)
     except CheckpointError as e:
-        return f"resume: {e}"
+        return f"resume: {e}; {_resume_hint(path, run_dir)}"
     return None
+
+
+def _resume_hint(path: Path, run_dir: Any) -> str:
+    """What to resume from instead of the checkpoint at ``path`` that failed: resume=auto where
+    it is this run's own, the older complete checkpoints beside it by name, else resume=never."""
+    from rlbatch.checkpoint.files import CHECKPOINTS, MANIFEST
+    from rlbatch.checkpoint.store import CheckpointError, read_manifest
+
+    single = (path / MANIFEST).exists() or re.fullmatch(r"step_\d+(\.tmp-.*)?", path.name) is not None
+    root = path.parent if single else (path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path)
+    failed = _step_of(path.name) if single else None
+    older: list[tuple[int, str]] = []
+    for p in root.iterdir() if root.is_dir() else ():
+        step = _step_of(p.name)
+        if step is None or p == path or (failed is not None and step >= failed):
+            continue
+        try:
+            read_manifest(p)
+        except CheckpointError:
+            continue
+        older.append((step, p.name))
+    names = [n for _, n in sorted(older, reverse=True)]
+    hints = []
+    own = isinstance(run_dir, str) and run_dir and root.resolve() == (Path(run_dir).expanduser() / CHECKPOINTS).resolve()
+    if own:
+        hints.append("resume=auto resumes from this run's newest checkpoint that passes these checks")
+    if names:
+        listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        hints.append(f"{'or ' if hints else ''}name an older one, e.g. resume={root / names[0]} (older complete "
+                     f"checkpoints in {root}: {listed})")
+    elif single:
+        hints.append(f"no older complete checkpoint is in {root}")
+    hints.append("resume=never starts fresh")
+    return "; ".join(hints)
+
+
+def _step_of(name: str) -> int | None:
+    m = re.fullmatch(r"step_(\d+)", name)
+    return int(m.group(1)) if m else None
 
 
 def files_problems(plain: Mapping[str, Any]) -> list[str]:
@@ -274,14 +328,87 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
         except (OSError, ValueError) as e:  # unreadable paths, names with NUL bytes
             problem = f"{field}: {e}"
         if problem:
-            problems.append(problem[:400])
+            problems.append(problem[:800])
     return problems
 
 
-def run_dir_problem(plain: Mapping[str, Any]) -> str | None:
-    """cluster=slurm: a run directory under a node-local directory is invisible to the job's nodes."""
+def run_dir_problems(plain: Mapping[str, Any]) -> list[str]:
+    """The run directory can be made here (not empty, not a file or under one, not on a filesystem
+    the kernel provides, writable), and with cluster=slurm is not node-local. Reads only: nothing
+    is created until the run starts."""
     run_dir = plain.get("run_dir")
-    if section(plain, "cluster").get("name") != "slurm" or not isinstance(run_dir, str) or not run_dir:
+    if run_dir is None:  # the schema's type refuses null: only a plain dict without the key gets here
+        return []
+    if not isinstance(run_dir, str):
+        return [f"run_dir: expected the path of a directory, got {type(run_dir).__name__} {run_dir!r}"[:200]]
+    if not run_dir.strip():
+        try:
+            here = f" ({Path.cwd()})"
+        except OSError:
+            here = ""
+        return [f"run_dir: {run_dir!r} is empty: the run would write its config, logs and checkpoints into the "
+                f"current directory{here}; give it a directory of its own, e.g. run_dir=runs/first"]
+    problems = [p for p in (_run_dir_writable_problem(run_dir), _node_local_problem(plain, run_dir)) if p]
+    return problems[:1]  # a directory that cannot be made at all: where it is does not matter
+
+
+def _run_dir_writable_problem(run_dir: str) -> str | None:
+    """Why ``prepare_run_dir`` could not make ``run_dir`` and write into it, judged on the path as it
+    resolves there and on its nearest existing ancestor."""
+    try:
+        given = Path(run_dir).expanduser().resolve()
+        probe = given
+        while not probe.exists():  # resolved: symbolic links are followed as mkdir follows them
+            probe = probe.parent
+        kind = _not_a_directory(probe)
+        mount = _mount_of(probe)
+        writable = os.access(probe, os.W_OK | os.X_OK)
+        read_only = not writable and bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except (OSError, ValueError, RuntimeError) as e:  # unreadable ancestors, NUL bytes, symlink loops
+        return f"run_dir: {run_dir!r} cannot be checked: {e}"
+    if kind is not None:
+        if probe == given:
+            return f"run_dir: {given} is {kind}, not a directory; give a directory (or a path to create)"
+        return f"run_dir: {given} cannot be created: {probe} is {kind}, not a directory"
+    if mount is not None and mount[1] in KERNEL_FILESYSTEMS:
+        return (f"run_dir: {given} is under {mount[0]}, a {mount[1]} filesystem the kernel provides, where "
+                f"nothing of a run can be written; put run_dir on a disk (home, project or scratch)")
+    if not writable:
+        what = given if probe == given else f"{given} cannot be created: {probe}"
+        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+        return f"run_dir: {what} {why}"
+    return None
+
+
+def _not_a_directory(path: Path) -> str | None:
+    if path.is_dir():
+        return None
+    return "a regular file" if path.is_file() else "a special file"
+
+
+def _mount_of(path: Path) -> tuple[Path, str] | None:
+    """(mount point, filesystem type) of the mount that holds ``path``, from /proc/self/mountinfo;
+    None where that cannot be read."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[Path, str] | None = None
+    for line in lines:
+        mount, sep, rest = line.partition(" - ")
+        fields = mount.split()
+        if not sep or len(fields) < 5 or not rest.split():
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+        # The deepest mount point wins; of equal ones the later, which hides the earlier.
+        if (point == path or point in path.parents) and (best is None or len(point.parts) >= len(best[0].parts)):
+            best = (point, rest.split()[0])
+    return best
+
+
+def _node_local_problem(plain: Mapping[str, Any], run_dir: str) -> str | None:
+    """cluster=slurm: a run directory under a node-local directory is invisible to the job's nodes."""
+    if section(plain, "cluster").get("name") != "slurm":
         return None
     try:
         given = Path(run_dir).expanduser().absolute()
@@ -297,6 +424,47 @@ def run_dir_problem(plain: Mapping[str, Any]) -> str | None:
     return None
 
 
+def locate_mpiexec(configured: str) -> str:
+    """cluster.mpiexec, else the mpiexec installed beside this Python (the mpich wheel), else PATH's.
+
+    The local launcher starts the ranks with it; validation calls it first, so a missing mpiexec
+    is a configuration problem reported before anything is created. ConfigError when none runs.
+    """
+    beside = Path(sys.executable).parent / "mpiexec"
+    if configured:
+        found = shutil.which(configured)
+        if found is not None:
+            return found
+        path = Path(configured).expanduser()
+        why = ("is a directory" if path.is_dir() else "is not executable" if path.exists()
+               else "does not exist" if os.sep in configured else "is not on PATH")
+        fallback = shutil.which(str(beside)) or shutil.which("mpiexec")
+        instead = f"leave it empty to use {fallback}" if fallback else "pip install mpich"
+        raise ConfigError(f"cluster.mpiexec: {configured!r} {why}; give the path of an mpiexec, or {instead}")
+    found = shutil.which(str(beside)) or shutil.which("mpiexec")
+    if found is None:
+        raise ConfigError(f"cluster.mpiexec: no mpiexec beside this Python ({beside}) or on PATH; pip install mpich, or "
+                      f"set cluster.mpiexec to the path of one")
+    return found
+
+
+def mpiexec_problem(plain: Mapping[str, Any]) -> str | None:
+    """cluster=local (dry runs too: they print the command): the mpiexec that would start the ranks."""
+    cluster = section(plain, "cluster")
+    if cluster.get("name", "local") != "local":
+        return None
+    configured = cluster.get("mpiexec")
+    if configured is not None and not isinstance(configured, str):
+        return f"cluster.mpiexec: expected the path of mpiexec, got {type(configured).__name__} {configured!r}"[:200]
+    try:
+        locate_mpiexec(configured or "")
+    except ConfigError as e:
+        return e.problems[0]
+    except (OSError, ValueError) as e:  # a path with a NUL byte, an unreadable directory
+        return f"cluster.mpiexec: {configured!r}: {e}"
+    return None
+
+
 def runnable_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> list[str]:
     """Everything this build or this machine cannot run, one line each."""
     problems = []
@@ -305,6 +473,7 @@ def runnable_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
 
         problems += engine_problems(engines) + program_problems(plain) + files_problems(plain)
         problems += megatron_problems(plain, engines)
-    if (problem := run_dir_problem(plain)) is not None:
+    problems += run_dir_problems(plain)
+    if (problem := mpiexec_problem(plain)) is not None:
         problems.append(problem)
     return problems

@@ -2,7 +2,9 @@
 
 Plain dataclasses (no Hydra import here, so the placement code can read field names without
 pulling Hydra in). ``rlbatch.config.register`` registers them in Hydra's ConfigStore; the YAML under
-``rlbatch/conf/`` only composes and overrides them.
+``rlbatch/conf/`` only composes and overrides them. Every int and float field declares its range
+(``bounded(default, ge=..., le=...)``, ``rlbatch.config.bounds``): validation refuses a value of
+the wrong type, a non-finite one, and one out of its range, naming the field.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from rlbatch.config.bounds import TIMEOUT_MAX_S, bounded
 from rlbatch.sandbox.limits import Limits
 
 GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
@@ -77,17 +80,18 @@ class ClusterConfig:
 
     name: str = "local"
     """'local' starts every rank here with mpiexec; 'slurm' submits one sbatch job."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = bounded(8, ge=1, le=1024, checked_by_place=True)
     """GPUs on each node. GPU rank r lives on node r // gpus_per_node."""
-    nodes: int | None = None
+    nodes: int | None = bounded(None, ge=1, le=65536, checked_by_place=True)
     """Nodes to use. Derived from the placement when absent."""
-    cpus_per_task: int = 1
+    cpus_per_task: int = bounded(1, ge=1, le=1024, checked_by_place=True)
     """CPU cores for each process (GPU ranks, CPU workers and the controller)."""
-    mem_gb: int | None = None
+    mem_gb: int | None = bounded(None, ge=1, le=2**53 - 1, why="Slurm counts memory in MB in 63 bits")
     """Memory per node in GB (sbatch --mem). Slurm's default when absent."""
     partition: str | None = None
     """Slurm partition (sbatch --partition)."""
-    time_min: int = 60
+    time_min: int = bounded(60, ge=1, le=2**32 - 3,
+                            why="Slurm holds minutes in 32 bits; its two largest values mean 'unlimited' and 'unset'")
     """Slurm time limit in minutes (sbatch --time)."""
     account: str | None = None
     """Slurm account (sbatch --account)."""
@@ -123,10 +127,10 @@ class ClusterConfig:
     """Extra arguments for the local mpiexec."""
     port_range: list[int] = field(default_factory=lambda: [20000, 40000])
     """[low, high): torch.distributed rendezvous ports are derived from the job id in this range."""
-    timeout_s: float = 600.0
+    timeout_s: float = bounded(600.0, ge=1e-3, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
     """Limit for every collective and control-plane wait; on expiry the error names the role,
     the ranks and the operation."""
-    startup_timeout_s: float = 1800.0
+    startup_timeout_s: float = bounded(1800.0, gt=0, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
     """How long the controller waits for every rank to load its models and build its engines
     before the first step (a large checkpoint can take longer than one collective)."""
     device: str = "auto"
@@ -134,9 +138,9 @@ class ClusterConfig:
     preempt_signal: str = "USR2"
     """Signal that means 'save and requeue' (Slurm sends it signal_delay_s before the time limit:
     sbatch --signal). Not USR1, which NCCL uses."""
-    signal_delay_s: int = 120
+    signal_delay_s: int = bounded(120, ge=0, le=65535, why="sbatch --signal takes at most 65535 s")
     """Seconds before the time limit at which Slurm sends preempt_signal."""
-    deadline_margin_s: float = 60.0
+    deadline_margin_s: float = bounded(60.0, ge=0)
     """Save and requeue when the next step plus a checkpoint would end closer than this to the
     job's time limit, even if no signal comes."""
 
@@ -161,29 +165,29 @@ class ModelConfig:
     """Architecture of a random-initialised model when no path is given: 'qwen2' (q/k/v biases),
     'llama' (no biases) or 'qwen2_moe' (Qwen2 attention; every layer's MLP a Mixture of Experts:
     routed experts and a gated shared expert)."""
-    hidden_size: int = 64
+    hidden_size: int = bounded(64, ge=1)
     """Random-init model: hidden size."""
-    intermediate_size: int = 256
+    intermediate_size: int = bounded(256, ge=1)
     """Random-init model: MLP size."""
-    num_layers: int = 2
+    num_layers: int = bounded(2, ge=1)
     """Random-init model: transformer layers."""
-    num_heads: int = 4
+    num_heads: int = bounded(4, ge=1)
     """Random-init model: attention heads."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = bounded(2, ge=1)
     """Random-init model: key/value heads (grouped-query attention)."""
-    num_experts: int = 4
+    num_experts: int = bounded(4, ge=1)
     """Random-init qwen2_moe model: routed experts per layer (other archs: unused)."""
-    num_experts_per_token: int = 2
+    num_experts_per_token: int = bounded(2, ge=1)
     """Random-init qwen2_moe model: experts each token is routed to (top-k)."""
-    moe_intermediate_size: int = 64
+    moe_intermediate_size: int = bounded(64, ge=1)
     """Random-init qwen2_moe model: MLP size of one routed expert."""
-    shared_expert_intermediate_size: int = 128
+    shared_expert_intermediate_size: int = bounded(128, ge=1)
     """Random-init qwen2_moe model: MLP size of the shared expert every token passes through."""
-    max_position_embeddings: int = 128
+    max_position_embeddings: int = bounded(128, ge=1)
     """Random-init model: longest sequence (sizes the rotary tables; no parameters)."""
     tie_word_embeddings: bool = True
     """Random-init model: share input embedding and output projection."""
-    initializer_range: float = 0.02
+    initializer_range: float = bounded(0.02, gt=0, why="the std of the initial weights")
     """Random-init model: std of the initial weights. 0.02 is Hugging Face's; at width 64 it leaves
     the logits nearly flat and learning stalls, so the arithmetic experiment sets 0.1."""
     dtype: str = "auto"
@@ -207,77 +211,77 @@ class AlgoConfig:
     policy_loss: str = "ppo_clip"
     """Policy loss from ``rlbatch.algos.registry.POLICY_LOSSES``: 'ppo_clip' (per-token ratio, clipped
     with clip_low/clip_high) or 'gspo' (one length-normalised ratio per sequence, clipped as a whole)."""
-    prompts_per_step: int = 16
+    prompts_per_step: int = bounded(16, ge=1)
     """Prompts drawn per step."""
-    samples_per_prompt: int = 8
+    samples_per_prompt: int = bounded(8, ge=1)
     """Responses generated per prompt (the GRPO group size)."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = bounded(8, ge=1)
     """Longest response, in tokens."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, ge=0, why="0 samples greedily")
     """Sampling temperature for generation."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
-    lr: float = 1e-3
+    lr: float = bounded(1e-3, ge=0)
     """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0)
     """Linear learning-rate warm-up steps."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     """Clip the gradient norm to this (0 disables)."""
-    mini_batches: int = 2
+    mini_batches: int = bounded(2, ge=1)
     """Optimizer steps per batch (the batch is split into this many mini-batches)."""
-    epochs: int = 1
+    epochs: int = bounded(1, ge=1)
     """Passes over each batch."""
-    grad_accum: int = 1
+    grad_accum: int = bounded(1, ge=1)
     """Micro-batches per mini-batch (gradient accumulation)."""
-    clip_low: float = 0.2
+    clip_low: float = bounded(0.2, ge=0)
     """PPO ratio clip below 1 (1 - clip_low)."""
-    clip_high: float = 0.28
+    clip_high: float = bounded(0.28, ge=0)
     """PPO ratio clip above 1 (1 + clip_high)."""
-    kl_coef: float = 0.01
+    kl_coef: float = bounded(0.01, ge=0)
     """Weight of the KL to the reference (0 disables the reference role's work)."""
     kl_estimator: str = "k3"
     """KL estimator from ``rlbatch.algos.registry.KL_ESTIMATORS``: 'k1', 'k2', 'k3' or 'abs'."""
     kl_in_reward: bool = False
     """Subtract kl_coef * KL from the reward instead of adding it to the loss: per token for the
     per-token estimators (reinforce_pp*), summed over the response for the sequence-level ones."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, gt=0, le=1, why="a discount")
     """Discount of the per-token returns (reinforce_pp*, and GAE's gamma for PPO), in (0, 1]."""
-    lam: float = 0.95
+    lam: float = bounded(0.95, ge=0, le=1, why="GAE's lambda")
     """PPO: GAE's lambda in [0, 1] (1: Monte-Carlo returns minus the value; 0: one-step TD)."""
-    value_clip: float = 0.2
+    value_clip: float = bounded(0.2, ge=0, why="0 disables value clipping")
     """PPO: clip each value prediction to within this of its value before the updates (PPO2's
     clipped value loss); 0 disables it."""
     whiten_advantages: bool = True
     """PPO: subtract the batch's mean advantage and divide by its std, over every response token."""
-    critic_lr: float | None = None
+    critic_lr: float | None = bounded(None, gt=0, why="a learning rate; null: algo.lr")
     """PPO: the critic's peak learning rate (AdamW; same warm-up as the actor's). None: algo.lr."""
-    critic_warmup_steps: int = 0
+    critic_warmup_steps: int = bounded(0, ge=0)
     """PPO: steps at the start of a run that train the critic only (the actor and the inference
     weights stay as they are), so the first policy updates use values that fit the task."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0, why="the loss adds the bonus only when > 0")
     """Entropy bonus weight."""
     loss_agg: str = "token"
     """Loss aggregation from ``rlbatch.algos.registry.AGGREGATIONS``: 'token' (mean over all tokens),
     'seq' (mean over sequences of per-sequence means) or 'seq_sum' (per-sequence token sums over
     the constant max_new_tokens, averaged over sequences: Dr.GRPO)."""
-    adv_eps: float = 1e-6
+    adv_eps: float = bounded(1e-6, gt=0, why="a group of equal rewards would divide 0 by 0")
     """Added to the std when normalising advantages (group std, or the batch's token std)."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = bounded(0, ge=0)
     """DAPO's overlong shaping: responses longer than max_new_tokens - overlong_buffer tokens lose up
     to overlong_penalty reward, linearly over the buffer. 0 disables it."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = bounded(1.0, ge=0)
     """The reward lost by a response of max_new_tokens tokens under overlong shaping."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: generate and score more rounds of prompts_per_step prompts until
     the batch holds prompts_per_step groups whose rewards are not all equal."""
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: int = bounded(3, ge=0)
     """Dynamic sampling's cap on generation rounds per step (>= 1; at the cap a short batch is
     filled with zero-variance groups)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    max_staleness: int = 0
+    max_staleness: int = bounded(0, ge=0)
     """Asynchronous off-policy training on a disaggregated placement: while actor_train trains on
     step s, actor_infer already generates the batches of steps up to s + max_staleness with the
     weights it has, so no sample is trained on more than max_staleness policy versions after the
@@ -289,11 +293,11 @@ class AlgoConfig:
     tis_cap) or 'mask' (tokens whose ratio leaves [mask_ratio_low, mask_ratio_high] leave the loss).
     The ratio is the trainer's policy before the step's updates over the behaviour log-probs the
     inference engine returned."""
-    tis_cap: float = 2.0
+    tis_cap: float = bounded(2.0, ge=1)
     """off_policy=tis: the importance weight's upper bound (>= 1)."""
-    mask_ratio_low: float = 0.5
+    mask_ratio_low: float = bounded(0.5, gt=0, le=1)
     """off_policy=mask: tokens with a ratio below this leave the loss (in (0, 1])."""
-    mask_ratio_high: float = 2.0
+    mask_ratio_high: float = bounded(2.0, ge=1)
     """off_policy=mask: tokens with a ratio above this leave the loss (>= 1)."""
     overlong_filter: bool = False
     """DAPO's overlong filtering: a truncated response (max_new_tokens tokens, not ending with EOS) is
@@ -336,17 +340,20 @@ class SandboxConfig:
 
     isolation: str = "auto"
     """'namespaces' (own user/mount/pid/network namespaces via util-linux unshare: no network, a
-    read-only view of the node, private /tmp), 'process' (resource limits and a private directory
-    only), or 'auto' (namespaces where the node allows them; the log says which is in force)."""
+    read-only view of the node, private /tmp), 'process' (resource limits, a private directory, a
+    seccomp filter that keeps the code from signalling or tracing other processes, and user
+    'nobody' when the worker runs as root; network and files NOT isolated), or 'auto' (namespaces
+    where the node allows them; the log says which is in force). 'namespaces' is a hard
+    requirement: a node without them is refused, never a fallback. docs/sandbox.md."""
     scoring: str = "fraction"
     """Reward of a response: 'fraction' of its tests passed, or 'all' (1 only when every test passes)."""
-    code_weight: float = 1.0
+    code_weight: float = bounded(1.0, ge=0)
     """Weight of the sandbox's reward in the total reward."""
-    rule_weight: float = 0.0
+    rule_weight: float = bounded(0.0, ge=0)
     """Weight of data.reward_fn (scored by the reward role, which must then be enabled) in the total."""
-    workers: int = 0
+    workers: int = bounded(0, ge=0)
     """Executions at once per code_sandbox process (0: the CPUs it may use)."""
-    cache: int = 100_000
+    cache: int = bounded(100_000, ge=0)
     """Outcomes kept per process, keyed by program and tests (0: run every response)."""
     limits: Limits = field(default_factory=Limits)
 
@@ -362,9 +369,9 @@ class RewardModelConfig:
     initialised from the seed; for tests and plumbing, it knows nothing about the task."""
     check_path: bool = True
     """Refuse to start or submit when ``path`` does not exist on the machine that launches."""
-    model_weight: float = 1.0
+    model_weight: float = bounded(1.0, ge=0)
     """Weight of the model's score in the reward role's reward."""
-    rule_weight: float = 0.0
+    rule_weight: float = bounded(0.0, ge=0)
     """Weight of data.reward_fn's score, computed on the reward ranks beside the model's."""
 
 
@@ -387,13 +394,13 @@ class RLBatchConfig:
 
     run_dir: str = "runs/${now:%Y-%m-%d_%H-%M-%S}"
     """Where logs, metrics and checkpoints go. Stays the same across Slurm requeues."""
-    seed: int = 1
+    seed: int = bounded(1, ge=0, le=2**32 - 1, why="vLLM seeds numpy with it")
     """Seed for every rank (each rank derives its own stream from it)."""
-    steps: int = 60
+    steps: int = bounded(60, ge=1)
     """RL steps to run."""
-    save_every: int = 0
+    save_every: int = bounded(0, ge=0)
     """Checkpoint every N steps (0: only at the end and on preemption)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = bounded(3, ge=1)
     """Keep the newest N complete checkpoints in <run_dir>/checkpoints."""
     resume: str = "auto"
     """'auto' (newest complete checkpoint in run_dir), 'never', or a checkpoint path."""

@@ -25,6 +25,8 @@ from rlbatch.algos.registry import (
     USES_CRITIC,
     VALUE_ADVANTAGES,
 )
+from rlbatch.config.bounds import field_problems
+from rlbatch.config.cluster_rules import cluster_problems
 from rlbatch.config.plain import to_plain
 from rlbatch.config.runnable import (
     engine_args_problems,
@@ -41,11 +43,13 @@ from rlbatch.config.schema import (
     ModelConfig,
     RewardModelConfig,
     RLBatchConfig,
+    SandboxConfig,
 )
 from rlbatch.config.vllm_rules import vllm_problems
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
+from rlbatch.sandbox.limits import Limits
 
 CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbatch.algos.registry
     "program": ("train", "selftest"),
@@ -57,14 +61,6 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbat
     "data.name": ("synthetic", "file", "synthetic_code", "code_file"),
     "sandbox.isolation": ("auto", "namespaces", "process"),
     "sandbox.scoring": ("fraction", "all"),
-}
-MINIMUMS: dict[str, float] = {
-    "steps": 1, "save_every": 0, "keep_checkpoints": 1, "cluster.signal_delay_s": 0, "cluster.deadline_margin_s": 0, "cluster.time_min": 1, "cluster.timeout_s": 1e-3,
-    "algo.prompts_per_step": 1, "algo.samples_per_prompt": 1, "algo.max_new_tokens": 1,
-    "algo.temperature": 0.0, "algo.lr": 0.0, "algo.mini_batches": 1, "algo.epochs": 1,
-    "algo.grad_accum": 1, "algo.clip_low": 0.0, "algo.clip_high": 0.0, "algo.kl_coef": 0.0,
-    "algo.grad_clip": 0.0, "algo.warmup_steps": 0, "algo.overlong_buffer": 0, "algo.overlong_penalty": 0.0,
-    "algo.max_sampling_rounds": 0, "algo.max_staleness": 0, "algo.tis_cap": 1.0,
 }
 
 
@@ -82,23 +78,23 @@ def _code_task_problems(cfg: Mapping[str, Any], strict: bool) -> list[str]:
         out.append(f"roles.code_sandbox: runs code against a problem's tests, but data.name={_get(cfg, 'data.name')} "
                    f"has none; use data.name=synthetic_code or code_file")
     sb = _get(cfg, "sandbox")
-    if sandbox and isinstance(sb, Mapping):
-        weights = {k: sb.get(k) for k in ("code_weight", "rule_weight")}
-        if any(not isinstance(w, (int, float)) or isinstance(w, bool) or w < 0 for w in weights.values()):
-            out.append(f"sandbox: code_weight and rule_weight must be numbers >= 0, got {weights}")
-        elif not any(weights.values()):
+    if sandbox and isinstance(sb, Mapping):  # each weight's type and range: _check_fields
+        weights = {k: sb.get(k, getattr(SandboxConfig, k)) for k in ("code_weight", "rule_weight")}
+        if all(_number(w) is not None for w in weights.values()) and not any(weights.values()):
             out.append(f"sandbox: code_weight and rule_weight are both 0 ({weights}): nothing would score the responses")
-        elif weights["rule_weight"] and not _enabled(cfg, "reward"):
+        elif (_number(weights["rule_weight"]) or 0.0) > 0 and not _enabled(cfg, "reward"):
             out.append(f"roles.reward: sandbox.rule_weight={weights['rule_weight']} adds data.reward_fn's score, "
                        f"which the reward role computes; enable it or set sandbox.rule_weight=0")
-        limits = sb.get("limits")
-        if isinstance(limits, Mapping):
-            from rlbatch.sandbox.limits import Limits
+        # Asked for, namespaces are a requirement; a local run's sandbox runs on this node, so the
+        # probe here is the workers' (on Slurm the worker refuses at start with the same reason).
+        if strict and sb.get("isolation") == "namespaces" and _get(cfg, "cluster.name") == "local":
+            from rlbatch.sandbox.isolation import namespaces_available
 
-            try:
-                Limits(**dict(limits)).check("sandbox.limits")
-            except (TypeError, ValueError) as exc:
-                out.append(str(exc))
+            ok, why = namespaces_available()
+            if not ok:
+                out.append(f"sandbox.isolation=namespaces: this node cannot give an execution its own namespaces ({why}); "
+                           f"allow unprivileged user namespaces or run as root, or set sandbox.isolation=process "
+                           f"(the network and the file system are then not isolated)")
     return out
 
 
@@ -117,6 +113,7 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
 
 
 SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig,
+                             "sandbox": SandboxConfig, "sandbox.limits": Limits,
                              "reward_model": RewardModelConfig, "critic_model": CriticModelConfig}
 """Sections whose keys must be schema fields (roles and cluster are checked by place())."""
 
@@ -132,23 +129,13 @@ def _check_fields(cfg: Mapping[str, Any]) -> list[str]:
         v = _get(cfg, key)
         if v is not None and v not in allowed:
             problems.append(f"{key}: {v!r} is not one of {list(allowed)}")
-    for key, low in MINIMUMS.items():
-        v = _get(cfg, key)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            problems.append(f"{key}: expected a number, got {v!r}")
-        elif v < low:
-            problems.append(f"{key}: must be >= {low:g}, got {v}")
+    problems.extend(field_problems(cfg, RLBatchConfig))  # every number's type, finiteness and declared range
     algo = _get(cfg, "algo")
     if isinstance(algo, Mapping):
         for registry in (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, OFF_POLICY):
             key = registry.field.split(".", 1)[1]
             if key in algo and (problem := registry_problem(registry, algo[key])) is not None:
                 problems.append(problem)
-    top_p = _get(cfg, "algo.top_p")
-    if isinstance(top_p, (int, float)) and not 0 < top_p <= 1:
-        problems.append(f"algo.top_p: must be in (0, 1], got {top_p}")
     resume = _get(cfg, "resume")
     if not isinstance(resume, str) or not resume:
         problems.append(f"resume: expected 'auto', 'never' or a checkpoint path, got {resume!r}")
@@ -212,9 +199,6 @@ def _check_groups(algo: Mapping[str, Any]) -> list[str]:
     if buffer is not None and longest is not None and buffer > longest:
         problems.append(f"algo.overlong_buffer: {buffer} tokens is longer than algo.max_new_tokens = {longest}; "
                         f"the shaping buffer must fit inside the longest response")
-    gamma = algo.get("gamma")
-    if isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and not 0 < gamma <= 1:
-        problems.append(f"algo.gamma: the discount must be in (0, 1], got {gamma}")
     return problems
 
 
@@ -231,11 +215,6 @@ def _check_async(algo: Mapping[str, Any]) -> list[str]:
         problems.append(f"algo.max_staleness: asynchronous generation ({stale} steps ahead) is not built for DAPO's "
                         f"dynamic sampling, whose rounds depend on the step's scores; set algo.max_staleness=0 or "
                         f"algo.dynamic_sampling=false")
-    low, high = _number(algo.get("mask_ratio_low")), _number(algo.get("mask_ratio_high"))
-    if low is not None and not 0 < low <= 1:
-        problems.append(f"algo.mask_ratio_low: must be in (0, 1], got {algo.get('mask_ratio_low')}")
-    if high is not None and high < 1:
-        problems.append(f"algo.mask_ratio_high: must be >= 1, got {algo.get('mask_ratio_high')}")
     temperature, top_p = _number(algo.get("temperature")), _number(algo.get("top_p"))
     if correction not in (None, "none") and ((temperature is not None and temperature != 1.0)
                                               or (top_p is not None and top_p != 1.0)):
@@ -270,17 +249,8 @@ def _check_critic(cfg: Mapping[str, Any], algo: Mapping[str, Any]) -> list[str]:
     if uses_critic and algo.get("dynamic_sampling") is True:
         problems.append(f"algo.dynamic_sampling: DAPO's dynamic sampling runs in the critic-free loop, not in "
                         f"algo.name={name}'s; set algo.dynamic_sampling=false")
-    lam, clip, lr = _number(algo.get("lam")), _number(algo.get("value_clip")), algo.get("critic_lr")
-    if lam is not None and not 0 <= lam <= 1:
-        problems.append(f"algo.lam: GAE's lambda must be in [0, 1], got {algo.get('lam')}")
-    if clip is not None and clip < 0:
-        problems.append(f"algo.value_clip: must be >= 0 (0 disables value clipping), got {algo.get('value_clip')}")
-    if lr is not None and not (_number(lr) is not None and float(lr) > 0):
-        problems.append(f"algo.critic_lr: must be a positive learning rate or null (algo.lr), got {lr!r}")
     warm, steps = _int(algo.get("critic_warmup_steps")), _int(_get(cfg, "steps"))
-    if warm is not None and warm < 0:
-        problems.append(f"algo.critic_warmup_steps: must be >= 0, got {warm}")
-    elif uses_critic and warm is not None and steps is not None and warm >= steps > 0:
+    if uses_critic and warm is not None and steps is not None and warm >= steps > 0:
         problems.append(f"algo.critic_warmup_steps: {warm} warm-up steps train only the critic, and the run has "
                         f"steps={steps}: the actor would never train")
     return problems
@@ -297,10 +267,8 @@ def _check_reward_model(cfg: Mapping[str, Any]) -> list[str]:
                 f"workers; give roles.reward a device_mapping and a backend (e.g. 'fsdp:d2') to run the model"] \
             if rm.get("path") else []
     problems = []
-    weights = {k: rm.get(k, d) for k, d in (("model_weight", 1.0), ("rule_weight", 0.0))}
-    if any(_number(w) is None or float(w) < 0 for w in weights.values()):
-        problems.append(f"reward_model: model_weight and rule_weight must be numbers >= 0, got {weights}")
-    elif not any(float(w) for w in weights.values()):
+    weights = {k: rm.get(k, getattr(RewardModelConfig, k)) for k in ("model_weight", "rule_weight")}
+    if all(_number(w) is not None for w in weights.values()) and not any(weights.values()):  # ranges: _check_fields
         problems.append(f"reward_model: model_weight and rule_weight are both 0 ({weights}): nothing would score "
                         f"the responses")
     return problems
@@ -352,8 +320,9 @@ def _missing_values(cfg: Any) -> list[str]:
 
 def _check_model_shape(model: Any) -> list[str]:
     """A random-init model's head split, as the builder and the planner read it (one description:
-    ``rlbatch.models.spec``). A model from ``model.path`` is checked with the paths."""
-    if not isinstance(model, Mapping) or model.get("path"):
+    ``rlbatch.models.spec``). A model from ``model.path`` is checked with the paths; a field out of
+    its range is reported by _check_fields alone."""
+    if not isinstance(model, Mapping) or model.get("path") or field_problems(model, ModelConfig, "model"):
         return []
     from rlbatch.models.spec import spec_from_model_config
 
@@ -418,6 +387,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     train_run = runnable and plain.get("program", "train") == "train"
     problems.extend(vllm_problems(plain, engines, placement, train_run))
     problems.extend(_code_task_problems(plain, train_run))
+    problems.extend(cluster_problems(plain))  # what reaches the sbatch script
     if runnable:
         problems.extend(runnable_problems(plain, engines))
     if train_run and not problems and placement is not None:  # the prediction needs a valid config

@@ -17,7 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlbatch.config.bounds import RANGE, Range, bounded, value_problem
 from rlbatch.placement.backend import ENGINES, EngineInfo, EngineKind
+
+AT_LEAST_ZERO = Range(ge=0)
+"""The range of a numeric engine arg that declares none (``bounded`` declares one): sizes, counts
+and fractions are never negative, and every one is finite and within what torch holds."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class VLLMArgs:
     """engine_args of the ``vllm`` inference engine (an in-process ``vllm.LLM`` per rank; on a
     machine without a GPU, vLLM's CPU build). See docs/vllm.md."""
 
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = bounded(0.9, gt=0, le=1)
     """GPU: share of the GPU vLLM reserves for weights, activations and KV cache (ignored when
     kv_cache_mb is set, and on CPU)."""
     kv_cache_mb: int = 0
@@ -79,7 +84,7 @@ class VLLMArgs:
 class SGLangArgs:
     """engine_args of the ``sglang`` inference engine (modelled by the planner)."""
 
-    mem_fraction_static: float = 0.88
+    mem_fraction_static: float = bounded(0.88, gt=0, le=1)
     """Share of the GPU SGLang reserves for weights and KV cache."""
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -232,8 +237,9 @@ def parse_args(engine: str, raw: Mapping[str, Any] | None, where: str) -> ArgsCh
         if not ok:
             want = fields[k].type if isinstance(fields[k].type, str) else getattr(fields[k].type, "__name__", fields[k].type)
             problems.append(f"{where}.{k}: expected {want}, got {type(v).__name__} {v!r}"[:200])
-        elif isinstance(coerced, (int, float)) and not isinstance(coerced, bool) and coerced < 0:
-            problems.append(f"{where}.{k}: must be >= 0, got {coerced}")
+        elif isinstance(coerced, (int, float)) and not isinstance(coerced, bool) and (problem := value_problem(
+                f"{where}.{k}", coerced, type(coerced), fields[k].metadata.get(RANGE, AT_LEAST_ZERO))) is not None:
+            problems.append(problem)
         else:
             values[k] = coerced
     if problems:

@@ -5,7 +5,10 @@
     python -m rlbatch.launch cluster=slurm cluster.partition=gpu roles=areal_16gpu
     python -m rlbatch.launch -m cluster=slurm algo.lr=1e-6,3e-6   # one Slurm job per point
 
-Exit codes: 0 success, 2 bad configuration (problems printed, nothing started), other: the run's.
+Exit codes (``rlbatch.launch.exit_codes``; the README's "Exit codes" table): 0 finished, 1 failed,
+2 bad configuration (problems printed, nothing started), 3 preempted and 4 interrupted (stopped
+after saving a checkpoint: launch again to resume), 130 stopped at once by a second Ctrl-C.
+Ctrl-C stops a local run after the step in progress, with a checkpoint; a second Ctrl-C at once.
 Heavy libraries are imported only after the config is valid, so errors and dry runs are instant.
 """
 
@@ -15,11 +18,20 @@ import signal
 import sys
 
 from rlbatch.errors import ConfigError, report_config_error
+from rlbatch.launch.exit_codes import ExitCode
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `... | head` ends quietly, like any CLI
+    try:
+        return _launch(argv)
+    except KeyboardInterrupt:  # before a local run starts (it handles Ctrl-C itself), or while submitting
+        print("\nrlbatch: interrupted (Ctrl-C)", file=sys.stderr)
+        return int(ExitCode.STOPPED_NOW)
+
+
+def _launch(argv: list[str]) -> int:
     from rlbatch.launch.compose import compose, needs_hydra_cli
 
     if needs_hydra_cli(argv):

@@ -2,21 +2,25 @@
 
 The console shows the controller's output and any rank's fatal error (with its rank and roles);
 each rank's full log is in <run_dir>/logs/. When the run fails, the ranks that caused it are
-named from their status files.
+named from their status files. Ctrl-C stops the run after the step in progress with a
+checkpoint, a second one at once (``rlbatch.launch.interrupt``); the exit code says how the run
+ended (``rlbatch.launch.exit_codes``).
 """
 
 from __future__ import annotations
 
 import os
 import selectors
-import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlbatch.errors import ConfigError
+from rlbatch.config.runnable import locate_mpiexec
+from rlbatch.launch.exit_codes import ExitCode, run_exit_code
+from rlbatch.launch.interrupt import StopRequests, descendants
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import MPI_ENV, cpu_device_env, network_env
 from rlbatch.runtime.postmortem import culprits
@@ -24,19 +28,10 @@ from rlbatch.runtime.rundir import RunDir, prepare_run_dir
 
 
 def find_mpiexec(configured: str) -> str:
-    """cluster.mpiexec, else the mpiexec installed beside this Python (the mpich wheel), else PATH."""
-    if configured:
-        found = shutil.which(configured)
-        if found is None:
-            raise ConfigError(f"cluster.mpiexec: {configured!r} is not an executable")
-        return found
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise ConfigError("cluster.mpiexec: no mpiexec beside this Python or on PATH; pip install mpich, or set cluster.mpiexec")
-    return found
+    """cluster.mpiexec, else the mpiexec installed beside this Python (the mpich wheel), else PATH.
+
+    The same lookup validation runs (``locate_mpiexec``), so a config that passed finds one here."""
+    return locate_mpiexec(configured)
 
 
 def mpiexec_command(cfg: Any, placement: Placement, run_dir: Path) -> list[str]:
@@ -57,42 +52,37 @@ def local_env(cfg: Any) -> dict[str, str]:
 
 
 def run_local(cfg: Any, placement: Placement) -> int:
+    """Run every rank here and wait for them; returns the launcher's exit code (``ExitCode``).
+    Ctrl-C stops the run after the step in progress with a checkpoint, a second one at once
+    (``rlbatch.launch.interrupt``)."""
     run = prepare_run_dir(cfg, placement)
     cmd = mpiexec_command(cfg, placement, run.path)
     env = local_env(cfg)
     print(f"run_dir: {run.path}  (rank logs in {run.logs})", flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    first = tee_and_watch(proc, run, placement.world_size)
-    rc = proc.wait()
-    if rc != 0:
+    with StopRequests(run, placement.controller_rank, str(cfg.cluster.preempt_signal)) as stops:
+        proc = stops.start(cmd, env)
+        first = tee_and_watch(proc, run, placement.world_size, muted=lambda: stops.stopped_now)
+        rc = proc.wait()
+    code = run_exit_code(rc == 0, run.read_status(placement.controller_rank), stops.stopped_now)
+    if code == ExitCode.FAILED:
         print(f"\nrlbatch: the run failed (mpiexec exit code {rc}).", file=sys.stderr)
         for line in culprits(placement, run, first):
             print(f"  {line}", file=sys.stderr)
-    return rc
+    elif code in (ExitCode.PREEMPTED, ExitCode.INTERRUPTED):
+        print(f"rlbatch: {code.name.lower()} after saving a checkpoint (exit code {int(code)}); launch again with "
+              f"run_dir={run.path} to resume.", file=sys.stderr)
+    return int(code)
 
 
 FIRST_WINDOW_S = 0.25
 """Processes that end this close after the first one are all candidates for the cause."""
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid``, from /proc/<pid>/task/<tid>/children (empty when gone)."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = {int(k) for k in (task / "children").read_text().split()}
-            except (OSError, ValueError):
-                continue
-            todo.extend(kids - found)
-            found |= kids
-    return found
-
-
-def tee_and_watch(proc: subprocess.Popen[bytes], run: RunDir, world_size: int) -> list[int]:
+def tee_and_watch(proc: subprocess.Popen[bytes], run: RunDir, world_size: int,
+                  muted: Callable[[], bool] = lambda: False) -> list[int]:
     """Pass mpiexec's output through unchanged (progress bars included) while watching every
-    process mpiexec starts through a pidfd; return the ranks whose process ended first.
+    process mpiexec starts through a pidfd; return the ranks whose process ended first. Output
+    is dropped while ``muted()`` (the ranks' dying words after the user stopped the run).
 
     When a rank is killed, mpiexec kills all others within milliseconds, and afterwards they
     all look alike. A pidfd becomes readable the moment its process exits, so the ranks that
@@ -130,8 +120,9 @@ def tee_and_watch(proc: subprocess.Popen[bytes], run: RunDir, world_size: int) -
                 chunk = os.read(out_fd, 1 << 16)
                 if not chunk:
                     return _ranks_of(run, world_size, first_pids)
-                out.write(chunk)
-                out.flush()
+                if not muted():
+                    out.write(chunk)
+                    out.flush()
             else:
                 exited.append(key.data)
                 sel.unregister(key.fd)

@@ -8,7 +8,9 @@ Validates the config, writes config.yaml and placement.json, checks that the all
 nodes and tasks the placement needs, writes ``rank_env.sh`` (the export lines of the environment
 every rank gets, as the submitit launcher's sbatch script has them: ``cluster.env``,
 ``cluster.network_interface``, MPI's settings), and prints the run directory (only that, on
-stdout). Exit code 2 on a bad config or an allocation that does not fit.
+stdout). Exit code 2 on a bad config or an allocation that does not fit; the values of
+``rank_env.sh`` are quoted, and one that would not stay on its line (a control character) is a
+bad config (``rlbatch.config.cluster_rules``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main(argv: list[str]) -> int:
     from rlbatch.config.validate import check
     from rlbatch.launch.compose import compose
     from rlbatch.launch.slurm import export_lines, rank_env
+    from rlbatch.runtime.env import read_env
     from rlbatch.runtime.rundir import prepare_run_dir
 
     try:
@@ -48,8 +51,17 @@ def main(argv: list[str]) -> int:
                          placement.slurm.nodes, placement.slurm.ntasks)
     except ConfigError as e:
         return report_config_error(e)
-    run = prepare_run_dir(cfg, placement)
-    (run.path / RANK_ENV).write_text("\n".join(export_lines(rank_env(cfg, run.path))) + "\n")
+    try:
+        run = prepare_run_dir(cfg, placement)  # refused when another run holds the run directory
+    except ConfigError as e:
+        return report_config_error(e)
+    try:
+        lines = export_lines(rank_env(cfg, run.path))  # refuses a value that would not stay on its line
+    except ConfigError as e:
+        return report_config_error(e)
+    (run.path / RANK_ENV).write_text("\n".join(lines) + "\n")
+    if run.lock is not None and (job := read_env().job_id):
+        run.lock.hand_over(job)  # the run directory is this job's until it leaves the queue
     print(run.path)
     return 0
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlbatch.errors import ConfigError, report_config_error
 from rlbatch.launch.dry_run import placement_table
 from rlbatch.placement import Placement
 
@@ -23,10 +25,19 @@ def launch(cfg: Any, placement: Placement) -> int:
             return 0
         from rlbatch.launch.slurm import submit
 
-        return submit(cfg, placement)
+        return _refusable(submit, cfg, placement)
     from rlbatch.launch.local import mpiexec_command, run_local
 
     if cfg.dry_run:
         print("\ncommand: " + shlex.join(mpiexec_command(cfg, placement, run_dir)))
         return 0
-    return run_local(cfg, placement)
+    return _refusable(run_local, cfg, placement)
+
+
+def _refusable(start: Callable[[Any, Placement], int], cfg: Any, placement: Placement) -> int:
+    """``start(cfg, placement)``, or exit code 2 with the problems when it refuses before anything
+    starts: the run directory is another run's (its lock), or has no room for a checkpoint."""
+    try:
+        return start(cfg, placement)
+    except ConfigError as e:
+        return report_config_error(e)

@@ -16,6 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config.cluster_rules import bad_char, parameter_problems
+from rlbatch.config.validate import ENV_NAME
+from rlbatch.errors import ConfigError, report_config_error
+from rlbatch.launch.exit_codes import ExitCode, run_exit_code
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import CPU_DEVICE_ENV, MPI_ENV, network_env
 from rlbatch.runtime.postmortem import culprits
@@ -35,7 +39,14 @@ def rank_env(cfg: Any, run_dir: Path) -> dict[str, str]:
 
 
 def export_lines(env: dict[str, str]) -> list[str]:
-    """``export`` lines for a shell script; names are identifiers (validated), values quoted."""
+    """``export`` lines for a shell script (the sbatch script's setup, ``rank_env.sh``): names are
+    identifiers, values quoted, and neither may hold a control character (``check`` refuses those
+    in the config; this refuses any that reach here another way)."""
+    unsafe = [f"export {k!r}: not an environment variable name" for k in env if not ENV_NAME.fullmatch(k)]
+    unsafe += [f"export {k}: the value {v!r} contains the control character {ch!r}"
+               for k, v in env.items() if (ch := bad_char(v)) is not None]
+    if unsafe:
+        raise ConfigError(unsafe)
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
@@ -71,7 +82,10 @@ def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str
         "additional_parameters": {"signal": f"{c.preempt_signal}@{int(c.signal_delay_s)}", "requeue": True}
         | dict(c.sbatch_args),
     }
-    return {k: v for k, v in params.items() if v is not None}
+    params = {k: v for k, v in params.items() if v is not None}
+    if problems := parameter_problems(params, run_dir):  # check() refuses these first; this is the writer's own guard
+        raise ConfigError(problems)
+    return params
 
 
 def submitit_command(run_dir: Path) -> str:
@@ -100,6 +114,10 @@ def submit(cfg: Any, placement: Placement) -> int:
 
     from rlbatch.worker import main as worker_main
 
+    try:  # the writer's own guard, before the run directory is made (check() refuses these first)
+        sbatch_parameters(cfg, placement, Path(str(cfg.run_dir)).expanduser().resolve())
+    except ConfigError as e:
+        return report_config_error(e)
     run = prepare_run_dir(cfg, placement)
     folder = run.path / SUBMITIT_DIR
     before = set(folder.iterdir()) if folder.is_dir() else set()
@@ -122,6 +140,8 @@ def submit(cfg: Any, placement: Placement) -> int:
         print(f"rlbatch: {why}; nothing was submitted", file=sys.stderr)
         return 2
     log = folder / f"{job.job_id}_0_log.out"
+    assert run.lock is not None
+    run.lock.hand_over(str(job.job_id))  # a later launch asks Slurm whether this job still holds the run_dir
     print(f"submitted Slurm job {job.job_id}: {placement.world_size} processes on {placement.num_nodes} node(s)")
     print(f"  run_dir:  {run.path}")
     print(f"  job log:  {log}")
@@ -148,18 +168,27 @@ def _scontrol(job_id: str) -> dict[str, str]:
 
 
 def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) -> int:
-    """Wait for the job to leave the queue; 0 when every rank exited cleanly."""
+    """Wait for the job to leave the queue; returns the launcher's exit code (``ExitCode``): 0 when
+    every rank exited cleanly after the last step, 3 or 4 when the run stopped early with a
+    checkpoint and was not requeued (the controller's status file says which)."""
     last, host = None, ""
-    while (seen := _squeue(job_id))[0]:
-        state, host = seen[0], seen[1] if seen[1] not in ("", "n/a", "(null)") else host
-        if state != last:
-            print(f"job {job_id}: {state}", flush=True)
-            last = state
-        time.sleep(poll_s)
+    try:
+        while (seen := _squeue(job_id))[0]:
+            state, host = seen[0], seen[1] if seen[1] not in ("", "n/a", "(null)") else host
+            if state != last:
+                print(f"job {job_id}: {state}", flush=True)
+                last = state
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        print(f"\nrlbatch: stopped following job {job_id}; it keeps running (scancel --signal=INT {job_id} stops it "
+              f"after the step in progress, with a checkpoint)", file=sys.stderr)
+        return int(ExitCode.STOPPED_NOW)
     states = [run.read_status(r) for r in range(placement.world_size)]
     if all(st is not None and st["state"] == "exited" for st in states):
-        print(f"job {job_id}: completed")
-        return 0
+        code = run_exit_code(True, states[placement.controller_rank], stopped_now=False)
+        print(f"job {job_id}: " + ("completed" if code == ExitCode.FINISHED else f"{code.name.lower()} after saving a "
+                                   f"checkpoint (exit code {int(code)}); launch again with run_dir={run.path} to resume"))
+        return int(code)
     print(f"job {job_id}: failed", file=sys.stderr)
     log = run.path / SUBMITIT_DIR / f"{job_id}_0_log.out"
     if all(st is None for st in states) and not log.exists():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config.bounds import field_problems
 from rlbatch.config.schema import ModelConfig
 from rlbatch.errors import ConfigError
 
@@ -88,24 +89,25 @@ def spec_from_model_config(model: Any, vocab: int | None = None) -> ModelSpec:
     the built-in character tokenizer's when None."""
     given = {k: v for k, v in _fields(model).items() if v is not None}
     m = {**vars(ModelConfig()), **given}
+    if problems := field_problems(m, ModelConfig, "model"):  # a size < 1 would build a broken model, or none
+        raise ConfigError(problems)
     arch, h, heads, kv = str(m["arch"]), int(m["hidden_size"]), int(m["num_heads"]), int(m["num_kv_heads"])
-    problems = []
     if arch not in BUILDABLE_ARCHS:
         problems.append(f"model.arch: {arch!r} cannot be random-initialised; expected one of {BUILDABLE_ARCHS}")
-    if heads <= 0 or h % heads:
+    if h % heads:
         problems.append(f"model.hidden_size {h} must divide evenly into model.num_heads {heads} heads")
-    if kv <= 0 or heads % kv:
+    elif (h // heads) % 2:  # the rotary embedding turns pairs of a head's dimensions
+        problems.append(f"model.hidden_size {h} / model.num_heads {heads} = head size {h // heads} must be even: "
+                        f"the rotary embedding turns pairs of dimensions")
+    if heads % kv:
         problems.append(f"model.num_heads {heads} must divide evenly into model.num_kv_heads {kv} groups")
     moe: dict[str, Any] = {}
     if arch == "qwen2_moe":
         moe = dict(experts=int(m["num_experts"]), experts_per_token=int(m["num_experts_per_token"]),
                    moe_ffn=int(m["moe_intermediate_size"]), shared_ffn=int(m["shared_expert_intermediate_size"]))
-        if not 1 <= moe["experts_per_token"] <= moe["experts"]:
+        if moe["experts_per_token"] > moe["experts"]:
             problems.append(f"model.num_experts_per_token {moe['experts_per_token']} must be between 1 and "
                             f"model.num_experts {moe['experts']}")
-        for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-            if int(m[key]) <= 0:
-                problems.append(f"model.{key} must be positive, got {m[key]}")
     if problems:
         raise ConfigError(problems)
     layers = int(m["num_layers"])

@@ -64,6 +64,8 @@ class _GpuRole:
     world: int
     offload: bool
     engine_args: dict[str, Any]
+    inherits_mapping: bool = False
+    """The device_mapping is actor_train's (colocated by default): its ranks are reported there."""
 
 
 @dataclasses.dataclass
@@ -199,7 +201,8 @@ def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], li
     cpu: list[_CpuRole] = []
     for name, rc in enabled.items():
         f = f"roles.{name}"
-        if name in INHERIT_DEVICE_MAPPING and rc.get("device_mapping") is None and rc.get("world_size") is None:
+        inherits = name in INHERIT_DEVICE_MAPPING and rc.get("device_mapping") is None and rc.get("world_size") is None
+        if inherits:
             rc = {**rc, "device_mapping": train_mapping}  # colocated with actor_train
         backend_str = rc.get("backend")
         inherited = name in INHERIT_BACKEND and backend_str in (None, "")
@@ -213,6 +216,7 @@ def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], li
             elif not has_dm:
                 problems.append(f"{f}.device_mapping: missing; world_size alone describes a CPU role, but {name} runs a model on GPUs")
             elif (r := _check_gpu_role(name, rc, backend_str, inherited, problems)) is not None:
+                r.inherits_mapping = inherits
                 gpu.append(r)
             continue
         asks = [k for k in ("device_mapping", "backend") if rc.get(k) not in (None, "")]
@@ -277,28 +281,61 @@ def place(cfg: Any) -> Placement:
 
     used = sorted({g for r in gpu for g in r.ranks})
     num_gpus = used[-1] + 1 if used else 0
-    if num_gpus and len(used) != num_gpus:
-        used_set = set(used)  # ranks may be sparse and huge: never materialise range(num_gpus)
-        missing = list(itertools.islice((g for g in range(num_gpus) if g not in used_set), 16))
-        problems.append(
-            f"roles: GPU ranks {missing[:16]} are in no role's device_mapping, yet ranks up to "
-            f"{num_gpus - 1} are used; every GPU rank in [0, {num_gpus}) needs a role"
-        )
-    num_nodes = max(1, -(-num_gpus // gpn))
-    if nodes_cfg is not None:
-        for r in gpu:
-            beyond = [g for g in r.ranks if g >= nodes_cfg * gpn]
-            if beyond:
-                problems.append(
-                    f"roles.{r.name}.device_mapping: GPU ranks {beyond[:8]} are beyond the cluster: "
-                    f"nodes={nodes_cfg} x gpus_per_node={gpn} = {nodes_cfg * gpn} GPUs (ranks 0..{nodes_cfg * gpn - 1})"
-                )
-        num_nodes = nodes_cfg
+    problems += _rank_problems(gpu, used, gpn, nodes_cfg)
+    num_nodes = max(1, -(-num_gpus // gpn)) if nodes_cfg is None else nodes_cfg
     for r in gpu:
         _groups_within_nodes(r, gpn, problems)
     if problems:
         raise ConfigError(problems)
     return _build(gpu, cpu, gpn, num_nodes, num_gpus, cpus or 1)
+
+
+def _rank_problems(gpu: list[_GpuRole], used: list[int], gpn: int, nodes_cfg: int | None) -> list[str]:
+    """GPU ranks beyond the cluster (with cluster.nodes) and ranks that leave a gap, each reported
+    on the role that names them, with the cluster's GPUs: a typo such as [0, 1000] is that role's
+    problem, not the 998 ranks it skips. Ranks may be sparse and huge: no range of them is built."""
+    problems = []
+    own = [r for r in gpu if not r.inherits_mapping]  # an inherited mapping is reported on actor_train
+    size = None if nodes_cfg is None else nodes_cfg * gpn
+    cluster = "" if size is None else f"nodes={nodes_cfg} x gpus_per_node={gpn} = {size} GPUs (ranks 0..{size - 1})"
+    if size is not None:
+        for r in own:
+            if beyond := [g for g in r.ranks if g >= size]:
+                problems.append(f"roles.{r.name}.device_mapping: GPU ranks {beyond[:8]} are beyond the cluster: {cluster}")
+        used = [g for g in used if g < size]
+    gaps = [(a + 1, b - 1) for a, b in itertools.pairwise([-1, *used]) if b > a + 1]
+    if not gaps:
+        return problems
+    first = gaps[0][0]
+    skipped = _ranges(gaps)
+    count = sum(b - a + 1 for a, b in gaps)
+    if size is None:
+        nodes = -(-(used[-1] + 1) // gpn)
+        where = (f", so the job would take {used[-1] + 1} GPUs ({nodes} node{'s' if nodes > 1 else ''} of "
+                 f"cluster.gpus_per_node={gpn}) for {len(used)} in use; set cluster.nodes to check GPU ranks "
+                 f"against the cluster's size")
+    else:
+        where = f" (the cluster has {cluster})"
+    for r in own:
+        if above := sorted(g for g in r.ranks if g > first and (size is None or g < size)):
+            problems.append(
+                f"roles.{r.name}.device_mapping: GPU rank{'s' if len(above) > 1 else ''} "
+                f"{_ranges([(g, g) for g in above], 8)} leave{'' if len(above) > 1 else 's'} GPU rank"
+                f"{'s' if count > 1 else ''} {skipped} ({count} GPU{'s' if count > 1 else ''}) in no role's "
+                f"device_mapping: GPU ranks number the job's GPUs from 0 without gaps{where}")
+    return problems
+
+
+def _ranges(spans: list[tuple[int, int]], limit: int = 4) -> str:
+    """Spans of ranks as '2..999, 1003' (the first ``limit``, then '...'); single ranks merge into runs."""
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a == merged[-1][1] + 1:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    text = [str(a) if a == b else f"{a}..{b}" for a, b in merged[:limit]]
+    return ", ".join(text) + (", ..." if len(merged) > limit else "")
 
 
 def _build(gpu: list[_GpuRole], cpu: list[_CpuRole], gpn: int, num_nodes: int, num_gpus: int, cpus: int) -> Placement:

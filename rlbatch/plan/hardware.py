@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config.bounds import Range, value_problem
 from rlbatch.errors import ConfigError
 from rlbatch.launch.compose import CONF_DIR
 
@@ -89,6 +90,12 @@ class Hardware:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Hardware)}
+RANGES = {**{k: Range(gt=0) for k in ("peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "inter_bw", "pcie_bw",
+                                      "host_mem_bw", "host_ram_bytes")},
+          **{k: Range(gt=0, le=1) for k in ("mfu", "mbu", "link_eff")}}
+"""The planner divides by the rates and sizes and scales by the efficiencies; every other number
+is a size, a count or a time (``Range(ge=0)``). All are finite: ``nan`` compares false with every
+limit and would pass every fit."""
 
 
 DEVICE_PROFILES = {
@@ -118,7 +125,7 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         if kind in ("int", int):
             return int(float(value))
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{where}: {name}={value!r} is not a {kind}") from None
 
 
@@ -135,6 +142,10 @@ def hardware_from_dict(data: dict[str, Any], where: str, overrides: dict[str, An
     values = {k: _coerce(k, v, where) for k, v in data.items()}
     if values["kind"] not in ("gpu", "cpu"):
         raise ConfigError(f"{where}: kind must be 'gpu' or 'cpu', got {values['kind']!r}")
+    problems = [p for k, v in values.items() if isinstance(v, (int, float))
+                and (p := value_problem(f"{where}: {k}", v, type(v), RANGES.get(k, Range(ge=0)))) is not None]
+    if problems:
+        raise ConfigError(problems)
     return Hardware(**values)
 
 

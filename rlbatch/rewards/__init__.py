@@ -12,6 +12,7 @@ from typing import Any
 
 from rlbatch.rewards.rules import (
     STOP_MARKERS,
+    RewardError,
     RewardFn,
     answer_repeated,
     exact_match,
@@ -26,6 +27,7 @@ from rlbatch.rewards.rules import (
 __all__ = [
     "SCORERS",
     "STOP_MARKERS",
+    "RewardError",
     "RewardFn",
     "Scorer",
     "answer_repeated",

@@ -3,11 +3,20 @@
 A completion is the decoded generated text *with* special tokens kept, e.g. ``"7<eos><pad>"``:
 only then can a reward tell "stopped after 7" from "ran out of tokens after 7". Everything
 from the first stop marker on is ignored.
+
+``data.reward_fn`` is checked twice: its signature when it is loaded (the launcher loads it
+before anything starts), and each value it returns when the reward role scores. A reward that
+raises or is not a finite number ends the run with a ``RewardError`` naming the function, the
+value and the sample, rather than training on a reward that was never computed: a NaN reward
+would turn every advantage of its group into NaN.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -120,14 +129,100 @@ def load_reward_fn(path: str) -> RewardFn:
             raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
         raise ValueError(f"reward function {path!r} is a {type(obj).__name__}, not a callable")
+    if (problem := _signature_problem(obj)) is not None:
+        raise ValueError(f"reward function {path!r} {problem}")
     return obj
 
 
+def _signature_problem(fn: Callable[..., Any]) -> str | None:
+    """Why ``fn`` cannot be called as ``fn(completion, answer)`` to give a number, or None.
+
+    Read from the signature only: the user's code does not run before the reward role scores.
+    """
+    if isinstance(fn, type):
+        return (f"is the class {fn.__name__}: calling it makes an instance, not a reward; name a function "
+                f"(completion, answer) -> float, or a module-level instance of the class")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        return "is an async function: it returns an awaitable, not a reward; make it a plain function"
+    if inspect.isgeneratorfunction(fn):
+        return "is a generator function: it returns a generator, not a reward; return the number"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: judged by what it returns
+        return None
+    try:
+        sig.bind("completion", "answer")
+    except TypeError as e:
+        return f"has the signature {sig}, but rewards are called as fn(completion, answer) ({e})"
+    return None
+
+
+class RewardError(RuntimeError):
+    """``data.reward_fn`` raised, or returned what is not a finite number, for one response.
+
+    ``index`` is the response's position in the list scored; the reward role's runtime replaces
+    it with the sample's id (``for_sample``).
+    """
+
+    def __init__(self, fn: str, what: str, index: int, completion: str, answer: str, sample: int | None = None) -> None:
+        self.fn, self.what, self.index, self.completion, self.answer = fn, what, index, completion, answer
+        self.sample = sample
+        where = f"sample {sample}" if sample is not None else f"response {index} of the batch scored"
+        # One line: the rank's console report shows the last line of the error only.
+        super().__init__(f"data.reward_fn {fn!r} on {where} (answer {_excerpt(answer)}, completion "
+                         f"{_excerpt(completion)}) {what}")
+
+    def for_sample(self, sample: int) -> RewardError:
+        """The same error, naming the run's sample id instead of the position in the batch."""
+        return RewardError(self.fn, self.what, self.index, self.completion, self.answer, sample)
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # the user's __repr__ failed: the type still says what came back
+        return f"<unprintable {type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def reward_value(value: Any) -> float | None:
+    """``value`` as a reward: a finite real number (bool, int, float, numpy or 0-d tensor scalar), else None.
+
+    A string is not a number even when it spells one: ``float("1")`` would hide a reward function
+    that returns the wrong thing.
+    """
+    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(type(value), "__float__")):
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # a tensor of several elements, 10**400
+        return None
+    return out if math.isfinite(out) else None
+
+
 def rule_scorer(cfg: Any) -> Callable[[list[str], list[str]], tuple[list[float], dict[str, int]]]:
-    """The reward role's scorer: ``data.reward_fn`` on each (completion, answer)."""
-    fn = load_reward_fn(str(cfg.data.reward_fn))
+    """The reward role's scorer: ``data.reward_fn`` on each (completion, answer); a RewardError on
+    the first response it fails on."""
+    name = str(cfg.data.reward_fn).strip()
+    fn = load_reward_fn(name)
 
     def score(completions: list[str], answers: list[str]) -> tuple[list[float], dict[str, int]]:
-        return [float(fn(c, a)) for c, a in zip(completions, answers, strict=True)], {}
+        rewards = []
+        for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
+            try:
+                value = fn(c, a)
+            except Exception as e:
+                said = " ".join(str(e).split())  # one line, whatever the message holds
+                raise RewardError(name, f"raised {type(e).__name__}: {said}"[:300], i, c, a) from e
+            reward = reward_value(value)
+            if reward is None:
+                raise RewardError(name, f"returned {_shown(value)} ({type(value).__name__}), not a finite number",
+                                  i, c, a)
+            rewards.append(reward)
+        return rewards, {}
 
     return score

@@ -183,7 +183,8 @@ def serve(comm: Any, controller_rank: int, handlers: dict[str, Callable[..., Any
             if cmd not in handlers:
                 raise KeyError(f"unknown command {cmd!r}; this rank handles {sorted(handlers)}")
             result = handlers[cmd](**kwargs)
-        except Exception:
-            send_obj(comm, RemoteError(traceback.format_exc()), controller_rank, REPLY_TAG)
+        except BaseException as exc:  # a library's BaseException (DCP's CheckpointException) is a failure too
+            if not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+                send_obj(comm, RemoteError(traceback.format_exc()), controller_rank, REPLY_TAG)
             raise
         send_obj(comm, result, controller_rank, REPLY_TAG)

@@ -27,7 +27,7 @@ VARS: dict[str, tuple[str, ...]] = {
     "run_dir": ("RLBATCH_RUN_DIR",),
     "master_addr": ("RLBATCH_MASTER_ADDR",),
     "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
-    "fault": ("RLBATCH_FAULT",),  # tests only: '<kill|raise|hang>:<rank>[:<where>[:<nth>]]' (runtime/faults.py)
+    "fault": ("RLBATCH_FAULT",),  # tests only: '<kill|raise|hang|enospc>:<rank|r,s|*>[:<where>[:<nth>]]' (runtime/faults.py)
 }
 
 

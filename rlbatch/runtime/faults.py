@@ -4,22 +4,65 @@
     RLBATCH_FAULT=raise:2:checkpoint   rank 2 raises during a checkpoint write
     RLBATCH_FAULT=hang:0:selftest      rank 0 hangs in the selftest's collectives
     RLBATCH_FAULT=kill:1:generate:3    rank 1 kills itself when it starts its 3rd generation
+    RLBATCH_FAULT=enospc:*:checkpoint_write   every rank finds the disk full from its first checkpoint write on
+    RLBATCH_FAULT=enospc:0,1,3:checkpoint_write:2   ranks 0, 1 and 3 do, from their second one
+
+``enospc`` fills the disk for this process, as far as Python can see it: from the fault point on,
+every open that would allocate space (``O_CREAT``, ``O_APPEND``, ``O_TRUNC``; Python's ``open``,
+``os.open``, pathlib, ``torch.save`` through them) fails with ENOSPC, and ``free_bytes`` in
+``rlbatch.checkpoint.space`` reports 0 bytes free. Rewriting an existing file in place still works,
+as it does on a full filesystem (its blocks are already allocated). Files opened before the fault
+point (the rank logs) keep working, unlike a real full disk; ``tools/fault_scenarios/disk_full.py``
+fills a real tmpfs for that. ``*`` targets every rank, ``0,1,3`` those ranks.
 
 Read through the environment table (rlbatch.runtime.env); does nothing when unset.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import sys
 import time
+from typing import Any
 
 from rlbatch.runtime.env import read_env
 
 log = logging.getLogger(__name__)
 _seen: dict[str, int] = {}
 """Fault points passed on this rank, by place (for the n-th-time form)."""
+_disk_full = False
+_ALLOCATES = os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def disk_full() -> bool:
+    """Whether an injected ENOSPC fault has filled the disk for this process."""
+    return _disk_full
+
+
+def _enospc_hook(event: str, args: tuple[Any, ...]) -> None:
+    if event != "open" or len(args) < 3:
+        return
+    path, mode, flags = args[0], args[1], args[2]
+    if isinstance(path, int):  # os.fdopen of an open descriptor: nothing new is allocated
+        return
+    if str(os.fsdecode(path)).startswith(("/dev/", "/proc/", "/sys/")):  # not on a disk
+        return
+    allocates = bool(flags & _ALLOCATES) if isinstance(flags, int) else False
+    if isinstance(mode, str) and any(c in mode for c in "wax"):
+        allocates = True
+    if allocates:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def fill_disk() -> None:
+    """From now on this process's space-allocating opens fail with ENOSPC (``enospc`` fault)."""
+    global _disk_full
+    if not _disk_full:
+        _disk_full = True
+        sys.addaudithook(_enospc_hook)  # audit hooks cannot be removed: the disk stays full
 
 
 def maybe_fault(where: str, rank: int) -> None:
@@ -29,7 +72,7 @@ def maybe_fault(where: str, rank: int) -> None:
     kind, _, rest = spec.partition(":")
     target, _, place = rest.partition(":")
     place, _, nth = place.partition(":")
-    if int(target) != rank or (place and place != where):
+    if (target != "*" and rank not in {int(t) for t in target.split(",")}) or (place and place != where):
         return
     _seen[where] = _seen.get(where, 0) + 1
     if nth and _seen[where] != int(nth):
@@ -41,3 +84,5 @@ def maybe_fault(where: str, rank: int) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at {where}")
     elif kind == "hang":
         time.sleep(10**6)
+    elif kind == "enospc":
+        fill_disk()

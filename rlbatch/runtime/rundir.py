@@ -7,17 +7,29 @@ launcher's ``prepare_run_dir``, which writes what every rank reads first.
     <run_dir>/logs/rank<r>.status  JSON: running / exited / failed / terminated, pid, host, roles
     <run_dir>/logs/missing_run_dir.json  JSON {node: host}: nodes the post-mortem found without
                                  the run directory (their ranks could not start)
+    <run_dir>/rlbatch.lock       the run directory's lock: who holds it (host, pid, Slurm job id)
+
+One run per run directory: ``prepare_run_dir`` takes the lock (``lock_run_dir``, below) before
+it writes anything, so a second launch into a directory in use is refused, naming the
+holder, before it touches the first run's files.
+
+Writes that record a rank's state must not fail the error path that makes them: on a full disk
+``write_status`` falls back to rewriting the existing status file in place (its block is already
+allocated), and gives up quietly when even that fails.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rlbatch.errors import ConfigError
 
 if TYPE_CHECKING:
     from rlbatch.placement import Placement
@@ -30,6 +42,8 @@ LOGS = "logs"
 @dataclass(frozen=True)
 class RunDir:
     path: Path
+    lock: RunDirLock | None = field(default=None, compare=False)
+    """The directory's lock, where this process took it (the launcher)."""
 
     @property
     def config(self) -> Path:
@@ -60,12 +74,27 @@ class RunDir:
         except (OSError, ValueError, AttributeError):
             return {}
 
-    def write_status(self, rank: int, state: str, **extra: Any) -> None:
-        """Record a rank's state; written atomically so a reader never sees half a file."""
+    def write_status(self, rank: int, state: str, **extra: Any) -> bool:
+        """Record a rank's state; written atomically so a reader never sees half a file.
+
+        Never raises OSError: it runs on error paths. On a full disk (ENOSPC, EDQUOT) the existing
+        file is rewritten in place instead, within the block it already has (a reader may then
+        catch it half-written and report the rank as unknown). Returns whether the record landed."""
         rec = {"rank": rank, "state": state, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()} | extra
-        tmp = self.rank_status(rank).with_suffix(".status.tmp")
-        tmp.write_text(json.dumps(rec))
-        os.replace(tmp, self.rank_status(rank))
+        data = json.dumps(rec)
+        final = self.rank_status(rank)
+        tmp = final.with_suffix(".status.tmp")
+        try:
+            tmp.write_text(data)
+            os.replace(tmp, final)
+            return True
+        except OSError as e:
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return full and _rewrite_in_place(final, data.encode())
 
     def read_status(self, rank: int) -> dict[str, Any] | None:
         try:
@@ -74,17 +103,255 @@ class RunDir:
             return None
 
 
+IN_PLACE_MAX = 4096
+"""The most a status record rewritten in place may hold: one filesystem block, already allocated."""
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> bool:
+    """Overwrite an existing file from its start without allocating (no O_CREAT/O_TRUNC/O_APPEND);
+    the record is cut to IN_PLACE_MAX bytes and the file to its length."""
+    if len(data) > IN_PLACE_MAX:
+        cut = json.loads(data)
+        cut["error"] = str(cut.get("error", ""))[: IN_PLACE_MAX // 2]
+        data = json.dumps(cut).encode()[:IN_PLACE_MAX]
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def prepare_run_dir(cfg: Any, placement: Placement) -> RunDir:
-    """Make run_dir absolute, create it, write config.yaml and placement.json (launcher side)."""
+    """Make run_dir absolute, create it, take its lock, check that it has room for a checkpoint,
+    write config.yaml and placement.json (launcher side).
+
+    Raises ConfigError (nothing written) when another run holds the directory (``RunDirBusy``,
+    naming the holder) or its filesystem cannot hold one checkpoint. The lock is this process's
+    until it exits, or until ``RunDirLock.hand_over`` passes it to a Slurm job."""
     from omegaconf import OmegaConf, open_dict
 
+    from rlbatch.checkpoint.space import check_room_at_start
     from rlbatch.placement.io import save_placement
+    from rlbatch.runtime.env import read_env
 
     path = Path(str(cfg.run_dir)).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    lock = lock_run_dir(path, read_env().job_id)  # inside an allocation: that Slurm job's id
+    check_room_at_start(cfg, placement, path)
     with open_dict(cfg):
         cfg.run_dir = str(path)
-    run = RunDir(path)
+    run = RunDir(path, lock)
     run.logs.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run.config, resolve=True)
     save_placement(placement, run.placement)
     return run
+
+
+# -- the lock -------------------------------------------------------------------------------------
+LOCK = "rlbatch.lock"
+SQUEUE_TIMEOUT_S = 30.0
+
+
+class RunDirBusy(ConfigError):
+    """Another run holds the run directory; the message names it and what to do."""
+
+
+def _holder_text(rec: dict[str, Any]) -> str:
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(rec.get("since", 0))))
+    if rec.get("pid") is None and rec.get("slurm_job"):  # handed over to the job by its submitter
+        return f"Slurm job {rec['slurm_job']} (submitted from host {rec.get('host', '?')}), since {since}"
+    job = f", Slurm job {rec['slurm_job']}" if rec.get("slurm_job") else ""
+    return f"pid {rec.get('pid', '?')} on host {rec.get('host', '?')}{job}, since {since}"
+
+
+ENDED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+                   "OUT_OF_MEMORY"})
+"""Slurm job states after which a job no longer runs (``squeue -j`` lists them for MinJobAge)."""
+
+
+def _slurm_job_state(job: str) -> str | None:
+    """The Slurm job's state while it is queued or running ('' once it has ended or left the
+    queue); None when Slurm cannot be asked from here."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+                             timeout=SQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return "" if "Invalid job id" in out.stderr else None
+    state = out.stdout.strip().split(" ")[0] if out.stdout.strip() else ""
+    return "" if state in ENDED else state
+
+
+_HELD: dict[Path, RunDirLock] = {}
+"""The run directories this process holds, by lock file."""
+
+
+class RunDirLock:
+    """The lock of one run directory, held by this process through an open file.
+
+    The kernel's lock (``flock``) is the authority: it is released when its holder dies, however
+    it dies, so a dead run never blocks the next. The file also holds a record of the holder
+    (host, pid, Slurm job id), for the refusal's message and for what the kernel cannot tell
+    (``lock_run_dir``). ``release`` (also at exit) empties the record; ``hand_over`` leaves it
+    naming a Slurm job that goes on after this process ends.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+    def write(self, rec: dict[str, Any]) -> None:
+        data = json.dumps(rec).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+        os.fsync(self.fd)
+
+    def hand_over(self, slurm_job: str) -> None:
+        """The run goes on as Slurm job ``slurm_job``: record it as the holder and let go of the
+        kernel's lock (a later launch asks Slurm whether the job is still queued or running)."""
+        self.write(_record(slurm_job) | {"pid": None})
+        self._close()
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.ftruncate(self.fd, 0)  # an empty record: free
+        except OSError:
+            pass
+        self._close()
+
+    def _close(self) -> None:
+        import atexit
+
+        atexit.unregister(self.release)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)  # the kernel's lock goes with the last descriptor
+
+
+def _record(slurm_job: str | None) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": slurm_job, "since": time.time()}
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    try:
+        data = os.pread(fd, 1 << 16, 0)
+        rec = json.loads(data) if data.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def _busy(path: Path, rec: dict[str, Any], why: str) -> RunDirBusy:
+    return RunDirBusy(
+        f"run_dir {path.parent} is in use by another run: {_holder_text(rec)}{why}. Wait for that run to end, "
+        f"stop it, or choose another run_dir (nothing of it was touched)")
+
+
+def _stale_or_busy(path: Path, rec: dict[str, Any], slurm_job: str | None) -> RunDirBusy | None:
+    """With the kernel's lock granted, judge the record a previous holder left: None when it is
+    stale (that holder is gone), else the refusal.
+
+    A process on this host that held the lock is gone: one host, one kernel. A Slurm job the
+    lock was handed to holds no kernel lock: Slurm says whether it is still queued or running.
+    Across hosts the kernel's lock is only as good as the filesystem's (NFS shares flock; Lustre
+    only when mounted with ``-o flock``; some filesystems keep locks per node), so a process on
+    another host is taken to be alive."""
+    if not rec:
+        return None
+    job = rec.get("slurm_job")
+    if rec.get("pid") is not None and rec.get("host") == socket.gethostname():
+        return None
+    if job and slurm_job and str(job) == str(slurm_job):
+        return None  # this job's previous incarnation (before a requeue): Slurm has ended it
+    if job:
+        state = _slurm_job_state(str(job))
+        if state == "":
+            return None
+        what = f" (Slurm reports the job {state})" if state else " (Slurm cannot be asked from here whether it still runs)"
+        return _busy(path, rec, what)
+    return _busy(path, rec, f"; this host's lock on the file is free, but locks may not be shared between hosts on "
+                            f"this filesystem: if that run has ended, delete {path}")
+
+
+def _ranks_still_running(path: Path) -> RunDirBusy | None:
+    """The refusal when ranks of an earlier launch still run on this host: their launcher, the
+    lock's holder, was killed (SIGKILL) while mpiexec and the ranks went on (they end at their
+    next write to the console, but may not have yet)."""
+    run = RunDir(path.parent)
+    alive = []
+    for status in sorted(run.logs.glob("rank*.status")):
+        st = run.read_status(int(status.stem.removeprefix("rank"))) if status.stem[4:].isdigit() else None
+        if not st or st.get("state") != "running" or st.get("host") != socket.gethostname():
+            continue
+        try:
+            cmdline = Path(f"/proc/{int(st['pid'])}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, KeyError):
+            continue
+        if "rlbatch.worker" in cmdline and str(path.parent) in cmdline:
+            alive.append(f"rank {st['rank']} (pid {st['pid']})")
+    if not alive:
+        return None
+    return RunDirBusy(f"run_dir {path.parent} is in use by another run: its launcher is gone, but "
+                      f"{', '.join(alive)} still run on this host. Wait for them to end, or stop them "
+                      f"(kill {' '.join(a.split('pid ')[1].rstrip(')') for a in alive)}), or choose another run_dir")
+
+
+def lock_run_dir(run_dir: Path, slurm_job: str | None = None) -> RunDirLock:
+    """Take ``<run_dir>/rlbatch.lock`` for this process (until it exits), or raise RunDirBusy.
+
+    ``slurm_job``: the Slurm job this process belongs to (None outside an allocation); a record
+    left by the same job (its previous incarnation, before a requeue) does not block it."""
+    import atexit
+    import fcntl
+
+    path = Path(run_dir) / LOCK
+    if (held := _HELD.get(path)) is not None and held.fd >= 0:  # this process's already (a second launch call)
+        return held
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(path, _read_record(fd), "") from None
+        except OSError as e:  # no locks on this filesystem (Lustre without -o flock): the record alone
+            if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            rec = _read_record(fd)
+            if rec.get("host") == socket.gethostname() and _alive(rec.get("pid")):
+                raise _busy(path, rec, " (this filesystem has no locks: the record says so)") from None
+            if problem := _stale_or_busy(path, rec, slurm_job):
+                raise problem from None
+        else:
+            if problem := _stale_or_busy(path, _read_record(fd), slurm_job) or _ranks_still_running(path):
+                raise problem
+    except BaseException:
+        os.close(fd)
+        raise
+    lock = RunDirLock(path, fd)
+    lock.write(_record(slurm_job))
+    atexit.register(lock.release)
+    _HELD[path] = lock
+    return lock
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

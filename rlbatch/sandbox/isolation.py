@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 
+from rlbatch.sandbox.harness import DENIED_SYSCALLS
+
 log = logging.getLogger(__name__)
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
@@ -26,11 +28,15 @@ NAMESPACE_FLAGS = ("--user", "--map-root-user", "--net", "--pid", "--fork", "--k
                    "--mount-proc", "--ipc", "--uts")
 
 
+def runs_as_nobody() -> bool:
+    """As root (with util-linux ``setpriv``), executions run as ``nobody``, in either mode: root's
+    files and processes stay out of their reach, and RLIMIT_NPROC applies."""
+    return os.geteuid() == 0 and shutil.which("setpriv") is not None
+
+
 def _as_nobody() -> list[str]:
-    """As root, the code runs as ``nobody`` (so RLIMIT_NPROC applies and root's files stay root's)."""
-    setpriv = shutil.which("setpriv")
-    if os.geteuid() == 0 and setpriv:
-        return [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    if runs_as_nobody():
+        return [shutil.which("setpriv") or "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     return []
 
 
@@ -46,7 +52,7 @@ def _runs(cmd: list[str]) -> str:
 @functools.lru_cache(maxsize=2)
 def interpreter(mode: str) -> str:
     """The first interpreter an execution under ``mode`` can start."""
-    prefix = [*_as_nobody(), shutil.which("unshare") or "unshare", *NAMESPACE_FLAGS] if mode == "namespaces" else []
+    prefix = [*_as_nobody(), *([shutil.which("unshare") or "unshare", *NAMESPACE_FLAGS] if mode == "namespaces" else [])]
     why = {}
     for python in INTERPRETERS:
         if os.path.exists(python):
@@ -69,19 +75,41 @@ def namespaces_available() -> tuple[bool, str]:
 
 
 def resolve(isolation: str) -> str:
-    """``auto`` -> ``namespaces`` or ``process``; ``namespaces`` where unavailable is an error."""
+    """``auto`` -> ``namespaces`` or ``process``; ``namespaces`` where unavailable is an error. The
+    ``process`` mode says in the log what it leaves open."""
     if isolation not in ("auto", "namespaces", "process"):
         raise ValueError(f"sandbox.isolation must be auto, namespaces or process, got {isolation!r}")
-    if isolation == "process":
-        return "process"
-    ok, why = namespaces_available()
-    if ok:
-        return "namespaces"
-    if isolation == "namespaces":
-        raise RuntimeError(f"sandbox.isolation=namespaces is not available on this node: {why}")
-    log.warning("sandbox: namespaces unavailable (%s); executions run as plain processes with resource limits: "
-                "the network and the file system are NOT isolated", why)
+    machine = os.uname().machine
+    if machine not in DENIED_SYSCALLS:
+        raise RuntimeError(f"sandbox: no system call table for {machine} (the filter that keeps executions from "
+                           f"signalling or tracing other processes knows {sorted(DENIED_SYSCALLS)})")
+    if isolation != "process":
+        ok, why = namespaces_available()
+        if ok:
+            return "namespaces"
+        if isolation == "namespaces":
+            raise RuntimeError(f"sandbox.isolation=namespaces is not available on this node: {why}")
+        log.warning("sandbox: namespaces unavailable (%s); falling back to isolation=process", why)
+    who = "nobody" if runs_as_nobody() else f"this worker's user (uid {os.geteuid()})"
+    log.warning("sandbox: isolation=process: executions run as %s with resource limits, a timeout and a scrubbed "
+                "environment, and cannot signal, trace or re-limit any other process; NOT isolated: the network "
+                "(an execution reaches every host this node reaches) and the file system (it reads and writes "
+                "whatever %s may: %s)", who, who,
+                "world-readable and world-writable files" if runs_as_nobody() else
+                "this user's files, the run directory and the data set included")
     return "process"
+
+
+def guard_worker() -> None:
+    """In process mode as a user other than root, executions share the worker's uid: make the worker
+    non-dumpable so that they cannot open its ``/proc/<pid>/mem`` or ``fd`` (signals and ptrace are
+    refused by the executions' own filter)."""
+    if runs_as_nobody():
+        return
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,7 +124,7 @@ def command(mode: str) -> list[str]:
     python = [interpreter(mode), "-I", "-S", "-c", _harness_source()]
     if mode == "namespaces":
         return [*_as_nobody(), shutil.which("unshare") or "unshare", *NAMESPACE_FLAGS, *python]
-    return python
+    return [*_as_nobody(), *python]
 
 
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",

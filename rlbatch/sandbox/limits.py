@@ -5,36 +5,41 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from rlbatch.config.bounds import TIMEOUT_MAX_S, bounded
+
 Isolation = Literal["auto", "namespaces", "process"]
 """``namespaces``: fresh user, mount, pid, network, IPC and UTS namespaces (util-linux ``unshare``,
 needs unprivileged user namespaces or root), a read-only view of every mount, private tmpfs
 ``/tmp``, no capabilities; as root the code also runs as ``nobody``. ``process``: a fresh process
-with the same resource limits, timeout, scrubbed environment and a private working directory,
-but the network and the file system as the worker's user sees them. ``auto``: namespaces where the
-node allows them, else process (the log says which)."""
+with the same resource limits, timeout, scrubbed environment and a private working directory, as
+``nobody`` when the worker is root, but the network and the file system as that user sees them
+(the log says so). Both: a seccomp filter keeps the code from signalling, tracing or re-limiting
+any other process (docs/sandbox.md). ``auto``: namespaces where the node allows them, else
+process (the log says which)."""
 
 
 @dataclass
 class Limits:
     """Resource limits of one execution (``sandbox.limits.*`` in the config)."""
 
-    timeout_s: float = 10.0
+    timeout_s: float = bounded(10.0, gt=0, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
     """Wall-clock seconds for one execution (code and all its tests); then the whole process tree is killed."""
-    test_timeout_s: float = 4.0
+    test_timeout_s: float = bounded(4.0, gt=0, le=TIMEOUT_MAX_S, why="the interval timer overflows beyond it")
     """Seconds for the code's definitions and for each test (SIGALRM inside the child)."""
-    cpu_s: int = 10
+    cpu_s: int = bounded(10, ge=1)
     """CPU seconds (RLIMIT_CPU)."""
-    memory_mb: int = 512
+    memory_mb: int = bounded(512, ge=64, le=2**43 - 1, why="the Python interpreter alone needs ~40 MB of "
+                                                           "address space; RLIMIT_AS takes bytes in 63 bits")
     """Address space (RLIMIT_AS)."""
-    file_mb: int = 16
+    file_mb: int = bounded(16, ge=1, le=2**43 - 1, why="RLIMIT_FSIZE takes bytes in 63 bits")
     """Largest file the code may write, its output included (RLIMIT_FSIZE)."""
-    tmp_mb: int = 64
+    tmp_mb: int = bounded(64, ge=1)
     """Size of the private /tmp, /var/tmp and /dev/shm (namespaces isolation)."""
-    processes: int = 32
+    processes: int = bounded(32, ge=1)
     """Processes and threads (RLIMIT_NPROC; per user namespace, so per execution under namespaces)."""
-    open_files: int = 64
+    open_files: int = bounded(64, ge=8, why="the interpreter's own")
     """Open file descriptors (RLIMIT_NOFILE)."""
-    output_kb: int = 16
+    output_kb: int = bounded(16, ge=1, le=2**53 - 1, why="read as bytes in 63 bits")
     """stdout and stderr kept per execution (the rest is dropped)."""
 
     def as_dict(self) -> dict[str, Any]:

@@ -44,7 +44,8 @@ class Outcome:
     total: int
     reason: str
     """``ok`` when every test passed; else why not (``syntax: ...``, ``wrong``, ``timeout``,
-    ``error: ZeroDivisionError``, ``file size limit``, ``crashed (SIGSEGV)``, ``no result``...)."""
+    ``error: ZeroDivisionError``, ``error: not plain data (<type>)``, ``file size limit``,
+    ``crashed (SIGSEGV)``, ``result too large``, ``no result``...)."""
     tests: list[str] = field(default_factory=list)
     """Per-test outcome: ``ok``, ``wrong``, ``timeout``, ``error: <Exception>``, ``not run``."""
     output: str = ""
@@ -61,7 +62,15 @@ class Sandbox:
         self.limits = limits or Limits()
         self.limits.check()
         self.mode = isolation.resolve(isolation_mode)
+        if self.mode == "process":
+            isolation.guard_worker()
         self.workers = workers or max(1, len(os.sched_getaffinity(0)))
+        # A node where the harness cannot set itself up (no seccomp, an interpreter the execution's
+        # user cannot run...) would score every response 0: refuse to start instead, with why.
+        probe = self.run(Job("def f():\n    return 1\n", ["assert f() == 1"]))
+        if probe.reason != "ok":
+            raise RuntimeError(f"sandbox ({self.mode}): a right program fails here ({probe.reason}); "
+                               f"its output: {probe.output[-1500:]!r}")
 
     def run_many(self, jobs: Iterable[Job], on_done: Callable[[int, Outcome], None] | None = None) -> list[Outcome]:
         """Every job, ``workers`` at a time; ``on_done(index, outcome)`` as each finishes."""
@@ -92,9 +101,16 @@ class Sandbox:
         os.mkdir(work, 0o700)
         env = dict(isolation.SAFE_ENV, HOME="/tmp/work" if namespaced else work,
                    TMPDIR="/tmp/work" if namespaced else work)
-        with open(os.path.join(scratch, "out"), "w+b") as out, open(os.path.join(scratch, "res"), "w+b") as res:
-            payload = marshal.dumps({"nonce": nonce, "code": job.code, "tests": tests, "limits": lim.as_dict(),
-                                     "isolate_fs": namespaced, "drop_caps": namespaced, "result_fd": res.fileno()}, 4)
+        if not namespaced and isolation.runs_as_nobody():
+            os.chown(work, isolation.NOBODY, isolation.NOBODY)
+        # Unlinked files: the execution reaches them by no path (in process mode the scratch
+        # directory is on its file system), only through the descriptors it is given.
+        with tempfile.TemporaryFile(dir=scratch) as out, tempfile.TemporaryFile(dir=scratch) as res:
+            # Two frames: the harness forks the process that runs the code after reading the first
+            # and before reading the second, so that process never holds the tests or the nonce.
+            public = {"code": job.code, "limits": lim.as_dict(), "isolate_fs": namespaced, "drop_caps": namespaced}
+            secret = {"nonce": nonce, "tests": tests, "result_fd": res.fileno()}
+            payload = b"".join(len(b).to_bytes(8, "big") + b for b in (marshal.dumps(public, 4), marshal.dumps(secret, 4)))
             proc = subprocess.Popen(isolation.command(self.mode), stdin=subprocess.PIPE, stdout=out, stderr=out,
                                     pass_fds=(res.fileno(),), cwd=work, env=env, start_new_session=True)
             timed_out = False

@@ -11,14 +11,28 @@ controller.json, ``load(ckpt, state)`` restores it.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from rlbatch.checkpoint.files import read_controller, write_controller
+from rlbatch.checkpoint.space import (
+    DiskFull,
+    checkpoint_bytes,
+    describe_fs,
+    disk_full_error,
+    expected_bytes,
+    free_bytes,
+    is_disk_full,
+    mib,
+    newest_checkpoint_bytes,
+    room_problem,
+)
 from rlbatch.checkpoint.store import CheckpointError, CheckpointStore
 from rlbatch.config.schema import TRAINABLE_ROLES, RLBatchConfig
 from rlbatch.data.synthetic import PromptStream
+from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.scheduler.controller import Pipeline
 
@@ -39,6 +53,14 @@ class Checkpointer:
         self.store = CheckpointStore(run.path / "checkpoints", keep=int(cfg.keep_checkpoints))
         self.last_save_s = 0.0
         self.roles = tuple(r for r in TRAINABLE_ROLES if r in pipe.p.roles)
+        size = newest_checkpoint_bytes(self.store.root)
+        self.expected_bytes = size if size is not None else expected_bytes(cfg, list(self.roles))
+        """What the next checkpoint needs: the last one's size, else the model's estimate (a lower bound)."""
+        free = free_bytes(self.store.root)
+        room = free // max(self.expected_bytes, 1)
+        (log.warning if room < 2 else log.info)(
+            "checkpoints need about %s each; %s has %s free (room for %d)", mib(self.expected_bytes),
+            describe_fs(self.store.root), mib(free), room)
 
     def _all_ranks(self, op: str, path: str) -> None:
         self.pipe.run("checkpoint", self.roles, {r: {"op": op, "path": path} for r in self.pipe.workers()})
@@ -63,14 +85,29 @@ class Checkpointer:
         return int(state["step"]) + 1
 
     def save(self, step: int, reason: str) -> None:
+        """Write and commit the checkpoint of ``step``. Raises DiskFull before writing anything
+        when its filesystem has less free than the last checkpoint's size, and when a write runs
+        out of space (the partial checkpoint is removed; the previous one stays the newest)."""
         start = time.perf_counter()
+        if problem := room_problem(self.store.root, self.expected_bytes, f"the checkpoint of step {step}"):
+            raise DiskFull(f"{problem}. Nothing of it was written; committed checkpoints are intact")
         stage = self.store.begin(step)
-        self._all_ranks("save", str(stage))
-        state: dict[str, Any] = {}
-        for part in self.parts:
-            state |= part.save(stage)
-        write_controller(stage, state | {"step": step, "data": self.data.state_dict(), "data_fingerprint": self.fingerprint,
-                                         "reason": reason}, self.run.config)
-        path = self.store.commit(step, {"run_dir": str(self.run.path), "reason": reason})
+        maybe_fault("checkpoint_write", self.pipe.world.rank)  # the disk filling up after the check
+        try:
+            self._all_ranks("save", str(stage))
+            state: dict[str, Any] = {}
+            for part in self.parts:
+                state |= part.save(stage)
+            write_controller(stage, state | {"step": step, "data": self.data.state_dict(),
+                                             "data_fingerprint": self.fingerprint, "reason": reason}, self.run.config)
+            path = self.store.commit(step, {"run_dir": str(self.run.path), "reason": reason})
+        except BaseException as e:
+            if not (isinstance(e, DiskFull) or is_disk_full(e, stage) or DiskFull.__name__ in str(e)):
+                raise
+            shutil.rmtree(stage, ignore_errors=True)  # its space, for the logs; every rank has answered
+            if isinstance(e, DiskFull):
+                raise
+            raise disk_full_error(stage, e) from e
+        self.expected_bytes = checkpoint_bytes(path) or self.expected_bytes
         self.last_save_s = time.perf_counter() - start
         log.info("checkpoint %s (%s) in %.1fs", path, reason, self.last_save_s)

@@ -58,8 +58,9 @@ def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
     return RankRuntime(world, cfg).handlers()
 
 
-def controller(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
-    PROGRAMS.get(str(cfg.algo.name))(world, cfg, run)
+def controller(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, str]:
+    """Run the loop of ``algo.name``; returns how it ended for the status file (``Loop.finish``)."""
+    return PROGRAMS.get(str(cfg.algo.name))(world, cfg, run)
 
 
 class Loop:
@@ -167,7 +168,9 @@ class Loop:
         if last or self.stop or (self.cfg.save_every and (step + 1) % int(self.cfg.save_every) == 0):
             self.ckpt.save(step, self.stop or ("end of run" if last else "save_every"))
 
-    def finish(self) -> None:
+    def finish(self) -> dict[str, str]:
+        """Shut the ranks down; returns how the loop ended (``Preemption.outcome``: empty when it
+        ran every step), which the controller's status file records for the launcher."""
         self.pipe.ctl.shutdown(self.pipe.workers())
         self.metrics.close()
         if self.stop:
@@ -175,13 +178,14 @@ class Loop:
                   f"{self.stop}; checkpoint saved", flush=True)
             if self.preemption.requeue():
                 print("requeued: the job restarts in this run_dir and resumes", flush=True)
-            return
+            return self.preemption.outcome(self.stop)
         last_row = self.metrics.history[-1] if self.metrics.history else {}
         print(f"done: {len(self.metrics.history)} steps, final reward_mean {last_row.get('reward_mean', float('nan')):.3f}; "
               f"metrics in {self.metrics.path}", flush=True)
+        return {}
 
 
-def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
+def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, str]:
     """The critic-free loop (GRPO and its relatives): advantages from the rewards alone."""
     loop, a = Loop(world, cfg, run), cfg.algo
     estimate_advantages = ADVANTAGES.get(str(a.advantage))
@@ -208,10 +212,10 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
         loop.sync()
         extra |= advantage_stats(advantages) | kl_stats(kl) | {"reward_shaped_mean": float(shaped.mean())}
         loop.end_step(step, rollouts, generated, stats, extra)
-    loop.finish()
+    return loop.finish()
 
 
-def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
+def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, str]:
     """PPO with a critic: the critic's values of each response token, GAE advantages from the
     per-token rewards (the task reward on the last token, minus kl_coef * KL_t with the KL in the
     reward), the critic regressed on the returns while the actor trains on the advantages. During
@@ -240,4 +244,4 @@ def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> None:
             "critic/returns_mean": float(torch.cat(returns).mean()) if returns else 0.0,
             "critic/warmup": float(not actor_trains)}
         loop.end_step(step, rollouts, rewards, stats, extra)
-    loop.finish()
+    return loop.finish()

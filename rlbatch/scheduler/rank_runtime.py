@@ -25,7 +25,7 @@ from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args, spec_of
 from rlbatch.phases import PHASES, PhaseSpec
-from rlbatch.rewards import build_scorer
+from rlbatch.rewards import RewardError, build_scorer
 from rlbatch.rewards.model import ModelScorer
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
@@ -137,10 +137,14 @@ class RankRuntime:
         responses = [self.store.samples[sid]["response"] for sid in ids]
         completions = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
         scorer = self.scorers[spec.role]
-        if isinstance(scorer, ModelScorer):
-            rewards, counts = scorer([self.store.samples[sid]["prompt"] for sid in ids], responses, completions, answers)
-        else:
-            rewards, counts = scorer(completions, answers)
+        try:
+            if isinstance(scorer, ModelScorer):
+                rewards, counts = scorer([self.store.samples[sid]["prompt"] for sid in ids], responses, completions,
+                                         answers)
+            else:
+                rewards, counts = scorer(completions, answers)
+        except RewardError as e:  # name the sample the run knows, not its place in this rank's share
+            raise e.for_sample(ids[e.index]) from e
         return {"rewards": dict(zip(ids, rewards, strict=True)), "counts": counts}
 
     def _per_token(self, spec: PhaseSpec, ids: list[int], compute: str) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ def test_a_partition_sbatch_refuses_is_one_line_and_exit_2(run_root: Path) -> No
         "rlbatch: sbatch refused the job: invalid partition specified: nope; "
         "Batch job submission failed: Invalid partition name specified; nothing was submitted"]
     assert "submitted Slurm job" not in out.stdout
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "logs", "placement.json"]  # no submitit debris
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "logs", "placement.json", "rlbatch.lock"]  # no submitit debris
 
 
 def test_a_run_directory_missing_on_the_first_node_is_named_by_the_submitter(run_root: Path) -> None:

@@ -37,7 +37,7 @@ def test_a_refused_submission_is_one_stderr_line_exit_2_and_no_debris(
         "rlbatch: sbatch refused the job: invalid partition specified: nope; "
         "Batch job submission failed: Invalid partition name specified; nothing was submitted"]
     assert "submitted" not in out
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "logs", "placement.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "logs", "placement.json", "rlbatch.lock"]
 
 
 def test_no_slurm_commands_is_one_line_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -1,18 +1,25 @@
 """Hostile code against the sandbox: each snippet gets its expected outcome, and afterwards the
 host is as it was (a sentinel file and directory untouched, no process left, no scratch left).
 
-The machine that runs ``make test`` allows user namespaces (as root or unprivileged), so the
-strict isolation is what is tested; a node without them gets the ``process`` mode (its own tests
-below), and the log says so.
+Three lists, run once for the module on two sandboxes (``namespaces`` and ``process``) sharing one
+pool: HOSTILE (resources, escapes, crashes), HACKS (ways to get a reward without a right answer:
+each scores 0 or the honest fraction) and ATTACKS (code that goes for the worker or the harness:
+each checks from inside that it was refused, and answers right only then, so ``ok`` means refused
+and still judged). The machine that runs ``make test`` allows user namespaces, so both modes run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import json
 import os
+import shutil
 import subprocess
 import tempfile
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -25,20 +32,20 @@ SECRET = "sentinel-secret-4711"
 # Timeouts leave a loaded 2-core machine room: only the looping snippets reach them. A loop ends at
 # its test's alarm (5 s of wall time) or, on an idle machine, possibly at the CPU limit: both are
 # accepted for the loops (LOOPS), and the CPU limit is set above the alarm so the alarm usually wins.
-LIMITS = Limits(timeout_s=20.0, test_timeout_s=5.0, cpu_s=10, memory_mb=256, file_mb=4, tmp_mb=8, processes=16,
+LIMITS = Limits(timeout_s=20.0, test_timeout_s=3.0, cpu_s=8, memory_mb=256, file_mb=4, tmp_mb=8, processes=16,
                 open_files=32, output_kb=4)
 
 
 @pytest.fixture(scope="module")
-def sandbox() -> Sandbox:
+def sandboxes() -> dict[str, Sandbox]:
     os.makedirs(SENTINEL_DIR, exist_ok=True)
     os.chmod(SENTINEL_DIR, 0o755)
     with open(SENTINEL, "w") as f:
         f.write(SECRET)
     os.chmod(SENTINEL, 0o644)
-    box = Sandbox(LIMITS, isolation_mode="auto")
-    assert box.mode == "namespaces", "this machine allows user namespaces: the strict mode must be chosen"
-    return box
+    boxes = {"namespaces": Sandbox(LIMITS, isolation_mode="auto"), "process": Sandbox(LIMITS, isolation_mode="process")}
+    assert boxes["namespaces"].mode == "namespaces", "this machine allows user namespaces: auto must choose them"
+    return boxes
 
 
 def snippet(code: str) -> str:
@@ -94,7 +101,8 @@ HOSTILE: dict[str, tuple[str, list[str], str, int]] = {
         found = glob.glob('/tmp/rlbatch-sandbox-*') + glob.glob('/tmp/*/work')
         assert not found, found
         """), ["assert True"], "ok", 1),
-    "kills its parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", ["assert True"], "ok", 1),
+    "kills its parent": ("import os, signal\ntry: os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError: pass",
+                         ["assert True"], "ok", 1),
     "kills everything it sees": ("import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit() and int(p) > 1:\n"
                                  "        try: os.kill(int(p), signal.SIGKILL)\n        except OSError: pass",
                                  ["assert True"], "ok", 1),
@@ -107,7 +115,7 @@ HOSTILE: dict[str, tuple[str, list[str], str, int]] = {
     "segfaults": ("import ctypes\nctypes.string_at(0)", ["assert True"], "crashed (SIGSEGV)", 0),
     "aborts": ("import os\nos.abort()", ["assert True"], "", 0),
     "forges a pass": ("import os\nfor fd in range(3, 20):\n    try: os.write(fd, b'0 0 pass ok\\n')\n"
-                      "    except OSError: pass\nos._exit(0)", ["assert f(1) == 2"], "no result", 0),
+                      "    except OSError: pass\nos._exit(0)", ["assert f(1) == 2"], "", 0),
     "prints a pass": ("print('-1 defined\\n0 pass ok')\ndef f(x): return 0", ["assert f(1) == 2"], "wrong", 0),
     "reads the environment": ("import os\nbad = [k for k in os.environ if k.startswith(('SLURM', 'PMI', 'OMPI', "
                               "'MPI', 'HF_', 'AWS', 'RLBATCH')) or 'TOKEN' in k]\nassert not bad, bad",
@@ -125,37 +133,183 @@ HOSTILE: dict[str, tuple[str, list[str], str, int]] = {
 }
 
 
+WRONG = "def f(x):\n    return 0\n"
+HOSTILE_CLASS = "class Yes:\n    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n        return False\n"
+# name -> (code, tests, expected reason prefix, expected passed): a reward without a right answer.
+HACKS: dict[str, tuple[str, list[str], str, int]] = {
+    "__eq__ always true": (HOSTILE_CLASS + "def f(x):\n    return Yes()", ["assert f(1) == 2", "assert not f(1) != 2"],
+                           "error: not plain data (Yes)", 0),
+    "int subclass with __eq__ and __hash__": (snippet("""
+        class I(int):
+            def __eq__(self, other): return True
+            def __hash__(self): return hash(2)
+        def f(x): return I(0)
+        """), ["assert f(1) == 2", "assert f(1) in {2}", "assert isinstance(f(0), int)"], "error: not plain data (I)", 0),
+    "str subclass with __eq__": ("class S(str):\n    __eq__ = lambda self, other: True\ndef f(x):\n    return S('no')",
+                                 ["assert f(1) == 'yes'"], "error: not plain data (S)", 0),
+    "hostile value inside a list": (HOSTILE_CLASS + "def f(x):\n    return [Yes()]", ["assert f(1) == [2]"],
+                                    "error: not plain data (Yes)", 0),
+    "hostile dict key": (HOSTILE_CLASS + "    def __hash__(self):\n        return 0\ndef f(x):\n    return {Yes(): 1}",
+                         ["assert f(1) == {2: 1}"], "error: not plain data", 0),
+    "overrides __class__": ("class Z:\n    __class__ = int\n    __eq__ = lambda self, other: True\ndef f(x):\n"
+                            "    return Z()", ["assert isinstance(f(1), int) and f(1) == 2"], "error: not plain data (Z)", 0),
+    "returns a function": ("def f(x):\n    return lambda *a: True", ["assert f(1)()"], "error: not plain data", 0),
+    "patches builtins.AssertionError": ("import builtins\nclass Never(Exception): pass\nbuiltins.AssertionError = Never\n"
+                                        + WRONG, ["assert f(1) == 2"], "wrong", 0),
+    "patches builtins.isinstance": ("import builtins\nbuiltins.isinstance = lambda *a: True\ndef f(x):\n    return 'x'",
+                                    ["assert isinstance(f(0), int)"], "", 0),
+    "patches builtins.type": (HOSTILE_CLASS + "import builtins\n_type = type\n"
+                              "builtins.type = lambda *a: int if len(a) == 1 else _type(*a)\ndef f(x):\n    return Yes()",
+                              ["assert f(1) == 2"], "", 0),
+    "defines isinstance": ("def isinstance(a, b):\n    return True\ndef f(x):\n    return 'x'",
+                           ["assert isinstance(f(0), int)"], "wrong", 0),
+    "defines AssertionError": ("class AssertionError(Exception): pass\n" + WRONG, ["assert f(1) == 2"], "wrong", 0),
+    "sys.exit(0) before the tests": ("import sys\n" + WRONG + "sys.exit(0)", ["assert f(1) == 2"],
+                                     "error: SystemExit", 0),
+    "os._exit(0) before the tests": ("import os\n" + WRONG + "os._exit(0)", ["assert f(1) == 2"], "no result", 0),
+    "os._exit(0) in the test": ("def f(x):\n    import os\n    os._exit(0)", ["assert f(1) == 2", "assert True"],
+                                "no result", 1),
+    "raises SystemExit in the test": ("def f(x):\n    raise SystemExit(0)", ["assert f(1) == 2"],
+                                      "error: SystemExit", 0),
+    "raises KeyboardInterrupt in the test": ("def f(x):\n    raise KeyboardInterrupt", ["assert f(1) == 2"],
+                                             "error: KeyboardInterrupt", 0),
+    "raises what the test catches": ("def f(x):\n    raise SystemExit(0)",
+                                     ["try:\n    r = f(1)\nexcept Exception:\n    r = 2\nassert r == 2"],
+                                     "error: SystemExit", 0),
+    "exception whose __str__ raises": ("class E(Exception):\n    def __str__(self):\n        raise RuntimeError\n"
+                                       "    __repr__ = __str__\ndef f(x):\n    raise E()", ["assert f(1) == 2"],
+                                       "error: E", 0),
+    "exception with a hostile metaclass": (snippet("""
+        class M(type):
+            @property
+            def __name__(cls): raise RuntimeError
+        def f(x): raise M('Odd', (Exception,), {})()
+        """), ["assert f(1) == 2"], "error: Odd", 0),
+    "infinite recursion": ("def f(x):\n    return f(x)", ["assert f(1) == 2"], "error: RecursionError", 0),
+    "deeply nested result": ("def f(x):\n    r = []\n    for _ in range(10000):\n        r = [r]\n    return r",
+                             ["assert f(1) == 2"], "error: not plain data", 0),
+    "huge result": ("def f(x):\n    return 'x' * (20 << 20)", ["assert f(1) == 2"], "result too large", 0),
+    "prints the result marker": ("def f(x):\n    print('-1 pass defined\\n0 pass ok', flush=True)\n    return 0",
+                                 ["assert f(1) == 2"], "wrong", 0),
+    "writes to every descriptor": (snippet("""
+        import os
+        for fd in range(3, 64):
+            try: os.write(fd, b'\\x00\\x00\\x00\\x0b{"ok": 2}\\n0 0 pass ok\\n')
+            except OSError: pass
+        def f(x): return 0
+        """), ["assert f(1) == 2", "assert f(2) == 3"], "", 0),
+    "patches the harness via sys.modules": (snippet("""
+        import sys
+        harness = sys.modules['__main__']
+        harness.encode = lambda x, depth=0: True
+        harness.report = lambda *a: None
+        harness.AssertionError = Exception
+        def f(x): return 0
+        """), ["assert f(1) == 2", "assert f(2) == 3"], "", 0),
+    "reads the expected answers from memory": (snippet("""
+        import gc, re, sys
+        seen = []
+        for o in gc.get_objects():
+            if type(o) is dict: seen += [v for v in o.values() if type(v) is str]
+            elif type(o) in (list, tuple): seen += [v for v in o if type(v) is str]
+        frame = sys._getframe()
+        while frame:
+            seen += [v for v in frame.f_locals.values() if type(v) is str]
+            frame = frame.f_back
+        table = {}
+        for text in seen:
+            for a, b in re.findall(r'f\\((\\d+)\\) == (\\d+)', text):
+                table[int(a)] = int(b)
+        def f(x): return table.get(x, -1)
+        """), ["assert f(1) == 7", "assert f(2) == 9"], "wrong", 0),
+}
+
+# Code that goes for the worker or the judge; it answers right only when every try was refused.
+FIND = snippet("""
+    import ctypes, os, resource, signal
+    def ppid_of(pid):
+        with open(f'/proc/{pid}/stat') as fh:
+            return int(fh.read().rsplit(')', 1)[1].split()[1])
+    judge = os.getppid() or os.getpid()
+    worker = ppid_of(judge) or judge  # under a pid namespace the judge's parent is outside it
+    refused = True
+    def tried(fn, *args):
+        global refused
+        try:
+            got = fn(*args)
+        except OSError:
+            return
+        if got != -1:  # a libc call through ctypes fails with -1; anything else went through
+            refused = False
+    """) + "\n"
+ANSWER = "\ndef f(x):\n    return x + 1 if refused else 0\n"
+ATTACKS: dict[str, str] = {
+    "signals the worker": "tried(os.kill, worker, 0)",
+    "stops the judge": "tried(os.kill, judge, signal.SIGSTOP)",
+    "signals its process group": "tried(os.killpg, 0, signal.SIGCONT)",
+    "traces the judge": "tried(ctypes.CDLL(None).ptrace, 0x4206, judge, 0, 0)",  # PTRACE_SEIZE
+    "reads the worker's rlimits": "tried(resource.prlimit, worker, resource.RLIMIT_CORE)",
+    "renices the judge": "tried(os.setpriority, os.PRIO_PROCESS, judge, 19)",
+    "opens the judge's memory": "tried(open, f'/proc/{judge}/mem', 'rb')",
+    "opens the judge's stdin": "tried(open, f'/proc/{judge}/fd/0', 'rb')",
+    "leaves its process group": "tried(os.setsid)",
+}
+
+NOT_IN_PROCESS_MODE = {"tries the network (tcp)", "tries the network (dns)", "tries loopback",
+                       "reads other samples' scratch", "sees no host processes",
+                       # RLIMIT_NPROC counts every process of `nobody` on the node: a bomb would starve the others
+                       "fork bomb", "thread bomb",
+                       # one loop is enough to show the process mode's timeout
+                       "loops at import", "sleeps", "burns cpu in a thread", "loops in one test only"}
 LOOPS = ("never returns", "loops at import", "loops in one test only")
 LOOP_ENDS = ("timeout", "cpu time limit")
 
 
+def cases() -> dict[tuple[str, str], tuple[str, list[str], str, int]]:
+    out = {}
+    for mode in ("namespaces", "process"):
+        for name, case in HOSTILE.items():
+            if mode == "namespaces" or name not in NOT_IN_PROCESS_MODE:
+                out[mode, name] = case
+        for name, case in HACKS.items():
+            out[mode, name] = case
+        for name, attack in ATTACKS.items():
+            out[mode, name] = (FIND + attack + ANSWER, ["assert f(1) == 2"], "ok", 1)
+    return out
+
+
+CASES = cases()
+
+
 @pytest.fixture(scope="module")
-def outcomes(sandbox: Sandbox) -> dict[str, Outcome]:
+def outcomes(sandboxes: dict[str, Sandbox]) -> dict[tuple[str, str], Outcome]:
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlbatch-sandbox-*")))
-    names = list(HOSTILE)
-    results = sandbox.run_many([Job(HOSTILE[n][0], HOSTILE[n][1]) for n in names])
+    keys = list(CASES)
+    # One pool for both sandboxes: the slow cases (loops waiting for their alarm) overlap.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda k: sandboxes[k[0]].run(Job(CASES[k][0], CASES[k][1])), keys))
     after = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlbatch-sandbox-*")))
     assert after <= before, f"scratch directories left behind: {sorted(after - before)}"
-    return dict(zip(names, results, strict=True))
+    return dict(zip(keys, results, strict=True))
 
 
 def test_enough_hostile_snippets() -> None:
-    assert len(HOSTILE) >= 30
+    assert len(HOSTILE) >= 30 and len(HACKS) >= 20 and len(ATTACKS) >= 8
 
 
-@pytest.mark.parametrize("name", list(HOSTILE))
-def test_outcome(outcomes: dict[str, Outcome], name: str) -> None:
-    code, tests, reason, passed = HOSTILE[name]
-    got = outcomes[name]
+@pytest.mark.parametrize("key", list(CASES), ids=[f"{m}-{n}" for m, n in CASES])
+def test_outcome(outcomes: dict[tuple[str, str], Outcome], key: tuple[str, str]) -> None:
+    code, tests, reason, passed = CASES[key]
+    got = outcomes[key]
     assert got.passed == passed, (got, got.output)
     assert got.total == len(tests)
-    ends = LOOP_ENDS if name in LOOPS else (reason,)
+    ends = LOOP_ENDS if key[1] in LOOPS else (reason,)
     assert got.reason.startswith(ends), (got.reason, got.tests, got.output)
     if passed < len(tests):
         assert got.reason != "ok"
 
 
-def test_host_unchanged(outcomes: dict[str, Outcome]) -> None:
+def test_host_unchanged(outcomes: dict[tuple[str, str], Outcome]) -> None:
     with open(SENTINEL) as f:
         assert f.read() == SECRET
     assert oct(os.stat(SENTINEL).st_mode & 0o777) == oct(0o644)
@@ -164,25 +318,65 @@ def test_host_unchanged(outcomes: dict[str, Outcome]) -> None:
     assert left.stdout.strip() == "", f"processes left running: {left.stdout}"
 
 
-def test_output_is_capped(outcomes: dict[str, Outcome]) -> None:
-    out = outcomes["prints a gigabyte"].output
+def test_output_is_capped(outcomes: dict[tuple[str, str], Outcome]) -> None:
+    out = outcomes["namespaces", "prints a gigabyte"].output
     assert 0 < len(out) <= LIMITS.output_kb << 10
 
 
-def test_worker_keeps_serving(sandbox: Sandbox, outcomes: dict[str, Outcome]) -> None:
-    [again] = sandbox.run_many([Job(GOOD, ["assert f(41) == 42"])])
-    assert (again.passed, again.reason) == (1, "ok")
+def test_worker_keeps_serving(sandboxes: dict[str, Sandbox], outcomes: dict[tuple[str, str], Outcome]) -> None:
+    for box in sandboxes.values():
+        [again] = box.run_many([Job(GOOD, ["assert f(41) == 42", "assert f(x=1) == 2 and f(-1) is not None"])])
+        assert (again.passed, again.reason) == (2, "ok"), again
 
 
-def test_process_mode_contains_what_it_can() -> None:
-    """Without namespaces: limits, timeout, crash and syntax still give reward 0 and a reason."""
-    box = Sandbox(LIMITS, isolation_mode="process")
-    cases = {"never returns": LOOP_ENDS, "allocates all memory": ("error: MemoryError",),
-             "segfaults": ("crashed (SIGSEGV)",), "does not parse": ("syntax",), "good code still works": ("ok",),
-             "exits early": ("no result",)}
-    got = box.run_many([Job(HOSTILE[n][0], HOSTILE[n][1]) for n in cases])
-    for (name, reasons), outcome in zip(cases.items(), got, strict=True):
-        assert outcome.reason.startswith(reasons), (name, outcome)
+def test_plain_data_round_trip() -> None:
+    """What crosses from the code to the tests keeps its exact value and type; anything else is refused."""
+    from rlbatch.sandbox.harness import _NotPlain, decode, encode
+
+    value = [1, -2.5, float("inf"), 1 + 2j, "é", b"\x00\xff", True, None, (1, (2,)), {"a": [1]}, {3}, frozenset({4}),
+             {(1, 2): None}, 10**40]
+    back = decode(encode(value))
+    assert back == value and [type(v) for v in back] == [type(v) for v in value]
+    for bad in (int, type("I", (int,), {})(1), [object()], {"k": print}, [[[[]]]] * 0 + [eval("[" * 101 + "]" * 101)]):
+        with pytest.raises(_NotPlain):
+            encode(bad)
+    for forged in (b"", b"X", encode([1, 2])[:-1], encode(1) + b"N", b"E" + encode([[1]])[1:], b"L\xff\xff\xff\xff"):
+        with pytest.raises(ValueError):
+            decode(forged)
+
+
+SAME_USER = snippet("""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from rlbatch.sandbox.limits import Limits
+    from rlbatch.sandbox.runner import Job, Sandbox
+    box = Sandbox(Limits(test_timeout_s=3.0), isolation_mode="process")
+    jobs = [Job(json.loads(sys.argv[2]) + attack + json.loads(sys.argv[3]), ["assert f(1) == 2"])
+            for attack in json.loads(sys.argv[4])]
+    print(json.dumps([(o.passed, o.reason) for o in box.run_many(jobs)]))
+    """)
+SAME_USER_ATTACKS = ["os.kill(worker, signal.SIGKILL)", "os.kill(worker, signal.SIGSTOP)",
+                     "tried(ctypes.CDLL(None).ptrace, 16, worker, 0, 0)",  # PTRACE_ATTACH: stops it
+                     "tried(resource.prlimit, worker, resource.RLIMIT_NOFILE, (3, 3))",
+                     "tried(open, f'/proc/{worker}/mem', 'r+b')"]
+
+
+def test_process_mode_worker_of_the_same_user() -> None:
+    """The process mode as a user other than root, where the code runs as the worker's own user:
+    the worker (a throwaway one here, run as `nobody`) survives real SIGKILL, SIGSTOP, ptrace,
+    prlimit and /proc/<pid>/mem attacks from the code it runs, and judges it."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None or not os.path.exists("/usr/bin/python3"):
+        pytest.fail("needs root and util-linux setpriv to start a worker as another user (CI runs as root)")
+    attacks = [a if a.startswith("tried") else f"try:\n    {a}\nexcept OSError:\n    pass\nelse:\n    refused = False"
+               for a in SAME_USER_ATTACKS]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-I", "-c",
+                           SAME_USER, repo, json.dumps(FIND), json.dumps(ANSWER), json.dumps(attacks)],
+                          capture_output=True, text=True, timeout=120, cwd="/tmp")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == [[1, "ok"]] * len(attacks), list(zip(SAME_USER_ATTACKS, got, strict=True))
 
 
 def test_refuses_bad_limits() -> None:
@@ -192,3 +386,53 @@ def test_refuses_bad_limits() -> None:
         Sandbox(Limits(timeout_s=0))
     with pytest.raises(ValueError, match=r"isolation must be auto, namespaces or process, got 'docker'"):
         Sandbox(isolation_mode="docker")
+
+
+def test_namespaces_is_a_hard_requirement(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Asked for, namespaces that the node lacks are an error with the reason; ``auto`` falls back
+    and the log says what the process mode leaves open."""
+    from rlbatch.sandbox import isolation
+
+    monkeypatch.setattr(isolation, "namespaces_available", lambda: (False, "unshare: Operation not permitted"))
+    with pytest.raises(RuntimeError, match="sandbox.isolation=namespaces is not available on this node: unshare"):
+        Sandbox(isolation_mode="namespaces")
+    with caplog.at_level("WARNING", logger="rlbatch.sandbox.isolation"):
+        assert Sandbox(isolation_mode="auto").mode == "process"
+    assert "NOT isolated: the network" in caplog.text and "the file system" in caplog.text
+
+
+def test_config_refuses_namespaces_the_node_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A local run that asks for sandbox.isolation=namespaces is refused before start on a node without them."""
+    from rlbatch.config.schema import RLBatchConfig
+    from rlbatch.config.validate import check
+    from rlbatch.errors import ConfigError
+    from rlbatch.sandbox import isolation
+
+    cfg = dataclasses.asdict(RLBatchConfig())
+    cfg["run_dir"] = str(tmp_path / "run")
+    cfg["data"]["name"] = "synthetic_code"
+    cfg["roles"]["code_sandbox"] = {"world_size": 1}
+    cfg["roles"]["reward"]["enabled"] = False
+    cfg["sandbox"]["isolation"] = "namespaces"
+    check(cfg)  # this node has them
+    monkeypatch.setattr(isolation, "namespaces_available", lambda: (False, "unshare: Operation not permitted"))
+    with pytest.raises(ConfigError) as err:
+        check(cfg)
+    assert any(p.startswith("sandbox.isolation=namespaces: this node cannot") and "Operation not permitted" in p
+               for p in err.value.problems), err.value.problems
+    cfg["sandbox"]["isolation"] = "auto"
+    check(cfg)  # auto falls back (and says so in the workers' log)
+
+
+def test_refuses_to_start_where_the_harness_cannot_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel without seccomp filters (here: the harness's prctl made to fail) would score every
+    response 0; the sandbox refuses to start instead, with the harness's own error."""
+    from rlbatch.sandbox import isolation
+
+    source = isolation._harness_source()
+    broken = source.replace('    prog = seccomp_program(os.uname().machine)\n',
+                            '    raise OSError(22, "prctl(PR_SET_SECCOMP): Invalid argument")\n')
+    assert broken != source
+    monkeypatch.setattr(isolation, "_harness_source", lambda: broken)
+    with pytest.raises(RuntimeError, match=r"sandbox \(process\): a right program fails here \(no result\).*PR_SET_SECCOMP"):
+        Sandbox(LIMITS, isolation_mode="process")

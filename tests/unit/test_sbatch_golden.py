@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rlbatch.config.validate import check
 from rlbatch.launch.compose import compose
-from rlbatch.launch.slurm import sbatch_script
+from rlbatch.launch.slurm import rank_env, sbatch_script
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "sbatch"
 CASES = {
@@ -29,12 +30,30 @@ CASES = {
     "areal_16gpu": ["roles=areal_16gpu", "cluster.qos=high", "+cluster.sbatch_args.exclusive=true"],
     "areal_moe_hybrid_32gpu": ["roles=areal_moe_hybrid_32gpu", "cluster.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
                                "cluster.container_mounts=/scratch:/scratch", "cluster.mpi=pmix"],
+    # Every field that reaches the script set to an unusual but legal value: quotes, spaces, '$',
+    # '#', lists, a multi-line setup block (tests/unit/test_sbatch_injection.py: the hostile ones).
+    "unusual_but_legal": [
+        "run_dir=\"/shared/runs/it's my run\"", "cluster.partition='gpu,gpu-long'", "cluster.account=proj.ml-1",
+        "cluster.qos=high_prio", "cluster.constraint='[a100|h100]&ib'", "cluster.job_name='grpo run #3 $HOME'",
+        "cluster.mem_gb=64", "cluster.time_min=90", "cluster.mpi=pmix", "cluster.network_interface=ib0",
+        "cluster.container_image='/shared/images/my image.sqsh'",
+        "cluster.container_mounts='/data/my data:/data,/scratch:/scratch'",
+        "cluster.srun_args=['--cpu-bind=none','--export=ALL']", "cluster.preempt_signal=TERM",
+        "cluster.signal_delay_s=300", "+cluster.sbatch_args.exclusive=true", "+cluster.sbatch_args.mail_type='END,FAIL'",
+        "+cluster.sbatch_args.comment=\"it's $USER's run\"", "+cluster.env.WANDB_NOTES='it\\'s \"$HOME\" `x` $(id)'",
+        "cluster.setup=['module load cuda/12.4','source \"/shared/venvs/my env/bin/activate\"',"
+        "'if [ -n \"$SLURM_JOB_ID\" ]; then\n  echo \"job $SLURM_JOB_ID\"\nfi']",
+    ],
 }
 
 
 def render(overrides: list[str]) -> str:
     cfg = compose(["cluster=slurm", "run_dir=/shared/runs/example", *overrides])
-    text = sbatch_script(cfg, check(cfg, runnable=False), Path("/shared/runs/example"))
+    return render_config(cfg)
+
+
+def render_config(cfg: Any) -> str:
+    text = sbatch_script(cfg, check(cfg, runnable=False), Path(str(cfg.run_dir)))
     return text.replace(sys.executable, "PYTHON")
 
 
@@ -60,3 +79,41 @@ def test_request_comes_from_the_placement() -> None:
 def test_cpu_device_jobs_keep_freed_memory_for_reuse() -> None:
     assert "export MALLOC_MMAP_THRESHOLD_=" in render(["cluster.device=cpu"])
     assert "MALLOC_" not in render(["cluster.device=cuda"]) and "MALLOC_" not in render([])
+
+
+HEADER_OPTIONS = {"cpus-per-task", "gres", "job-name", "nodes", "ntasks-per-node", "open-mode", "output", "requeue",
+                  "signal", "time", "wckey", "partition", "account", "qos", "constraint", "mem"}
+"""The #SBATCH options rlbatch and submitit write; any other comes from cluster.sbatch_args."""
+
+
+def structure_problems(text: str, cfg: Any) -> list[str]:
+    """Where the script differs from its intended shape: one #SBATCH line per known option, and
+    exactly the setup lines, one export per rank variable, srun and the post-mortem as commands.
+    A value that escaped its line shows up here as an extra or a changed line."""
+    known = HEADER_OPTIONS | {str(k).replace("_", "-") for k in cfg.cluster.sbatch_args}
+    options = [ln.removeprefix("#SBATCH --").split("=", 1)[0] for ln in text.split("\n") if ln.startswith("#SBATCH")]
+    problems = [f"unknown option --{o}" for o in options if o not in known]
+    problems += [f"--{o} appears {options.count(o)} times" for o in set(options) if options.count(o) > 1]
+    commands = [ln for ln in text.split("\n") if ln.strip() and not ln.lstrip().startswith("#")]
+    setup = [ln for entry in cfg.cluster.setup for ln in str(entry).split("\n")]
+    expected = [*setup, *(f"export {k}=" for k in rank_env(cfg, Path(str(cfg.run_dir)))), "export SUBMITIT_EXECUTOR=slurm",
+                "srun --unbuffered --output ", "PYTHON -m rlbatch.runtime.postmortem "]
+    if len(commands) != len(expected) or not all(c.startswith(e) for c, e in zip(commands, expected, strict=False)):
+        problems.append(f"commands {commands} are not the expected {expected}")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_line_of_the_script_is_one_rlbatch_meant_to_write(name: str) -> None:
+    cfg = compose(["cluster=slurm", "run_dir=/shared/runs/example", *CASES[name]])
+    assert structure_problems(render_config(cfg), cfg) == []
+
+
+def test_the_shape_check_sees_a_value_that_escaped_its_line() -> None:
+    cfg = compose(["cluster=slurm", *CASES["unusual_but_legal"]])
+    text = render_config(cfg)
+    directive = text.replace("--partition=gpu,gpu-long", "--partition=gpu\n#SBATCH --wrap=x")
+    command = text.replace("#SBATCH --job-name='grpo run #3 $HOME'", "#SBATCH --job-name='a\ntouch x #'")
+    assert structure_problems(directive, cfg) == ["unknown option --wrap"]
+    assert len(structure_problems(command, cfg)) == 1
+

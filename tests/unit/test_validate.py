@@ -8,7 +8,6 @@ from the default experiment, which runs.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import sys
 from collections.abc import Iterator
@@ -20,30 +19,16 @@ import pytest
 from rlbatch import ConfigError
 from rlbatch.algos import registry as algos_registry
 from rlbatch.checkpoint.store import CheckpointStore
-from rlbatch.config.schema import RLBatchConfig
 from rlbatch.config.validate import check
 from rlbatch.engines import registry as engines_registry
 from rlbatch.placement import backend as placement_backend
+from tests.unit.configs import default_config, set_
 
 
 @pytest.fixture
 def cfg(tmp_path: Path) -> dict[str, Any]:
     """The default experiment as a plain dict, with its run directory under tmp_path."""
-    c = dataclasses.asdict(RLBatchConfig())
-    c["run_dir"] = str(tmp_path / "run")
-    return c
-
-
-def set_(cfg: dict[str, Any], **dotted: Any) -> dict[str, Any]:
-    """A copy with 'a__b=value' set as cfg['a']['b'] (None deletes nothing: it sets None)."""
-    out = copy.deepcopy(cfg)
-    for key, value in dotted.items():
-        *path, last = key.split("__")
-        node = out
-        for k in path:
-            node = node.setdefault(k, {})
-        node[last] = value
-    return out
+    return default_config(tmp_path / "run")
 
 
 def problems(cfg: dict[str, Any], runnable: bool = True) -> list[str]:
@@ -252,9 +237,9 @@ def test_ppo_runs_with_a_critic_and_refuses_what_it_cannot_run(cfg: dict[str, An
         "algo.advantage: gae reads the critic's values, which only ['ppo'] compute; use algo=ppo, or a "
         "critic-free estimator with algo.name=grpo"]
     assert problems(ppo(cfg, algo__lam=1.5, algo__value_clip=-0.1, algo__critic_lr=0, algo__critic_warmup_steps=-1)) == [
-        "algo.lam: GAE's lambda must be in [0, 1], got 1.5",
+        "algo.lam: must be in [0, 1] (GAE's lambda), got 1.5",
         "algo.value_clip: must be >= 0 (0 disables value clipping), got -0.1",
-        "algo.critic_lr: must be a positive learning rate or null (algo.lr), got 0",
+        "algo.critic_lr: must be > 0 (a learning rate; null: algo.lr), got 0",
         "algo.critic_warmup_steps: must be >= 0, got -1"]
     assert problems(ppo(cfg, steps=5, algo__critic_warmup_steps=5)) == [
         "algo.critic_warmup_steps: 5 warm-up steps train only the critic, and the run has steps=5: the actor "
@@ -316,9 +301,9 @@ def test_the_launcher_refuses_family_presets_before_anything_starts(
 
 def test_overlong_buffer_and_gamma_are_checked(cfg: dict[str, Any]) -> None:
     assert problems(set_(cfg, algo__max_new_tokens=8, algo__overlong_buffer=9, algo__gamma=0.0)) == [
+        "algo.gamma: must be in (0, 1] (a discount), got 0.0",
         "algo.overlong_buffer: 9 tokens is longer than algo.max_new_tokens = 8; the shaping buffer must fit "
-        "inside the longest response",
-        "algo.gamma: the discount must be in (0, 1], got 0.0"]
+        "inside the longest response"]
     assert problems(set_(cfg, algo__overlong_buffer=-1)) == ["algo.overlong_buffer: must be >= 0, got -1"]
     check(set_(cfg, algo__max_new_tokens=8, algo__overlong_buffer=8, algo__gamma=0.99))
 
@@ -533,7 +518,7 @@ def test_a_reward_model_on_gpus_is_checked_before_anything_starts(cfg: dict[str,
         "reward_model: model_weight and rule_weight are both 0 ({'model_weight': 0, 'rule_weight': 0}): nothing "
         "would score the responses"]
     assert problems(set_(gpu, reward_model__rule_weight=-1)) == [
-        "reward_model: model_weight and rule_weight must be numbers >= 0, got {'model_weight': 1.0, 'rule_weight': -1}"]
+        "reward_model.rule_weight: must be >= 0, got -1"]
     assert problems(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "hf:d2"}))[0].startswith(
         "roles.reward.backend: 'hf:d2' names an inference engine, but reward runs score, which needs a training engine")
     check(set_(gpu, roles__reward={"device_mapping": [0, 1], "backend": "megatron:t2"}))
