@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -59,6 +59,36 @@ def aggregate(per_token: Tensor, mask: Tensor, agg: LossAgg = "token", norm: flo
         if norm is None or norm <= 0:
             raise ValueError(f"loss aggregation 'seq_sum' needs a positive constant norm, got {norm}")
         return (per_token * mask.to(per_token.dtype)).sum() / (norm * max(per_token.shape[0], 1))
+    raise ValueError(f"unknown loss aggregation {agg!r}; expected 'token', 'seq' or 'seq_sum'")
+
+
+def aggregate_total(per_token: Tensor, mask: Tensor, agg: LossAgg = "token", norm: float | None = None) -> Tensor:
+    """The numerator of ``aggregate``: a sum over rows, so the totals of any split of the rows add
+    up to the whole batch's. ``aggregate_total / aggregate_count`` is ``aggregate`` (to rounding)
+    whenever the count is positive; dividing the totals of micro-batches by the count of the whole
+    mini-batch (``aggregate_count`` summed over them) gives the unsplit batch's loss and gradient."""
+    if agg == "token":
+        return (per_token * mask.to(per_token.dtype)).sum()
+    if agg == "seq":
+        has_tokens = (mask.sum(-1) > 0).to(per_token.dtype)
+        return (masked_mean(per_token, mask, dim=-1) * has_tokens).sum()
+    if agg == "seq_sum":
+        if norm is None or norm <= 0:
+            raise ValueError(f"loss aggregation 'seq_sum' needs a positive constant norm, got {norm}")
+        return (per_token * mask.to(per_token.dtype)).sum() / norm
+    raise ValueError(f"unknown loss aggregation {agg!r}; expected 'token', 'seq' or 'seq_sum'")
+
+
+def aggregate_count(mask: Tensor, agg: LossAgg = "token") -> Tensor:
+    """The denominator of ``aggregate`` for the rows of ``mask`` ``[B, T]``, additive over rows:
+    ``"token"`` the valid tokens, ``"seq"`` the sequences with at least one, ``"seq_sum"`` every
+    sequence (its constant norm is in ``aggregate_total``)."""
+    if agg == "token":
+        return mask.to(torch.float64).sum()
+    if agg == "seq":
+        return (mask.sum(-1) > 0).to(torch.float64).sum()
+    if agg == "seq_sum":
+        return torch.tensor(float(mask.shape[0]), dtype=torch.float64)
     raise ValueError(f"unknown loss aggregation {agg!r}; expected 'token', 'seq' or 'seq_sum'")
 
 
@@ -218,3 +248,63 @@ def entropy_for_stats(logits: Tensor, rows: int = 1024) -> Tensor:
     out = torch.cat([entropy_from_logits(flat[i : i + rows]) for i in range(0, flat.shape[0], rows)]) \
         if flat.shape[0] else flat.new_zeros(0)
     return out.reshape(logits.shape[:-1])
+
+
+CHUNK_BYTES = 1 << 28
+"""``chunked_logprobs`` upcasts this many bytes of fp32 logits at a time (256 MiB: ~440 rows of a
+151936-token vocabulary)."""
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Log-prob of each target and optionally the entropy, ``rows`` logits rows at a time in fp32.
+    Saves only the logits as given (bf16 on a GPU) and one fp32 number or two per row; the backward
+    recomputes each chunk's softmax from the saved log-normaliser."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, rows: int, entropy: bool) -> tuple[Tensor, Tensor]:
+        K = logits.shape[0]
+        logp = torch.empty(K, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if entropy else logp.new_zeros(0)
+        for i in range(0, K, rows):
+            x = logits[i : i + rows].float()
+            lse[i : i + rows] = torch.logsumexp(x, dim=-1)
+            logp[i : i + rows] = x.gather(-1, targets[i : i + rows, None]).squeeze(-1) - lse[i : i + rows]
+            if entropy:
+                ent[i : i + rows] = lse[i : i + rows] - (torch.softmax(x, dim=-1) * x).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, ent)
+        ctx.rows, ctx.entropy = rows, entropy
+        if not entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: Tensor, g_ent: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, targets, lse, ent = ctx.saved_tensors
+        rows = ctx.rows
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], rows):
+            x = logits[i : i + rows].float()
+            p = torch.exp(x - lse[i : i + rows, None])
+            gl = g_logp[i : i + rows, None]
+            # d logp_t / dx = onehot(t) - p;  d H / dx = -p * (x - E_p[x]),  E_p[x] = lse - H
+            g = -p * gl
+            if ctx.entropy:
+                g -= p * (x - (lse[i : i + rows] - ent[i : i + rows])[:, None]) * g_ent[i : i + rows, None]
+            g.scatter_add_(-1, targets[i : i + rows, None], gl)
+            grad[i : i + rows] = g.to(grad.dtype)
+        return grad, None, None, None
+
+
+def chunked_logprobs(logits: Tensor, targets: Tensor, entropy: bool = False,
+                     chunk_bytes: int = CHUNK_BYTES) -> tuple[Tensor, Tensor | None]:
+    """(log-prob of each target, entropy or None) of ``[K, V]`` logits, both ``[K]`` fp32.
+
+    The numbers of ``token_logprobs`` and ``entropy_from_logits`` (logsumexp and softmax in fp32),
+    computed ``chunk_bytes`` of fp32 logits at a time, forward and backward: the graph keeps the
+    logits as given and ``[K]`` floats, never an fp32 ``[K, V]`` copy, a softmax or its product
+    (``token_logprobs`` keeps the fp32 copy for its logsumexp; the entropy of full logits keeps
+    three such tensors)."""
+    rows = max(1, chunk_bytes // (4 * max(logits.shape[-1], 1)))
+    logp, ent = _ChunkedLogProbs.apply(logits, targets, rows, entropy)
+    return logp, ent if entropy else None

@@ -81,17 +81,35 @@ kl_k3 = partial(core.kl_penalty, kind="k3")
 kl_abs = partial(core.kl_penalty, kind="abs")
 
 
-# Aggregations: (per_token [B, T], mask, algo) -> scalar.
-def agg_token(per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
-    return core.aggregate(per_token, mask, "token")
+# Aggregations: (per_token [B, T], mask, algo) -> scalar; each also gives its numerator (``total``)
+# and denominator (``count``) so an engine can split a mini-batch anyhow and keep its exact loss.
+class Aggregation:
+    """A registered loss aggregation: ``agg(per_token, mask, algo)`` is ``core.aggregate``;
+    ``agg.total`` its numerator (a sum over rows) and ``agg.count`` its denominator (additive over
+    rows), so a loss split over micro-batches and ranks is ``sum(total) / sum(count)``."""
+
+    def __init__(self, kind: core.LossAgg, doc: str) -> None:
+        self.kind = kind
+        self.__doc__ = doc
+
+    def _norm(self, algo: Any) -> float | None:
+        if self.kind != "seq_sum":
+            return None
+        if algo is None:
+            raise ValueError("loss aggregation 'seq_sum' divides by algo.max_new_tokens: pass the algorithm config")
+        return float(algo.max_new_tokens)
+
+    def __call__(self, per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
+        return core.aggregate(per_token, mask, self.kind, self._norm(algo))
+
+    def total(self, per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
+        return core.aggregate_total(per_token, mask, self.kind, self._norm(algo))
+
+    def count(self, mask: Tensor, algo: Any = None) -> Tensor:
+        return core.aggregate_count(mask, self.kind)
 
 
-def agg_seq(per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
-    return core.aggregate(per_token, mask, "seq")
-
-
-def agg_seq_sum(per_token: Tensor, mask: Tensor, algo: Any = None) -> Tensor:
-    """Dr.GRPO: token sums over the constant max_new_tokens, averaged over sequences."""
-    if algo is None:
-        raise ValueError("loss aggregation 'seq_sum' divides by algo.max_new_tokens: pass the algorithm config")
-    return core.aggregate(per_token, mask, "seq_sum", float(algo.max_new_tokens))
+agg_token = Aggregation("token", "Token mean over the batch (DAPO): total = token sum, count = valid tokens.")
+agg_seq = Aggregation("seq", "Mean of per-sequence token means (GRPO): count = sequences with a valid token.")
+agg_seq_sum = Aggregation("seq_sum", "Dr.GRPO: token sums over the constant max_new_tokens, averaged over "
+                                     "sequences: total = token sum / max_new_tokens, count = sequences.")

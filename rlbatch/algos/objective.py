@@ -8,9 +8,11 @@ aggregated over the response tokens with the configured aggregation.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlbatch.algos import core
@@ -32,7 +34,10 @@ class LossInput:
     """Other per-token sample fields present in the batch: old_logprobs, ref_logprobs, loss_mask
     (0 on the tokens of a sample kept out of the loss), ..."""
     logits: Tensor | None = None
-    """``[B, T, V]`` logits of the response positions, when ``needs_logits``."""
+    """``[B, T, V]`` logits of the response positions, when ``needs_logits`` (and the engine keeps them)."""
+    entropy: Tensor | None = None
+    """``[B, T]`` entropy of each response position (with gradient), when ``needs_logits`` and the
+    engine computes it without keeping the logits (``rlbatch.algos.core.chunked_logprobs``)."""
 
 
 class PolicyObjective:
@@ -45,7 +50,10 @@ class PolicyObjective:
 
     def __init__(self, algo: Any) -> None:
         agg = AGGREGATIONS.get(str(algo.loss_agg))
+        self.aggregation = agg
         self.agg = lambda per_token, mask: agg(per_token, mask, algo)
+        self.denominator: float | None = None
+        """Set by ``split``: each loss term is its total over the micro-batch divided by this."""
         self.policy_loss = POLICY_LOSSES.get(str(getattr(algo, "policy_loss", "ppo_clip")))
         self.kl = KL_ESTIMATORS.get(str(algo.kl_estimator))
         self.kl_coef = float(algo.kl_coef) if not algo.kl_in_reward else 0.0
@@ -73,7 +81,8 @@ class PolicyObjective:
             correction = ratio_stats(ratio, weight, keep, mask)
             advantages, mask = advantages * weight, mask * keep
         loss, clip = self.policy_loss(x.logp, old, advantages, mask, self.algo, self.agg)
-        stats = correction | {"pg_loss": loss.item(), "clip_frac": clip.clip_frac.item(), "clip_frac_low": clip.clip_frac_low.item(),
+        f = loss_stat_factor(self, mask)
+        stats = correction | {"pg_loss": loss.item() * f, "clip_frac": clip.clip_frac.item(), "clip_frac_low": clip.clip_frac_low.item(),
                  "clip_frac_high": clip.clip_frac_high.item(), "approx_kl_old": clip.approx_kl.item()}
         if "loss_mask" in x.fields:
             stats["loss_masked_frac"] = 1.0 - (mask.sum() / x.mask.sum().clamp(min=1.0)).item()
@@ -83,15 +92,75 @@ class PolicyObjective:
                                  f"(fields: {sorted(x.fields)})")
             kl = self.agg(self.kl(x.logp, x.fields["ref_logprobs"]), mask)
             loss = loss + self.kl_coef * kl
-            stats["kl_ref"] = kl.item()
+            stats["kl_ref"] = kl.item() * f
         if self.entropy_coef > 0:
-            assert x.logits is not None, "the objective needs logits (entropy_coef > 0)"
-            ent = self.agg(core.entropy_from_logits(x.logits), mask)
+            per_token = x.entropy
+            if per_token is None:
+                assert x.logits is not None, "the objective needs logits or entropy (entropy_coef > 0)"
+                per_token = core.entropy_from_logits(x.logits)
+            ent = self.agg(per_token, mask)
             loss = loss - self.entropy_coef * ent
-            stats["entropy"] = ent.item()
+            stats["entropy"] = ent.item() * f
+        elif x.entropy is not None:
+            stats["entropy"] = self.agg(x.entropy.detach(), mask).item() * f
         elif x.logits is not None:
-            stats["entropy"] = self.agg(core.entropy_for_stats(x.logits), mask).item()
+            stats["entropy"] = self.agg(core.entropy_for_stats(x.logits), mask).item() * f
         return loss, stats
+
+    def token_mask(self, sample: dict[str, Tensor]) -> Tensor:
+        """The response tokens of ``sample`` that count in the loss (as ``__call__`` masks them):
+        its loss mask times the off-policy correction's keep mask."""
+        mask = torch.ones(len(sample["response"]))
+        if "loss_mask" in sample:
+            mask = mask * sample["loss_mask"].float()
+        if self.correction is not None:
+            if "old_logprobs" not in sample:  # keep = f(current log-probs): unknown before the forward
+                raise ValueError(f"train: algo.off_policy={self.algo.off_policy!r} keeps tokens by their old log-probs, "
+                                 f"which a sample of the first mini-batch lacks, so the loss's denominator is unknown "
+                                 f"before the forward; use engine_args.max_tokens_per_micro_batch=0 with it")
+            ratio = importance_ratio(sample["old_logprobs"], sample["behaviour_logprobs"])[None]
+            mask = mask * self.correction(ratio, mask[None], self.algo)[1][0]
+        return mask
+
+    def split(self, denominator: float) -> PolicyObjective:
+        """This objective with every loss term the micro-batch's total divided by ``denominator``."""
+        return split_objective(self, denominator)
+
+
+def aggregation_count(objective: Any, samples: list[dict[str, Tensor]]) -> float:
+    """The denominator of ``objective``'s aggregation over ``samples``, each masked by
+    ``objective.token_mask``: additive over samples, so micro-batches' and ranks' counts sum to the
+    whole batch's."""
+    count = getattr(objective.aggregation, "count", None)
+    if count is None:
+        raise ValueError(f"loss aggregation {objective.algo.loss_agg!r} has no count (denominator): register an "
+                         f"aggregation with total and count (rlbatch.algos.estimators.Aggregation) to train with "
+                         f"engine_args.max_tokens_per_micro_batch")
+    if not samples:
+        return 0.0
+    masks = torch.nn.utils.rnn.pad_sequence([objective.token_mask(s) for s in samples], batch_first=True)
+    return float(count(masks, objective.algo))
+
+
+def split_objective(objective: Any, denominator: float) -> Any:
+    """A copy of ``objective`` whose aggregation is the micro-batch's total over ``denominator``
+    (the whole batch's count, or a rank's share of it): the micro-batches' losses then add up to
+    the unsplit batch's. Its loss stats stay per-micro-batch means (total over the micro-batch's
+    own count), so the engine weighs them like the other stats."""
+    if getattr(objective.aggregation, "total", None) is None:
+        aggregation_count(objective, [])  # raises the message naming the aggregation
+    out = copy.copy(objective)
+    total, algo = objective.aggregation.total, objective.algo
+    out.denominator = float(denominator)
+    out.agg = lambda per_token, mask: total(per_token, mask, algo) / out.denominator
+    return out
+
+
+def loss_stat_factor(objective: Any, mask: Tensor) -> float:
+    """1, or for a split objective what turns a loss term back into the micro-batch's mean."""
+    if objective.denominator is None:
+        return 1.0
+    return objective.denominator / max(float(objective.aggregation.count(mask, objective.algo)), 1.0)
 
 
 def objective_for(role: str, algo: Any) -> Any:

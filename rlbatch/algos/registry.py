@@ -12,7 +12,10 @@ differs, a program; no engine changes.
                     ``values`` and return (advantages, returns)
     POLICY_LOSSES   (logp, old_logp, advantages [B,T], mask, algo cfg, aggregate) -> (loss, ClipStats)
     KL_ESTIMATORS   (logp, ref_logp) -> per-token KL estimate
-    AGGREGATIONS    (per_token [B,T], mask, algo cfg) -> scalar
+    AGGREGATIONS    (per_token [B,T], mask, algo cfg) -> scalar; an entry with ``total`` (the
+                    numerator, a sum over rows) and ``count`` (the denominator, additive over rows),
+                    as ``rlbatch.algos.estimators.Aggregation``, also trains under any micro-batch
+                    split (``engine_args.max_tokens_per_micro_batch``) with the unsplit batch's loss
     OFF_POLICY      (ratio [B,T], mask, algo cfg) -> (weight [B,T], keep [B,T]): the correction for
                     tokens sampled by another policy (ratio: old policy / behaviour policy)
     PROGRAMS        the controller loop for algo.name

@@ -106,13 +106,29 @@ class ValueObjective:
 
     def __init__(self, algo: Any) -> None:
         agg = AGGREGATIONS.get(str(algo.loss_agg))
+        self.aggregation, self.algo = agg, algo
         self.agg = lambda per_token, mask: agg(per_token, mask, algo)
+        self.denominator: float | None = None
+        """Set by ``split``: the loss is its total over the micro-batch divided by this."""
         self.clip = float(algo.value_clip)
+
+    def token_mask(self, sample: dict[str, Tensor]) -> Tensor:
+        """Every response token of ``sample`` counts in the value loss."""
+        return torch.ones(len(sample["response"]))
+
+    def split(self, denominator: float) -> ValueObjective:
+        """This objective with the loss the micro-batch's total divided by ``denominator``
+        (``rlbatch.algos.objective.split_objective``)."""
+        from rlbatch.algos.objective import split_objective
+
+        return split_objective(self, denominator)
 
     def __call__(self, x: ValueInput) -> tuple[Tensor, dict[str, float]]:
         if "returns" not in x.fields:
             raise ValueError("the value objective needs each sample's per-token 'returns'")
         per_token, clipped = value_loss(x.values, x.fields.get("values"), x.fields["returns"], x.mask, self.clip)
         loss = self.agg(per_token, x.mask)
-        return loss, {"value_loss": loss.item(), "value_clip_frac": masked_mean(clipped, x.mask).item(),
+        from rlbatch.algos.objective import loss_stat_factor
+
+        return loss, {"value_loss": loss.item() * loss_stat_factor(self, x.mask), "value_clip_frac": masked_mean(clipped, x.mask).item(),
                       "value_mean": masked_mean(x.values.detach(), x.mask).item()}

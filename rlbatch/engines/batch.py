@@ -16,6 +16,14 @@ Two ways to compute the logits that score those tokens, the same numbers either 
   selected for every sample, and the responses (all but their last token) run on top of it.
   Gradients flow back through the selection into the one shared prompt pass. A batch of 32
   prompts x 32 samples computes its prompt tokens 32 times less often.
+- ``Flat`` (engine_args.max_tokens_per_micro_batch > 0): no padding. The samples are
+  concatenated into one row, position ids restarting at 0 at each sample; with no attention
+  mask and no cache, transformers reads the restarts as sequence boundaries and confines
+  attention to each sample (``masking_utils.find_packed_sequence_indices``: an exact
+  block-diagonal causal mask for sdpa/eager, flash-attention's varlen kernel on a GPU). The LM
+  head runs only at the positions that score a response token (``logits_to_keep``), and the
+  log-probs come from ``rlbatch.algos.core.chunked_logprobs``, which keeps no fp32 copy of
+  those logits for the backward.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rlbatch.algos.core import chunked_logprobs, token_logprobs
 from rlbatch.engines.defaults import worth_sharing
 from rlbatch.phases import TOKEN_FIELDS
 
@@ -48,8 +57,17 @@ class Shared:
 
 
 @dataclass
+class Flat:
+    input_ids: torch.Tensor       # [1, N] every sample back to back: prompt, then response but its last token
+    position_ids: torch.Tensor    # [1, N] 0 at each sample's first token
+    keep: torch.Tensor            # [K] the positions whose outputs score a response token
+    where: torch.Tensor           # [K] b * R + j: the response token each kept position scores
+    width: int                    # R
+
+
+@dataclass
 class Packed:
-    inputs: Full | Shared
+    inputs: Full | Shared | Flat
     targets: torch.Tensor             # [B, R] response tokens, right-padded
     mask: torch.Tensor                # [B, R] float, 1 on response tokens
     fields: dict[str, torch.Tensor]   # per-token fields aligned with targets, [B, R]
@@ -106,10 +124,12 @@ def distinct_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[l
 
 
 def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.device,
-         share_prompts: bool = False) -> Packed:
-    """One batch built with a few vectorised writes (no per-sample tensor ops). With
-    ``share_prompts`` the inputs are ``Shared`` when prompts repeat enough to pay
-    (``worth_sharing``), else ``Full``."""
+         share_prompts: bool = False, flat: bool = False) -> Packed:
+    """One batch built with a few vectorised writes (no per-sample tensor ops). With ``flat`` the
+    inputs are one ``Flat`` row of all the samples: one model call, as for the padded forms, so
+    every dp rank of a sharded model makes as many calls as the others (how many tokens a
+    micro-batch holds is decided before, ``rlbatch.engines.train.common``). Else, with
+    ``share_prompts``, ``Shared`` when prompts repeat enough to pay (``worth_sharing``), else ``Full``."""
     prompts, responses = [s["prompt"] for s in samples], [s["response"] for s in samples]
     plen = torch.tensor([t.shape[0] for t in prompts])
     rlen = torch.tensor([t.shape[0] for t in responses])
@@ -122,8 +142,10 @@ def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.devi
     adv = (torch.stack([s["advantage"].float().reshape(()) for s in samples])
            if samples and all("advantage" in s for s in samples) else None)
 
-    inputs: Full | Shared | None = None
-    if share_prompts:
+    inputs: Full | Shared | Flat | None = None
+    if flat:
+        inputs = _flat(prompts, responses, plen, rlen, R, device)
+    elif share_prompts:
         firsts, group = distinct_prompts(prompts)
         if worth_sharing(len(firsts), B):
             inputs = _shared(prompts, plen, rlen, targets, firsts, group, pad_id, device)
@@ -143,6 +165,21 @@ def _full(prompts: list[torch.Tensor], responses: list[torch.Tensor], plen: torc
     attn = (torch.arange(L)[None, :] < total[:, None]).long()
     index = (plen[:, None] - 1 + torch.arange(R)[None, :]).clamp(max=max(L - 1, 0))
     return Full(ids.to(device), attn.to(device), index.to(device))
+
+
+def _flat(prompts: list[torch.Tensor], responses: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor,
+          width: int, device: torch.device) -> Flat:
+    # A response's last token is scored but never read, so it is left out of the inputs. A sample
+    # without a response keeps its prompt: scoring nothing, it still leaves the row non-empty.
+    n = plen + (rlen - 1).clamp(min=0)
+    starts = torch.cumsum(n, 0) - n
+    parts = [t for p, r in zip(prompts, responses, strict=True) for t in (p, r[:-1])]
+    ids = torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.long)
+    pos = torch.arange(int(n.sum())) - torch.repeat_interleave(starts, n)
+    # response token j of a sample starting at s with a prompt of p tokens is scored at s + p - 1 + j
+    b, j = _positions(rlen, torch.zeros_like(rlen))
+    keep = (starts + plen - 1)[b] + j
+    return Flat(ids[None].to(device), pos[None].to(device), keep.to(device), (b * width + j).to(device), width)
 
 
 def _shared(prompts: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor, targets: torch.Tensor,
@@ -177,8 +214,10 @@ def prompt_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def response_logits(model: Any, batch: Packed) -> torch.Tensor:
-    """[B, R, V] logits scoring each response token, from a transformers causal LM."""
+    """[B, R, V] logits scoring each response token, from a transformers causal LM (``Full`` or
+    ``Shared`` inputs; ``Flat`` ones go through ``response_logprobs``)."""
     x = batch.inputs
+    assert not isinstance(x, Flat), "flat inputs keep no [B, R, V] logits: use response_logprobs"
     if isinstance(x, Full):
         logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
         return logits.gather(1, x.index[:, :, None].expand(-1, -1, logits.shape[-1]))
@@ -191,6 +230,41 @@ def response_logits(model: Any, batch: Packed) -> torch.Tensor:
     rest = model(input_ids=x.suffix_ids, attention_mask=mask, position_ids=x.suffix_pos,
                  past_key_values=cache, use_cache=True).logits
     return torch.cat([first, rest], dim=1)
+
+
+def flat_outputs(model: Any, x: Flat, lm: bool) -> torch.Tensor:
+    """[K, C] a model's outputs at the kept positions. ``lm``: a causal LM whose head runs only
+    there (``logits_to_keep``); else a token-level head (a value model: one number per position,
+    cheap everywhere) read there. One call through the model's own forward (FSDP's and DeepSpeed's
+    hooks gather the parameters there) with no attention mask and no cache: what makes
+    transformers confine attention to each sample."""
+    if lm:
+        return model(input_ids=x.input_ids, position_ids=x.position_ids, use_cache=False,
+                     logits_to_keep=x.keep).logits[0]
+    return model(input_ids=x.input_ids, position_ids=x.position_ids, use_cache=False).logits[0, x.keep]
+
+
+def spread(values: torch.Tensor, x: Flat, batch: int) -> torch.Tensor:
+    """[B, R] float32 from per-kept-position values (``flat_outputs`` order), 0 on padding; the
+    gradient flows back to ``values``."""
+    out = torch.zeros(batch * x.width, device=x.where.device)
+    return out.index_copy(0, x.where, values.float()).view(batch, x.width)
+
+
+def response_logprobs(model: Any, batch: Packed, entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(log-probs [B, R], entropy [B, R] or None, logits [B, R, V] or None) of the response tokens.
+
+    ``Flat`` inputs: the LM head only at the scoring positions and log-probs (and, with
+    ``entropy``, the entropy) from ``chunked_logprobs``; no logits are returned. Else the
+    logits of ``response_logits`` in fp32, returned for whoever needs the full distribution."""
+    x, B = batch.inputs, batch.targets.shape[0]
+    if isinstance(x, Flat):
+        logits = flat_outputs(model, x, lm=True)
+        logp, ent = chunked_logprobs(logits, batch.targets.reshape(-1)[x.where], entropy)
+        return spread(logp, x, B), spread(ent, x, B) if ent is not None else None, None
+    full = response_logits(model, batch).float()
+    return token_logprobs(full, batch.targets), None, full
 
 
 def unpack(per_token: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:

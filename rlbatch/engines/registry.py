@@ -34,6 +34,15 @@ class FSDPArgs:
     share_prompts: bool = True
     """Run each distinct prompt of a micro-batch once and its responses on its KV cache (same
     log-probs and gradients, less compute for GRPO groups); off under activation checkpointing."""
+    max_tokens_per_micro_batch: int = 0
+    """> 0: each micro-batch runs without padding, its samples concatenated into one row with
+    attention confined to each sample, the LM head only at the positions that score a response
+    token, log-probs and entropy computed in chunks (no fp32 copy of the logits kept for the
+    backward); share_prompts is then not used, and a reward model (one score per padded row) stays
+    padded. Micro-batches hold at most this many prompt + response tokens (a longer sample alone),
+    every dp rank running as many; training's loss is then exact under any split (the whole
+    mini-batch's aggregation; algo.grad_accum unused) and the samples are spread over the dp ranks
+    by tokens (docs/algorithms.md). 0: padded rows, grad_accum micro-batches by sample count."""
     single_unit_max_mb: int = 64
     """A model of up to this many MB of fp32 parameters is one FSDP unit (one all-gather per
     pass); a larger one gets a unit per decoder layer."""
@@ -101,6 +110,9 @@ class DeepSpeedArgs:
     """Sequences per log-prob forward (0: the rank's whole share in one pass)."""
     share_prompts: bool = True
     """Run each distinct prompt of a micro-batch once and its responses on its KV cache (as fsdp)."""
+    max_tokens_per_micro_batch: int = 0
+    """As fsdp's: > 0 runs each micro-batch without padding in one row, the LM head only at scored
+    positions, micro-batches by tokens with the loss exact under the split. 0: padded rows."""
     offload_optimizer: bool = False
     """ZeRO-Offload: fp32 master weights and AdamW state live in host memory, stepped there."""
     offload_params: bool = False

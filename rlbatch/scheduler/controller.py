@@ -69,6 +69,40 @@ def assign_local_first(ids: list[int], ranks: tuple[int, ...], holder: dict[int,
     return out
 
 
+def balance_tokens(ids: list[int], tokens: dict[int, int], shards: int, mini_batches: int) -> list[list[int]]:
+    """Each shard's samples, spread by tokens: each of the ``mini_batches`` consecutive global
+    mini-batches (``split_even`` of ``ids``) goes to the shards in counts that differ by at most one,
+    longest sample first onto the shard with the fewest tokens that still has room, so within a
+    mini-batch the shards' tokens differ by about one sample's length. A shard's list is its part of
+    mini-batch 0, then of 1, ... (each in ``ids`` order): the trainer's ``mini_batches`` slices of
+    it are its parts of the global mini-batches."""
+    order = {sid: k for k, sid in enumerate(ids)}
+    out: list[list[int]] = [[] for _ in range(shards)]
+    for mb in split_even(ids, mini_batches):
+        quota = [len(x) for x in split_even(mb, shards)]
+        load = [0] * shards
+        parts: list[list[int]] = [[] for _ in range(shards)]
+        for sid in sorted(mb, key=lambda i: (-tokens[i], order[i])):
+            k = min((k for k in range(shards) if len(parts[k]) < quota[k]), key=lambda k: (load[k], k))
+            parts[k].append(sid)
+            load[k] += tokens[sid]
+        for k in range(shards):
+            out[k] += sorted(parts[k], key=order.__getitem__)
+    return out
+
+
+def _tokens(ro: Rollouts) -> dict[int, int]:
+    """Prompt + response tokens of each sample."""
+    return {i: ro.prompt_len.get(i, 0) + ro.response_len.get(i, 0) for i in ro.ids}
+
+
+def token_imbalance(assign: dict[tuple[int, ...], list[int]], tokens: dict[int, int]) -> float:
+    """Most tokens on one shard over the mean per shard (1: balanced)."""
+    per = [sum(tokens[i] for i in ids) for ids in assign.values()]
+    mean = sum(per) / max(len(per), 1)
+    return max(per) / mean if mean > 0 else 1.0
+
+
 class Pipeline:
     def __init__(self, world: World, cfg: RLBatchConfig) -> None:
         self.world, self.cfg, self.p = world, cfg, world.placement
@@ -247,14 +281,14 @@ class Scores:
 class Training:
     """A role's batch of updates under way; ``result()`` waits and averages its shards' stats."""
 
-    def __init__(self, pending: PendingPhase, leaders: list[int]) -> None:
-        self.pending, self.leaders = pending, leaders
+    def __init__(self, pending: PendingPhase, leaders: list[int], imbalance: float = 1.0) -> None:
+        self.pending, self.leaders, self.imbalance = pending, leaders, imbalance
 
     def result(self) -> dict[str, float]:
         out = self.pending.result()
         stats = [out[r] for r in self.leaders]
         keys = set().union(*(o.keys() for o in stats))
-        return {k: sum(o.get(k, 0.0) for o in stats) / len(stats) for k in keys}
+        return {k: sum(o.get(k, 0.0) for o in stats) / len(stats) for k in keys} | {"token_imbalance": self.imbalance}
 
 
 def shards(role: RolePlacement, ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -339,19 +373,35 @@ class Role:
         return Scores(self.pipe.start(spec.name, (self.name,), work, need), ro.ids)
 
     def _assign(self, ro: Rollouts) -> dict[tuple[int, ...], list[int]]:
-        """Samples of each shard: an even split, keeping each sample on the shard that holds it.
+        """Samples of each shard: an even split, keeping each sample on the shard that holds it
+        (or, with ``_balance``, spread by tokens: ``balance_tokens``).
 
         Computed once per batch and kept: every phase of the role on these rollouts (receive,
         log-probs, training) sees the same shards in the same order, though the data moves of
         the earlier ones change which ranks hold what. Training's mini-batches are cut from this
         order, and the old log-probs leave out the first one."""
         key = tuple(ro.ids)
+        if self._balance and (self._assigned is None or self._assigned[0] != key):
+            mini_batches = int(role_algo(self.name, self.pipe.cfg.algo).mini_batches)
+            parts = balance_tokens(ro.ids, _tokens(ro), len(self.shards), mini_batches)
+            self._assigned = (key, dict(zip(self.shards, parts, strict=True)))
         if self._assigned is None or self._assigned[0] != key:
             leader_of = {r: sh[0] for sh in self.shards for r in sh}
             holder = {sid: leader_of[r] for sid, r in self.pipe.holder(ro.ids).items() if r in leader_of}
             by_leader = assign_local_first(ro.ids, tuple(sh[0] for sh in self.shards), holder)
             self._assigned = (key, {sh: by_leader[sh[0]] for sh in self.shards})
         return self._assigned[1]
+
+    @cached_property
+    def _balance(self) -> bool:
+        """Spread samples over the shards by tokens (``balance_tokens``): with the role's engine
+        running token-budget micro-batches (``engine_args.max_tokens_per_micro_batch`` > 0). It
+        changes which samples form each global mini-batch (so, the trajectory), hence opt-in; it
+        ignores where samples are held, so more of them move."""
+        if not self.placement.is_gpu or len(self.shards) < 2:
+            return False
+        args = engine_args(self.placement.engine, self.placement.engine_args)
+        return int(getattr(args, "max_tokens_per_micro_batch", 0)) > 0
 
     def _start_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
                        extra: dict[int, dict[str, Any]] | None = None) -> PendingPhase:
@@ -420,7 +470,8 @@ class Role:
         assign = self._assign(ro)
         extra = {sh[0]: {"targets": {name: [v[i] for i in ids] for name, v in per_sample.items()}}
                  for sh, ids in assign.items()}
-        return Training(self._start_sharded(spec, assign, self._reads(spec), extra), [sh[0] for sh in assign])
+        return Training(self._start_sharded(spec, assign, self._reads(spec), extra), [sh[0] for sh in assign],
+                        token_imbalance(assign, _tokens(ro)))
 
     def _reads(self, spec: PhaseSpec) -> list[str]:
         """The fields ``spec`` reads: the phase table's, and for training those its objective names."""

@@ -21,6 +21,9 @@ def rewards(run_dir: Path) -> list[float]:
 LEARNERS = {
     # the acceptance run: no overrides but the run directory
     "default": ([], 600),
+    # unpadded micro-batches of at most 1024 tokens (a rank's share is ~3.5k): the token-budget
+    # split and the flat forward with chunked log-probs (rlbatch.engines.batch.Flat)
+    "packed": (["+roles.actor_train.engine_args.max_tokens_per_micro_batch=1024"], 900),
     # vLLM generating (its CPU build here), colocated on both ranks and on a rank of its own. The
     # preset's 80 steps pass 0.8 from about step 35; 50 keep a margin (seeded: not flaky).
     "vllm-colocated": (["experiment=arithmetic_vllm", "steps=50"], 1500),

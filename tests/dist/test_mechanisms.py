@@ -40,6 +40,7 @@ SCRIPT_CASES = {
     "world_of_an_8_gpu_node_builds_each_mesh_on_its_own_device": ("world_gpu_node.py", 10, "world ok", 10),
     "first_mini_batch_without_old_logprobs_trains_the_same": ("first_mini_batch.py", 2, "first mini-batch ok", 2),
     "shared_prompt_passes_train_the_same": ("shared_prompts.py", 2, "shared prompts ok", 2),
+    "token_budget_micro_batches_train_the_whole_batchs_gradient": ("loss_split.py", 2, "loss split ok", 2),
     "weight_sync_is_bit_exact_across_two_syncs": ("weightsync.py", 3, "weightsync ok", 3),
     "weight_sync_streams_one_unit_at_a_time_in_the_wire_dtype": ("weight_stream.py", 2, "weight stream ok", 2),
     "calls_in_flight_get_their_own_replies_in_any_wait_order": ("control_order.py", 3, "control order ok", 1),

@@ -170,7 +170,7 @@ def test_engine_args_are_read_by_the_engines_typed_arguments(cfg: dict[str, Any]
              roles__reference__engine_args={"share_prompts": False})  # reference inherits fsdp: accepted
     expected = [
         "roles.actor_train.engine_args: unknown key(s) ['micro_batchez'] for engine 'fsdp'; it accepts "
-        "['micro_batch', 'share_prompts', 'single_unit_max_mb', 'sync_bucket_mb']",
+        "['max_tokens_per_micro_batch', 'micro_batch', 'share_prompts', 'single_unit_max_mb', 'sync_bucket_mb']",
         "roles.actor_infer.engine_args.max_batch: expected int, got str 'many'",
     ]
     assert problems(c) == expected

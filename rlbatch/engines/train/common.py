@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlbatch import algos
-from rlbatch.algos.objective import LossInput
+from rlbatch.algos.objective import LossInput, aggregation_count
 from rlbatch.engines.base import Sample
-from rlbatch.engines.batch import Full, Packed, response_logits, unpack
+from rlbatch.engines.batch import Flat, Full, Packed, flat_outputs, response_logits, response_logprobs, spread, unpack
 
 
 def require_data_parallel(mesh: Any, engine: str) -> None:
@@ -28,47 +28,92 @@ def require_data_parallel(mesh: Any, engine: str) -> None:
         raise NotImplementedError(f"{engine} engine: only data parallelism (d) is implemented, got mesh {dims}")
 
 
-def chunks(samples: list[Sample], size: int) -> list[list[Sample]]:
-    """Consecutive chunks of ``size`` samples (0: all in one)."""
+@dataclass(frozen=True)
+class Split:
+    """How a forward-only pass (log-probs, values, scores) cuts a rank's samples into forwards."""
+
+    samples: int = 0
+    """Samples per forward (0: all in one), when ``max_tokens`` is 0."""
+    max_tokens: int = 0
+    """> 0: consecutive runs of at most this many prompt + response tokens (a longer sample alone)."""
+    group: Any = None
+    """The data-parallel group whose ranks must make as many forwards (FSDP and ZeRO-3 gather
+    parameters in each); None: this rank alone."""
+    device: Any = None
+    """Where the group's all-reduce tensor lives."""
+
+
+def chunks(samples: list[Sample], size: int | Split) -> list[list[Sample]]:
+    """Consecutive chunks of ``size`` samples (0: all in one), or as a ``Split`` says. A token
+    budget makes every rank of the split's group run the same number of chunks: the most any rank
+    needs, by cutting runs further, and where a rank has too few samples for that, by repeating its
+    last sample as extra chunks at the end, whose outputs the caller drops (``[: len(samples)]``)."""
+    if isinstance(size, Split):
+        if size.max_tokens > 0:
+            return _token_chunks(samples, size)
+        size = size.samples
     size = size or len(samples)
     return [samples[i : i + size] for i in range(0, len(samples), size)]
 
 
+def _token_chunks(samples: list[Sample], split: Split) -> list[list[Sample]]:
+    tokens = [sample_tokens(s) for s in samples]
+    runs: list[list[int]] = []
+    used = split.max_tokens
+    for i, t in enumerate(tokens):  # next fit: runs stay consecutive, so outputs come back in order
+        if used + t > split.max_tokens:
+            runs.append([])
+            used = 0
+        runs[-1].append(i)
+        used += t
+    need = int(_dp_reduce(float(len(runs)), split.group, split.device, "MAX"))
+    while len(runs) < need and any(len(r) > 1 for r in runs):
+        k = max((k for k in range(len(runs)) if len(runs[k]) > 1), key=lambda k: sum(tokens[i] for i in runs[k]))
+        run = runs[k]
+        cut = min(range(1, len(run)), key=lambda c: max(sum(tokens[i] for i in run[:c]), sum(tokens[i] for i in run[c:])))
+        runs[k : k + 1] = [run[:cut], run[cut:]]
+    out = [[samples[i] for i in r] for r in runs]
+    return out + [samples[-1:]] * (need - len(out) if samples else 0)
+
+
 @torch.no_grad()
-def logprobs(model: Any, samples: list[Sample], micro_batch: int, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
-    """Per-sample response-token log-probs under ``model``, ``micro_batch`` sequences per forward."""
+def logprobs(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
+    """Per-sample response-token log-probs under ``model``, ``micro_batch`` sequences per forward
+    (or as a ``Split`` says: ``chunks``), in the order of ``samples``."""
     out: list[torch.Tensor] = []
     for chunk in chunks(samples, micro_batch):
         b = pack(chunk)
-        out += unpack(algos.token_logprobs(response_logits(model, b).float(), b.targets), b.lengths)
-    return out
+        out += unpack(response_logprobs(model, b)[0], b.lengths)
+    return out[: len(samples)]
 
 
 def value_outputs(model: Any, b: Packed) -> torch.Tensor:
     """[B, R] a value model's output at the positions that score each response token."""
+    if isinstance(b.inputs, Flat):
+        return spread(flat_outputs(model, b.inputs, lm=False)[:, 0], b.inputs, b.targets.shape[0])
     return response_logits(model, b)[..., 0].float()
 
 
 @torch.no_grad()
-def values(model: Any, samples: list[Sample], micro_batch: int, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
+def values(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
     """Per-sample response-token values under a value model (``rlbatch.engines.model.value_model``)."""
     out: list[torch.Tensor] = []
     for chunk in chunks(samples, micro_batch):
         b = pack(chunk)
         out += unpack(value_outputs(model, b), b.lengths)
-    return out
+    return out[: len(samples)]
 
 
 @torch.no_grad()
-def scores(model: Any, samples: list[Sample], micro_batch: int, pack: Callable[[list[Sample]], Packed]) -> list[float]:
+def scores(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[float]:
     """One score per sample (prompt + response) from a sequence-classification model: its output at
     the sequence's last non-pad token (transformers' pooling over the right-padded batch)."""
     out: list[float] = []
     for chunk in chunks(samples, micro_batch):
         x = pack(chunk).inputs
-        assert isinstance(x, Full), "a sequence-classification model scores whole sequences (no shared prompts)"
+        assert isinstance(x, Full), "a sequence-classification model scores whole padded sequences (not shared, not flat)"
         out += model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits[:, 0].float().tolist()
-    return out
+    return out[: len(samples)]
 
 
 def chunk_loss(model: Any, b: Packed, objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
@@ -78,15 +123,13 @@ def chunk_loss(model: Any, b: Packed, objective: Any) -> tuple[torch.Tensor, dic
         from rlbatch.algos.value import ValueInput
 
         return objective(ValueInput(value_outputs(model, b), b.mask, b.fields))
-    logits = response_logits(model, b).float()
-    logp = algos.token_logprobs(logits, b.targets)
-    return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields, logits if objective.needs_logits else None))
+    logp, entropy, logits = response_logprobs(model, b, entropy=objective.needs_logits)
+    return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
+                               logits if objective.needs_logits else None, entropy))
 
 
-def updates(samples: list[Sample], algo: Any, objective: Any = None) -> Iterator[list[list[Sample]]]:
-    """One list of micro-batches per optimizer update: mini-batches x epochs, each mini-batch cut
-    into at most ``algo.grad_accum`` micro-batches. The loss of each micro-batch is to be divided
-    by ``algo.grad_accum``.
+def mini_batches(samples: list[Sample], algo: Any, objective: Any = None) -> Iterator[list[Sample]]:
+    """The samples of each optimizer update: ``algo.mini_batches`` consecutive slices, every epoch.
 
     For a policy objective, samples without old log-probs are trained on-policy (old = current,
     detached): right only before the first update, so only the first mini-batch of the first
@@ -100,12 +143,128 @@ def updates(samples: list[Sample], algo: Any, objective: Any = None) -> Iterator
             if missing and (epoch, m) != (0, 0):
                 raise ValueError(f"train: {missing} samples of mini-batch {m} (epoch {epoch}) have no old "
                                  f"log-probs; only the first mini-batch of the first epoch may leave them out")
-            micro = math.ceil(len(mb) / algo.grad_accum)
-            yield [mb[k : k + micro] for k in range(0, len(mb), micro)]
+            yield mb
+
+
+def updates(samples: list[Sample], algo: Any, objective: Any = None) -> Iterator[list[list[Sample]]]:
+    """One list of micro-batches per optimizer update (``mini_batches``), each mini-batch cut into at
+    most ``algo.grad_accum`` micro-batches by sample count. The loss of each micro-batch is to be
+    divided by ``algo.grad_accum``."""
+    for mb in mini_batches(samples, algo, objective):
+        micro = math.ceil(len(mb) / algo.grad_accum)
+        yield [mb[k : k + micro] for k in range(0, len(mb), micro)]
+
+
+def sample_tokens(s: Sample) -> int:
+    """Prompt + response tokens of one sample: what a token budget counts."""
+    return len(s["prompt"]) + len(s["response"])
+
+
+def token_bins(tokens: list[int], budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices into ``tokens`` grouped so each group's sum stays within
+    ``budget`` (an item over it is a group of its own). Groups list their indices in ascending order
+    and come ordered by their first index."""
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(tokens)), key=lambda i: -tokens[i]):  # stable: ties keep their order
+        for b in range(len(bins)):
+            if used[b] + tokens[i] <= budget:
+                bins[b].append(i)
+                used[b] += tokens[i]
+                break
+        else:
+            bins.append([i])
+            used.append(tokens[i])
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def _halve(group: list[int], tokens: list[int]) -> tuple[list[int], list[int]]:
+    """Two non-empty groups of ``group`` with near-equal tokens, each within what ``group`` held."""
+    a: list[int] = []
+    b: list[int] = []
+    for i in sorted(group, key=lambda i: -tokens[i]):
+        (a if sum(tokens[j] for j in a) <= sum(tokens[j] for j in b) else b).append(i)
+    return sorted(a), sorted(b)
+
+
+def exactly(groups: list[list[int]], tokens: list[int], k: int) -> list[list[int]]:
+    """``groups`` split further, heaviest splittable first, until there are ``k`` (data-parallel
+    ranks must run the same number of forwards and backwards); where no group of two or more is
+    left, fewer than ``k`` come back."""
+    groups = [list(g) for g in groups]
+    while len(groups) < k:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            break
+        g = max(splittable, key=lambda g: sum(tokens[i] for i in g))
+        groups.remove(g)
+        groups += _halve(g, tokens)
+    return sorted(groups, key=lambda g: g[0])
+
+
+@dataclass
+class MicroBatch:
+    """One forward and backward of an update: its loss is ``objective``'s on ``samples`` divided by
+    ``divisor``, its stats weighted ``weight`` in ``Totals``."""
+
+    samples: list[Sample]
+    objective: Any
+    divisor: float
+    weight: float
+
+
+def _dp_size(group: Any) -> int:
+    return 1 if group is None or not torch.distributed.is_initialized() else torch.distributed.get_world_size(group)
+
+
+def _dp_reduce(value: float, group: Any, device: Any, op: str) -> float:
+    """``value`` summed (or maxed: ``op``) over the ranks of ``group`` (itself when there is none)."""
+    if _dp_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=getattr(torch.distributed.ReduceOp, op), group=group)
+    return float(t.item())
+
+
+def weighted_updates(samples: list[Sample], algo: Any, objective: Any, max_tokens: int = 0, group: Any = None,
+                     device: Any = None) -> Iterator[list[MicroBatch]]:
+    """The micro-batches of each update, with what each micro-batch's loss is divided by.
+
+    ``max_tokens`` 0: ``updates`` (``algo.grad_accum`` micro-batches by sample count, each loss
+    divided by grad_accum: the mean of per-micro-batch aggregations).
+
+    ``max_tokens`` > 0: micro-batches of at most that many prompt + response tokens
+    (``token_bins``; ``algo.grad_accum`` is not used), and the loss exact under any split: each
+    micro-batch's loss is its aggregation's total (``Aggregation.total``) over the whole global
+    mini-batch's count (``Aggregation.count``, summed over this rank's samples and all-reduced over
+    ``group``, the data-parallel ranks), times the number of those ranks, because FSDP and DeepSpeed
+    average gradients over them. The update's gradient is then that of the global mini-batch's
+    aggregated loss in one unsplit, unpadded pass, to float32 rounding. Every rank runs the same
+    number of micro-batches (the most any rank needs; a rank with too few samples to split repeats
+    one with a zero loss), since each forward and backward is collective under FSDP and ZeRO-3.
+    Stats are weighted by each micro-batch's share of the rank's response tokens."""
+    if not max_tokens:
+        for micro in updates(samples, algo, objective):
+            yield [MicroBatch(c, objective, algo.grad_accum, 1.0 / algo.grad_accum) for c in micro]
+        return
+    ranks = _dp_size(group)
+    for mb in mini_batches(samples, algo, objective):
+        count = _dp_reduce(aggregation_count(objective, mb), group, device, "SUM")
+        split = objective.split(max(count, 1.0) / ranks)
+        tokens = [sample_tokens(s) for s in mb]
+        groups = token_bins(tokens, max_tokens)
+        need = int(_dp_reduce(float(len(groups)), group, device, "MAX"))
+        groups = exactly(groups, tokens, need)
+        responses = max(sum(len(s["response"]) for s in mb), 1)
+        out = [MicroBatch([mb[i] for i in g], split, 1.0, sum(len(mb[i]["response"]) for i in g) / responses)
+               for g in groups]
+        out += [MicroBatch(mb[:1], split, math.inf, 0.0) for _ in range(need - len(out))]
+        yield out
 
 
 class Totals:
-    """Stats summed over micro-batches (each weighted 1/grad_accum) and averaged over updates."""
+    """Stats summed over micro-batches (each weighted 1/grad_accum, or as ``MicroBatch.weight``
+    says) and averaged over updates."""
 
     def __init__(self, grad_accum: int) -> None:
         self.grad_accum = grad_accum

@@ -135,6 +135,9 @@ class DeepSpeedEngine(StashedState):
         # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
+        # A sequence-classification head pools each padded row at its last token: a reward model stays padded.
+        self.max_tokens = int(args.max_tokens_per_micro_batch) if ctx.head != "reward" else 0
+        self.split = common.Split(self.micro_batch, self.max_tokens, self.group, ctx.device)
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -190,15 +193,16 @@ class DeepSpeedEngine(StashedState):
 
     # -- forward and training -----------------------------------------------------------------------
     def _pack(self, chunk: list[Sample]) -> Packed:
-        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts)
+        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts,
+                    flat=self.max_tokens > 0)
 
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         with role_world(self.group):
-            return common.logprobs(self.engine, samples, self.micro_batch, self._pack)
+            return common.logprobs(self.engine, samples, self.split, self._pack)
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
         with role_world(self.group):
-            return common.values(self.engine, samples, self.micro_batch, self._pack)
+            return common.values(self.engine, samples, self.split, self._pack)
 
     def scores(self, samples: list[Sample]) -> list[float]:
         with role_world(self.group):
@@ -211,12 +215,12 @@ class DeepSpeedEngine(StashedState):
         a = self.algo
         totals = common.Totals(a.grad_accum)
         with role_world(self.group):
-            for micro_batches in common.updates(samples, a, objective):
-                for i, chunk in enumerate(micro_batches):
+            for micro_batches in common.weighted_updates(samples, a, objective, self.max_tokens, self.group, self.device):
+                for i, m in enumerate(micro_batches):
                     self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-                    loss, stats = common.chunk_loss(self.engine, self._pack(chunk), objective)
-                    self.engine.backward(loss / a.grad_accum, scale_wrt_gas=False)
-                    totals.add(stats)
+                    loss, stats = common.chunk_loss(self.engine, self._pack(m.samples), m.objective)
+                    self.engine.backward(loss / m.divisor, scale_wrt_gas=False)
+                    totals.add(stats, m.weight)
                 self.engine.step()
                 if a.grad_clip > 0:
                     norm = self.engine.get_global_grad_norm()

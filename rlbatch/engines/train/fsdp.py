@@ -66,6 +66,9 @@ class FSDPEngine(StashedState):
         # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
+        # A sequence-classification head pools each padded row at its last token: a reward model stays padded.
+        self.max_tokens = int(args.max_tokens_per_micro_batch) if ctx.head != "reward" else 0
+        self.split = common.Split(self.micro_batch, self.max_tokens, self.dp_group, ctx.device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.device.type == "cuda" else None
         dp_mesh = mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
@@ -94,13 +97,14 @@ class FSDPEngine(StashedState):
             self.model.eval()
 
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
-        return common.logprobs(self.model, samples, self.micro_batch, self._pack)
+        return common.logprobs(self.model, samples, self.split, self._pack)
 
     def _pack(self, chunk: list[Sample]) -> Packed:
-        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts)
+        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts,
+                    flat=self.max_tokens > 0)
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
-        return common.values(self.model, samples, self.micro_batch, self._pack)
+        return common.values(self.model, samples, self.split, self._pack)
 
     def scores(self, samples: list[Sample]) -> list[float]:
         return common.scores(self.model, samples, self.micro_batch, self._pack)
@@ -111,12 +115,12 @@ class FSDPEngine(StashedState):
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
         totals = common.Totals(a.grad_accum)
-        for micro_batches in common.updates(samples, a, objective):
+        for micro_batches in common.weighted_updates(samples, a, objective, self.max_tokens, self.dp_group, self.device):
             self.optimizer.zero_grad(set_to_none=False)
-            for chunk in micro_batches:
-                loss, stats = common.chunk_loss(self.model, self._pack(chunk), objective)
-                (loss / a.grad_accum).backward()
-                totals.add(stats)
+            for m in micro_batches:
+                loss, stats = common.chunk_loss(self.model, self._pack(m.samples), m.objective)
+                (loss / m.divisor).backward()
+                totals.add(stats, m.weight)
             if a.grad_clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
                 total_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
