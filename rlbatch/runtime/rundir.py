@@ -289,7 +289,7 @@ def _ranks_still_running(path: Path) -> RunDirBusy | None:
     lock's holder, was killed (SIGKILL) while mpiexec and the ranks went on (they end at their
     next write to the console, but may not have yet)."""
     run = RunDir(path.parent)
-    alive = []
+    alive: list[tuple[Any, Any]] = []  # (rank, pid) from the status files
     for status in sorted(run.logs.glob("rank*.status")):
         st = run.read_status(int(status.stem.removeprefix("rank"))) if status.stem[4:].isdigit() else None
         if not st or st.get("state") != "running" or st.get("host") != socket.gethostname():
@@ -299,12 +299,13 @@ def _ranks_still_running(path: Path) -> RunDirBusy | None:
         except (OSError, ValueError, KeyError):
             continue
         if "rlbatch.worker" in cmdline and str(path.parent) in cmdline:
-            alive.append(f"rank {st['rank']} (pid {st['pid']})")
+            alive.append((st["rank"], st["pid"]))
     if not alive:
         return None
+    ranks = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in alive)
     return RunDirBusy(f"run_dir {path.parent} is in use by another run: its launcher is gone, but "
-                      f"{', '.join(alive)} still run on this host. Wait for them to end, or stop them "
-                      f"(kill {' '.join(a.split('pid ')[1].rstrip(')') for a in alive)}), or choose another run_dir")
+                      f"{ranks} still run on this host. Wait for them to end, or stop them "
+                      f"(kill {' '.join(str(pid) for _, pid in alive)}), or choose another run_dir")
 
 
 def lock_run_dir(run_dir: Path, slurm_job: str | None = None) -> RunDirLock:
