@@ -26,12 +26,17 @@ RUNS_ROOT = REPO_ROOT / ".test-runs"
 gives each node a private /tmp, so job files there would not be shared."""
 
 
+def run_root_of(node: pytest.Item) -> Path:
+    """The directory ``run_root`` gives ``node``'s test."""
+    return RUNS_ROOT / node.name.replace("/", "_").replace("[", "-").replace("]", "")
+
+
 @pytest.fixture
 def run_root(request: pytest.FixtureRequest) -> Path:
     """A fresh, shared-filesystem directory for this test's runs."""
     import shutil
 
-    path = RUNS_ROOT / request.node.name.replace("/", "_").replace("[", "-").replace("]", "")
+    path = run_root_of(request.node)
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path

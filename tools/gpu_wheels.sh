@@ -23,7 +23,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 DEST=${DEST:-$REPO/.gpu-wheels}
 PY_VERSION=${PY_VERSION:-3.12}
-WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 mpich==5.0.2 mpi4py==4.1.2)
+WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 mpich==4.3.2 mpi4py==4.1.2)
 SDIST_ONLY=(antlr4-python3-runtime==4.9.3)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
