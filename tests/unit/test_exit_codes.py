@@ -93,6 +93,7 @@ def test_first_ctrl_c_asks_the_controller_rank_to_stop_and_no_stale_pid(tmp_path
     """Ctrl-C before the controller rank runs: the request waits for it, and goes to the rank
     mpiexec started, not to the pid a previous launch's status file names."""
     run, cmd = fake_run(tmp_path, stuck=False)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # SIG_IGN in a background job
     bystander = subprocess.Popen(["sleep", "60"])  # SIGINT would end it
     try:
         (tmp_path / "logs" / "rank0.status").write_text(f'{{"rank": 0, "state": "running", "pid": {bystander.pid}}}')
@@ -106,7 +107,7 @@ def test_first_ctrl_c_asks_the_controller_rank_to_stop_and_no_stale_pid(tmp_path
     finally:
         bystander.kill()
         bystander.wait()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handlers are restored"
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before, "the handlers are restored"
 
 
 def test_second_ctrl_c_ends_every_process_even_one_that_ignores_sigterm(tmp_path: Path,
