@@ -28,11 +28,9 @@ def jobs_under(root: Path) -> list[str]:
     return jobs
 
 
-def cancel_jobs_under(root: Path) -> list[str]:
-    jobs = jobs_under(root)
-    if jobs:
+def cancel_jobs_under(root: Path) -> None:
+    if jobs := jobs_under(root):
         subprocess.run(["scancel", *jobs], capture_output=True, text=True, timeout=60)
-    return jobs
 
 
 @pytest.fixture(scope="module", autouse=True)
