@@ -1,19 +1,24 @@
 """Padded against packed micro-batches on a ragged workload, in one run on this machine's CPU.
 
     python tools/bench/packing.py [--samples 512] [--max-response 384] [--micro-batch 8] [--max-tokens 0]
-                                  [--hidden 64] [--layers 2] [--json PATH]
+                                  [--hidden 64] [--layers 2] [--device cpu|cuda] [--dtype fp32|bf16]
+                                  [--group 1] [--prompt-len 16,48] [--json PATH]
 
-The workload: ``--samples`` samples with prompts of 16..48 tokens and response lengths drawn from a
-lognormal (sigma 1, cut at ``--max-response``, its median set so the mean is about a quarter of the
+The workload: ``--samples`` samples with prompts of ``--prompt-len`` tokens (16..48 unless told),
+each prompt shared by ``--group`` consecutive samples (1 unless told; a GRPO group of that size
+otherwise), and response lengths drawn from a lognormal (sigma 1, cut at ``--max-response``, its median set so the mean is about a quarter of the
 cut), random token ids over Qwen2.5's vocabulary (151936) and a random-init qwen2 model of
 ``--hidden`` / ``--layers`` with that vocabulary (``rlbatch.models.tiny.build_tiny_model``, as
-tests/unit/test_packing_forward.py builds its large-vocabulary model), fp32, sdpa attention.
+tests/unit/test_packing_forward.py builds its large-vocabulary model), in ``--dtype`` (fp32 unless
+told) on ``--device`` (the CPU unless told), sdpa attention.
 
 Two paths of ``rlbatch.engines.train.common``, each called as the fsdp engine calls it on one rank
 (a plain transformers model, no process group):
 
 - padded (``max_tokens_per_micro_batch`` 0): ``--micro-batch`` samples per forward, right-padded to
-  the longest (``pack``), the LM head at every position, log-probs from fp32 logits; the train pass
+  the longest (``pack`` with ``share_prompts``, the engines' default: where a micro-batch's prompts
+  repeat enough, each distinct prompt runs once and its responses continue from its cache), the LM
+  head at every position, log-probs from fp32 logits; the train pass
   cuts the batch into ``grad_accum`` = samples / micro-batch micro-batches (``weighted_updates``).
 - packed: ``--max-tokens`` prompt + response tokens per forward (0: micro-batch x the workload's
   mean tokens per sample, so both paths run about as many real tokens per forward), one ``Flat`` row
@@ -23,7 +28,8 @@ Per path, in a child process of its own (so each starts from the same memory and
 one log-prob pass over the workload (``common.logprobs``) and one train pass (forward and backward
 of the GRPO policy loss of every micro-batch, ``weighted_updates`` + ``chunk_loss``; no optimizer
 step, the same for both paths). Each pass is preceded by a warm-up forward of two samples. Peak
-memory of the log-prob pass: the kernel's resident high-water mark (``VmHWM``, reset through
+memory of the log-prob pass, on a GPU: the allocator's peak above what was allocated when the pass
+began (``torch.cuda.max_memory_allocated``); on the CPU: the kernel's resident high-water mark (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after the model and samples are built and warmed) minus the RSS at the
 reset; the children run with glibc returning blocks of 128 KiB and more to the OS when freed (as
 tools/bench/memory.py's ranks do), so the mark is the memory the pass had in use at its peak, the
@@ -33,7 +39,8 @@ Prints a table and ``packing speedup: N.NNx`` (padded seconds / packed seconds) 
 ``log-prob peak memory: N.NNx lower``. On CPU, sdpa attends within each sample of a packed row
 through a dense [N, N] block-diagonal mask, so attention over a packed row costs as much as over an
 unpadded square of its length; on a GPU flash-attention's varlen kernel skips the masked blocks,
-which this bench cannot show.
+which this bench shows only where transformers has a varlen kernel for the device (sdpa alone, on a GPU too,
+takes the dense mask).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ VOCAB = 151936
 PAD = 0
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10), "MALLOC_TRIM_THRESHOLD_": str(128 << 10)}
 PATHS = ("padded", "packed")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def workload(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -70,10 +78,12 @@ def workload(args: argparse.Namespace) -> list[dict[str, Any]]:
     median = args.max_response / 4 / math.exp(sigma**2 / 2)
     normal = torch.randn(args.samples, generator=g, dtype=torch.float64)
     rlen = (median * torch.exp(sigma * normal)).ceil().clamp(1, args.max_response).long().tolist()
-    plen = torch.randint(16, 49, (args.samples,), generator=g).tolist()
-    return [{"prompt": torch.randint(1, VOCAB, (p,), generator=g), "response": torch.randint(1, VOCAB, (r,), generator=g),
+    lo, hi = args.prompt_len
+    prompts = [torch.randint(1, VOCAB, (int(torch.randint(lo, hi + 1, (), generator=g)),), generator=g)
+               for _ in range(-(-args.samples // args.group))]
+    return [{"prompt": prompts[i // args.group], "response": torch.randint(1, VOCAB, (r,), generator=g),
              "old_logprobs": -torch.rand(r, generator=g) * 12, "advantage": torch.randn((), generator=g)}
-            for p, r in zip(plen, rlen, strict=True)]
+            for i, r in enumerate(rlen)]
 
 
 def budget(args: argparse.Namespace, samples: list[dict[str, Any]]) -> int:
@@ -82,6 +92,17 @@ def budget(args: argparse.Namespace, samples: list[dict[str, Any]]) -> int:
         return int(args.max_tokens)
     mean = sum(len(s["prompt"]) + len(s["response"]) for s in samples) / len(samples)
     return int(round(args.micro_batch * mean))
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(",")
+    try:
+        pair = int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {text!r}") from None
+    if not sep or not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return pair
 
 
 def _status(field: str) -> int:
@@ -104,7 +125,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     from rlbatch.algos.objective import PolicyObjective
     from rlbatch.config.schema import AlgoConfig
-    from rlbatch.engines.batch import Flat, pack
+    from rlbatch.engines.batch import Flat, Shared, pack
     from rlbatch.engines.train import common
     from rlbatch.models.spec import spec_from_model_config
     from rlbatch.models.tiny import build_tiny_model
@@ -113,23 +134,29 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     samples = workload(args)
     packed = args.child == "packed"
     max_tokens = budget(args, samples) if packed else 0
-    cpu = torch.device("cpu")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     spec = spec_from_model_config({"arch": "qwen2", "hidden_size": args.hidden, "intermediate_size": 4 * args.hidden,
                                    "num_layers": args.layers, "num_heads": 4, "num_kv_heads": 2,
-                                   "max_position_embeddings": args.max_response + 64}, vocab=VOCAB)
+                                   "max_position_embeddings": args.max_response + args.prompt_len[1]}, vocab=VOCAB)
     model = build_tiny_model(spec, seed=args.seed)
+    torch.nn.Module.to(model, device=device, dtype=getattr(torch, DTYPES[args.dtype]))
 
     def pack_fn(chunk: list[Any]) -> Any:
-        return pack(chunk, PAD, cpu, flat=packed)
+        return pack(chunk, PAD, device, share_prompts=True, flat=packed)
 
     split = common.Split(samples=args.micro_batch, max_tokens=max_tokens)
     # what each forward computes: decoder positions and LM-head positions
-    decoder = head = 0
+    decoder = head = shared = 0
     for chunk in common.chunks(samples, split):
         x = pack_fn(chunk).inputs
         if isinstance(x, Flat):
             decoder += x.input_ids.numel()
             head += x.keep.numel()
+        elif isinstance(x, Shared):
+            shared += 1
+            decoder += x.prefix_ids.numel() + x.suffix_ids.numel()
+            head += x.prefix_ids.shape[0] + x.suffix_ids.numel()
         else:
             decoder += x.input_ids.numel()
             head += x.input_ids.numel()
@@ -137,13 +164,20 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     model.eval()
     common.logprobs(model, samples[:2], split, pack_fn)  # warm-up: lazy initialisation out of the figures
-    base = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
     start = time.perf_counter()
     logp = common.logprobs(model, samples, split, pack_fn)
+    if cuda:
+        torch.cuda.synchronize()
     t_logprobs = time.perf_counter() - start
-    peak = _status("VmHWM") - base
-    torch.save(logp, args.out)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - base
+    torch.save([x.float().cpu() for x in logp], args.out)
     del logp
 
     model.train()
@@ -164,9 +198,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     train_forwards = train(samples)
+    if cuda:
+        torch.cuda.synchronize()
     t_train = time.perf_counter() - start
     return {"path": args.child, "max_tokens": max_tokens, "micro_batch": 0 if packed else args.micro_batch,
-            "forwards": forwards, "train_forwards": train_forwards, "decoder_tokens": decoder, "head_positions": head,
+            "forwards": forwards, "shared_prompt_forwards": shared, "train_forwards": train_forwards, "decoder_tokens": decoder, "head_positions": head,
             "logprob_s": t_logprobs, "train_s": t_train, "logprob_peak_bytes": peak}
 
 
@@ -174,7 +210,8 @@ def run_child(args: argparse.Namespace, path: str, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", path, "--out", str(out), "--samples", str(args.samples),
            "--max-response", str(args.max_response), "--micro-batch", str(args.micro_batch),
            "--max-tokens", str(args.max_tokens), "--hidden", str(args.hidden), "--layers", str(args.layers),
-           "--seed", str(args.seed), "--threads", str(args.threads)]
+           "--seed", str(args.seed), "--threads", str(args.threads), "--device", args.device, "--dtype", args.dtype,
+           "--group", str(args.group), "--prompt-len", f"{args.prompt_len[0]},{args.prompt_len[1]}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT)) | MALLOC
     done = subprocess.run(cmd, env=env, cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -190,11 +227,15 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    p.add_argument("--group", type=int, default=1, help="consecutive samples sharing a prompt (a GRPO group)")
+    p.add_argument("--prompt-len", type=_range, default=(16, 48), help="LO,HI: prompt lengths drawn from LO..HI")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
-    for name in ("samples", "max_response", "micro_batch", "hidden", "layers", "threads"):
+    for name in ("samples", "max_response", "micro_batch", "hidden", "layers", "threads", "group"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_tokens < 0:
@@ -207,6 +248,8 @@ def main() -> int:
 
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
     samples = workload(args)
     rlen = [len(s["response"]) for s in samples]
     real = sum(len(s["prompt"]) + r for s, r in zip(samples, rlen, strict=True))
@@ -221,8 +264,10 @@ def main() -> int:
     mem = pad["logprob_peak_bytes"] / max(pk["logprob_peak_bytes"], 1)
     report = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": f"{platform.node()}, "
-        f"{os.cpu_count()} CPUs, {_cpu_model()}, torch {torch.__version__}",
-        "load_before": load, "load_after": os.getloadavg(), "samples": args.samples,
+        f"{os.cpu_count()} CPUs, {_cpu_model()}, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""),
+        "load_before": load, "load_after": os.getloadavg(), "samples": args.samples, "group": args.group,
+        "prompt_len": list(args.prompt_len), "device": args.device, "dtype": args.dtype,
         "response_mean": sum(rlen) / len(rlen), "response_max": max(rlen), "max_response": args.max_response,
         "real_tokens": real, "response_tokens": sum(rlen), "paths": res, "logprob_max_abs_diff": diff,
         "logprob_max_abs": scale, "speedup": speed, "logprob_memory_lower": mem,
@@ -230,15 +275,20 @@ def main() -> int:
     gib = float(1 << 30)
     print(f"packing bench: {report['date']}, {report['machine']}, {args.threads} threads, "
           f"load {load[0]:.2f} before, {report['load_after'][0]:.2f} after")
-    print(f"workload: {args.samples} samples, prompts 16..48 tokens, responses lognormal mean "
+    lo, hi = args.prompt_len
+    groups = f", groups of {args.group} sharing a prompt" if args.group > 1 else ""
+    print(f"workload: {args.samples} samples, prompts {lo}..{hi} tokens{groups}, responses lognormal mean "
           f"{report['response_mean']:.0f} max {max(rlen)} (cut {args.max_response}), {real} real tokens; "
-          f"qwen2 hidden {args.hidden}, {args.layers} layers, vocab {VOCAB}, fp32")
+          f"qwen2 hidden {args.hidden}, {args.layers} layers, vocab {VOCAB}, {args.dtype} on {args.device}")
     print(f"  {'':8s} {'per forward':>18s} {'forwards':>9s} {'decoder tok':>12s} {'LM-head pos':>12s} "
           f"{'log-prob s':>11s} {'train s':>9s} {'log-prob peak':>14s}")
     for path, r in res.items():
         per = f"{r['micro_batch']} samples" if path == "padded" else f"<= {r['max_tokens']} tokens"
         print(f"  {path:8s} {per:>18s} {r['forwards']:9d} {r['decoder_tokens']:12d} {r['head_positions']:12d} "
               f"{r['logprob_s']:11.2f} {r['train_s']:9.2f} {r['logprob_peak_bytes'] / gib:10.3f} GiB")
+    if pad["shared_prompt_forwards"]:
+        print(f"  padded: {pad['shared_prompt_forwards']} of {pad['forwards']} forwards ran each distinct prompt once "
+              f"(share_prompts); real tokens count each sample's prompt")
     print(f"  decoder tokens computed / real: padded {pad['decoder_tokens'] / real:.2f}x, packed "
           f"{pk['decoder_tokens'] / real:.2f}x (a response's last token is scored, never input)")
     print(f"  packed log-probs vs padded: max |diff| {diff:.2e} (largest |log-prob| {scale:.1f})")
