@@ -117,10 +117,16 @@ class PolicyObjective:
             if "old_logprobs" not in sample:  # keep = f(current log-probs): unknown before the forward
                 raise ValueError(f"train: algo.off_policy={self.algo.off_policy!r} keeps tokens by their old log-probs, "
                                  f"which a sample of the first mini-batch lacks, so the loss's denominator is unknown "
-                                 f"before the forward; use engine_args.max_tokens_per_micro_batch=0 with it")
+                                 f"before the forward (the engine computes them first where it can: "
+                                 f"rlbatch.engines.train.common.weighted_updates)")
             ratio = importance_ratio(sample["old_logprobs"], sample["behaviour_logprobs"])[None]
             mask = mask * self.correction(ratio, mask[None], self.algo)[1][0]
         return mask
+
+    def needs_old_logprobs(self, samples: list[dict[str, Tensor]]) -> bool:
+        """Whether ``token_mask`` needs old log-probs some of ``samples`` lack (an off-policy
+        correction keeps tokens by them): the engine then computes them before the forward."""
+        return self.correction is not None and any("old_logprobs" not in s for s in samples)
 
     def split(self, denominator: float) -> PolicyObjective:
         """This objective with every loss term the micro-batch's total divided by ``denominator``."""

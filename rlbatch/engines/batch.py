@@ -23,7 +23,8 @@ Two ways to compute the logits that score those tokens, the same numbers either 
   block-diagonal causal mask for sdpa/eager, flash-attention's varlen kernel on a GPU). The LM
   head runs only at the positions that score a response token (``logits_to_keep``), and the
   log-probs come from ``rlbatch.algos.core.chunked_logprobs``, which keeps no fp32 copy of
-  those logits for the backward.
+  those logits for the backward. A sequence-classification model (a reward model) scores whole
+  sequences: ``flat_sequences`` keeps every token and reads each sample's last one.
 """
 
 from __future__ import annotations
@@ -180,6 +181,23 @@ def _flat(prompts: list[torch.Tensor], responses: list[torch.Tensor], plen: torc
     b, j = _positions(rlen, torch.zeros_like(rlen))
     keep = (starts + plen - 1)[b] + j
     return Flat(ids[None].to(device), pos[None].to(device), keep.to(device), (b * width + j).to(device), width)
+
+
+def flat_sequences(samples: Sequence[dict[str, torch.Tensor]], pad_id: int, device: torch.device) -> Flat:
+    """Every sample's whole sequence (prompt, then all of its response) back to back in one row,
+    positions restarting at each: ``keep`` holds the position where a sequence-classification head
+    scores each sample, in sample order (``where`` is the sample, ``width`` 1). That is where
+    transformers' pooling reads a padded row: the last token that is not ``pad_id`` (so a trailing
+    EOS that is also the pad token is not read), the sequence's first when every token is."""
+    seqs = [torch.cat([s["prompt"], s["response"]]).long() for s in samples]
+    n = torch.tensor([len(t) for t in seqs], dtype=torch.long)
+    starts = torch.cumsum(n, 0) - n
+    ids = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.long)
+    pos = torch.arange(int(n.sum())) - torch.repeat_interleave(starts, n)
+    last = torch.tensor([int(torch.nonzero(t != pad_id).max()) if bool((t != pad_id).any()) else 0 for t in seqs],
+                        dtype=torch.long)
+    return Flat(ids[None].to(device), pos[None].to(device), (starts + last).to(device),
+                torch.arange(len(samples)).to(device), 1)
 
 
 def _shared(prompts: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor, targets: torch.Tensor,

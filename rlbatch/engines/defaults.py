@@ -40,6 +40,32 @@ def fsdp_single_unit(fp32_param_bytes: float, engine_args: Any) -> bool:
     return fp32_param_bytes <= int(_get(engine_args, "single_unit_max_mb", FSDP_SINGLE_UNIT_MAX_MB)) << 20
 
 
+GPU_MAX_TOKENS_PER_MICRO_BATCH = 4096
+"""The token budget of a training engine's micro-batches on a GPU when engine_args leave
+max_tokens_per_micro_batch unset. Packed rows beat padded ones there on ragged batches of real
+lengths (docs/benchmarks.md "Packing": 1.6-2.9x, log-prob peak memory 5-9x lower on an H100 at
+budgets of 900-4300 tokens, shared-prompt GRPO groups included). Without a varlen attention kernel
+(flash-attn) transformers confines a row's attention through a dense [N, N] mask, so attention
+costs about 4*N*hidden FLOPs a token: at 4096 that is about what a Qwen2.5-0.5B layer's matmuls
+cost (12*hidden^2), where verl's 16384 (which assumes the varlen kernel) would be 4x more. A row
+holds fewer tokens than the budget only at the end of a rank's share; a longer sample runs alone."""
+
+
+def max_tokens_per_micro_batch(engine_args: Any, device_type: str) -> int:
+    """The token budget of a training engine's micro-batches on a ``device_type`` ('cuda', 'cpu')
+    device (typed engine_args of any engine; a raw mapping only of an engine with token budgets):
+    engine_args.max_tokens_per_micro_batch when set (0: padded rows), else packed with
+    ``GPU_MAX_TOKENS_PER_MICRO_BATCH`` on a GPU and padded on the CPU, where the dense [N, N] mask
+    makes attention over a packed row cost more than padding does on short samples, and padded rows
+    with shared prompts were faster on the default experiment (docs/benchmarks.md "Packing")."""
+    if dataclasses.is_dataclass(engine_args) and not hasattr(engine_args, "max_tokens_per_micro_batch"):
+        return 0  # an engine without token budgets
+    value = _get(engine_args, "max_tokens_per_micro_batch", None)
+    if value is not None:
+        return int(value)
+    return GPU_MAX_TOKENS_PER_MICRO_BATCH if device_type == "cuda" else 0
+
+
 def share_prompts(engine_args: Any) -> bool:
     """Whether the fsdp engine runs each distinct prompt of a batch once (engine_args.share_prompts,
     on by default; off under activation checkpointing). See ``rlbatch.engines.batch``."""

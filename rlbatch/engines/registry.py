@@ -34,15 +34,17 @@ class FSDPArgs:
     share_prompts: bool = True
     """Run each distinct prompt of a micro-batch once and its responses on its KV cache (same
     log-probs and gradients, less compute for GRPO groups); off under activation checkpointing."""
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: int | None = None
     """> 0: each micro-batch runs without padding, its samples concatenated into one row with
     attention confined to each sample, the LM head only at the positions that score a response
     token, log-probs and entropy computed in chunks (no fp32 copy of the logits kept for the
-    backward); share_prompts is then not used, and a reward model (one score per padded row) stays
-    padded. Micro-batches hold at most this many prompt + response tokens (a longer sample alone),
+    backward; a reward model's score read at each sample's last token); share_prompts is then not
+    used. Micro-batches hold at most this many prompt + response tokens (a longer sample alone),
     every dp rank running as many; training's loss is then exact under any split (the whole
     mini-batch's aggregation; algo.grad_accum unused) and the samples are spread over the dp ranks
-    by tokens (docs/algorithms.md). 0: padded rows, grad_accum micro-batches by sample count."""
+    by tokens (docs/algorithms.md). 0: padded rows, grad_accum micro-batches by sample count.
+    Unset: the device's default (``rlbatch.engines.defaults.max_tokens_per_micro_batch``): packed
+    with a budget of 4096 tokens on a GPU, padded on the CPU."""
     single_unit_max_mb: int = 64
     """A model of up to this many MB of fp32 parameters is one FSDP unit (one all-gather per
     pass); a larger one gets a unit per decoder layer."""
@@ -110,9 +112,10 @@ class DeepSpeedArgs:
     """Sequences per log-prob forward (0: the rank's whole share in one pass)."""
     share_prompts: bool = True
     """Run each distinct prompt of a micro-batch once and its responses on its KV cache (as fsdp)."""
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: int | None = None
     """As fsdp's: > 0 runs each micro-batch without padding in one row, the LM head only at scored
-    positions, micro-batches by tokens with the loss exact under the split. 0: padded rows."""
+    positions, micro-batches by tokens with the loss exact under the split. 0: padded rows. Unset:
+    the device's default, as fsdp's."""
     offload_optimizer: bool = False
     """ZeRO-Offload: fp32 master weights and AdamW state live in host memory, stepped there."""
     offload_params: bool = False
@@ -217,6 +220,8 @@ def _coerce(value: Any, annotation: Any) -> tuple[Any, bool]:
     """The value as the field's type; False when it is not of that type (no string parsing: YAML and
     Hydra already typed it)."""
     t = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    if t.endswith(" | None"):  # optional: unset (None) is the engine's default
+        return (None, True) if value is None else _coerce(value, t.removesuffix(" | None"))
     if t == "bool":
         return value, isinstance(value, bool)
     if t == "int":

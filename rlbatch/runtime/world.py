@@ -126,12 +126,18 @@ def cuda_index(local_gpu: int, node_gpus: int, visible: int, cuda_visible_device
     )
 
 
+def gpu_device_type(device: str) -> str:
+    """The device type GPU ranks run on under ``cluster.device`` ('cuda', 'cpu' or 'auto': CUDA
+    when this process sees a GPU), as judged here."""
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def pick_device(p: Placement, slot: ProcessSlot, device: str, cuda_visible_devices: str | None = None) -> torch.device:
     """This process's device: the CPU for the controller and CPU workers, always (they never
     select a GPU); for a GPU rank its GPU when ``device`` asks for CUDA (``cuda_index``)."""
     if slot.kind is not ProcessKind.GPU:
         return torch.device("cpu")
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    use_cuda = gpu_device_type(device) == "cuda"
     if not use_cuda:
         return torch.device("cpu")
     assert slot.local_gpu is not None

@@ -19,13 +19,14 @@ import torch
 
 from rlbatch.algos.objective import objective_for
 from rlbatch.config.schema import RLBatchConfig, role_algo
+from rlbatch.engines.defaults import max_tokens_per_micro_batch
 from rlbatch.engines.registry import engine_args, spec_of
 from rlbatch.phases import PHASES, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
 from rlbatch.runtime.control import Call, Controller
 from rlbatch.runtime.dataplane import Move
 from rlbatch.runtime.postmortem import describe_rank
-from rlbatch.runtime.world import World
+from rlbatch.runtime.world import World, gpu_device_type
 
 
 @dataclass
@@ -395,13 +396,14 @@ class Role:
     @cached_property
     def _balance(self) -> bool:
         """Spread samples over the shards by tokens (``balance_tokens``): with the role's engine
-        running token-budget micro-batches (``engine_args.max_tokens_per_micro_batch`` > 0). It
-        changes which samples form each global mini-batch (so, the trajectory), hence opt-in; it
-        ignores where samples are held, so more of them move."""
+        running token-budget micro-batches (``rlbatch.engines.defaults.max_tokens_per_micro_batch``
+        > 0 on the ranks' device, which the controller judges as they do: ``gpu_device_type``). It
+        changes which samples form each global mini-batch (so, the trajectory); it ignores where
+        samples are held, so more of them move."""
         if not self.placement.is_gpu or len(self.shards) < 2:
             return False
         args = engine_args(self.placement.engine, self.placement.engine_args)
-        return int(getattr(args, "max_tokens_per_micro_batch", 0)) > 0
+        return max_tokens_per_micro_batch(args, gpu_device_type(self.pipe.cfg.cluster.device)) > 0
 
     def _start_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
                        extra: dict[int, dict[str, Any]] | None = None) -> PendingPhase:

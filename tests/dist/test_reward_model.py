@@ -24,7 +24,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 def test_reward_model_on_gpus_scores_and_weighs_with_the_rule(run_root: Path) -> None:
     runs = {"cpu": [], "rule-only": [*GPU_REWARD, "reward_model.model_weight=0", "reward_model.rule_weight=1"],
-            "model": GPU_REWARD}
+            "model": GPU_REWARD, "model-packed": [*GPU_REWARD, "+roles.reward.engine_args.max_tokens_per_micro_batch=40"]}
     for name, extra in runs.items():
         out = launch([*RUN, *extra, f"run_dir={run_root / name}"], run_root, timeout=400)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -36,3 +36,10 @@ def test_reward_model_on_gpus_scores_and_weighs_with_the_rule(run_root: Path) ->
     assert all(r["reward_std"] > 0 for r in model)
     assert [r["reward_mean"] for r in model] != [r["reward_mean"] for r in rows(run_root / "cpu")]
     assert any(r["reward_mean"] not in (0.0, 1.0) for r in model)
+
+    # Packed rows (whole sequences, the score read at each one's last token) score the first step's
+    # responses (the same ones: same seed, same weights) as padded rows do, to float32 rounding of
+    # a mean of 32 scores (a later step's samples follow the rewards, so they may part).
+    first, packed = model[0], rows(run_root / "model-packed")[0]
+    for k in ("reward_mean", "reward_std"):
+        assert packed[k] == pytest.approx(first[k], rel=1e-4, abs=1e-5), k

@@ -60,3 +60,41 @@ def test_offload_reload_bandwidth_against_raw_pinned_copy() -> None:
     raw = time.perf_counter() - start
     print(f"offload+reload {2 * nbytes / ours / 1e9:.1f} GB/s, raw pinned copy {2 * nbytes / raw / 1e9:.1f} GB/s")
     assert ours <= 2 * raw, f"offload+reload took {ours:.3f}s for {nbytes >> 20} MiB each way; raw pinned copies {raw:.3f}s"
+
+
+def test_packed_rows_score_as_padded_rows_on_cuda() -> None:
+    """The packed path on CUDA (sdpa's kernels there, not the CPU's): log-probs of an LM, values of
+    a critic and scores of a reward model from packed rows equal the padded rows' to float32
+    rounding (fp32 models, ragged samples, an empty response included)."""
+    from rlbatch.engines.batch import pack
+    from rlbatch.engines.model import reward_model, value_model
+    from rlbatch.engines.train.common import Split, logprobs, scores, values
+    from rlbatch.models.spec import spec_from_config
+    from rlbatch.models.tiny import build_tiny_model
+    from tests.unit.test_batch import make_samples
+
+    cuda = torch.device("cuda")
+
+    def model() -> torch.nn.Module:
+        return build_tiny_model(spec_from_config({"arch": "qwen2", "initializer_range": 0.1}), seed=3)
+
+    samples = make_samples([(3, 4), (5, 0), (1, 6), (6, 2), (2, 1), (4, 5), (3, 3)], seed=4)
+    padded, packed = Split(samples=0), Split(max_tokens=12, device=cuda)
+
+    def pk(split: Split):  # type: ignore[no-untyped-def]
+        return lambda chunk: pack(chunk, 0, cuda, flat=split.max_tokens > 0)
+
+    def close(a: list[torch.Tensor] | list[float], b: list[torch.Tensor] | list[float]) -> None:
+        x = torch.cat([torch.as_tensor(t).flatten().float().cpu() for t in a])
+        y = torch.cat([torch.as_tensor(t).flatten().float().cpu() for t in b])
+        tol = 64 * torch.finfo(torch.float32).eps * max(float(y.abs().max()), 1.0)
+        assert float((x - y).abs().max()) <= tol, (float((x - y).abs().max()), tol)
+
+    lm = model().to(cuda)
+    close(logprobs(lm, samples, packed, pk(packed)), logprobs(lm, samples, padded, pk(padded)))
+    critic = value_model(model()).to(cuda)
+    with torch.no_grad():  # a zero head (its start) would make any two paths agree
+        critic.score.weight.normal_(0, 1.0, generator=torch.Generator(device=cuda).manual_seed(0))
+    close(values(critic, samples, packed, pk(packed)), values(critic, samples, padded, pk(padded)))
+    rm = reward_model(model(), seed=5).to(cuda)
+    close(scores(rm, samples, packed, pk(packed), rm.score), scores(rm, samples, padded, pk(padded)))

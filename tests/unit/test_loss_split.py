@@ -64,7 +64,8 @@ def _batch(samples: list[dict[str, torch.Tensor]], w: torch.Tensor, objective: A
     x = torch.zeros(B, R, H)
     targets = torch.zeros(B, R, dtype=torch.long)
     mask = torch.zeros(B, R)
-    fields = {f: torch.zeros(B, R) for f in ("old_logprobs", "behaviour_logprobs", "ref_logprobs", "returns", "values")}
+    fields = {f: torch.zeros(B, R) for f in ("old_logprobs", "behaviour_logprobs", "ref_logprobs", "returns", "values")
+              if all(f in s for s in samples)}  # as pack: a field only when every sample has it
     adv = torch.zeros(B, R)
     loss_mask = torch.ones(B, R)
     for b, s in enumerate(samples):
@@ -251,11 +252,41 @@ def test_a_rank_with_too_few_samples_repeats_one_with_zero_loss(monkeypatch: pyt
     _close((sum(g[0] for g in got) / 2, (got[0][1] + got[1][1]) / 2), want, sum(len(s["response"]) for s in samples))
 
 
-def test_mask_correction_without_old_logprobs_is_refused_under_a_budget() -> None:
+def test_mask_correction_without_old_logprobs_is_refused_under_a_budget_with_no_forward_to_get_them() -> None:
     samples, algo = _samples(4), _algo(off_policy="mask", mini_batches=1)
     del samples[0]["old_logprobs"]
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0"):
+    with pytest.raises(ValueError, match="denominator is unknown before the forward"):
         list(common.weighted_updates(samples, algo, PolicyObjective(algo), 20))
+
+
+@pytest.mark.parametrize("off_policy", ["mask", "tis"])
+def test_a_first_mini_batch_without_old_logprobs_gets_them_from_a_forward_and_splits_exactly(off_policy: str) -> None:
+    """On-policy first mini-batch (old = current) under an off-policy correction: the keep mask, so
+    the loss's denominator, needs the old log-probs before the forward; a forward-only pass under
+    the current weights supplies them, and the split equals the unsplit pass that used the detached
+    current log-probs. Only the samples lacking them are computed; the caller's dicts are kept."""
+    samples, algo = _samples(), _algo(off_policy=off_policy, mini_batches=2)
+    for s in samples[:6]:  # the first mini-batch
+        del s["old_logprobs"]
+    objective = PolicyObjective(algo)
+    w = torch.randn(H, V, generator=torch.Generator().manual_seed(1))
+    want = _reference(objective, samples, algo, w)
+    asked: list[int] = []
+
+    def forward(batch: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        asked.append(len(batch))
+        with torch.no_grad():
+            logp = _batch(batch, w, objective).logp
+        return [logp[b, : len(s["response"])] for b, s in enumerate(batch)]
+
+    n_tokens = sum(len(s["response"]) for s in samples)
+    for budget in (1, 17, 10_000):
+        asked.clear()
+        micro = list(common.weighted_updates(samples, algo, objective, budget, old_logprobs=forward))
+        assert asked == [6]  # the first mini-batch only, once
+        assert all("old_logprobs" in s for update in micro for m in update for s in m.samples)
+        _close(_run(objective, micro, w), want, n_tokens)
+    assert all("old_logprobs" not in s for s in samples[:6])
 
 
 def test_balance_tokens_keeps_mini_batches_and_counts_and_evens_tokens() -> None:
@@ -281,7 +312,8 @@ def test_balance_tokens_keeps_mini_batches_and_counts_and_evens_tokens() -> None
             assert max(load) - min(load) <= max(tokens[i] for i in mb), (load, trial)
 
 
-def _pipe(backend: str, engine_args: dict[str, Any], held: dict[int, int], mini_batches: int = 2) -> Any:
+def _pipe(backend: str, engine_args: dict[str, Any], held: dict[int, int], mini_batches: int = 2,
+          device: str = "cpu") -> Any:
     from rlbatch.placement import place
 
     cfg = {"cluster": {"gpus_per_node": 8}, "roles": {
@@ -289,7 +321,8 @@ def _pipe(backend: str, engine_args: dict[str, Any], held: dict[int, int], mini_
         "actor_infer": {"device_mapping": [2], "backend": "hf:d1"}}}
     return SimpleNamespace(p=place(cfg), world=SimpleNamespace(members={"actor_train": (0, 1), "actor_infer": (2,)}),
                            holder=lambda ids, field="response": {i: held[i] for i in ids},
-                           cfg=SimpleNamespace(algo=SimpleNamespace(mini_batches=mini_batches, critic_lr=None)))
+                           cfg=SimpleNamespace(algo=SimpleNamespace(mini_batches=mini_batches, critic_lr=None),
+                                               cluster=SimpleNamespace(device=device)))
 
 
 def test_a_token_budget_spreads_the_trainers_samples_by_tokens_and_reports_the_imbalance() -> None:
@@ -305,6 +338,11 @@ def test_a_token_budget_spreads_the_trainers_samples_by_tokens_and_reports_the_i
     plain = Role(_pipe("fsdp:d2", {}, held), "actor_train")  # type: ignore[arg-type]
     assert plain._assign(ro) == {(0,): assign_local_first(ids, (0, 1), {})[0], (1,): assign_local_first(ids, (0, 1), {})[1]}
     assert token_imbalance(plain._assign(ro), tokens) > 1.4
+
+    # unset: the device's default, padded on the CPU and packed on a GPU
+    assert not Role(_pipe("fsdp:d2", {}, held, device="cpu"), "actor_train")._balance  # type: ignore[arg-type]
+    assert Role(_pipe("fsdp:d2", {}, held, device="cuda"), "actor_train")._balance  # type: ignore[arg-type]
+    assert not Role(_pipe("fsdp:d2", {"max_tokens_per_micro_batch": 0}, held, device="cuda"), "actor_train")._balance  # type: ignore[arg-type]
 
     role = Role(_pipe("fsdp:d2", {"max_tokens_per_micro_batch": 128}, held), "actor_train")  # type: ignore[arg-type]
     assign = role._assign(ro)

@@ -187,3 +187,33 @@ def test_flat_keeps_no_fp32_logits_for_the_backward() -> None:
     # vocabulary-sized: one bf16 [K, V]; the rest is the decoder's activations, far under K * V * 2
     assert flat_bytes < K * V * 2 * 1.5, (flat_bytes, K * V * 2)
     assert full_bytes - flat_bytes >= K * V * 4, (full_bytes, flat_bytes)
+
+
+def test_reward_scores_are_the_same_flat_and_the_row_is_one_call() -> None:
+    """A reward model under a token budget: whole sequences in one row per chunk, the score layer
+    read at each sample's last token; the same scores as padded rows to float32 rounding."""
+    from rlbatch.engines.batch import flat_sequences
+    from rlbatch.engines.model import reward_model
+    from rlbatch.engines.train.common import Split, scores
+
+    rm = reward_model(_model("qwen2"), seed=5)
+    rm.config.pad_token_id = PAD
+    samples = make_samples(SHAPES, seed=4)
+    samples[2]["response"][-2:] = PAD  # ends with EOS = pad: pooling reads the token before them
+    x = flat_sequences(samples, PAD, CPU)
+    n = [len(s["prompt"]) + len(s["response"]) for s in samples]
+    read = [k - 1 - (2 if i == 2 else 0) for i, k in enumerate(n)]  # the last non-pad position
+    assert x.input_ids.shape == (1, sum(n)) and x.position_ids[0, x.keep].tolist() == read
+    assert x.keep.tolist() == [sum(n[:i]) + r for i, r in enumerate(read)]
+    want = torch.tensor(scores(rm, samples, Split(samples=0), lambda c: pack(c, PAD, CPU)))
+    calls = []
+    handle = rm.register_forward_pre_hook(lambda *_: calls.append(1))
+    for budget in (1, 12, 10_000):  # one sample per row, a few per row, all in one
+        calls.clear()
+        got = torch.tensor(scores(rm, samples, Split(max_tokens=budget, device=CPU), lambda c: pack(c, PAD, CPU),
+                                  rm.score))
+        _close(got, want, 32)
+        want_calls = {1: len(samples), 10_000: 1}.get(budget)
+        assert len(calls) == want_calls if want_calls else 1 < len(calls) < len(samples), (budget, len(calls))
+    handle.remove()
+    assert float(want.std()) > 0.01  # distinct scores: a wrong position would show

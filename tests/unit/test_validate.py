@@ -542,3 +542,23 @@ def test_a_critic_directory_needs_a_critic_and_must_exist(cfg: dict[str, Any], t
     (tmp_path / "critic").mkdir()
     (tmp_path / "critic" / "config.json").write_text("{}")
     check(ppo(cfg, critic_model__path=str(tmp_path / "critic")))
+
+
+def test_the_token_budget_is_unset_by_default_and_typed_when_set(cfg: dict[str, Any]) -> None:
+    """engine_args.max_tokens_per_micro_batch: unset (or null) is the device's default, packed on a
+    GPU and padded on the CPU; set, an int of at least 0."""
+    from rlbatch.engines.defaults import GPU_MAX_TOKENS_PER_MICRO_BATCH, max_tokens_per_micro_batch
+    from rlbatch.engines.registry import engine_args
+
+    for raw, cuda, cpu in (({}, GPU_MAX_TOKENS_PER_MICRO_BATCH, 0), ({"max_tokens_per_micro_batch": None},
+                           GPU_MAX_TOKENS_PER_MICRO_BATCH, 0), ({"max_tokens_per_micro_batch": 0}, 0, 0),
+                           ({"max_tokens_per_micro_batch": 4096}, 4096, 4096)):
+        for engine in ("fsdp", "deepspeed"):
+            args = engine_args(engine, raw)
+            assert (max_tokens_per_micro_batch(args, "cuda"), max_tokens_per_micro_batch(args, "cpu")) == (cuda, cpu)
+            assert max_tokens_per_micro_batch(raw, "cuda") == cuda  # the planner reads the raw mapping alike
+    assert max_tokens_per_micro_batch(engine_args("hf", {}), "cuda") == 0  # an engine without budgets
+    assert problems(set_(cfg, roles__actor_train__engine_args={"max_tokens_per_micro_batch": "lots"})) == [
+        "roles.actor_train.engine_args.max_tokens_per_micro_batch: expected int | None, got str 'lots'"]
+    assert problems(set_(cfg, roles__actor_train__engine_args={"max_tokens_per_micro_batch": -1})) == [
+        "roles.actor_train.engine_args.max_tokens_per_micro_batch: must be >= 0, got -1"]

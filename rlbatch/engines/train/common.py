@@ -18,7 +18,17 @@ import torch
 
 from rlbatch.algos.objective import LossInput, aggregation_count
 from rlbatch.engines.base import Sample
-from rlbatch.engines.batch import Flat, Full, Packed, flat_outputs, response_logits, response_logprobs, spread, unpack
+from rlbatch.engines.batch import (
+    Flat,
+    Full,
+    Packed,
+    flat_outputs,
+    flat_sequences,
+    response_logits,
+    response_logprobs,
+    spread,
+    unpack,
+)
 
 
 def require_data_parallel(mesh: Any, engine: str) -> None:
@@ -105,15 +115,46 @@ def values(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Ca
 
 
 @torch.no_grad()
-def scores(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[float]:
+def scores(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed],
+           head: torch.nn.Module | None = None) -> list[float]:
     """One score per sample (prompt + response) from a sequence-classification model: its output at
-    the sequence's last non-pad token (transformers' pooling over the right-padded batch)."""
+    the sequence's last token. Padded (no token budget): transformers' pooling at each right-padded
+    row's last non-pad token. Under a ``Split``'s token budget: each chunk's whole sequences in one
+    row (``flat_sequences``), the model's ``head`` (its ``score`` layer) read where transformers'
+    pooling reads each padded row (which would read one position of a packed row)."""
     out: list[float] = []
+    flat = micro_batch if isinstance(micro_batch, Split) and micro_batch.max_tokens > 0 else None
     for chunk in chunks(samples, micro_batch):
+        if flat is not None:
+            assert head is not None, "scoring flat rows reads the model's score layer: pass it as head"
+            out += flat_scores(model, flat_sequences(chunk, model_pad_id(model), flat.device), head)
+            continue
         x = pack(chunk).inputs
         assert isinstance(x, Full), "a sequence-classification model scores whole padded sequences (not shared, not flat)"
         out += model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits[:, 0].float().tolist()
     return out[: len(samples)]
+
+
+def model_pad_id(model: Any) -> int:
+    """The pad token id a sequence-classification model pools by (``config.pad_token_id``; -1,
+    matching no token, when it has none), through a DeepSpeed engine's module too."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    pad = getattr(config, "pad_token_id", None)
+    return -1 if pad is None else int(pad)
+
+
+def flat_scores(model: Any, x: Flat, head: torch.nn.Module) -> list[float]:
+    """A sequence-classification model's score at each kept position of one flat row: one call
+    through the model's own forward (as ``flat_outputs``: FSDP's and DeepSpeed's hooks gather the
+    parameters there; no attention mask, so attention stays within each sample), its head's
+    per-position output caught on the way (transformers then pools one position of the row, unused)."""
+    seen: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda _module, _args, output: seen.append(output))
+    try:
+        model(input_ids=x.input_ids, position_ids=x.position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return seen[-1][0, x.keep, 0].float().tolist()
 
 
 def chunk_loss(model: Any, b: Packed, objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
@@ -227,7 +268,8 @@ def _dp_reduce(value: float, group: Any, device: Any, op: str) -> float:
 
 
 def weighted_updates(samples: list[Sample], algo: Any, objective: Any, max_tokens: int = 0, group: Any = None,
-                     device: Any = None) -> Iterator[list[MicroBatch]]:
+                     device: Any = None, old_logprobs: Callable[[list[Sample]], list[torch.Tensor]] | None = None,
+                     ) -> Iterator[list[MicroBatch]]:
     """The micro-batches of each update, with what each micro-batch's loss is divided by.
 
     ``max_tokens`` 0: ``updates`` (``algo.grad_accum`` micro-batches by sample count, each loss
@@ -242,13 +284,22 @@ def weighted_updates(samples: list[Sample], algo: Any, objective: Any, max_token
     aggregated loss in one unsplit, unpadded pass, to float32 rounding. Every rank runs the same
     number of micro-batches (the most any rank needs; a rank with too few samples to split repeats
     one with a zero loss), since each forward and backward is collective under FSDP and ZeRO-3.
-    Stats are weighted by each micro-batch's share of the rank's response tokens."""
+    Stats are weighted by each micro-batch's share of the rank's response tokens.
+
+    The count must be known before the forward. An objective whose token mask depends on the old
+    log-probs (``objective.needs_old_logprobs``: an off-policy correction keeping tokens by them)
+    gets them from ``old_logprobs`` (a forward-only pass under the current weights, what the first
+    mini-batch's on-policy "old = current" means) for the samples that lack them; without it, the
+    objective refuses."""
     if not max_tokens:
         for micro in updates(samples, algo, objective):
             yield [MicroBatch(c, objective, algo.grad_accum, 1.0 / algo.grad_accum) for c in micro]
         return
     ranks = _dp_size(group)
     for mb in mini_batches(samples, algo, objective):
+        needs = getattr(objective, "needs_old_logprobs", None)
+        if old_logprobs is not None and needs is not None and _dp_reduce(float(needs(mb)), group, device, "MAX"):
+            mb = with_old_logprobs(mb, old_logprobs)  # every rank: the pass is collective
         count = _dp_reduce(aggregation_count(objective, mb), group, device, "SUM")
         split = objective.split(max(count, 1.0) / ranks)
         tokens = [sample_tokens(s) for s in mb]
@@ -260,6 +311,14 @@ def weighted_updates(samples: list[Sample], algo: Any, objective: Any, max_token
                for g in groups]
         out += [MicroBatch(mb[:1], split, math.inf, 0.0) for _ in range(need - len(out))]
         yield out
+
+
+def with_old_logprobs(samples: list[Sample], old_logprobs: Callable[[list[Sample]], list[torch.Tensor]]) -> list[Sample]:
+    """``samples`` with ``old_logprobs`` from one forward-only pass where they lack them (new dicts:
+    the caller's samples are left as they were)."""
+    lps = old_logprobs(samples)
+    return [s if "old_logprobs" in s else s | {"old_logprobs": lp.to(s["response"].device)}
+            for s, lp in zip(samples, lps, strict=True)]
 
 
 class Totals:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, WeightStream, layer_units
 from rlbatch.engines.batch import Packed, pack
-from rlbatch.engines.defaults import share_prompts
+from rlbatch.engines.defaults import max_tokens_per_micro_batch, share_prompts
 from rlbatch.engines.model import load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train import common
@@ -135,8 +135,7 @@ class DeepSpeedEngine(StashedState):
         # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
-        # A sequence-classification head pools each padded row at its last token: a reward model stays padded.
-        self.max_tokens = int(args.max_tokens_per_micro_batch) if ctx.head != "reward" else 0
+        self.max_tokens = max_tokens_per_micro_batch(args, ctx.device.type)
         self.split = common.Split(self.micro_batch, self.max_tokens, self.group, ctx.device)
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer: torch.optim.Optimizer | None = None
@@ -206,7 +205,7 @@ class DeepSpeedEngine(StashedState):
 
     def scores(self, samples: list[Sample]) -> list[float]:
         with role_world(self.group):
-            return common.scores(self.engine, samples, self.micro_batch, self._pack)
+            return common.scores(self.engine, samples, self.split, self._pack, self.engine.module.score)
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` (``common.updates``): DeepSpeed
@@ -215,7 +214,8 @@ class DeepSpeedEngine(StashedState):
         a = self.algo
         totals = common.Totals(a.grad_accum)
         with role_world(self.group):
-            for micro_batches in common.weighted_updates(samples, a, objective, self.max_tokens, self.group, self.device):
+            for micro_batches in common.weighted_updates(samples, a, objective, self.max_tokens, self.group, self.device,
+                                                         old_logprobs=self.logprobs):
                 for i, m in enumerate(micro_batches):
                     self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
                     loss, stats = common.chunk_loss(self.engine, self._pack(m.samples), m.objective)

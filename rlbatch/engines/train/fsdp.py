@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream
 from rlbatch.engines.batch import Packed, pack
-from rlbatch.engines.defaults import fsdp_single_unit, share_prompts
+from rlbatch.engines.defaults import fsdp_single_unit, max_tokens_per_micro_batch, share_prompts
 from rlbatch.engines.model import engine_skeleton, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.engines.train import common
@@ -66,8 +66,7 @@ class FSDPEngine(StashedState):
         # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
-        # A sequence-classification head pools each padded row at its last token: a reward model stays padded.
-        self.max_tokens = int(args.max_tokens_per_micro_batch) if ctx.head != "reward" else 0
+        self.max_tokens = max_tokens_per_micro_batch(args, ctx.device.type)
         self.split = common.Split(self.micro_batch, self.max_tokens, self.dp_group, ctx.device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.device.type == "cuda" else None
         dp_mesh = mesh["dp"]
@@ -107,7 +106,7 @@ class FSDPEngine(StashedState):
         return common.values(self.model, samples, self.split, self._pack)
 
     def scores(self, samples: list[Sample]) -> list[float]:
-        return common.scores(self.model, samples, self.micro_batch, self._pack)
+        return common.scores(self.model, samples, self.split, self._pack, self.model.score)
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch
@@ -115,7 +114,8 @@ class FSDPEngine(StashedState):
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
         totals = common.Totals(a.grad_accum)
-        for micro_batches in common.weighted_updates(samples, a, objective, self.max_tokens, self.dp_group, self.device):
+        for micro_batches in common.weighted_updates(samples, a, objective, self.max_tokens, self.dp_group, self.device,
+                                                     old_logprobs=self.logprobs):
             self.optimizer.zero_grad(set_to_none=False)
             for m in micro_batches:
                 loss, stats = common.chunk_loss(self.model, self._pack(m.samples), m.objective)
