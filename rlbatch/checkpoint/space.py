@@ -24,6 +24,7 @@ from typing import Any
 
 from rlbatch.checkpoint.files import CHECKPOINTS, MANIFEST
 from rlbatch.errors import ConfigError
+from rlbatch.osinfo import mount_of, nearest_existing
 
 BYTES_PER_TRAINED_PARAM = 12
 """fp32 master weight + AdamW exp_avg + exp_avg_sq, as every training engine saves them
@@ -35,36 +36,22 @@ class DiskFull(RuntimeError):
     """A checkpoint does not fit (or did not fit) on its filesystem; the message has the numbers."""
 
 
-def _existing(path: Path) -> Path:
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged process may still write on ``path``'s filesystem (``f_bavail``)."""
     from rlbatch.runtime.faults import disk_full
 
     if disk_full():
         return 0
-    st = os.statvfs(_existing(path))
+    st = os.statvfs(nearest_existing(path))
     return int(st.f_bavail * st.f_frsize)
 
 
 def describe_fs(path: Path) -> str:
-    """'tmpfs mounted at /scratch' for the filesystem that holds ``path`` (its mount point and
-    device, from /proc/self/mounts; the bare mount point where that cannot be read)."""
-    p = _existing(path).resolve()
-    dev = p.stat().st_dev
-    while p != p.parent and p.parent.stat().st_dev == dev:
-        p = p.parent
-    try:
-        mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
-        device = next(m[0] for m in reversed(mounts) if len(m) > 1 and m[1] == str(p))
-        return f"{device} mounted at {p}"
-    except (OSError, StopIteration):
-        return f"the filesystem mounted at {p}"
+    """'tmpfs mounted at /scratch' for the filesystem that holds ``path`` (what is mounted and
+    where, ``rlbatch.osinfo.mount_of``; the path itself where /proc cannot tell)."""
+    p = nearest_existing(path)
+    mount = mount_of(p)
+    return f"{mount.source} mounted at {mount.point}" if mount else f"the filesystem that holds {p}"
 
 
 def mib(n: float) -> str:

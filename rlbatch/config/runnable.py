@@ -33,6 +33,7 @@ from rlbatch.algos.registry import PROGRAMS, USES_CRITIC, Registry
 from rlbatch.config.schema import GPU_ROLES, HEADS, INHERIT_BACKEND
 from rlbatch.engines.registry import REGISTRY, built_engines, parse_args
 from rlbatch.errors import ConfigError
+from rlbatch.osinfo import mount_of, nearest_existing
 from rlbatch.phases import PHASES
 from rlbatch.placement.backend import DIM_NAMES, BackendSpec, EngineKind, parse_backend
 
@@ -357,11 +358,9 @@ def _run_dir_writable_problem(run_dir: str) -> str | None:
     resolves there and on its nearest existing ancestor."""
     try:
         given = Path(run_dir).expanduser().resolve()
-        probe = given
-        while not probe.exists():  # resolved: symbolic links are followed as mkdir follows them
-            probe = probe.parent
+        probe = nearest_existing(given)
         kind = _not_a_directory(probe)
-        mount = _mount_of(probe)
+        mount = mount_of(probe)
         writable = os.access(probe, os.W_OK | os.X_OK)
         read_only = not writable and bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
     except (OSError, ValueError, RuntimeError) as e:  # unreadable ancestors, NUL bytes, symlink loops
@@ -370,8 +369,8 @@ def _run_dir_writable_problem(run_dir: str) -> str | None:
         if probe == given:
             return f"run_dir: {given} is {kind}, not a directory; give a directory (or a path to create)"
         return f"run_dir: {given} cannot be created: {probe} is {kind}, not a directory"
-    if mount is not None and mount[1] in KERNEL_FILESYSTEMS:
-        return (f"run_dir: {given} is under {mount[0]}, a {mount[1]} filesystem the kernel provides, where "
+    if mount is not None and mount.fstype in KERNEL_FILESYSTEMS:
+        return (f"run_dir: {given} is under {mount.point}, a {mount.fstype} filesystem the kernel provides, where "
                 f"nothing of a run can be written; put run_dir on a disk (home, project or scratch)")
     if not writable:
         what = given if probe == given else f"{given} cannot be created: {probe}"
@@ -384,26 +383,6 @@ def _not_a_directory(path: Path) -> str | None:
     if path.is_dir():
         return None
     return "a regular file" if path.is_file() else "a special file"
-
-
-def _mount_of(path: Path) -> tuple[Path, str] | None:
-    """(mount point, filesystem type) of the mount that holds ``path``, from /proc/self/mountinfo;
-    None where that cannot be read."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return None
-    best: tuple[Path, str] | None = None
-    for line in lines:
-        mount, sep, rest = line.partition(" - ")
-        fields = mount.split()
-        if not sep or len(fields) < 5 or not rest.split():
-            continue
-        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
-        # The deepest mount point wins; of equal ones the later, which hides the earlier.
-        if (point == path or point in path.parents) and (best is None or len(point.parts) >= len(best[0].parts)):
-            best = (point, rest.split()[0])
-    return best
 
 
 def _node_local_problem(plain: Mapping[str, Any], run_dir: str) -> str | None:

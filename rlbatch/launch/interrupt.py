@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from rlbatch.osinfo import process_cmdline
 from rlbatch.runtime.rundir import RunDir
 
 STOP_GRACE_S = 5.0
@@ -254,9 +255,9 @@ def processes_naming(path: Path) -> list[int]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
+        cmdline = process_cmdline(int(entry.name))
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if str(path) in cmdline and _stat(entry.name)[0] != "Z":
+            if cmdline and str(path) in cmdline and _stat(entry.name)[0] != "Z":
                 found.append(int(entry.name))
         except (OSError, IndexError):
             continue

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlbatch.errors import ConfigError
+from rlbatch.osinfo import process_cmdline
 
 if TYPE_CHECKING:
     from rlbatch.placement import Placement
@@ -294,11 +295,8 @@ def _ranks_still_running(path: Path) -> RunDirBusy | None:
         st = run.read_status(int(status.stem.removeprefix("rank"))) if status.stem[4:].isdigit() else None
         if not st or st.get("state") != "running" or st.get("host") != socket.gethostname():
             continue
-        try:
-            cmdline = Path(f"/proc/{int(st['pid'])}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, KeyError):
-            continue
-        if "rlbatch.worker" in cmdline and str(path.parent) in cmdline:
+        cmdline = process_cmdline(st["pid"]) if "pid" in st else None
+        if cmdline and "rlbatch.worker" in cmdline and str(path.parent) in cmdline:
             alive.append((st["rank"], st["pid"]))
     if not alive:
         return None
