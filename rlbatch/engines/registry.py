@@ -175,6 +175,10 @@ class EngineSpec:
     """At start-up it reserves a share of the device's memory for itself and refuses to start when
     that much is not free (vLLM's gpu_memory_utilization): on a rank shared with other engines it
     is built before them, while the device is empty."""
+    packs_rows: bool = False
+    """Under a token budget (engine_args.max_tokens_per_micro_batch, resolved by
+    ``rlbatch.engines.defaults.max_tokens_per_micro_batch``) it packs each micro-batch's samples
+    into one unpadded row, the LM head only at scored positions: what the planner models."""
 
     @property
     def built(self) -> bool:
@@ -287,7 +291,7 @@ def describe() -> str:
 
 
 register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d",
-                    heads=("lm", "value", "reward")))
+                    heads=("lm", "value", "reward"), packs_rows=True))
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d"))
 # dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
 # keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.
@@ -296,7 +300,8 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.v
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build",
                     reserves_device_share=True))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
-                    dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward")))
+                    dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward"),
+                    packs_rows=True))
 # dims "dtpe": tensor, pipeline, data and expert parallel (e over d, for Mixture-of-Experts models);
 # the placement language keeps "dtpce" so plans with context parallelism are still modelled (and
 # refused with the note before submit).

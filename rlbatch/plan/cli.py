@@ -134,7 +134,7 @@ def cmd_search(args: Args) -> int:
                          int(plain["cluster"].get("cpus_per_task") or 1), mem_limit(plain), args.ns.overlap)
     data = {"stats": stats, "gpus": gpus, "hardware": hw.name, "top": [
         {"rank": i + 1, "label": c.label, "mode": c.mode, "step_s": c.prediction.step_s if c.prediction else None,
-         "overrides": c.overrides} for i, c in enumerate(best)]}
+         "max_tokens_per_micro_batch": c.budget or None, "overrides": c.overrides} for i, c in enumerate(best)]}
     rows = [("#", "step", "mode", "placement", "peak memory")]
     for i, c in enumerate(best):
         assert c.prediction is not None

@@ -18,7 +18,14 @@ import math
 from dataclasses import dataclass, field
 
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES
-from rlbatch.engines.defaults import fsdp_single_unit, hf_max_batch, share_prompts, worth_sharing
+from rlbatch.engines.defaults import (
+    fsdp_single_unit,
+    hf_max_batch,
+    max_tokens_per_micro_batch,
+    share_prompts,
+    worth_sharing,
+)
+from rlbatch.engines.registry import spec_of
 from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
 from rlbatch.plan.hardware import Hardware
@@ -135,8 +142,77 @@ def pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, f
     return mb * s, mb * s, 1
 
 
-def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_only: bool) -> RoleMemory:
-    """fsdp / deepspeed / megatron: weights, grads and Adam state by sharding; activations by micro-batch."""
+CHUNK_BYTES = 1 << 28
+"""``rlbatch.algos.core.CHUNK_BYTES`` (kept here: the planner imports no torch; a test checks they
+agree): ``chunked_logprobs`` works on this many bytes of fp32 logits at a time."""
+
+
+def token_budget(r: RoleLayout, hw: Hardware) -> int:
+    """The role's token budget as its engine resolves it on ``hw``'s device (0: padded rows): the
+    engine_args value, else the device's default (``rlbatch.engines.defaults``). Engines that do
+    not pack rows (``EngineSpec.packs_rows``) are modelled padded."""
+    if r.backend is None or not spec_of(r.backend.engine).packs_rows:
+        return 0
+    return max_tokens_per_micro_batch(r.engine_args, "cpu" if hw.is_cpu else "cuda")
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A rank's pass under a token budget: one unpadded row per micro-batch (``rlbatch.engines.batch.Flat``)."""
+
+    row: float
+    """Prompt + response tokens of the largest row: max(longest sample, min(budget, the rank's share))."""
+    scored: float
+    """LM-head positions of that row: its response tokens, at most the longest sample's share of the row."""
+    calls: int
+    """Micro-batches (model calls) per pass."""
+    tokens: float
+    """Decoder positions over the pass: every sample's prompt and response but its last token."""
+    head: float
+    """LM-head positions over the pass: every response token."""
+
+
+def packing(w: Workload, budget: int, seqs: int) -> Packing:
+    """``seqs`` samples of ``w`` cut into rows of at most ``budget`` tokens (a longer sample alone).
+    Rows are bounded by the longest sample (``w.prompt_len + w.response_max``) and sized by the
+    mean; the densest row in scored positions is made of the longest samples."""
+    longest = w.prompt_len + w.response_max
+    share = seqs * (w.prompt_len + w.response_mean)
+    row = max(longest, min(float(budget), share))
+    calls = max(1, min(seqs, math.ceil(share / budget)))
+    return Packing(row, row * w.response_max / longest, calls, seqs * (w.prompt_len + w.response_mean - 1),
+                   seqs * w.response_mean)
+
+
+def mask_bytes(row: float, e: int, layers: int) -> float:
+    """The attention masks of a packed row under sdpa: transformers' block-diagonal bool [N, N] mask,
+    which sdpa converts to an additive mask in the compute dtype in every layer's call, and autograd
+    keeps each layer's for the backward (``layers``; 1 in a pass without autograd, one layer at a
+    time). Measured: 2 N^2 bytes a layer kept in bf16 on an H100, 4 N^2 in fp32 on CPU."""
+    return row * row * (1 + e * layers)
+
+
+def packed_logits_bytes(scored: float, vocab: int, e: int, t: int = 1, train: bool = False,
+                        entropy: bool = False) -> float:
+    """The vocab-sized tensors of a packed pass (``rlbatch.algos.core.chunked_logprobs``): the
+    logits at the scored positions as computed (e bytes; kept for the backward in training), and
+    chunks of ``CHUNK_BYTES`` of fp32 logits at a time: the fp32 copy of a chunk (when e < 4) and
+    its logsumexp's one temporary (torch exponentiates ``x - max`` in place); training adds the
+    logits' gradient (e bytes) and the backward's chunk (exp, its negation, the product with the
+    incoming gradient: 3; the entropy term one more). Measured on CPU against
+    ``tools/bench/packing.py`` (docs/planner.md)."""
+    local = vocab / t
+    rows = min(scored, max(1, CHUNK_BYTES // max(1, int(4 * local))))
+    chunk = 4.0 * rows * local
+    copy = 1 if e < 4 else 0
+    if not train:
+        return scored * local * e + (1 + copy) * chunk
+    return 2 * scored * local * e + (3 + (1 if entropy else 0) + copy) * chunk
+
+
+def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_only: bool, budget: int = 0) -> RoleMemory:
+    """fsdp / deepspeed / megatron: weights, grads and Adam state by sharding; activations by micro-batch,
+    or with a token ``budget`` (``token_budget``) by the largest packed row."""
     assert r.backend is not None
     b, P = r.backend, float(shape.params)
     d, t, p, c = b.d, b.t, b.p, b.c
@@ -223,23 +299,40 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     vocab = 1 if r.name in HEADS else shape.vocab  # a value or reward head: a scalar per token
     # Tokens and logit rows per micro-batch: every position of the padded sequences, or with shared
     # prompts each distinct prompt once (logits at its last position) plus the responses.
-    ftok, frows, _ = pass_tokens(r, w, fmb, s)
-    fwd = {
-        "activations": act.forward_working_bytes(shape, ftok / fmb, fmb, e, t),
-        "logits": act.logits_bytes(frows, vocab, e, t),
-    }
+    if budget:
+        pk = packing(w, budget, math.ceil(w.sequences / d))
+        fwd = {
+            "activations": act.forward_working_bytes(shape, pk.row, 1, e, t),
+            "attention_mask": mask_bytes(pk.row, e, 1),
+            "logits": packed_logits_bytes(pk.scored, vocab, e, t) if vocab > 1 else e * pk.row,
+        }
+        notes.append(f"{r.name}: token budget {budget}, log-prob rows of up to {pk.row:.0f} tokens ({pk.scored:.0f} scored)")
+    else:
+        ftok, frows, _ = pass_tokens(r, w, fmb, s)
+        fwd = {
+            "activations": act.forward_working_bytes(shape, ftok / fmb, fmb, e, t),
+            "logits": act.logits_bytes(frows, vocab, e, t),
+        }
     if fwd_buffers:
         fwd["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = fwd_buffers
     transient = {"logprobs": fwd}
     if not forward_only:
         recompute = "full" if w.recompute else "none"
         in_flight = min(p, w.grad_accum) if p > 1 else 1  # 1F1B: micro-batches in flight on stage 0
-        ttok, trows, _ = pass_tokens(r, w, mb, s)
-        st = ttok / mb  # tokens per sequence, prompts shared or not
+        if budget:  # one row of the rank's share of a mini-batch, at most the budget
+            tp = packing(w, budget, math.ceil(w.sequences / (w.mini_batches * d)))
+            st, mb = tp.row, 1
+            logits = packed_logits_bytes(tp.scored, vocab, e, t, train=True, entropy=w.entropy) if vocab > 1 else 2 * e * tp.row
+        else:
+            ttok, trows, _ = pass_tokens(r, w, mb, s)
+            st = ttok / mb  # tokens per sequence, prompts shared or not
+            logits = act.logits_bytes(trows, vocab, e, t, train=True, entropy=w.entropy)
         acts = layers_held * in_flight * act.layer_bytes(shape, st, mb, e, t, sp=sp, recompute=recompute)
         if recompute == "full":  # the layer being recomputed holds its full activations
             acts += act.layer_bytes(shape, st, mb, e, t, sp=sp)
-        train = {"activations": acts, "logits": act.logits_bytes(trows, vocab, e, t, train=True, entropy=w.entropy)}
+        train = {"activations": acts, "logits": logits}
+        if budget:  # every layer's additive mask for the backward; recomputed: the one layer's
+            train["attention_mask"] = mask_bytes(st, e, 1 if recompute == "full" else layers_held)
         if train_buffers:
             train["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = train_buffers
         if step_temp > sum(train.values()):  # the step runs after the passes' transients are freed
@@ -300,6 +393,6 @@ def role_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardw
     if r.backend.kind is EngineKind.INFER:
         m = infer_engine(r, shape, w, e, hw)
     else:
-        m = train_engine(r, shape, w, e, forward_only=r.name not in TRAINABLE_ROLES)
+        m = train_engine(r, shape, w, e, forward_only=r.name not in TRAINABLE_ROLES, budget=token_budget(r, hw))
     m.load = load_bytes(r, shape, e, hw)
     return m

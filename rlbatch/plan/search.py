@@ -8,7 +8,10 @@ ROLL's AutoDeviceMapping idea with the planner as the cost model. Candidates:
 
 and for each, the training engine's dims (tensor parallel within a node, pipeline stages that
 divide the layers, data parallel for the rest) and the inference engine's (tensor parallel
-within a node, engines for the rest), keeping the engines the config names. Only the winners
+within a node, engines for the rest), keeping the engines the config names. Where the training
+engines run token-budget micro-batches (``engine_args.max_tokens_per_micro_batch``, set or the
+device's default), each placement is predicted under a ladder of budgets (``budgets``) and keeps
+the fastest that fits (``choose_budget``). Only the winners
 are validated with ``rlbatch.config.validate.check`` (candidates that fail are skipped and
 counted), and each is printed as Hydra overrides ready to paste.
 """
@@ -19,7 +22,7 @@ import copy
 import itertools
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlbatch.engines.vllm_limits import tp_heads_problem
@@ -28,6 +31,7 @@ from rlbatch.placement import parse_backend
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
+from rlbatch.plan.memory import token_budget
 from rlbatch.plan.model import ModelShape
 from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import Workload
@@ -44,6 +48,8 @@ class Candidate:
     layout: Layout
     prediction: Prediction | None = None
     overrides: list[str] = field(default_factory=list)
+    budget: int = 0
+    """The token budget chosen for the roles whose engines pack (``budgets``); 0: none searched."""
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -140,6 +146,62 @@ def candidates(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w
                     yield build("disaggregated", tr, ir, ts, ispec, off)
 
 
+BUDGET_KEY = "max_tokens_per_micro_batch"
+
+
+def packing_roles(layout: Layout, hw: Hardware) -> list[str]:
+    """Roles whose engines run token-budget micro-batches as the config and device resolve them
+    (``memory.token_budget`` > 0): the search chooses their budget. A role left padded (budget 0,
+    the user's choice or the device's default) stays padded."""
+    return [n for n, r in layout.roles.items() if r.is_gpu and token_budget(r, hw) > 0]
+
+
+def budgets(layout: Layout, roles: list[str], w: Workload) -> list[int]:
+    """Token budgets to try, largest first: powers of two from the longest sample's (prompt plus the
+    longest response) up to the first that holds a rank's whole share of a pass (a larger one
+    makes the same rows)."""
+    if not roles:
+        return []
+    longest = w.prompt_len + w.response_max
+    d = min(layout.roles[n].backend.d for n in roles if layout.roles[n].backend is not None)  # type: ignore[union-attr]
+    share = math.ceil(w.sequences / max(1, d)) * (w.prompt_len + w.response_mean)
+    lo = 1 << max(0, math.ceil(math.log2(max(1.0, longest))))
+    out = [lo]
+    while out[-1] < share:
+        out.append(out[-1] * 2)
+    return out[::-1]
+
+
+def with_budget(layout: Layout, roles: list[str], budget: int) -> Layout:
+    """``layout`` with ``roles``' engine_args setting the token budget."""
+    rl = dict(layout.roles)
+    for n in roles:
+        rl[n] = replace(rl[n], engine_args=rl[n].engine_args | {BUDGET_KEY: budget})
+    return replace(layout, roles=rl)
+
+
+def choose_budget(c: Candidate, shape: ModelShape, w: Workload, hw: Hardware, model_dtype: str, coef: Coefficients,
+                  mem_limit: float | None, overlap: bool) -> None:
+    """Predict ``c`` under each of ``budgets`` and keep the fastest that fits (the larger on a tie),
+    or, when none fits, the smallest budget's prediction (its problems say why)."""
+    roles = packing_roles(c.layout, hw)
+    ladder = budgets(c.layout, roles, w)
+    if not ladder:
+        c.prediction = predict(c.layout, shape, w, hw, model_dtype, coef, mem_limit, overlap)
+        return
+    best: tuple[float, Layout, Prediction, int] | None = None
+    last: tuple[Layout, Prediction, int] | None = None
+    for b in ladder:
+        layout = with_budget(c.layout, roles, b)
+        pred = predict(layout, shape, w, hw, model_dtype, coef, mem_limit, overlap)
+        last = (layout, pred, b)
+        if pred.fits and (best is None or pred.step_s < best[0]):
+            best = (pred.step_s, layout, pred, b)
+    assert last is not None
+    c.layout, c.prediction, c.budget = best[1:] if best is not None else last
+    c.label += f", {BUDGET_KEY}={c.budget}"
+
+
 def _mapping(r: range) -> str:
     return f"list(range({r.start},{r.stop}))"
 
@@ -166,6 +228,10 @@ def to_overrides(c: Candidate, cfg: Mapping[str, Any]) -> tuple[list[str], dict[
             if rc.get(k) is not None:
                 lines.append(f"roles.{name}.{k}=null")
                 rc[k] = None
+        if c.budget and r.engine_args.get(BUDGET_KEY) == c.budget:
+            # ++ adds the key or replaces the config's value
+            lines.append(f"++roles.{name}.engine_args.{BUDGET_KEY}={c.budget}")
+            rc["engine_args"] = dict(rc.get("engine_args") or {}) | {BUDGET_KEY: c.budget}
     cluster = plain.setdefault("cluster", {})
     nodes = cluster.get("nodes")
     if nodes is not None and nodes * c.layout.gpus_per_node < c.layout.num_gpus:
@@ -183,7 +249,8 @@ def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Wo
     scored, stats = [], {"candidates": 0, "fit": 0, "oom": 0, "invalid": 0}
     for c in candidates(cfg, gpus, gpn, shape, w, cpus):
         stats["candidates"] += 1
-        c.prediction = predict(c.layout, shape, w, hw, model_dtype, coef, mem_limit, overlap)
+        choose_budget(c, shape, w, hw, model_dtype, coef, mem_limit, overlap)
+        assert c.prediction is not None
         if c.prediction.fits:
             stats["fit"] += 1
             scored.append(c)

@@ -28,7 +28,15 @@ from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
-from rlbatch.plan.memory import RoleMemory, fsdp_units, logprob_micro_batch, pass_tokens, train_micro_batch
+from rlbatch.plan.memory import (
+    RoleMemory,
+    fsdp_units,
+    logprob_micro_batch,
+    packing,
+    pass_tokens,
+    token_budget,
+    train_micro_batch,
+)
 from rlbatch.plan.model import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.workload import Workload
 
@@ -249,6 +257,9 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     assert b is not None
     d, t, p, c = b.d, b.t, b.p, b.c
     rt = rates(hw, layout, layout.ranks_per_node(r.ranks), working_set)
+    budget = token_budget(r, hw)
+    if budget:
+        return _packed_pass(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, budget)
     mb = train_micro_batch(w, d) if train else logprob_micro_batch(r, w)
     seqs = math.ceil(w.sequences / d)
     s = w.seq_len / c
@@ -276,6 +287,52 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
         _cpu_attention_ops(shape, p) * calls_per_seq * (3 if train else 1) if hw.is_cpu else 0.0)
     samples = repeats * seqs * per_seq * hw.op_overhead_s * rt.slow
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
+    return _finish(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, calls, roof, ops, samples,
+                   overlapped, exposed)
+
+
+def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout, train: bool,
+                 tensors: int, opt_bytes: float, rt: Rates, budget: int) -> Features:
+    """``forward_pass`` under a token budget: real tokens only, one row per micro-batch (``memory.packing``).
+    The LM head runs at the scored positions only; sdpa's dense [N, N] mask makes a row's attention
+    cost N^2 (every key of the row, not only its sample's) and its mask is written and read in
+    every layer."""
+    b = r.backend
+    assert b is not None
+    t, p = b.t, b.p
+    seqs = math.ceil(w.sequences / b.d)
+    updates = w.mini_batches if train else 1
+    pk = packing(w, budget, math.ceil(seqs / updates))
+    repeats = w.epochs if train else 1
+    calls = repeats * updates * pk.calls
+    tokens, head = repeats * updates * pk.tokens, repeats * updates * pk.head
+    mult = (4.0 if w.recompute else 3.0) if train else 1.0
+    vocab = 1 if r.name in HEADS else shape.vocab
+    lm_head = 2.0 * shape.vocab * shape.hidden  # in matmul_params: charged at the scored positions only
+    row = pk.tokens / pk.calls  # decoder positions of a row, on average
+    flops = (tokens * (shape.fwd_flops_per_token(row) - lm_head) + head * 2.0 * vocab * shape.hidden) * mult / (t * p)
+    passes = 2 if train else 1
+    mask = row * row * (1 + 2 * e * math.ceil(shape.layers / p))  # written once, converted and read per layer
+    byts = calls * passes * (e * shape.params / (t * p) + mask) + passes * tokens * traffic_per_token(shape, e, t) / p
+    byts += head * vocab / t * (e + 8 + (4 + e if train else 0))
+    roof = max(flops / rt.flops, byts / rt.bw) * _bubble(b, pk.calls)
+    ops = calls * (_fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
+    # one attention problem per row and head (counted in its flops), host work per sample as padded
+    per_seq = SAMPLE_OPS_TRAIN if train else SAMPLE_OPS_PASS
+    samples = (repeats * seqs * per_seq + (calls * _cpu_attention_ops(shape, p) * (3 if train else 1) if hw.is_cpu else 0.0)
+               ) * hw.op_overhead_s * rt.slow
+    overlapped, exposed = _engine_comm(r, shape, e, hw, layout, 1, row, train)
+    return _finish(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, calls, roof, ops, samples,
+                   overlapped, exposed)
+
+
+def _finish(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout, train: bool,
+            tensors: int, opt_bytes: float, rt: Rates, calls: int, roof: float, ops: float, samples: float,
+            overlapped: float, exposed: float) -> Features:
+    """A pass's communication and, in training, the optimizer steps, from its per-call figures."""
+    b = r.backend
+    assert b is not None
+    t, p = b.t, b.p
     n, dl = _dp_link(layout, r, hw)
     if hw.is_cpu:  # gloo works on the rank's own cores: sharding comm does not hide behind compute
         collectives = calls * _sharding_collectives(r, shape, train, n)

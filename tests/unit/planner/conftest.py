@@ -35,10 +35,14 @@ def make_layout(cfg: dict[str, Any]) -> Layout:
 
 
 def roles(train: str, infer: str, train_ranks: list[int] | str, infer_ranks: list[int] | str,
-          micro_batch: int = 0, **extra: Any) -> dict[str, Any]:
+          micro_batch: int = 0, max_tokens: int | None = 0, **extra: Any) -> dict[str, Any]:
     """A roles mapping: reference on actor_train's ranks with its backend. ``micro_batch`` bounds
-    the sequences of one log-prob forward (rlbatch's fsdp engine otherwise takes a rank's whole share)."""
-    args = {"engine_args": {"micro_batch": micro_batch}} if micro_batch else {}
+    the sequences of one log-prob forward (rlbatch's fsdp engine otherwise takes a rank's whole share).
+    ``max_tokens``: the training engines' engine_args.max_tokens_per_micro_batch, 0 (padded rows)
+    unless told; None leaves it unset (the device's default: packed on a GPU)."""
+    args: dict[str, Any] = {"engine_args": {"micro_batch": micro_batch}} if micro_batch else {"engine_args": {}}
+    if max_tokens is not None and train.split(":")[0] in ("fsdp", "deepspeed"):  # the engines with the option
+        args["engine_args"]["max_tokens_per_micro_batch"] = max_tokens
     out = {
         "actor_train": {"device_mapping": train_ranks, "backend": train, **args},
         "actor_infer": {"device_mapping": infer_ranks, "backend": infer},

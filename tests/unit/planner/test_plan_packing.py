@@ -1,0 +1,160 @@
+"""Token-budget micro-batches in the planner: memory by the packed row, time on real tokens, and the
+budget ``plan search`` chooses. The expected numbers are worked out here from the engines' code
+(``rlbatch.engines.train.common``, ``rlbatch.engines.batch``, ``rlbatch.algos.core.chunked_logprobs``),
+not taken from the planner."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import MODELS, make_config, make_layout, roles
+
+from rlbatch.plan.coefficients import Coefficients
+from rlbatch.plan.hardware import load_hardware
+from rlbatch.plan.memory import CHUNK_BYTES, role_memory, token_budget
+from rlbatch.plan.model import shape_from_config
+from rlbatch.plan.predict import predict
+from rlbatch.plan.search import budgets, packing_roles, search, with_budget
+from rlbatch.plan.workload import workload_from_config
+
+Q7B = shape_from_config({"path": str(MODELS / "qwen2_5_7b")})
+# Qwen2.5-7B: hidden 3584, 28 heads of 128, 4 KV heads (512 wide), SwiGLU 18944, vocab 152064, 28 layers.
+H, Q, KV, F, A, V, L = 3584, 3584, 512, 18944, 28, 152064, 28
+# 8 prompts x 8 samples of a 512-token prompt, responses of 512 tokens on average and 1024 at most,
+# on fsdp:d8: a rank's share of a log-prob pass is 8 samples (8192 tokens), of a mini-batch 4 (4096).
+ALGO = {"max_new_tokens": 1024, "prompts_per_step": 8, "samples_per_prompt": 8, "mini_batches": 2}
+LONGEST, RESPONSE_MAX = 512 + 1024, 1024
+
+
+def _memory(budget: int | None, hw_name: str = "h100_sxm", role: str = "actor_train"):  # type: ignore[no-untyped-def]
+    cfg = make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))",
+                                             max_tokens=budget))
+    w = workload_from_config(cfg, 512, 0.5)
+    return role_memory(make_layout(cfg).roles[role], Q7B, w, 2, load_hardware(hw_name)), w
+
+
+def _chunk(scored: float) -> float:
+    """One chunk of fp32 logits as chunked_logprobs cuts them: 2**28 bytes // (4 V) rows = 441 rows."""
+    return 4.0 * min(scored, 441) * V
+
+
+def test_the_chunk_size_is_the_engines() -> None:
+    from rlbatch.algos.core import CHUNK_BYTES as ENGINE_CHUNK_BYTES
+
+    assert CHUNK_BYTES == ENGINE_CHUNK_BYTES
+    assert CHUNK_BYTES // (4 * V) == 441
+
+
+def test_memory_under_a_budget_is_the_largest_packed_row() -> None:
+    m, _ = _memory(4096)
+    # Log-prob pass: the rank's 8192 tokens in rows of at most 4096; the densest row is all longest
+    # samples, 1024 of each 1536 tokens scored. bf16 (e = 2).
+    T, K = 4096.0, 4096.0 * RESPONSE_MAX / LONGEST
+    fwd = m.transient["logprobs"]
+    assert fwd["activations"] == pytest.approx(2 * T * (2 * H + Q + 2 * KV + 2 * F), rel=1e-12)
+    # transformers' bool [T, T] mask, and one layer's bf16 copy of it inside sdpa
+    assert fwd["attention_mask"] == pytest.approx(T * T * (1 + 2), rel=1e-12)
+    # the logits at the scored positions (bf16), one chunk's fp32 copy and its logsumexp's temporary
+    assert fwd["logits"] == pytest.approx(K * V * 2 + 2 * _chunk(K), rel=1e-12)
+    # Train pass: the rank's 4 samples of a mini-batch (4096 tokens) in one row of 4096.
+    tr = m.transient["train"]
+    per_token_layer = 2 * (4 * H + Q + KV + KV + Q + 3 * F) + 4 * A  # Korthikanti's count, GQA, SwiGLU, flash lse
+    assert tr["activations"] == pytest.approx(L * T * per_token_layer, rel=1e-12)
+    assert tr["attention_mask"] == pytest.approx(T * T * (1 + 2 * L), rel=1e-12)  # each layer keeps its copy
+    # logits kept and their gradient (bf16), the backward's chunk: fp32 copy, exp, its negation, the product
+    assert tr["logits"] == pytest.approx(2 * K * V * 2 + 4 * _chunk(K), rel=1e-12)
+    assert "actor_train: token budget 4096, log-prob rows of up to 4096 tokens (2731 scored)" in m.notes
+
+
+def test_a_budget_below_the_longest_sample_runs_it_alone() -> None:
+    small, _ = _memory(256)
+    at, _ = _memory(1024)
+    # A 1536-token sample is a row of its own whatever the smaller budget: both give that row.
+    T, K = float(LONGEST), float(RESPONSE_MAX)
+    for m in (small, at):
+        assert m.transient["train"]["attention_mask"] == pytest.approx(T * T * (1 + 2 * L), rel=1e-12)
+        assert m.transient["logprobs"]["logits"] == pytest.approx(K * V * 2 + 2 * _chunk(K), rel=1e-12)
+    assert small.transient == at.transient
+
+
+def test_the_budget_resolves_as_the_engines_do(h100, cpu_hw) -> None:  # type: ignore[no-untyped-def]
+    from rlbatch.engines.defaults import max_tokens_per_micro_batch
+
+    unset = make_layout(make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))",
+                                                            "list(range(0,8))", max_tokens=None)))
+    r = unset.roles["actor_train"]
+    assert token_budget(r, h100) == max_tokens_per_micro_batch({}, "cuda") > 0  # the GPU's default: packed
+    assert token_budget(r, cpu_hw) == 0  # padded on CPU
+    padded, _ = _memory(0)
+    assert "attention_mask" not in padded.transient["train"]
+    # megatron has no budget: padded whatever the device
+    mega = make_layout(make_config(algo=ALGO, roles=roles("megatron:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))")))
+    assert token_budget(mega.roles["actor_train"], h100) == 0
+
+
+def test_packed_time_follows_real_tokens_padded_time_the_longest() -> None:
+    """Twice the longest response at the same mean: padded rows grow with it, packed rows of a
+    budget the rank's share fills do not."""
+    def train_roofline(budget: int, cap: int) -> float:
+        cfg = make_config(algo=ALGO | {"max_new_tokens": cap},
+                          roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", max_tokens=budget,
+                                      actor_train={"engine_args": {"share_prompts": False}}))
+        p = predict(make_layout(cfg), Q7B, workload_from_config(cfg, 512, 512.0), load_hardware("h100_sxm"))
+        phase = p.phase("train")
+        assert phase is not None
+        return phase.features["roofline"]
+
+    assert train_roofline(4096, 2048) == pytest.approx(train_roofline(4096, 1024), rel=1e-9)
+    assert train_roofline(0, 2048) > 1.4 * train_roofline(0, 1024)
+    assert train_roofline(4096, 1024) < train_roofline(0, 1024)
+
+
+def _search_case() -> tuple[dict, object]:  # type: ignore[type-arg]
+    cfg = make_config(model={"path": str(MODELS / "qwen2_5_7b")},
+                      algo={"max_new_tokens": 1024, "prompts_per_step": 16, "samples_per_prompt": 8},
+                      roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", max_tokens=None))
+    return cfg, workload_from_config(cfg, 512, 0.5)
+
+
+def test_search_picks_the_largest_budget_that_fits() -> None:
+    cfg, w = _search_case()
+    hw = load_hardware("h100_sxm")
+    layout = make_layout(cfg)
+    packed = packing_roles(layout, hw)
+    assert packed == ["actor_train", "reference"]
+    # from the longest sample's power of two (1536 -> 2048) to a log-prob share (32 x 1024 tokens)
+    ladder = budgets(layout, packed, w)
+    assert ladder == [32768, 16384, 8192, 4096, 2048]
+    fits = {b: predict(with_budget(layout, packed, b), Q7B, w, hw).fits for b in ladder}
+    assert fits == {32768: False, 16384: False, 8192: False, 4096: True, 2048: True}
+    best, stats = search(cfg, 8, 8, Q7B, w, hw, Coefficients(), "auto", top=20)
+    ours = [c for c in best if c.label.startswith("disaggregated: actor_train fsdp:d4 on 0-3")]
+    assert ours and ours[0].budget == 4096, [(c.label, c.budget) for c in best]
+    assert "++roles.actor_train.engine_args.max_tokens_per_micro_batch=4096" in ours[0].overrides
+    assert "++roles.reference.engine_args.max_tokens_per_micro_batch=4096" in ours[0].overrides
+    assert all(c.budget in ladder for c in best) and stats["fit"] > 0
+
+
+def test_a_padded_config_is_searched_padded() -> None:
+    cfg, w = _search_case()
+    cfg["roles"]["actor_train"]["engine_args"]["max_tokens_per_micro_batch"] = 0
+    cfg["roles"]["reference"]["engine_args"]["max_tokens_per_micro_batch"] = 0
+    hw = load_hardware("h100_sxm")
+    assert packing_roles(make_layout(cfg), hw) == []
+    best, _ = search(cfg, 8, 8, Q7B, w, hw, Coefficients(), "auto", top=3)
+    assert all(c.budget == 0 and not any("max_tokens_per_micro_batch" in o for o in c.overrides) for c in best)
+
+
+def test_the_log_prob_estimate_matches_a_cpu_measurement() -> None:
+    """``python tools/bench/packing.py --samples 64 --threads 1`` (docs/planner.md, "Packing: checked
+    against a measurement"): the packed log-prob pass's peak was 702.9 MiB (fp32, CPU, VmHWM) for
+    rows of at most 961 tokens, the one with the most scored positions 886 tokens with 765 scored,
+    on a qwen2 of hidden 64, 2 layers, 4 heads (2 KV), SwiGLU 256, vocab 151936. The planner's terms
+    on that row come within 1 %."""
+    from rlbatch.plan import activations as act
+    from rlbatch.plan.memory import mask_bytes, packed_logits_bytes
+    from rlbatch.plan.model import ModelShape
+
+    shape = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=256, vocab=151936)
+    T, K, e = 886.0, 765.0, 4
+    predicted = act.forward_working_bytes(shape, T, 1, e) + mask_bytes(T, e, 1) + packed_logits_bytes(K, shape.vocab, e)
+    assert predicted == pytest.approx(702.9 * 2**20, rel=0.01)
