@@ -12,7 +12,9 @@ is written to a temporary directory, and for each preset and size this runs
 with WORKLOAD below: the gsm8k experiment's batch (32 prompts x 8 samples, 512-token prompts, up to
 256 new tokens) in 2 mini-batches, activation checkpointing, training micro-batches of 4 sequences
 per data-parallel rank (``algo.grad_accum`` = 32 / dp) and log-prob forwards of 8 sequences
-(``engine_args.micro_batch``) on the training engines. A cell is the most
+(``engine_args.micro_batch``) on the training engines that pad (megatron); fsdp and deepspeed pack
+at their GPU default (4096 tokens a row, ``rlbatch.engines.defaults``), where neither count is
+used. A cell is the most
 loaded GPU's peak over a step (and the phase of the peak), and the busiest node's host memory
 (offloaded state and processes); a placement that does not fit is marked, with the planner's reason.
 """
