@@ -22,6 +22,7 @@ that they never look inside. Which ranks receive which samples is declared in th
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import itertools
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -224,6 +225,73 @@ class InferenceEngine(Engine, Protocol):
         """The model's own memory of these parameters as one 1-D ``dtype`` tensor when they lie back
         to back in it (receiving into it loads them), else None."""
         ...
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One turn to generate: a trajectory's whole context so far (its prompt, the turns generated
+    and the observations between them), under the caller's ``key``."""
+
+    key: int
+    tokens: list[int]
+    seed: int
+    """This request's own sampling seed, where the engine honours one (``Turns``)."""
+
+
+class Turns(Protocol):
+    """Requests that arrive and finish on their own: what a rollout of many multi-turn
+    trajectories drives, so that a trajectory whose turn is done goes on (to its environment, then
+    back with its next turn) while others still generate. ``turns_of`` gives it for any
+    inference engine."""
+
+    def submit(self, requests: list[TurnRequest], params: SamplingParams) -> None:
+        """Start generating these (whatever else is in flight keeps going)."""
+        ...
+
+    def poll(self, block: bool = True) -> list[tuple[int, Generation]]:
+        """The requests finished since the last poll, by key. ``block``: wait until at least one
+        has finished (if any is in flight); else advance once and return what finished."""
+        ...
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet returned by ``poll``."""
+        ...
+
+
+class BatchedTurns:
+    """``Turns`` for an engine that only has ``generate`` (the hf engine): each poll generates
+    every request submitted since the last in one call per sampling setting, so requests that
+    arrive together are batched and none waits for a later one. One call samples from one RNG,
+    seeded with its first request's seed: a request's tokens depend on what was batched with it."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+        self.pending: list[tuple[TurnRequest, SamplingParams]] = []
+
+    def submit(self, requests: list[TurnRequest], params: SamplingParams) -> None:
+        self.pending += [(r, params) for r in requests]
+
+    def poll(self, block: bool = True) -> list[tuple[int, Generation]]:
+        out: list[tuple[int, Generation]] = []
+        batch, self.pending = self.pending, []
+        by_params: dict[SamplingParams, list[TurnRequest]] = {}
+        for r, params in batch:
+            by_params.setdefault(params, []).append(r)
+        for params, requests in by_params.items():
+            gens = self.engine.generate([r.tokens for r in requests], dataclasses.replace(params, seed=requests[0].seed))
+            out += [(r.key, g) for r, g in zip(requests, gens, strict=True)]
+        return out
+
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+
+def turns_of(engine: Any) -> Turns:
+    """The engine itself where it implements ``Turns`` (vLLM: requests join and leave its running
+    batch), else ``BatchedTurns`` over its ``generate``."""
+    if all(callable(getattr(engine, m, None)) for m in ("submit", "poll", "in_flight")):
+        return engine
+    return BatchedTurns(engine)
 
 
 class TrainEngine(Engine, Protocol):

@@ -86,3 +86,34 @@ def test_a_sampled_pad_token_is_kept_without_stop_strings() -> None:
     for g in gens:
         assert len(g.tokens) == len(g.logprobs)
         assert len(g.tokens) == 2 or g.tokens[-1] == eos, g.tokens
+
+
+def test_turns_on_the_hf_engine_batch_what_is_pending_in_one_generate_per_setting() -> None:
+    """``turns_of`` an engine with only ``generate``: each poll generates every request submitted
+    since the last, one call per sampling setting (seeded with its first request's seed), and
+    returns each under its key; greedy turns equal ``generate``'s answers."""
+    from rlbatch.engines.base import BatchedTurns, TurnRequest, turns_of
+
+    cfg = compose([])
+    tok = load_tokenizer(cfg.model)
+    engine = _engine(cfg, tok)
+    calls: list[tuple[int, SamplingParams]] = []
+    generate = engine.generate
+
+    def counted(prompts: list[list[int]], params: SamplingParams) -> list:  # type: ignore[type-arg]
+        calls.append((len(prompts), params))
+        return generate(prompts, params)
+
+    engine.generate = counted  # type: ignore[method-assign]
+    turns = turns_of(engine)
+    assert isinstance(turns, BatchedTurns)
+    greedy, sampled = SamplingParams(max_new_tokens=3, temperature=0.0), SamplingParams(max_new_tokens=3, seed=99)
+    contexts = [tok.encode(f"{k}+{k}=") for k in range(3)]
+    turns.submit([TurnRequest(10 + k, c, seed=5 + k) for k, c in enumerate(contexts)], greedy)
+    turns.submit([TurnRequest(20, contexts[0], seed=42)], sampled)
+    assert turns.in_flight() == 4
+    got = dict(turns.poll())
+    assert sorted(got) == [10, 11, 12, 20] and turns.in_flight() == 0 and turns.poll() == []
+    assert [(n, p.temperature, p.seed) for n, p in calls] == [(3, 0.0, 5), (1, 1.0, 42)]
+    want = generate(contexts, greedy)
+    assert [got[10 + k].tokens for k in range(3)] == [g.tokens for g in want]

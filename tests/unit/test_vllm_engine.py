@@ -122,6 +122,40 @@ def test_stop_strings_and_eos_end_a_response(setup: Any) -> None:
     assert all(len(g.tokens) == 12 for g in gens if stop not in g.tokens and eos not in g.tokens)
 
 
+def test_turns_join_and_leave_the_running_batch(setup: Any) -> None:
+    """``Turns`` on vLLM: a request submitted while a longer one runs finishes first and comes back
+    under its key, the longer one still in flight; each turn's greedy tokens and log-probs equal
+    ``generate``'s for the same context."""
+    from rlbatch.engines.base import TurnRequest, turns_of
+
+    tok, engine = setup.tok, setup.engine
+    turns = turns_of(engine)
+    assert turns is engine  # vLLM runs turns itself, not through BatchedTurns
+    long_sp, short_sp = SamplingParams(max_new_tokens=24, temperature=0.0), SamplingParams(max_new_tokens=2, temperature=0.0)
+    # a context whose greedy answer runs the whole 24 tokens (no EOS on the way)
+    contexts = [tok.encode(f"{k}+{k}={k}") for k in range(10)]
+    full = [c for c, g in zip(contexts, engine.generate(contexts, long_sp), strict=True) if len(g.tokens) == 24]
+    assert full, "no context's greedy answer runs 24 tokens: pick other contexts"
+    turns.submit([TurnRequest(100, full[0], seed=1)], long_sp)
+    assert turns.poll(block=False) == [] and turns.in_flight() == 1  # one step: prefill, far from done
+    short = [tok.encode("1+2="), tok.encode("3+4=5")]
+    turns.submit([TurnRequest(7, short[0], seed=2), TurnRequest(8, short[1], seed=3)], short_sp)
+    first: dict[int, Any] = {}
+    while not {7, 8} <= set(first):
+        first |= dict(turns.poll())
+    assert 100 not in first and turns.in_flight() == 1  # the short ones did not wait for the long one
+    last = turns.poll()
+    assert [k for k, _ in last] == [100] and turns.in_flight() == 0 and turns.poll() == []
+    want = engine.generate([short[0], short[1], full[0]], short_sp)[:2] + engine.generate([full[0]], long_sp)
+    for got, exp in zip([first[7], first[8], last[0][1]], want, strict=True):
+        assert got.tokens == exp.tokens
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(exp.logprobs), atol=1e-4)
+    with pytest.raises(ValueError, match="already in flight"):
+        turns.submit([TurnRequest(9, short[0], seed=1), TurnRequest(9, short[0], seed=1)], short_sp)
+    while turns.in_flight():
+        turns.poll()
+
+
 def _new_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
     return [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]

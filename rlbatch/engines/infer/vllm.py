@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rlbatch.engines.base import EngineContext, Generation, SamplingParams
+from rlbatch.engines.base import EngineContext, Generation, SamplingParams, TurnRequest
 from rlbatch.engines.infer.vllm_world import PrivateWorld, private_shm_names
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import Transfer
@@ -172,6 +172,7 @@ class VLLMEngine:
         dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _DTYPE_NAMES[a.dtype]
         self.tp_ranks, self.tp_rank = tp_peers(ctx.mesh)
         self.world = PrivateWorld()
+        self._turns: set[int] = set()  # keys of turn requests in flight (``submit``, ``poll``)
         t = len(self.tp_ranks)
         tmp = None
         if ctx.model.path:
@@ -243,7 +244,6 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
 
         self._check_no_partial_sync()
@@ -255,25 +255,50 @@ class VLLMEngine:
         # vLLM refuses n>1 when greedy: a greedy group is its prompt's copies as requests of n=1
         # (all the same answer; the prefix cache still shares the prompt).
         units = [[r] for rows in groups.values() for r in rows] if greedy else list(groups.values())
-        requests, sampling = [], []
-        for rows in units:
-            requests.append(TokensPrompt(prompt_token_ids=list(prompts[rows[0]])))
-            sampling.append(VSampling(
-                n=len(rows), max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
-                top_p=1.0 if greedy else params.top_p, top_k=0, logprobs=0, stop=list(params.stop_strings) or None,
-                seed=None, skip_special_tokens=False,
-            ))
+        requests = [TokensPrompt(prompt_token_ids=list(prompts[rows[0]])) for rows in units]
+        sampling = [_sampling(params, len(rows)) for rows in units]
         torch.manual_seed(params.seed)  # vLLM's sampler draws from the process RNG
         with self.world.active():
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         out: list[Generation | None] = [None] * len(prompts)
         for rows, result in zip(units, outputs, strict=True):
             for row, completion in zip(rows, sorted(result.outputs, key=lambda c: c.index), strict=True):
-                tokens = list(completion.token_ids)
-                lps = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs or [], strict=True)]
-                out[row] = Generation(tokens, lps)
+                out[row] = _generation(completion)
         assert all(g is not None for g in out)
         return out  # type: ignore[return-value]
+
+    # -- turns: requests that join and leave the running batch (rlbatch.engines.base.Turns) -------
+
+    def submit(self, requests: list[TurnRequest], params: SamplingParams) -> None:
+        """Add requests to vLLM's running batch, each with its own seed (its tokens do not depend on
+        what else runs), returned by ``poll`` when they finish."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_no_partial_sync()
+        self._check_awake()
+        with self.world.active():
+            for r in requests:
+                if r.key in self._turns:
+                    raise ValueError(f"turn request {r.key} is already in flight")
+                self.llm.llm_engine.add_request(f"turn-{r.key}", TokensPrompt(prompt_token_ids=list(r.tokens)),
+                                                _sampling(params, 1, seed=r.seed, final_only=True))
+                self._turns.add(r.key)
+
+    def poll(self, block: bool = True) -> list[tuple[int, Generation]]:
+        out: list[tuple[int, Generation]] = []
+        with self.world.active():
+            while self._turns:
+                for result in self.llm.llm_engine.step():
+                    if result.finished and result.request_id.startswith("turn-"):
+                        key = int(result.request_id.removeprefix("turn-"))
+                        self._turns.discard(key)
+                        out.append((key, _generation(result.outputs[0])))
+                if out or not block:
+                    break
+        return out
+
+    def in_flight(self) -> int:
+        return len(self._turns)
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -405,6 +430,27 @@ class VLLMEngine:
                         "stay resident (offload reports 0 bytes)")
             self._warned_no_sleep = True
         return Transfer()
+
+
+def _sampling(params: SamplingParams, n: int, seed: int | None = None, final_only: bool = False) -> Any:
+    """vLLM's sampling parameters for ``params``: n samples of one prompt, log-probs of the sampled
+    tokens under the distribution they are drawn from, the whole vocabulary (top_k 0), greedy at
+    temperature 0. ``seed``: the request's own generator (None: the process RNG). ``final_only``:
+    the engine's step reports the request once, finished (``LLM.generate`` sets it itself)."""
+    from vllm import SamplingParams as VSampling
+    from vllm.sampling_params import RequestOutputKind
+
+    greedy = params.temperature <= 0
+    return VSampling(n=n, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
+                     top_p=1.0 if greedy else params.top_p, top_k=0, logprobs=0, stop=list(params.stop_strings) or None,
+                     seed=seed, skip_special_tokens=False,
+                     output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
+
+
+def _generation(completion: Any) -> Generation:
+    """A vLLM completion as a ``Generation``: its tokens and the log-prob of each."""
+    tokens = list(completion.token_ids)
+    return Generation(tokens, [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs or [], strict=True)])
 
 
 def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool, last: bool) -> None:
