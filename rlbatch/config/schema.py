@@ -389,6 +389,34 @@ class CriticModelConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn rollouts: the environment each trajectory plays, its tools and limits
+    (docs/agents.md). Unset ``name``: no environment, one prompt and one response per sample."""
+
+    name: str | None = None
+    """A registered environment ('running_sum', 'lookup', 'frozenlake', or one a module in
+    ``plugins`` registers), or a plugin path 'package.module:Class' imported by name. None: no env."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the env's constructor (e.g. running_sum: {turns: 3, scoring: all})."""
+    max_turns: int = bounded(8, ge=1)
+    """Policy actions per trajectory; the trajectory ends (reason 'max_turns') at the last one."""
+    max_context_tokens: int | None = bounded(None, ge=1)
+    """Longest trajectory in tokens (prompt, actions and observations); a longer one ends (reason
+    'max_context'). None: the model's longest sequence."""
+    step_timeout_s: float = bounded(30.0, gt=0, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
+    """Longest one call into the env (building and reset, a step, a turn's tool calls); a call that
+    outlives it ends its trajectory (reason 'timeout') and is abandoned, the job goes on."""
+    tool_call_tags: list[str] = field(default_factory=lambda: ["<tool_call>", "</tool_call>"])
+    """[open, close] around a tool call's JSON {"name": ..., "arguments": {...}} in an action
+    (Qwen2.5's format)."""
+    tool_response_tags: list[str] = field(default_factory=lambda: ["<tool_response>", "</tool_response>"])
+    """[open, close] around each tool call's output in the observation."""
+    tools: list[str] = field(default_factory=list)
+    """Registered tools every episode may call besides the env's own (e.g. ['python']: the code
+    sandbox with sandbox.isolation and sandbox.limits)."""
+
+
+@dataclass
 class RLBatchConfig:
     """One rlbatch run."""
 
@@ -427,3 +455,4 @@ class RLBatchConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     critic_model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)

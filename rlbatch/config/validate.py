@@ -40,12 +40,14 @@ from rlbatch.config.schema import (
     AlgoConfig,
     CriticModelConfig,
     DataConfig,
+    EnvConfig,
     ModelConfig,
     RewardModelConfig,
     RLBatchConfig,
     SandboxConfig,
 )
 from rlbatch.config.vllm_rules import vllm_problems
+from rlbatch.envs.checks import env_problems
 from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
@@ -98,6 +100,18 @@ def _code_task_problems(cfg: Mapping[str, Any], strict: bool) -> list[str]:
     return out
 
 
+def _env_problems(cfg: Mapping[str, Any], runnable: bool, train_run: bool) -> list[str]:
+    """The ``env`` section (``rlbatch.envs.checks``); a plugin env's module is imported only for a
+    runnable check. The training loop does not run environments yet: a train run with one is refused
+    rather than trained single-turn."""
+    problems = env_problems(cfg, load=runnable)
+    name = _get(cfg, "env.name")
+    if train_run and name is not None and not problems:
+        problems.append(f"env.name: {name!r}: multi-turn rollouts are not wired into the training loop of this build "
+                        f"(rlbatch.envs runs episodes on its own; docs/agents.md); unset env.name")
+    return problems
+
+
 def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
     node: Any = cfg
     for key in dotted.split("."):
@@ -114,7 +128,7 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
 
 SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig,
                              "sandbox": SandboxConfig, "sandbox.limits": Limits,
-                             "reward_model": RewardModelConfig, "critic_model": CriticModelConfig}
+                             "reward_model": RewardModelConfig, "critic_model": CriticModelConfig, "env": EnvConfig}
 """Sections whose keys must be schema fields (roles and cluster are checked by place())."""
 
 
@@ -387,6 +401,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     train_run = runnable and plain.get("program", "train") == "train"
     problems.extend(vllm_problems(plain, engines, placement, train_run))
     problems.extend(_code_task_problems(plain, train_run))
+    problems.extend(_env_problems(plain, runnable, train_run))
     problems.extend(cluster_problems(plain))  # what reaches the sbatch script
     if runnable:
         problems.extend(runnable_problems(plain, engines))
