@@ -444,6 +444,32 @@ def mpiexec_problem(plain: Mapping[str, Any]) -> str | None:
     return None
 
 
+MPICH_PMI2_BROKEN = 5
+"""MPICH releases from this major version on (5.0.1, 5.0.2 tried) send each rank's UCX address to
+Slurm's pmi2 server in lines it rejects, and MPI_Init under ``srun --mpi=pmi2`` hangs or aborts
+(README, "MPI"); pyproject keeps the mpich wheel below it."""
+
+
+def mpich_problem(plain: Mapping[str, Any]) -> str | None:
+    """cluster=slurm with cluster.mpi=pmi2: an mpich wheel of a version whose MPI_Init hangs under
+    Slurm's pmi2 (installed by hand past pyproject's pin), refused before the job is submitted."""
+    from importlib import metadata
+
+    cluster = section(plain, "cluster")
+    if cluster.get("name", "local") != "slurm" or cluster.get("mpi", "pmi2") != "pmi2":
+        return None
+    try:
+        version = metadata.version("mpich")
+    except metadata.PackageNotFoundError:
+        return None  # mpi4py uses the site's MPI
+    major = version.split(".", 1)[0]
+    if not major.isdigit() or int(major) < MPICH_PMI2_BROKEN:
+        return None
+    return (f"cluster.mpi: 'pmi2' with MPICH {version} (the mpich wheel in {sys.prefix}): its ranks hang or abort "
+            f"in MPI_Init under srun --mpi=pmi2 (Slurm's PMI server rejects the addresses it sends); "
+            f"pip install 'mpich<{MPICH_PMI2_BROKEN}', or use your site's MPI (README, \"MPI\")")
+
+
 def runnable_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> list[str]:
     """Everything this build or this machine cannot run, one line each."""
     problems = []
@@ -453,6 +479,5 @@ def runnable_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
         problems += engine_problems(engines) + program_problems(plain) + files_problems(plain)
         problems += megatron_problems(plain, engines)
     problems += run_dir_problems(plain)
-    if (problem := mpiexec_problem(plain)) is not None:
-        problems.append(problem)
+    problems += [p for p in (mpiexec_problem(plain), mpich_problem(plain)) if p is not None]
     return problems

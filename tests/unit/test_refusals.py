@@ -244,6 +244,34 @@ def test_an_mpiexec_that_is_not_there_is_refused_for_local_runs(cfg: dict[str, A
     check(set_(cfg, cluster__mpiexec=""))  # the mpich wheel's, beside this Python
 
 
+def test_an_mpich_whose_mpi_init_hangs_under_slurms_pmi2_is_refused_before_submit(
+        cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    real = metadata.version
+    installed = {"mpich": "4.3.2"}
+
+    def version(name: str) -> str:
+        if name != "mpich":
+            return real(name)
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    slurm = set_(cfg, cluster__name="slurm", run_dir=str(REPO_ROOT / ".test-runs" / "refusals-slurm"))
+    check(slurm)
+    installed["mpich"] = "5.0.2"
+    assert problems(slurm) == [
+        f"cluster.mpi: 'pmi2' with MPICH 5.0.2 (the mpich wheel in {sys.prefix}): its ranks hang or abort in MPI_Init "
+        f"under srun --mpi=pmi2 (Slurm's PMI server rejects the addresses it sends); pip install 'mpich<5', or use "
+        f"your site's MPI (README, \"MPI\")"]
+    check(set_(slurm, cluster__mpi="pmix"))  # another PMI: not this bug
+    check(set_(cfg, cluster__mpiexec=""))  # local runs start ranks with mpiexec, not srun's pmi2
+    del installed["mpich"]
+    check(slurm)  # mpi4py on the site's MPI
+
+
 # ------------------------------------------------------------------------------------ resume
 
 
