@@ -1,0 +1,183 @@
+"""Multi-turn rollouts: many trajectories, each advanced on its own.
+
+A trajectory starts from its task's prompt and its episode's first observation; each turn the
+policy generates (``rlbatch.engines.base.Turns``), its action goes to its episode (``Episode``,
+run on a thread pool so that slow env steps overlap with generation and with each other), and the
+observation that comes back is tokenized once and appended. Token in, token out: the trained
+sequence is exactly the tokens the policy saw, the prompt then ``response`` (generated and
+observation tokens interleaved), with ``loss_mask`` 1 on generated tokens and 0 on observations and
+a behaviour log-prob for every generated token.
+
+    rollout = Rollout(turns, encode, decode, SamplingParams(max_new_tokens=4), max_context=256)
+    done = rollout.run([Start(key, prompt_tokens, episode, task, seed), ...])
+
+``barrier=False`` (the default): a trajectory whose turn is generated goes to its env at once, and
+its next turn goes back to the engine as soon as the env answers, while the others are anywhere in
+between; the engine keeps generating for whatever is ready. ``barrier=True`` runs every
+trajectory's turn, then every env step, then the next turn: the baseline a per-trajectory rollout
+is measured against. The two give the same trajectories where the engine's samples do not depend
+on what is batched together (greedy, or per-request seeds: vLLM), since each request's seed comes
+from the rollout's seed, its trajectory and its turn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlbatch.engines.base import Generation, SamplingParams, TurnRequest, Turns
+from rlbatch.envs.episode import Episode, Step
+
+
+@dataclass
+class Start:
+    """One trajectory to roll out: its key, the task's prompt tokens (may be empty: the env's first
+    observation is then the whole prompt), its episode and what starts it."""
+
+    key: int
+    prompt: list[int]
+    episode: Episode
+    task: Mapping[str, Any]
+    seed: int
+
+
+@dataclass
+class Trajectory:
+    """A finished trajectory, as the trainer reads it."""
+
+    key: int
+    prompt: list[int]
+    """The task's prompt and the first observation: what the policy saw before its first turn."""
+    response: list[int] = field(default_factory=list)
+    """Every token after the prompt: generated turns and the observations between them."""
+    loss_mask: list[int] = field(default_factory=list)
+    """1 on generated tokens (trained), 0 on observation tokens (the env's)."""
+    logprobs: list[float] = field(default_factory=list)
+    """The behaviour log-prob of each generated token; 0 on observation tokens (masked)."""
+    rewards: list[float] = field(default_factory=list)
+    """The env's reward after each turn."""
+    turns: int = 0
+    end: str = ""
+    """Why it ended (``rlbatch.envs.base.END_REASONS``)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """The episode's summary (turns, tool calls by outcome, env seconds, ...)."""
+    generated: int = 0
+    observed: int = 0
+
+    @property
+    def reward(self) -> float:
+        """The trajectory's reward: the sum of its turns' rewards."""
+        return float(sum(self.rewards))
+
+    def context(self) -> list[int]:
+        return self.prompt + self.response
+
+
+class Rollout:
+    """Runs trajectories to their end on one inference engine's ``Turns``.
+
+    ``encode``: observation text -> tokens (the chat template per turn, where the model has one, is
+    the caller's: it is part of ``encode``). ``decode``: generated tokens -> the action text the env
+    reads. ``max_context``: a trajectory whose context would exceed it ends ('max_context') before
+    its next turn; its last observation is kept only if it fits. ``workers``: threads stepping envs."""
+
+    def __init__(self, turns: Turns, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 params: SamplingParams, max_context: int | None = None, workers: int = 8, barrier: bool = False) -> None:
+        self.turns, self.encode, self.decode, self.params = turns, encode, decode, params
+        self.max_context, self.workers, self.barrier = max_context, max(1, workers), barrier
+        self.timeline: list[tuple[float, int, str]] = []
+        """(seconds since the run began, trajectory key, event): 'generated', 'observed', 'ended'."""
+
+    def run(self, starts: list[Start], seed: int = 0) -> list[Trajectory]:
+        """Every trajectory to its end, returned in the order of ``starts``."""
+        t0 = time.perf_counter()
+        live: dict[int, tuple[Start, Trajectory]] = {}
+        for s in starts:
+            if s.key in live:
+                raise ValueError(f"trajectory key {s.key} appears twice")
+            live[s.key] = (s, Trajectory(s.key, list(s.prompt)))
+        done: dict[int, Trajectory] = {}
+        ready: list[int] = []  # answered by their env, their next turn not yet submitted
+        opening = set(live)
+
+        def event(key: int, what: str) -> None:
+            self.timeline.append((time.perf_counter() - t0, key, what))
+
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="env") as pool:
+            stepping: dict[Future[Step], int] = {pool.submit(s.episode.start, s.task, s.seed): s.key for s in starts}
+
+            def settle(futures: set[Future[Step]]) -> None:
+                for f in futures:
+                    key = stepping.pop(f)
+                    start, traj = live[key]
+                    if self._observe(traj, start, f.result(), opening=key in opening):
+                        done[key] = live.pop(key)[1]
+                        event(key, "ended")
+                    else:
+                        ready.append(key)
+                        event(key, "observed")
+                    opening.discard(key)
+
+            def generated(finished: list[tuple[int, Generation]]) -> None:
+                for key, gen in finished:
+                    start, traj = live[key]
+                    self._act(traj, gen)
+                    event(key, "generated")
+                    stepping[pool.submit(start.episode.step, self.decode(gen.tokens))] = key
+
+            while live:
+                if ready:
+                    self.turns.submit([TurnRequest(k, live[k][1].context(), _request_seed(seed, k, live[k][1].turns))
+                                       for k in ready], self.params)
+                    ready.clear()
+                if self.barrier:  # every turn, then every env step, then the next turn
+                    while self.turns.in_flight():
+                        generated(self.turns.poll())
+                    settle(set(wait(list(stepping)).done))
+                elif self.turns.in_flight():  # envs still stepping: advance the engine a step, look back
+                    generated(self.turns.poll(block=not stepping))
+                    settle({f for f in list(stepping) if f.done()})
+                elif stepping:
+                    settle(set(wait(list(stepping), return_when=FIRST_COMPLETED).done))
+        for start in starts:
+            start.episode.close()
+        return [done[s.key] for s in starts]
+
+    def _act(self, traj: Trajectory, gen: Generation) -> None:
+        traj.response += gen.tokens
+        traj.loss_mask += [1] * len(gen.tokens)
+        traj.logprobs += gen.logprobs
+        traj.generated += len(gen.tokens)
+        traj.turns += 1
+
+    def _observe(self, traj: Trajectory, start: Start, step: Step, opening: bool) -> bool:
+        """Append the env's answer; True when the trajectory has ended."""
+        tokens = self.encode(step.observation) if step.observation else []
+        over = self.max_context is not None and len(traj.context()) + len(tokens) > self.max_context
+        if opening:  # the first observation completes the prompt
+            if not over:
+                traj.prompt += tokens
+        elif not over:
+            traj.response += tokens
+            traj.loss_mask += [0] * len(tokens)
+            traj.logprobs += [0.0] * len(tokens)
+            traj.observed += len(tokens)
+        if not opening:  # an episode's start gives an observation only
+            traj.rewards.append(float(step.reward))
+        if step.done:
+            traj.end = str(step.end)
+        elif over or (self.max_context is not None and len(traj.context()) >= self.max_context):
+            traj.end = str(start.episode.stop("max_context").end)
+        if traj.end:
+            traj.info = start.episode.summary()
+            return True
+        return False
+
+
+def _request_seed(seed: int, key: int, turn: int) -> int:
+    """A request's sampling seed from the rollout's, its trajectory's and its turn: the same
+    whatever else is generating (where the engine honours per-request seeds)."""
+    return (seed * 1_000_003 + key * 10_007 + turn) % (1 << 31)
