@@ -306,7 +306,8 @@ def _step_of(name: str) -> int | None:
 
 
 def files_problems(plain: Mapping[str, Any]) -> list[str]:
-    """The model, dataset, reward function and checkpoint the config names are there."""
+    """The model, dataset, reward function and checkpoint the config names are there; then the data
+    section's own rules (``rlbatch.data.checks``: records, chat template, reward routes)."""
     model, data = section(plain, "model"), section(plain, "data")
     checks: list[tuple[str, Any]] = []
     if model.get("path") and model.get("check_path", True) is not False:
@@ -330,6 +331,9 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
             problem = f"{field}: {e}"
         if problem:
             problems.append(problem[:800])
+    from rlbatch.data.checks import data_problems
+
+    problems += data_problems(plain, reward_role=_enabled(section(plain, "roles").get("reward")))
     return problems
 
 

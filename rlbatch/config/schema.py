@@ -324,14 +324,32 @@ class DataConfig:
     check_path: bool = True
     """Refuse to start or submit when ``path`` does not exist on the machine that launches. Set
     false when only the compute nodes see it."""
-    prompt_key: str = "question"
-    """Field of each record that holds the question."""
-    answer_key: str = "answer"
-    """Field of each record that holds the reference answer."""
+    layout: str = "auto"
+    """Records of name=file: 'flat' ({"question": ..., "answer": ...}), 'verl' (verl's: 'prompt' chat
+    messages, 'reward_model.ground_truth', 'data_source'), or 'auto' (verl's when the first record has
+    'prompt' and 'reward_model', else flat). Unusable records are skipped and counted (docs/data.md)."""
+    prompt_key: str | None = None
+    """Field (a dotted path) of each record that holds the question (text) or chat messages; None: the
+    layout's ('question', verl: 'prompt')."""
+    answer_key: str | None = None
+    """Field (a dotted path) of each record that holds the reference answer; None: the layout's
+    ('answer', verl: 'reward_model.ground_truth')."""
+    data_source_key: str | None = None
+    """Field (a dotted path) naming the record's source, which data.reward_fns routes by; None:
+    'data_source'. A record without it gets data.reward_fn."""
     template: str = "{question}"
-    """Prompt template; '{question}' is replaced by the record's question."""
+    """Prompt template; '{question}' is replaced by the record's question (not applied to chat messages)."""
+    chat_template: bool = False
+    """Render each prompt with the tokenizer's chat template (model.path's; refused before start when
+    it has none): chat messages as they are, a question as one user message, with the generation prompt."""
+    system_prompt: str | None = None
+    """With chat_template: a system message put first, unless a record's messages open with their own."""
     reward_fn: str = "rlbatch.rewards.rules:exact_match"
-    """Dotted path 'module:function' of the reward function (completion, answer) -> float."""
+    """Dotted path 'module:function' of the reward function (completion, answer) -> float; with
+    reward_fns, the one for data sources it does not name."""
+    reward_fns: dict[str, str] = field(default_factory=dict)
+    """data_source -> reward function ('module:function') for records from that source, e.g.
+    {"openai/gsm8k": "rlbatch.rewards.math:gsm8k_match"}; other sources get reward_fn."""
 
 
 @dataclass

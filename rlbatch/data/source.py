@@ -1,4 +1,5 @@
-"""Where prompts come from: the built-in synthetic task or a jsonl/parquet file.
+"""Where prompts come from: the built-in synthetic task or a jsonl/parquet file (``records``: flat
+records or verl's layout), rendered with the model's chat template when ``data.chat_template``.
 
 Both become a ``PromptStream``: seeded, shuffled epochs, resumable from its position.
 """
@@ -6,35 +7,42 @@ Both become a ``PromptStream``: seeded, shuffled epochs, resumable from its posi
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
+import logging
 from typing import Any
 
+from rlbatch.data.chat import ChatPrompts, chat_prompts
+from rlbatch.data.records import fill_template, read_records, read_rows
 from rlbatch.data.synthetic import PromptStream, Sample, arithmetic_problems
 from rlbatch.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 
 def load_records(path: str) -> list[dict[str, Any]]:
-    """Rows of a local jsonl/json/parquet file, read with HF datasets (nothing downloaded)."""
-    from datasets import load_dataset
-
-    suffix = Path(path).suffix.lower()
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
-    if kind is None:
-        raise ConfigError(f"data.path: {path!r} is not .jsonl, .json or .parquet")
-    if not Path(path).exists():
-        raise ConfigError(f"data.path: {path!r} does not exist")
-    return list(load_dataset(kind, data_files=path, split="train"))
+    """Rows of a local jsonl/json/parquet file (``records.read_rows``); a ConfigError naming the rows
+    that are not JSON objects."""
+    rows = read_rows(path)
+    bad = [n for n, r in rows if not isinstance(r, dict)]
+    if bad:
+        raise ConfigError(f"data.path: {path}: {len(bad)} of its {len(rows)} records are not JSON objects "
+                          f"(rows {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
+    return [r for _, r in rows]
 
 
-def file_problems(data_cfg: Any) -> tuple[Sample, ...]:
-    rows = load_records(str(data_cfg.path))
-    missing = [k for k in (data_cfg.prompt_key, data_cfg.answer_key) if rows and k not in rows[0]]
-    if missing:
-        raise ConfigError(f"data: {data_cfg.path} has no field(s) {missing}; its fields are {sorted(rows[0])}")
-    return tuple(
-        Sample(prompt=str(data_cfg.template).format(question=r[data_cfg.prompt_key]), answer=str(r[data_cfg.answer_key]))
-        for r in rows
-    )
+def file_problems(data_cfg: Any, chat: ChatPrompts | None = None) -> tuple[Sample, ...]:
+    """The usable records of ``data.path`` as problems; the skipped ones in one warning."""
+    records, skipped, keys = read_records(data_cfg)
+    if skipped.count:
+        log.warning("data.path: %s: %s; the other %d are used", data_cfg.path, skipped.summary(), len(records))
+    chats = [r.row for r in records if not isinstance(r.prompt, str)]
+    if chats and chat is None:
+        raise ConfigError(f"data.path: {data_cfg.path}: the prompts ('{keys.prompt}') of {len(chats)} records are chat "
+                          f"messages (rows {', '.join(map(str, chats[:5]))}{', ...' if len(chats) > 5 else ''}); set "
+                          f"data.chat_template=true to render them with the model's chat template")
+    template = str(data_cfg.template)
+    prompts = [fill_template(template, r.prompt) if isinstance(r.prompt, str) else r.prompt for r in records]
+    texts = chat.render_all(prompts) if chat is not None else [str(p) for p in prompts]
+    return tuple(Sample(t, r.answer, r.data_source) for t, r in zip(texts, records, strict=True))
 
 
 def fingerprint(problems: tuple[Sample, ...]) -> str:
@@ -44,23 +52,33 @@ def fingerprint(problems: tuple[Sample, ...]) -> str:
         h.update(s.prompt.encode())
         h.update(b"\0")
         h.update(s.answer.encode())
+        if s.data_source:  # a dataset without sources keeps the digest it had before they existed
+            h.update(b"\2")
+            h.update(s.data_source.encode())
         h.update(b"\1")
     return f"{len(problems)}:{h.hexdigest()[:16]}"
 
 
-def problems_of(data_cfg: Any) -> tuple[Sample, ...]:
-    """The problem set ``data.name`` names: synthetic, file, synthetic_code or code_file."""
+def problems_of(data_cfg: Any, model_cfg: Any = None) -> tuple[Sample, ...]:
+    """The problem set ``data.name`` names: synthetic, file, synthetic_code or code_file; with
+    ``data.chat_template``, the prompts rendered with ``model.path``'s chat template."""
     from rlbatch.data import code
 
-    build = {"synthetic": lambda: arithmetic_problems(), "file": lambda: file_problems(data_cfg),
+    chat = chat_prompts(data_cfg, model_cfg)
+    build = {"synthetic": lambda: arithmetic_problems(), "file": lambda: file_problems(data_cfg, chat),
              "synthetic_code": lambda: code.synthetic_code_problems(),
              "code_file": lambda: code.code_file_problems(data_cfg)}
     if data_cfg.name not in build:
         raise ConfigError(f"data.name: {data_cfg.name!r} is not one of {sorted(build)}")
-    return build[data_cfg.name]()
+    problems = build[data_cfg.name]()
+    if chat is None or data_cfg.name == "file":
+        return problems
+    texts = chat.render_all([s.prompt for s in problems])
+    return tuple(Sample(t, s.answer) for t, s in zip(texts, problems, strict=True))
 
 
-def make_stream(data_cfg: Any, seed: int) -> tuple[PromptStream, str]:
-    """The prompt stream and the dataset's fingerprint."""
-    problems = problems_of(data_cfg)
+def make_stream(data_cfg: Any, seed: int, model_cfg: Any = None) -> tuple[PromptStream, str]:
+    """The prompt stream and the dataset's fingerprint. ``model_cfg`` (``cfg.model``) gives the
+    tokenizer whose chat template ``data.chat_template=true`` renders prompts with."""
+    problems = problems_of(data_cfg, model_cfg)
     return PromptStream(problems, seed=seed), fingerprint(problems)

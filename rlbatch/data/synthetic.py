@@ -18,10 +18,12 @@ Op = Literal["+", "-", "*"]
 
 @dataclass(frozen=True)
 class Sample:
-    """One prompt and its ground-truth answer (as the exact text the reward expects)."""
+    """One prompt, its ground-truth answer (as the reward function is given it) and the record's
+    data source ('' when it names none: what ``data.reward_fns`` routes by)."""
 
     prompt: str
     answer: str
+    data_source: str = ""
 
 
 def arithmetic_problems(op: Op = "+", max_operand: int = 9, modulo: int | None = 10) -> tuple[Sample, ...]:

@@ -1,4 +1,5 @@
-"""Rewards: rule functions (``rules``, re-exported here: ``data.reward_fn=rlbatch.rewards:exact_match``), the code sandbox (``code``), and which scores for which CPU role.
+"""Rewards: rule functions (``rules``, and math answers and formats in ``math``; both re-exported here:
+``data.reward_fn=rlbatch.rewards:exact_match``), the code sandbox (``code``), and which scores for which CPU role.
 
 A CPU role that works in a ``score`` phase of the phase table gets the scorer named here: a
 callable ``(completions, answers) -> (rewards, counts)``, where ``counts`` are per-step metrics.
@@ -10,6 +11,14 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from rlbatch.rewards.math import (
+    boxed_format,
+    equivalent,
+    gsm8k_match,
+    last_number_match,
+    math_match,
+    think_format,
+)
 from rlbatch.rewards.rules import (
     STOP_MARKERS,
     RewardError,
@@ -31,17 +40,25 @@ __all__ = [
     "RewardFn",
     "Scorer",
     "answer_repeated",
+    "boxed_format",
     "build_scorer",
+    "equivalent",
     "exact_match",
     "exact_match_with_format",
     "extract_answer",
     "format_reward",
+    "gsm8k_match",
+    "last_number_match",
     "leading_number_match",
     "load_reward_fn",
+    "math_match",
     "split_at_stop",
+    "think_format",
 ]
 
-Scorer = Callable[[list[str], list[str]], tuple[list[float], dict[str, int]]]
+Scorer = Callable[..., tuple[list[float], dict[str, int]]]
+"""``scorer(completions, answers, sources=None) -> (rewards, counts)``: ``sources`` is each sample's
+data source (None: the dataset names none)."""
 
 SCORERS: dict[str, str] = {
     "reward": "rlbatch.rewards.rules:rule_scorer",

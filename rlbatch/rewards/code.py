@@ -38,8 +38,10 @@ class CodeScorer:
             return 1.0 if outcome.total and outcome.passed == outcome.total else 0.0
         return outcome.fraction
 
-    def score(self, completions: list[str], answers: list[str]) -> tuple[list[float], dict[str, int]]:
-        """Rewards in order, and counts of outcomes (``sandbox/<reason>``, ``sandbox/tests_passed``...)."""
+    def score(self, completions: list[str], answers: list[str], sources: list[str] | None = None,
+              ) -> tuple[list[float], dict[str, int]]:
+        """Rewards in order, and counts of outcomes (``sandbox/<reason>``, ``sandbox/tests_passed``...).
+        Every response runs its answer's tests, whatever its data source."""
         jobs = []
         for completion, answer in zip(completions, answers, strict=True):
             prefix, tests = decode_tests(answer)

@@ -32,7 +32,7 @@ class ModelScorer:
         return [torch.tensor(t, dtype=torch.long) for t in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def __call__(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], completions: list[str],
-                 answers: list[str]) -> tuple[list[float], dict[str, int]]:
+                 answers: list[str], sources: list[str] | None = None) -> tuple[list[float], dict[str, int]]:
         rewards = [0.0] * len(prompts)
         counts: dict[str, int] = {}
         if self.model_weight:
@@ -40,6 +40,6 @@ class ModelScorer:
                        for p, r in zip(self._encode(prompts), self._encode(responses), strict=True)]
             rewards = [self.model_weight * s for s in self.engine.scores(samples)]
         if self.rule is not None:
-            rule, counts = self.rule(completions, answers)
+            rule, counts = self.rule(completions, answers, sources)
             rewards = [x + self.rule_weight * y for x, y in zip(rewards, rule, strict=True)]
         return rewards, counts

@@ -158,23 +158,25 @@ def _signature_problem(fn: Callable[..., Any]) -> str | None:
 
 
 class RewardError(RuntimeError):
-    """``data.reward_fn`` raised, or returned what is not a finite number, for one response.
+    """``data.reward_fn`` (or the ``data.reward_fns`` route, ``field``) raised, or returned what is not a
+    finite number, for one response.
 
     ``index`` is the response's position in the list scored; the reward role's runtime replaces
     it with the sample's id (``for_sample``).
     """
 
-    def __init__(self, fn: str, what: str, index: int, completion: str, answer: str, sample: int | None = None) -> None:
+    def __init__(self, fn: str, what: str, index: int, completion: str, answer: str, sample: int | None = None,
+                 field: str = "data.reward_fn") -> None:
         self.fn, self.what, self.index, self.completion, self.answer = fn, what, index, completion, answer
-        self.sample = sample
+        self.sample, self.field = sample, field
         where = f"sample {sample}" if sample is not None else f"response {index} of the batch scored"
         # One line: the rank's console report shows the last line of the error only.
-        super().__init__(f"data.reward_fn {fn!r} on {where} (answer {_excerpt(answer)}, completion "
+        super().__init__(f"{field} {fn!r} on {where} (answer {_excerpt(answer)}, completion "
                          f"{_excerpt(completion)}) {what}")
 
     def for_sample(self, sample: int) -> RewardError:
         """The same error, naming the run's sample id instead of the position in the batch."""
-        return RewardError(self.fn, self.what, self.index, self.completion, self.answer, sample)
+        return RewardError(self.fn, self.what, self.index, self.completion, self.answer, sample, self.field)
 
 
 def _excerpt(text: str, limit: int = 60) -> str:
@@ -204,24 +206,35 @@ def reward_value(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
-def rule_scorer(cfg: Any) -> Callable[[list[str], list[str]], tuple[list[float], dict[str, int]]]:
-    """The reward role's scorer: ``data.reward_fn`` on each (completion, answer); a RewardError on
-    the first response it fails on."""
-    name = str(cfg.data.reward_fn).strip()
-    fn = load_reward_fn(name)
+def reward_routes(data_cfg: Any) -> tuple[str, dict[str, str]]:
+    """``data.reward_fn`` (the default) and ``data.reward_fns`` (data_source -> function), stripped."""
+    default = str(data_cfg.reward_fn).strip()
+    routes = getattr(data_cfg, "reward_fns", None) or {}
+    return default, {str(k): str(v).strip() for k, v in dict(routes).items()}
 
-    def score(completions: list[str], answers: list[str]) -> tuple[list[float], dict[str, int]]:
+
+def rule_scorer(cfg: Any) -> Callable[..., tuple[list[float], dict[str, int]]]:
+    """The reward role's scorer: on each (completion, answer), the reward function of the sample's
+    data source (``sources``, one per completion: ``data.reward_fns``; ``data.reward_fn`` for a source
+    it does not name and for samples without one); a RewardError on the first response it fails on."""
+    default, routes = reward_routes(cfg.data)
+    fns = {name: load_reward_fn(name) for name in dict.fromkeys([default, *routes.values()])}
+
+    def score(completions: list[str], answers: list[str], sources: list[str] | None = None,
+              ) -> tuple[list[float], dict[str, int]]:
         rewards = []
-        for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
+        for i, (c, a, source) in enumerate(zip(completions, answers, sources or [""] * len(answers), strict=True)):
+            name = routes.get(source, default)
+            field = f"data.reward_fns[{source!r}]" if source in routes else "data.reward_fn"
             try:
-                value = fn(c, a)
+                value = fns[name](c, a)
             except Exception as e:
                 said = " ".join(str(e).split())  # one line, whatever the message holds
-                raise RewardError(name, f"raised {type(e).__name__}: {said}"[:300], i, c, a) from e
+                raise RewardError(name, f"raised {type(e).__name__}: {said}"[:300], i, c, a, field=field) from e
             reward = reward_value(value)
             if reward is None:
                 raise RewardError(name, f"returned {_shown(value)} ({type(value).__name__}), not a finite number",
-                                  i, c, a)
+                                  i, c, a, field=field)
             rewards.append(reward)
         return rewards, {}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -40,6 +40,12 @@ class Rollouts:
     response_len: dict[int, int]
     version: int = 0
     """The policy version (actor updates synced to the inference engine) that generated them."""
+    sources: list[str] = field(default_factory=list)
+    """Each sample's data source, in ``ids`` order (``data.reward_fns`` routes by it); empty when
+    the dataset names none."""
+
+    def source_of(self) -> dict[int, str]:
+        return dict(zip(self.ids, self.sources, strict=True)) if self.sources else {}
 
 
 def split_even(items: list[int], parts: int) -> list[list[int]]:
@@ -349,8 +355,10 @@ class Role:
             for r in self.placement.workers[w]:
                 work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)], "sampling": sampling}
         pending = self.pipe.start(spec.name, (self.name,), work)
-        ro = Rollouts([first_id + i for i in range(len(prompts) * n)], [prompts[i // n].answer for i in range(len(prompts) * n)],
-                      n, {}, {}, version)
+        total = range(len(prompts) * n)
+        sources = [str(getattr(prompts[i // n], "data_source", "")) for i in total]
+        ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version,
+                      sources if any(sources) else [])
         return Generation(self.pipe, spec, pending, ids_of, ro)
 
     def receive(self, ro: Rollouts, also: tuple[str, ...] = ()) -> PendingPhase:
@@ -367,9 +375,10 @@ class Role:
         """Start scoring and return at once: phases started next run alongside it where they are
         on other ranks (a CPU reward role scores while the actor ranks compute log-probs)."""
         spec = phase_for(self.name, "score")
-        answer = dict(zip(ro.ids, ro.answers, strict=True))
+        answer, source = dict(zip(ro.ids, ro.answers, strict=True)), ro.source_of()
         parts = split_even(ro.ids, len(self.ranks))
-        work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} for r, ids in zip(self.ranks, parts, strict=True)}
+        work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} | ({"sources": [source[i] for i in ids]} if source else {})
+                for r, ids in zip(self.ranks, parts, strict=True)}
         need = {r: (ids, list(spec.reads)) for r, ids in zip(self.ranks, parts, strict=True)}
         return Scores(self.pipe.start(spec.name, (self.name,), work, need), ro.ids)
 

@@ -131,7 +131,8 @@ class RankRuntime:
             out[sid] = (len(tokens[text]), len(gen.tokens))
         return out
 
-    def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str]) -> dict[str, Any]:
+    def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str], sources: list[str] | None = None,
+               ) -> dict[str, Any]:
         """This rank's scorer for the phase's role: ``{"rewards": {sid: float}, "counts": {name: int}}``.
         A rule or sandbox scorer reads the decoded responses; a reward model the prompts too."""
         responses = [self.store.samples[sid]["response"] for sid in ids]
@@ -140,9 +141,9 @@ class RankRuntime:
         try:
             if isinstance(scorer, ModelScorer):
                 rewards, counts = scorer([self.store.samples[sid]["prompt"] for sid in ids], responses, completions,
-                                         answers)
+                                         answers, sources)
             else:
-                rewards, counts = scorer(completions, answers)
+                rewards, counts = scorer(completions, answers, sources)
         except RewardError as e:  # name the sample the run knows, not its place in this rank's share
             raise e.for_sample(ids[e.index]) from e
         return {"rewards": dict(zip(ids, rewards, strict=True)), "counts": counts}

@@ -57,6 +57,7 @@ def select(parts: list[tuple[Rollouts, torch.Tensor]], groups: list[int]) -> tup
     ids of every other sample."""
     ids: list[int] = []
     answers: list[str] = []
+    sources: list[str] = []
     rewards: list[torch.Tensor] = []
     plen: dict[int, int] = {}
     rlen: dict[int, int] = {}
@@ -68,13 +69,15 @@ def select(parts: list[tuple[Rollouts, torch.Tensor]], groups: list[int]) -> tup
             if base + g in keep:
                 ids += ro.ids[sl]
                 answers += ro.answers[sl]
+                sources += ro.sources[sl] if ro.sources else [""] * n
                 rewards.append(r[sl])
             else:
                 dropped += ro.ids[sl]
         base += len(ro.ids) // n
         plen |= ro.prompt_len
         rlen |= ro.response_len
-    kept = Rollouts(ids, answers, n, {i: plen[i] for i in ids}, {i: rlen[i] for i in ids}, parts[0][0].version)
+    kept = Rollouts(ids, answers, n, {i: plen[i] for i in ids}, {i: rlen[i] for i in ids}, parts[0][0].version,
+                    sources if any(sources) else [])
     return kept, torch.cat(rewards), dropped
 
 
