@@ -137,6 +137,15 @@ class MegatronArgs:
 
     micro_batch: int = 0
     """Sequences per forward (0: the replica's whole share in one pass)."""
+    max_tokens_per_micro_batch: int = 0
+    """> 0: every pass (log-probs, values, scores, training) in micro-batches of at most this many
+    prompt + response tokens (a longer sample alone), every dp rank running as many, at any p;
+    training's loss is then exact under any split (the whole mini-batch's aggregation;
+    algo.grad_accum unused) and the samples are spread over the dp ranks by tokens, as fsdp's.
+    Unlike fsdp's, rows stay right-padded within a micro-batch (its longest sample sets its
+    length): megatron-core packs samples into one row only in its 'thd' format, which needs
+    TransformerEngine's attention, not used here. 0 (the default on every device): grad_accum
+    micro-batches by sample count, micro_batch sequences per forward."""
     sync_bucket_mb: int = 256
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
     distributed_optimizer: bool = False

@@ -17,7 +17,7 @@ def test_megatron_engine_converts_exactly_matches_transformers_resumes_bitwise_a
     assert out.stdout.count("megatron engine ok") == 2, out.stdout[-2000:]
 
 
-@pytest.mark.slow  # ~22 s alone, 80 s on a loaded machine
+@pytest.mark.slow  # ~23 s alone, 80 s on a loaded machine; token budgets on the critic and reward model too
 def test_megatron_value_and_reward_heads_match_transformers_train_like_fsdp_and_share_checkpoints() -> None:
     out = mpirun("megatron_heads.py", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -42,7 +42,8 @@ def test_megatron_mixture_of_experts_with_expert_parallelism_matches_transformer
     assert out.stdout.count("megatron moe ok") == 2, out.stdout[-2000:]
 
 
-def test_megatron_pipeline_stages_with_data_parallelism_and_the_distributed_optimizer_train_like_one_stage() -> None:
+def test_megatron_pipeline_stages_with_data_parallelism_and_the_distributed_optimizer_train_like_one_stage_and_token_budgets_like_one_pass(
+) -> None:
     out = mpirun("megatron_pp_dp.py", 4)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("megatron pipeline with data parallelism ok") == 4, out.stdout[-2000:]

@@ -26,6 +26,14 @@ each, or the update's gradient-accumulation micro-batches), and what the last st
 (log-probs, values, scores, the training stats) is broadcast to the other stages, so every rank
 of the role returns the same. Weights leave whole: each stage's are broadcast over pp.
 
+``engine_args.max_tokens_per_micro_batch`` > 0 cuts every pass into micro-batches of at most that
+many prompt + response tokens (``common.chunks`` and ``common.weighted_updates``, as the fsdp engine
+does): the training loss is exact under any split, every dp rank runs as many micro-batches, the
+pipeline schedule takes micro-batches of any shape. Rows stay right-padded within a micro-batch:
+megatron-core packs samples into one row only in its 'thd' format (``PackedSeqParams``), which its
+local attention refuses; only TransformerEngine's attention runs it, and this engine does not use
+TransformerEngine (docs/megatron.md).
+
 The critic and a reward model are the same GPTModel body with a scalar head (hidden -> 1) in place
 of the vocabulary output layer, whole on every TP rank: ``values()`` reads it at every response
 token, ``scores()`` at each sequence's last non-pad token (transformers' pooling), and
@@ -90,6 +98,10 @@ class MegatronEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, ctx.algo, ctx.tokenizer
         self.micro_batch = int(ctx.args.micro_batch)
         self.tp_group, self.dp_group, self.pp_group = ctx.group("tp"), ctx.group("dp"), ctx.group("pp")
+        # Rows stay padded under a token budget: megatron-core packs samples into one row only in its
+        # 'thd' format (PackedSeqParams), which its local attention refuses (TransformerEngine's only).
+        self.max_tokens = int(ctx.args.max_tokens_per_micro_batch)
+        self.split = common.Split(self.micro_batch, self.max_tokens, self.dp_group, ctx.device)
         self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         self.pp, self.stage = dist.get_world_size(self.pp_group), dist.get_rank(self.pp_group)
         self.last = self.stage == self.pp - 1
@@ -278,10 +290,6 @@ class MegatronEngine(StashedState):
         return [(n, full[n]) for n in names]
 
     # -- forward ------------------------------------------------------------------------------
-    def _chunks(self, samples: list[Sample]) -> list[list[Sample]]:
-        size = self.micro_batch or len(samples)
-        return [samples[i : i + size] for i in range(0, len(samples), size)]
-
     def _pack(self, chunk: list[Sample]) -> Packed:
         return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=False)
 
@@ -307,12 +315,17 @@ class MegatronEngine(StashedState):
 
     def _each(self, samples: list[Sample], fn: Callable[[Packed, torch.Tensor], list[Any]]) -> list[Any]:
         """``fn(batch, final output)`` of every micro-batch, concatenated. With pipeline stages: the
-        1F1B schedule forward-only, ``fn`` run on the last stage and its results broadcast."""
-        packs = [self._pack(c) for c in self._chunks(samples)]
+        1F1B schedule forward-only, ``fn`` run on the last stage and its results broadcast. Micro-batches
+        as ``common.chunks`` cuts them: ``micro_batch`` sequences, or runs of at most
+        ``max_tokens_per_micro_batch`` tokens, as many on every dp rank (the repeats it adds at the end
+        are dropped here)."""
+        packs = [self._pack(c) for c in common.chunks(samples, self.split)]
         if self.pp == 1:
-            return [x for b in packs for x in fn(b, self._forward(self._ids(b)))]
-        results = self._pipeline(packs, lambda b, out, non_loss_data=True: fn(b, out), forward_only=True)
-        return [x for r in self._from_last(results) for x in r]
+            out = [x for b in packs for x in fn(b, self._forward(self._ids(b)))]
+        else:
+            results = self._pipeline(packs, lambda i, out, non_loss_data=True: fn(packs[i], out), forward_only=True)
+            out = [x for r in self._from_last(results) for x in r]
+        return out[: len(samples)]
 
     @staticmethod
     def _ids(b: Packed) -> torch.Tensor:
@@ -321,16 +334,18 @@ class MegatronEngine(StashedState):
 
     def _pipeline(self, packs: list[Packed], loss_func: Callable[..., Any], forward_only: bool) -> list[Any]:
         """megatron-core's 1F1B schedule over ``packs`` (one micro-batch each): every stage runs its
-        layers; the last calls ``loss_func(batch, output)`` per micro-batch and returns what it did
-        (others: nothing). Training: megatron backpropagates each micro-batch's loss as it is."""
+        layers; the last calls ``loss_func(i, output)`` for micro-batch ``packs[i]`` and returns what
+        it did (others: nothing). Training: megatron backpropagates each micro-batch's loss as it is.
+        The micro-batches may differ in shape (``variable_seq_lengths``: each activation's shape is
+        sent before it), so a token budget's micro-batches need no common sequence length."""
         from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-        def step(data: Iterator[Packed], model: Any) -> tuple[torch.Tensor, Any]:
-            b = next(data)
-            return self._forward(self._ids(b)), partial(loss_func, b)
+        def step(data: Iterator[int], model: Any) -> tuple[torch.Tensor, Any]:
+            i = next(data)
+            return self._forward(self._ids(packs[i])), partial(loss_func, i)
 
         return forward_backward_pipelining_without_interleaving(
-            forward_step_func=step, data_iterator=iter(packs), model=self.net, num_microbatches=len(packs),
+            forward_step_func=step, data_iterator=iter(range(len(packs))), model=self.net, num_microbatches=len(packs),
             seq_length=0, micro_batch_size=0, forward_only=forward_only, collect_non_loss_data=forward_only,
             p2p_communicator=self.p2p, pg_collection=self.pgc)
 
@@ -378,27 +393,32 @@ class MegatronEngine(StashedState):
         return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
                                    logits if objective.needs_logits else None))
 
-    def _backward(self, micro_batches: list[list[Sample]], objective: Any, totals: common.Totals) -> None:
-        """Gradients of one update, each micro-batch's loss divided by ``grad_accum``."""
-        packs = [self._pack(c) for c in micro_batches]
-        ga = self.algo.grad_accum
+    def _backward(self, micro_batches: list[common.MicroBatch], totals: common.Totals) -> None:
+        """Gradients of one update (``common.weighted_updates``): each micro-batch's loss divided by
+        its ``divisor`` (``grad_accum``; under a token budget 1, the objective already the share of
+        the whole mini-batch's aggregation, or inf for a rank's zero-loss repeat), its stats weighted
+        by its ``weight``. Gradients are then averaged over dp, as weighted_updates assumes."""
+        packs = [self._pack(m.samples) for m in micro_batches]
         if self.pp == 1:
-            for b in packs:
-                loss, stats = self._loss(b, self._forward(self._ids(b)), objective)
-                (loss / ga).backward()
-                totals.add(stats)
+            for b, m in zip(packs, micro_batches, strict=True):
+                loss, stats = self._loss(b, self._forward(self._ids(b)), m.objective)
+                (loss / m.divisor).backward()
+                totals.add(stats, m.weight)
             return
         one = torch.ones((), dtype=torch.int, device=self.device)
         # The schedule backpropagates the loss as it is (calculate_per_token_loss), and megatron-core's
         # DDP then sums the gradients over dp instead of averaging them: the mean over dp is taken here.
-        scale = ga * (dist.get_world_size(self.dp_group) if self.dist_opt is not None else 1)
+        dp = dist.get_world_size(self.dp_group) if self.dist_opt is not None else 1
 
-        def loss_func(b: Packed, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-            loss, stats = self._loss(b, out, objective)
-            return loss / scale, one, stats
+        def loss_func(i: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+            m = micro_batches[i]
+            loss, stats = self._loss(packs[i], out, m.objective)
+            return loss / (m.divisor * dp), one, stats
 
-        for stats in self._pipeline(packs, loss_func, forward_only=False):  # the last stage's only
-            totals.add(stats)
+        results = self._pipeline(packs, loss_func, forward_only=False)
+        if self.last:  # the other stages compute no loss
+            for stats, m in zip(results, micro_batches, strict=True):
+                totals.add(stats, m.weight)
 
     def _reduce_grads(self) -> None:
         """Average gradients over dp (each dp rank's loss is the mean over its own share). A routed
@@ -468,17 +488,20 @@ class MegatronEngine(StashedState):
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this replica's share (the tp
-        peers of a replica receive the same samples)."""
+        and pp peers of a replica receive the same samples), micro-batches by ``algo.grad_accum`` or
+        by ``engine_args.max_tokens_per_micro_batch`` (``common.weighted_updates``: the loss exact
+        under the split, as many micro-batches on every dp rank)."""
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
         totals = common.Totals(a.grad_accum)
-        for micro_batches in common.updates(samples, a, objective):
+        for micro_batches in common.weighted_updates(samples, a, objective, self.max_tokens, self.dp_group, self.device,
+                                                     old_logprobs=self.logprobs):
             if self.dist_opt is not None:
                 self.net.zero_grad_buffer()
                 self.dist_opt.zero_grad()
             else:
                 self.optimizer.zero_grad(set_to_none=False)
-            self._backward(micro_batches, objective, totals)
+            self._backward(micro_batches, totals)
             self._sync_tied()
             self._sync_sequence_parallel()
             if self.dist_opt is not None:

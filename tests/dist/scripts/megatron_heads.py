@@ -8,7 +8,10 @@ test-only shim), against transformers and the fsdp engine:
   lookup): the same losses and, after them, the same values (float tolerance);
 - the TP=2 critic's checkpoint loads into the fsdp critic (same weights, bitwise), into the
   exporter's token-classification model (``rlbatch.export``), and the fsdp critic's back into TP=2;
-- a reward model (sequence classification) at TP=2: scores within float tolerance of transformers'.
+- a reward model (sequence classification) at TP=2: scores within float tolerance of transformers';
+- under a token budget (``engine_args.max_tokens_per_micro_batch``, one or two samples per
+  micro-batch): the critic's values and the reward model's scores as above, and the critic's first
+  updates give the unbudgeted engine's value losses and gradient norms.
 """
 
 import shutil
@@ -87,6 +90,10 @@ err = gap(mc.values(samples), want)
 assert err < TOL, f"TP=2 values differ from transformers by {err}"
 assert max(float(v.abs().max()) for v in want) > 0.1, "the reference values are trivial"
 print(f"rank {comm.rank}: TP=2 critic values within {err:.1e} of transformers", flush=True)
+BUDGET = MegatronArgs(max_tokens_per_micro_batch=12)
+budgeted = engine(MegatronEngine, BUDGET, mesh_tp2, "value")
+err = gap(budgeted.values(samples), want)
+assert err < TOL, f"TP=2 values under a token budget differ from transformers by {err}"
 
 # -- critic: training against fsdp ----------------------------------------------------------------
 fs = engine(FSDPEngine, FSDPArgs(share_prompts=False), mesh_dp2, "value")
@@ -94,6 +101,13 @@ objective = ValueObjective(cfg.algo)
 for step in range(3):
     s_m, s_f = batch(step), batch(step)
     stats_m, stats_f = mc.train(s_m, objective), fs.train(s_f, objective)
+    if step == 0:  # from the same weights, the budget's micro-batches give the same updates
+        stats_b = budgeted.train(batch(step), objective)
+        for key in ("value_loss", "grad_norm"):
+            d = abs(stats_b[key] - stats_m[key])
+            assert d < TOL * max(1.0, abs(stats_m[key])), f"{key} under a token budget {stats_b[key]}, without {stats_m[key]}"
+        print(f"rank {comm.rank}: under a token budget value_loss {stats_b['value_loss']:.7f} grad_norm "
+              f"{stats_b['grad_norm']:.6f}", flush=True)
     for key in ("value_loss", "grad_norm"):
         d = abs(stats_m[key] - stats_f[key])
         assert d < TOL * max(1.0, abs(stats_f[key])), f"step {step} {key}: megatron {stats_m[key]} fsdp {stats_f[key]}"
@@ -124,6 +138,8 @@ assert err < TOL, f"one update after the cross-engine load, TP=2 and fsdp values
 # -- reward model: scores against transformers -----------------------------------------------------
 scores_like_transformers(engine(MegatronEngine, MegatronArgs(), mesh_tp2, "reward", trainable=False, model=cfg.model),
                          cfg, tok, SEED, samples, TOL, "TP=2")
+scores_like_transformers(engine(MegatronEngine, BUDGET, mesh_tp2, "reward", trainable=False, model=cfg.model),
+                         cfg, tok, SEED, samples, TOL, "TP=2 under a token budget")
 
 dist.barrier()
 if comm.rank == 0:

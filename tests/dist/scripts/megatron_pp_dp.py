@@ -9,7 +9,13 @@ show a sum over dp where a mean is due (AdamW itself is blind to the scale):
 - d2p2, distributed optimizer: each rank holds about half of its stage's AdamW state; the same
   losses, gradient norms and weights; the tied embedding's two copies equal; exact resume
   (3 + 3 == 6, bitwise); its checkpoint loads into the plain optimizer and into itself alike;
-- a Qwen2-MoE at d2p2e2 (expert parallelism inside each stage) against the same model at d4.
+- a Qwen2-MoE at d2p2e2 (expert parallelism inside each stage) against the same model at d4;
+- token budgets (``engine_args.max_tokens_per_micro_batch``): each replica trains its own share of a
+  ragged global batch (shares of unequal sizes, the long responses on the first) in micro-batches of at most 24 or 40
+  tokens, at d4 and at d2p2 (torch AdamW; the distributed optimizer: its gradient norm), for the
+  token-mean, sequence-mean and sequence-mean-of-token-sums aggregations: the gradient of the whole
+  batch in one pass, to float32 rounding, where the same shares without a budget are off for the
+  token mean; log-probs under a budget (the long share needing more forwards) equal one pass's.
 """
 
 import shutil
@@ -50,10 +56,10 @@ AdamW divides by sqrt(v), so rounding differences of the gradient sums grow over
 (~1e-5 here); the bound is 100x below how far they move (~0.1)."""
 
 
-def engine(mesh, distributed=False, model=None, groups=None):
-    return MegatronEngine(EngineContext("actor_train", MegatronArgs(micro_batch=3, distributed_optimizer=distributed),
-                                        model or cfg.model, cfg.algo, tok, torch.device("cpu"), seed=3, mesh=mesh,
-                                        trainable=True, groups=groups or {}))
+def engine(mesh, distributed=False, model=None, groups=None, budget=0, algo=None):
+    args = MegatronArgs(micro_batch=3, distributed_optimizer=distributed, max_tokens_per_micro_batch=budget)
+    return MegatronEngine(EngineContext("actor_train", args, model or cfg.model, algo or cfg.algo, tok,
+                                        torch.device("cpu"), seed=3, mesh=mesh, trainable=True, groups=groups or {}))
 
 
 def batch(step):
@@ -113,6 +119,70 @@ groups = {"role": dist.new_group(list(range(4))),
 moe_d4 = engine(mesh_d4, model=moe)
 moe_stats = train(moe_d4, range(3))
 agree("MoE d2p2e2", engine(mesh_d2p2, model=moe, groups=groups), moe_stats, weights(moe_d4))
+
+# Token budgets. lr 0: the updates leave the weights where they were, so each engine trains every
+# aggregation from the same weights, and the gradients it holds after are those of the initial ones.
+budget_cfg = compose(["algo.lr=0", "algo.grad_clip=1e6", "algo.mini_batches=1", "algo.kl_coef=0", "algo.grad_accum=1"])
+g = torch.Generator().manual_seed(7)
+every = [{"prompt": torch.randint(4, 18, (3 + k % 4,), generator=g),
+          "response": torch.randint(4, 18, ((14 + k % 7) if k < 6 else (1 + k % 3),), generator=g),
+          "advantage": torch.tensor(float(k % 5) - 1.5)} for k in range(16)]  # none 0: a repeat would count
+for s in every:
+    s["old_logprobs"] = -torch.rand(len(s["response"]), generator=g)
+# Shares of unequal sizes: the ranks with few short samples must repeat one (with a zero loss) to
+# run as many micro-batches as the rank with the long ones.
+d4_share = [every[0:6], every[6:8], every[8:12], every[12:16]][comm.rank]
+pp_share = [every[0:12], every[12:16]][comm.rank % 2]
+n_tokens = sum(len(s["response"]) for s in every)
+EPS32 = torch.finfo(torch.float32).eps
+"""Tolerance: a float32 gradient summing N (response tokens) terms in another order, through other
+padded shapes, moves by about N * eps32 of its largest terms (Higham's gamma_N): 8 * N * eps32 * max|g|."""
+
+
+def full_grads(e):
+    """The engine's gradients of the last update under HF names, whole (gathered over pp), one vector."""
+    local = {n: (gr if (gr := e._grad(p)) is not None else torch.zeros_like(p)) for n, p in e.params.items()}
+    full = e._gather(local)
+    return torch.cat([full[n].reshape(-1) for n in sorted(full)])
+
+
+AGGREGATIONS = {agg: PolicyObjective(compose([f"algo.loss_agg={agg}", "algo.kl_coef=0"]).algo)
+                for agg in ("token", "seq", "seq_sum")}
+
+
+def budget_step(e, samples, agg):
+    return e.train(samples, AGGREGATIONS[agg])
+
+
+ref = engine(mesh_d4, algo=budget_cfg.algo)
+budgeted = {f"d4 budget {b}": (engine(mesh_d4, budget=b, algo=budget_cfg.algo), d4_share) for b in (24, 40)}
+budgeted["d2p2 budget 24"] = (engine(mesh_d2p2, budget=24, algo=budget_cfg.algo), pp_share)
+sliced = engine(mesh_d2p2, distributed=True, budget=40, algo=budget_cfg.algo)
+for agg in AGGREGATIONS:
+    want_norm = budget_step(ref, every, agg)["grad_norm"]  # every rank the whole batch in one micro-batch
+    want = full_grads(ref)
+    tol = 8 * n_tokens * EPS32 * float(want.abs().max())
+    errs = []
+    for name, (e, mine) in budgeted.items():
+        budget_step(e, mine, agg)
+        errs.append(float((full_grads(e) - want).abs().max()))
+        assert errs[-1] <= tol, f"{agg}, {name}: gradient {errs[-1]:.3g} from one pass's (tolerance {tol:.3g})"
+    norm = budget_step(sliced, pp_share, agg)["grad_norm"]
+    assert abs(norm - want_norm) <= 1e-5 * want_norm, f"{agg}, d2p2 distributed optimizer budget 40: norm {norm} vs {want_norm}"
+    if agg == "token":  # each rank's own token mean, averaged over ranks: not the whole batch's
+        budget_step(ref, d4_share, agg)
+        off = float((full_grads(ref) - want).abs().max())
+        print(f"rank {comm.rank}: token mean without a budget: {off:.3g} off", flush=True)
+        assert off > 20 * tol, f"without a budget the shares' gradient is {off:.3g} from one pass's: the test cannot fail"
+    print(f"rank {comm.rank}: {agg}: budgets give one pass's gradient within {max(errs):.1e} (tolerance {tol:.1e}), "
+          f"the distributed optimizer's norm {norm:.6f} vs {want_norm:.6f}", flush=True)
+lean, (pp24, _) = budgeted["d4 budget 24"][0], budgeted["d2p2 budget 24"]
+for e, mine in ((lean, d4_share), (pp24, pp_share)):
+    want_lp = ref.logprobs(mine)
+    got_lp = e.logprobs(mine)
+    lp_tol = 8 * n_tokens * EPS32 * max(float(x.abs().max()) for x in want_lp)
+    assert len(got_lp) == len(mine) and all(a.shape == b.shape and float((a - b).abs().max()) <= lp_tol
+                                            for a, b in zip(got_lp, want_lp, strict=True)), "log-probs under a budget"
 
 dist.barrier()
 if comm.rank == 0:
