@@ -157,9 +157,17 @@ def prepare(args: argparse.Namespace, out: Path, start: Path | None) -> tuple[di
 # ----------------------------------------------------------------------------- rlbatch
 
 
+def _variant(text: str) -> tuple[str, tuple[str, ...]]:
+    label, sep, overrides = text.partition(":")
+    if not sep or not label.strip() or not overrides.strip():
+        raise argparse.ArgumentTypeError(f"expected LABEL:OVERRIDE[,OVERRIDE...], got {text!r}")
+    return label.strip(), tuple(o.strip() for o in overrides.split(",") if o.strip())
+
+
 def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int, root: Path = ROOT,
-                label: str = "rlbatch") -> dict[str, Any]:
-    """rlbatch from the checkout ``root`` (this one, or --baseline's) on the workload."""
+                label: str = "rlbatch", extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """rlbatch from the checkout ``root`` (this one, or --baseline's) on the workload, with
+    ``extra`` overrides (a ``--variant``'s)."""
     run_dir = out / f"{label}-{ranks}rank"
     placement = ONE_RANK if ranks == 1 else [] if ranks == 2 else None
     if placement is None:
@@ -171,7 +179,7 @@ def run_rlbatch(args: argparse.Namespace, out: Path, model_dir: Path, ranks: int
                    "+roles.actor_infer.engine_args.cpu_compile=true"]
     cmd = [sys.executable, "-m", "rlbatch.launch", *workload_overrides(args), *placement, *engine,
            "model=hf_local", f"model.path={model_dir}", f"run_dir={run_dir}", "resume=never",
-           f"cluster.cpus_per_task={threads}"]
+           f"cluster.cpus_per_task={threads}", *extra]
     print(f"\n== {label} ({root}), {ranks} GPU rank(s), {threads} thread(s) each\n$ {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
@@ -477,6 +485,9 @@ def main() -> int:
                    help="CPU threads per framework (split between rlbatch's GPU ranks)")
     p.add_argument("--out", type=Path, default=ROOT / ".bench-runs" / "vs_trl")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override for the workload")
+    p.add_argument("--variant", type=_variant, action="append", default=[],
+                   help="LABEL:OVERRIDE[,OVERRIDE...]: rlbatch again (this checkout) with these overrides, e.g. "
+                        "packed:+roles.actor_train.engine_args.max_tokens_per_micro_batch=1024 (repeatable)")
     p.add_argument("--baseline", type=Path, help="another rlbatch checkout to run on the same workload, "
                    "alternating with this one (e.g. a worktree of the previous release): before/after in one run")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
@@ -501,6 +512,8 @@ def main() -> int:
         runs.append(run_rlbatch(args, out, model_dir, int(n)))
         if args.baseline:
             runs.append(run_rlbatch(args, out, model_dir, int(n), args.baseline.resolve(), "baseline"))
+        for label, extra in args.variant:
+            runs.append(run_rlbatch(args, out, model_dir, int(n), label=f"rlbatch-{label}", extra=extra))
     results = [summarise(r, batch) for r in runs]
     report(s, results, out, arithmetic(s, model_dir, results, args.threads))
     return 0
