@@ -8,7 +8,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from rlbatch.config.schema import RLBatchConfig
+from rlbatch.config.validate import check
+from rlbatch.errors import ConfigError
 
 
 def default_config(run_dir: Path) -> dict[str, Any]:
@@ -26,3 +30,10 @@ def set_(cfg: dict[str, Any], **dotted: Any) -> dict[str, Any]:
             node = node.setdefault(k, {})
         node[last] = value
     return out
+
+
+def problems(cfg: dict[str, Any], runnable: bool = True) -> list[str]:
+    """The problems validation refuses ``cfg`` with (it must refuse it)."""
+    with pytest.raises(ConfigError) as e:
+        check(cfg, runnable=runnable)
+    return list(e.value.problems)

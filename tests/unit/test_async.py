@@ -18,10 +18,10 @@ from rlbatch.algos.offpolicy import importance_ratio, ratio_mask, truncated_is
 from rlbatch.algos.registry import OFF_POLICY
 from rlbatch.config.schema import AlgoConfig, RLBatchConfig
 from rlbatch.config.validate import check
-from rlbatch.errors import ConfigError
 from rlbatch.scheduler.ahead import GenerationQueue
 from rlbatch.scheduler.controller import Rollouts
 from rlbatch.scheduler.metrics import idle_and_overlap
+from tests.unit.configs import problems
 
 # ------------------------------------------------------------------ the schedule
 
@@ -181,11 +181,6 @@ def config(tmp_path: Path, **algo: Any) -> dict[str, Any]:
     c["algo"].update(algo)
     return c
 
-
-def problems(c: dict[str, Any]) -> list[str]:
-    with pytest.raises(ConfigError) as e:
-        check(c)
-    return e.value.problems
 
 
 def test_async_settings_are_validated(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from rlbatch.data.chat import ChatPrompts
 from rlbatch.data.source import make_stream
 from rlbatch.errors import ConfigError
 from tests.unit.chat_fixtures import BOS_CHAT, CHATML, chat_tokenizer, save_chat_tokenizer
-from tests.unit.configs import default_config, set_
+from tests.unit.configs import problems, set_
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Natalia sold 48 clips in April."}]
 
@@ -94,15 +94,6 @@ def test_the_default_experiment_keeps_its_plain_prompts() -> None:
 # ------------------------------------------------------------------------------ refused before start
 
 
-@pytest.fixture
-def cfg(tmp_path: Path) -> dict[str, Any]:
-    return default_config(tmp_path / "run")
-
-
-def problems(c: dict[str, Any]) -> list[str]:
-    with pytest.raises(ConfigError) as e:
-        check(c)
-    return e.value.problems
 
 
 def test_a_chat_template_needs_a_model_whose_tokenizer_has_one(cfg: dict[str, Any], model_dirs: dict[str, Path]) -> None:

@@ -5,30 +5,19 @@ no env (the default) changes nothing."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rlbatch import ConfigError
 from rlbatch.config.validate import check
 from rlbatch.envs.checks import env_problems
 from rlbatch.envs.registry import ENVS, UnknownName, resolve_env
 from rlbatch.envs.setup import EnvSetup
-from tests.unit.configs import default_config, set_
+from tests.unit.configs import problems, set_
 
 PLUGIN = "tests.plugins.env_plugin"
 
 
-@pytest.fixture
-def cfg(tmp_path: Path) -> dict[str, Any]:
-    return default_config(tmp_path / "run")
-
-
-def problems(cfg: dict[str, Any], runnable: bool = True) -> list[str]:
-    with pytest.raises(ConfigError) as e:
-        check(cfg, runnable=runnable)
-    return e.value.problems
 
 
 def test_the_default_has_no_env_and_passes(cfg: dict[str, Any]) -> None:

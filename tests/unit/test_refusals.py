@@ -27,20 +27,11 @@ from rlbatch.checkpoint.store import CheckpointStore
 from rlbatch.config.validate import check
 from rlbatch.placement import place
 from rlbatch.rewards.rules import RewardError, reward_value, rule_scorer
-from tests.unit.configs import default_config, set_
+from tests.unit.configs import problems, set_
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def cfg(tmp_path: Path) -> dict[str, Any]:
-    return default_config(tmp_path / "run")
-
-
-def problems(cfg: dict[str, Any]) -> list[str]:
-    with pytest.raises(ConfigError) as e:
-        check(cfg)
-    return e.value.problems
 
 
 # ------------------------------------------------------------------------------ data.reward_fn

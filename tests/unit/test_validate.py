@@ -22,19 +22,7 @@ from rlbatch.checkpoint.store import CheckpointStore
 from rlbatch.config.validate import check
 from rlbatch.engines import registry as engines_registry
 from rlbatch.placement import backend as placement_backend
-from tests.unit.configs import default_config, set_
-
-
-@pytest.fixture
-def cfg(tmp_path: Path) -> dict[str, Any]:
-    """The default experiment as a plain dict, with its run directory under tmp_path."""
-    return default_config(tmp_path / "run")
-
-
-def problems(cfg: dict[str, Any], runnable: bool = True) -> list[str]:
-    with pytest.raises(ConfigError) as e:
-        check(cfg, runnable=runnable)
-    return e.value.problems
+from tests.unit.configs import problems, set_
 
 
 def on_ranks(cfg: dict[str, Any], n: int, train: str, infer: str) -> dict[str, Any]:
