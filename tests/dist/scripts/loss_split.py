@@ -2,7 +2,8 @@
 on each rank's half of a ragged batch (rank 0 the long responses, rank 1 the short ones) gives the
 gradient of the whole batch in one pass, for the token-mean and the sequence-mean aggregations;
 the count split (grad_accum micro-batches, each a mean over itself, ranks averaged) does not for
-the token mean. Log-probs under the budget (more forwards on rank 0 than rank 1 would need) equal
+the token mean. DeepSpeed (ZeRO-2, which reduces and partitions the gradients itself) under the
+same budgets steps with that one pass's gradient too, and with its count split does not. Log-probs under the budget (more forwards on rank 0 than rank 1 would need) equal
 the padded ones, in order.
 
 The reference trains the whole batch on both ranks in one padded micro-batch (mean over every
@@ -22,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import FSDPArgs
+from rlbatch.engines.registry import DeepSpeedArgs, FSDPArgs
+from rlbatch.engines.train.deepspeed import DeepSpeedEngine
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.launch.compose import compose
 
@@ -30,6 +32,7 @@ comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 mesh = DeviceMesh("cpu", torch.arange(comm.size), mesh_dim_names=("dp",))
+ds_mesh = DeviceMesh("cpu", torch.arange(comm.size).reshape(1, comm.size, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
 
 
 def grads(args: FSDPArgs, samples: list[dict[str, torch.Tensor]], cfg: object) -> torch.Tensor:
@@ -38,6 +41,26 @@ def grads(args: FSDPArgs, samples: list[dict[str, torch.Tensor]], cfg: object) -
     e.train(samples, PolicyObjective(cfg.algo))  # type: ignore[attr-defined]
     return torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1)
                       for p in e.model.parameters()])
+
+
+def ds_grads(args: DeepSpeedArgs, samples: list[dict[str, torch.Tensor]], cfg: object) -> torch.Tensor:
+    """The full gradient DeepSpeed steps with (reduced over the dp ranks, gathered from its ZeRO-2
+    partitions by ``safe_get_full_grad`` between the last backward and the step)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    e = DeepSpeedEngine(EngineContext("actor_train", args, cfg.model, cfg.algo, tok, torch.device("cpu"),  # type: ignore[attr-defined]
+                                      seed=3, mesh=ds_mesh, trainable=True))
+    seen: list[torch.Tensor] = []
+    step = e.engine.step
+
+    def read_then_step(*a: object, **k: object) -> object:
+        seen.append(torch.cat([safe_get_full_grad(p).reshape(-1) for p in e.engine.module.parameters()]))
+        return step(*a, **k)
+
+    e.engine.step = read_then_step
+    e.train(samples, PolicyObjective(cfg.algo))  # type: ignore[attr-defined]
+    (got,) = seen
+    return got
 
 
 g = torch.Generator().manual_seed(0)
@@ -60,6 +83,14 @@ for agg in ("token", "seq"):
     if agg == "token":  # a sequence mean over equal-count micro-batches is exact under the count split too
         naive = grads(FSDPArgs(), mine, compose([*base, "algo.grad_accum=3"]))
         assert float((naive - want).abs().max()) > 20 * tol, "the count split matched too (the test cannot fail)"
+    for budget in (24, 40):
+        got = ds_grads(DeepSpeedArgs(zero_stage=2, max_tokens_per_micro_batch=budget), mine,
+                       compose([*base, "algo.grad_accum=3"]))
+        err = float((got - want).abs().max())
+        assert err <= tol, f"deepspeed {agg}, budget {budget}: max diff {err:.3g} > {tol:.3g}"
+    if agg == "token":
+        naive = ds_grads(DeepSpeedArgs(zero_stage=2, max_tokens_per_micro_batch=0), mine, compose([*base, "algo.grad_accum=3"]))
+        assert float((naive - want).abs().max()) > 20 * tol, "deepspeed's count split matched too (the test cannot fail)"
 # Forward-only: rank 0's long samples need more forwards than rank 1's short ones; both ranks make
 # as many (else FSDP's gathers would pair up wrongly and hang) and the log-probs come back in order.
 cfg = compose(["algo.kl_coef=0"])
