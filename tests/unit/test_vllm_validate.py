@@ -12,7 +12,8 @@ import pytest
 
 from rlbatch.config.validate import check
 from rlbatch.errors import ConfigError
-from tests.unit.test_validate import cfg, on_ranks, problems, set_  # noqa: F401 (cfg is a fixture)
+from tests.unit.configs import problems, set_
+from tests.unit.test_validate import on_ranks
 
 CPU_SIZES = "{32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}"
 
