@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
+
+
+def dotted(node: Any, path: str, missing: Any = None) -> Any:
+    """``node['a']['b']`` for ``path`` 'a.b' in nested mappings; ``missing`` where a key is absent or
+    a step is not a mapping."""
+    for key in path.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return missing
+        node = node[key]
+    return node
 
 
 def to_plain(cfg: Any) -> Any:

@@ -27,7 +27,7 @@ from rlbatch.algos.registry import (
 )
 from rlbatch.config.bounds import field_problems
 from rlbatch.config.cluster_rules import cluster_problems
-from rlbatch.config.plain import to_plain
+from rlbatch.config.plain import dotted, to_plain
 from rlbatch.config.runnable import (
     engine_args_problems,
     head_problems,
@@ -112,13 +112,8 @@ def _env_problems(cfg: Mapping[str, Any], runnable: bool, train_run: bool) -> li
     return problems
 
 
-def _get(cfg: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for key in dotted.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return None
-        node = node[key]
-    return node
+def _get(cfg: Mapping[str, Any], path: str) -> Any:
+    return dotted(cfg, path)
 
 
 def _enabled(cfg: Mapping[str, Any], role: str) -> bool:

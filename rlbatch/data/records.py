@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config.plain import dotted
 from rlbatch.errors import ConfigError
 
 LAYOUTS = ("auto", "flat", "verl")
@@ -126,13 +127,8 @@ class _Unreadable:
 _MISSING = object()
 
 
-def _get(record: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = record
-    for key in dotted.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return _MISSING
-        node = node[key]
-    return node
+def _get(record: Mapping[str, Any], path: str) -> Any:
+    return dotted(record, path, _MISSING)
 
 
 def resolve_keys(data_cfg: Any, first: Any) -> Keys:
