@@ -7,6 +7,14 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def section(plain: Mapping[str, Any], *keys: str) -> Mapping[str, Any]:
+    """The mapping at ``plain[k1][k2]...``; empty where a key is missing or not a mapping."""
+    node: Any = plain
+    for key in keys:
+        node = node.get(key) if isinstance(node, Mapping) else None
+    return node if isinstance(node, Mapping) else {}
+
+
 def dotted(node: Any, path: str, missing: Any = None) -> Any:
     """``node['a']['b']`` for ``path`` 'a.b' in nested mappings; ``missing`` where a key is absent or
     a step is not a mapping."""

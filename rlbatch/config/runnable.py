@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from rlbatch.algos.registry import PROGRAMS, USES_CRITIC, Registry
+from rlbatch.config.plain import section
 from rlbatch.config.schema import GPU_ROLES, HEADS, INHERIT_BACKEND
 from rlbatch.engines.registry import REGISTRY, built_engines, parse_args
 from rlbatch.errors import ConfigError
@@ -53,14 +54,6 @@ _KIND_WORD = {EngineKind.TRAIN: "training", EngineKind.INFER: "inference"}
 _A = {EngineKind.TRAIN: "a", EngineKind.INFER: "an"}
 _OP_KIND = {"generate": EngineKind.INFER, "logprobs": EngineKind.TRAIN, "values": EngineKind.TRAIN,
             "train": EngineKind.TRAIN, "score": EngineKind.TRAIN}
-
-
-def section(plain: Mapping[str, Any], *keys: str) -> Mapping[str, Any]:
-    """The mapping at ``plain[k1][k2]...``; empty where a key is missing or not a mapping."""
-    node: Any = plain
-    for key in keys:
-        node = node.get(key) if isinstance(node, Mapping) else None
-    return node if isinstance(node, Mapping) else {}
 
 
 def _enabled(rc: Any) -> TypeGuard[Mapping[str, Any]]:
@@ -232,18 +225,6 @@ def _data_file_problem(path: str) -> str | None:
     return None
 
 
-def _reward_fn_problem(fn: Any) -> str | None:
-    from rlbatch.rewards.rules import load_reward_fn
-
-    try:
-        load_reward_fn(fn)
-    except ValueError as e:
-        return f"data.reward_fn: {e}"
-    except Exception as e:  # the user's module failed while importing
-        return f"data.reward_fn: importing {fn!r} failed: {type(e).__name__}: {e}"[:400]
-    return None
-
-
 def _resume_problem(resume: str, run_dir: Any) -> str | None:
     from rlbatch.checkpoint.files import CHECKPOINTS
     from rlbatch.checkpoint.store import CheckpointError, open_checkpoint
@@ -319,7 +300,9 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
     if data.get("name") == "file" and data.get("path") and data.get("check_path", True) is not False:
         checks.append(("data.path", lambda: _data_file_problem(str(data["path"]))))
     if data.get("reward_fn") is not None and _enabled(section(plain, "roles").get("reward")):
-        checks.append(("data.reward_fn", lambda: _reward_fn_problem(data["reward_fn"])))
+        from rlbatch.rewards.rules import reward_fn_problem
+
+        checks.append(("data.reward_fn", lambda: reward_fn_problem(data["reward_fn"], "data.reward_fn")))
     resume = plain.get("resume")
     if isinstance(resume, str) and resume not in ("", "auto", "never"):
         checks.append(("resume", lambda: _resume_problem(resume, plain.get("run_dir"))))

@@ -14,34 +14,22 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from rlbatch.config.plain import section
 from rlbatch.data.records import LAYOUTS, SUFFIXES, fill_template
 from rlbatch.errors import ConfigError
 
 
-def _section(plain: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    node = plain.get(key)
-    return node if isinstance(node, Mapping) else {}
-
-
 def _routes_problems(data: Mapping[str, Any], load: bool) -> list[str]:
-    from rlbatch.rewards.rules import load_reward_fn
+    from rlbatch.rewards.rules import reward_fn_problem
 
     routes = data.get("reward_fns")
     if routes is None:
         return []
     if not isinstance(routes, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in routes.items()):
         return [f"data.reward_fns: expected a mapping of data_source to 'module:function', got {routes!r}"[:400]]
-    problems = []
-    for source, name in routes.items():
-        if not load:
-            continue
-        try:
-            load_reward_fn(name)
-        except ValueError as e:
-            problems.append(f"data.reward_fns[{source!r}]: {e}"[:400])
-        except Exception as e:  # the user's module failed while importing
-            problems.append(f"data.reward_fns[{source!r}]: importing {name!r} failed: {type(e).__name__}: {e}"[:400])
-    return problems
+    if not load:
+        return []
+    return [p for source, name in routes.items() if (p := reward_fn_problem(name, f"data.reward_fns[{source!r}]"))]
 
 
 def _chat_problems(data: Mapping[str, Any], model: Mapping[str, Any]) -> list[str]:
@@ -90,7 +78,7 @@ def _file_problems(data: Mapping[str, Any]) -> list[str]:
 def data_problems(plain: Mapping[str, Any], reward_role: bool = True) -> list[str]:
     """One line per problem of the data section; ``reward_role``: the reward role scores with data.reward_fn
     (only then are the routes' functions imported)."""
-    data, model = _section(plain, "data"), _section(plain, "model")
+    data, model = section(plain, "data"), section(plain, "model")
     problems = []
     layout = data.get("layout", "auto")
     if layout not in LAYOUTS:

@@ -9,6 +9,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.config.plain import section
 from rlbatch.envs.registry import UnknownName, resolve_env, resolve_tool
 
 
@@ -68,11 +69,6 @@ def _signature(cls: type) -> str:
         return "(...)"
 
 
-def _section(cfg: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    node = cfg.get(key)
-    return node if isinstance(node, Mapping) else {}
-
-
 def _number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
@@ -80,12 +76,12 @@ def _number(v: Any) -> float | None:
 def _limit_problems(cfg: Mapping[str, Any], env: Mapping[str, Any], tools: Any) -> list[str]:
     """Limits that are each in range but cannot work together."""
     problems = []
-    model = _section(cfg, "model")
+    model = section(cfg, "model")
     budget, positions = _number(env.get("max_context_tokens")), _number(model.get("max_position_embeddings"))
     if budget is not None and positions is not None and not model.get("path") and budget > positions:
         problems.append(f"env.max_context_tokens: {env['max_context_tokens']} tokens is longer than the random-init "
                         f"model's longest sequence, model.max_position_embeddings = {model['max_position_embeddings']}")
-    limits = _section(_section(cfg, "sandbox"), "limits")
+    limits = section(cfg, "sandbox", "limits")
     step, run = _number(env.get("step_timeout_s")), _number(limits.get("timeout_s"))
     if "python" in tools and step is not None and run is not None and step <= run:
         problems.append(f"env.step_timeout_s: {env['step_timeout_s']} s is not longer than sandbox.limits.timeout_s = "

@@ -100,6 +100,18 @@ def exact_match_with_format(completion: str, answer: str) -> float:
     return 0.1 * format_reward(completion, answer)
 
 
+def reward_fn_problem(path: Any, field: str) -> str | None:
+    """Why ``path`` cannot serve as the reward function ``field`` names (``load_reward_fn``'s reason,
+    or what importing its module raised), or None."""
+    try:
+        load_reward_fn(path)
+    except ValueError as e:
+        return f"{field}: {e}"
+    except Exception as e:  # the user's module failed while importing
+        return f"{field}: importing {path!r} failed: {type(e).__name__}: {e}"[:400]
+    return None
+
+
 def load_reward_fn(path: str) -> RewardFn:
     """Import a reward function named ``"package.module:function"`` or ``"package.module.function"``.
 
