@@ -64,6 +64,16 @@ class Flat:
     keep: torch.Tensor            # [K] the positions whose outputs score a response token
     where: torch.Tensor           # [K] b * R + j: the response token each kept position scores
     width: int                    # R
+    cu_seq_lens: torch.Tensor     # [S + 1] int32: where each sample's run of the row starts, then N
+    max_length: int               # the longest sample's run
+
+    def forward_kwargs(self) -> dict[str, Any]:
+        """What a model call on this row takes: the ids and restarting positions, no attention mask
+        and no cache (so sdpa confines attention to each sample with transformers' block-diagonal
+        mask), and the boundaries that a model on ``rlbatch.engines.attention.VARLEN`` reads instead."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
+                "cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
+                "max_length_q": self.max_length, "max_length_k": self.max_length}
 
 
 @dataclass
@@ -180,7 +190,15 @@ def _flat(prompts: list[torch.Tensor], responses: list[torch.Tensor], plen: torc
     # response token j of a sample starting at s with a prompt of p tokens is scored at s + p - 1 + j
     b, j = _positions(rlen, torch.zeros_like(rlen))
     keep = (starts + plen - 1)[b] + j
-    return Flat(ids[None].to(device), pos[None].to(device), keep.to(device), (b * width + j).to(device), width)
+    return Flat(ids[None].to(device), pos[None].to(device), keep.to(device), (b * width + j).to(device), width,
+                *_boundaries(n, device))
+
+
+def _boundaries(n: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``Flat.cu_seq_lens`` and ``max_length`` of runs of ``n`` tokens (empty runs dropped)."""
+    n = n[n > 0]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(n, 0)]).to(device=device, dtype=torch.int32)
+    return cu, int(n.max()) if len(n) else 0
 
 
 def flat_sequences(samples: Sequence[dict[str, torch.Tensor]], pad_id: int, device: torch.device) -> Flat:
@@ -197,7 +215,7 @@ def flat_sequences(samples: Sequence[dict[str, torch.Tensor]], pad_id: int, devi
     last = torch.tensor([int(torch.nonzero(t != pad_id).max()) if bool((t != pad_id).any()) else 0 for t in seqs],
                         dtype=torch.long)
     return Flat(ids[None].to(device), pos[None].to(device), (starts + last).to(device),
-                torch.arange(len(samples)).to(device), 1)
+                torch.arange(len(samples)).to(device), 1, *_boundaries(n, device))
 
 
 def _shared(prompts: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor, targets: torch.Tensor,
@@ -257,9 +275,8 @@ def flat_outputs(model: Any, x: Flat, lm: bool) -> torch.Tensor:
     hooks gather the parameters there) with no attention mask and no cache: what makes
     transformers confine attention to each sample."""
     if lm:
-        return model(input_ids=x.input_ids, position_ids=x.position_ids, use_cache=False,
-                     logits_to_keep=x.keep).logits[0]
-    return model(input_ids=x.input_ids, position_ids=x.position_ids, use_cache=False).logits[0, x.keep]
+        return model(**x.forward_kwargs(), logits_to_keep=x.keep).logits[0]
+    return model(**x.forward_kwargs()).logits[0, x.keep]
 
 
 def spread(values: torch.Tensor, x: Flat, batch: int) -> torch.Tensor:

@@ -44,11 +44,12 @@ GPU_MAX_TOKENS_PER_MICRO_BATCH = 4096
 """The token budget of a training engine's micro-batches on a GPU when engine_args leave
 max_tokens_per_micro_batch unset. Packed rows beat padded ones there on ragged batches of real
 lengths (docs/benchmarks.md "Packing": 1.6-2.9x, log-prob peak memory 5-9x lower on an H100 at
-budgets of 900-4300 tokens, shared-prompt GRPO groups included). Without a varlen attention kernel
-(flash-attn) transformers confines a row's attention through a dense [N, N] mask, so attention
-costs about 4*N*hidden FLOPs a token: at 4096 that is about what a Qwen2.5-0.5B layer's matmuls
-cost (12*hidden^2), where verl's 16384 (which assumes the varlen kernel) would be 4x more. A row
-holds fewer tokens than the budget only at the end of a rank's share; a longer sample runs alone."""
+budgets of 900-4300 tokens, shared-prompt GRPO groups included). A row's attention is torch's
+varlen flash kernel there (``rlbatch.engines.attention``), so the budget is bounded by memory, not
+by attention: 4096 keeps a 7B model's rows within an 80 GB GPU on fsdp:d4 where 8192 does not
+(``python -m rlbatch.plan``), at the price of more micro-batches for small models, which the host's
+per-micro-batch work then bounds (docs/benchmarks.md "GPU"); ``plan search`` picks a budget per model.
+A row holds fewer tokens than the budget only at the end of a rank's share; a longer sample runs alone."""
 
 
 def max_tokens_per_micro_batch(engine_args: Any, device_type: str) -> int:

@@ -184,12 +184,20 @@ def packing(w: Workload, budget: int, seqs: int) -> Packing:
                    seqs * w.response_mean)
 
 
+def varlen_rows(e: int) -> bool:
+    """Whether packed rows computed in ``e``-byte elements run varlen attention: bf16/fp16 compute
+    is a GPU's, where the engines switch to torch's varlen flash kernel
+    (``rlbatch.engines.attention``): no mask, attention per sample. fp32 rows keep sdpa's mask."""
+    return e < 4
+
+
 def mask_bytes(row: float, e: int, layers: int) -> float:
     """The attention masks of a packed row under sdpa: transformers' block-diagonal bool [N, N] mask,
     which sdpa converts to an additive mask in the compute dtype in every layer's call, and autograd
     keeps each layer's for the backward (``layers``; 1 in a pass without autograd, one layer at a
-    time). Measured: 2 N^2 bytes a layer kept in bf16 on an H100, 4 N^2 in fp32 on CPU."""
-    return row * row * (1 + e * layers)
+    time). Measured: 2 N^2 bytes a layer kept in bf16 on an H100 (under sdpa, before varlen), 4 N^2
+    in fp32 on CPU. None under varlen attention."""
+    return 0.0 if varlen_rows(e) else row * row * (1 + e * layers)
 
 
 def packed_logits_bytes(scored: float, vocab: int, e: int, t: int = 1, train: bool = False,
@@ -303,9 +311,10 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         pk = packing(w, budget, math.ceil(w.sequences / d))
         fwd = {
             "activations": act.forward_working_bytes(shape, pk.row, 1, e, t),
-            "attention_mask": mask_bytes(pk.row, e, 1),
             "logits": packed_logits_bytes(pk.scored, vocab, e, t) if vocab > 1 else e * pk.row,
         }
+        if not varlen_rows(e):
+            fwd["attention_mask"] = mask_bytes(pk.row, e, 1)
         notes.append(f"{r.name}: token budget {budget}, log-prob rows of up to {pk.row:.0f} tokens ({pk.scored:.0f} scored)")
     else:
         ftok, frows, _ = pass_tokens(r, w, fmb, s)
@@ -331,7 +340,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         if recompute == "full":  # the layer being recomputed holds its full activations
             acts += act.layer_bytes(shape, st, mb, e, t, sp=sp)
         train = {"activations": acts, "logits": logits}
-        if budget:  # every layer's additive mask for the backward; recomputed: the one layer's
+        if budget and not varlen_rows(e):  # every layer's additive mask for the backward; recomputed: the one layer's
             train["attention_mask"] = mask_bytes(st, e, 1 if recompute == "full" else layers_held)
         if train_buffers:
             train["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = train_buffers

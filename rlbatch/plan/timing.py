@@ -36,6 +36,7 @@ from rlbatch.plan.memory import (
     pass_tokens,
     token_budget,
     train_micro_batch,
+    varlen_rows,
 )
 from rlbatch.plan.model import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.workload import Workload
@@ -294,9 +295,9 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
 def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout, train: bool,
                  tensors: int, opt_bytes: float, rt: Rates, budget: int) -> Features:
     """``forward_pass`` under a token budget: real tokens only, one row per micro-batch (``memory.packing``).
-    The LM head runs at the scored positions only; sdpa's dense [N, N] mask makes a row's attention
-    cost N^2 (every key of the row, not only its sample's) and its mask is written and read in
-    every layer."""
+    The LM head runs at the scored positions only. In bf16/fp16 (a GPU) attention is varlen's, each
+    sample's own; in fp32 sdpa's dense [N, N] mask makes a row's attention cost N^2 (every key of
+    the row, not only its sample's) and its mask is written and read in every layer."""
     b = r.backend
     assert b is not None
     t, p = b.t, b.p
@@ -310,9 +311,11 @@ def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     vocab = 1 if r.name in HEADS else shape.vocab
     lm_head = 2.0 * shape.vocab * shape.hidden  # in matmul_params: charged at the scored positions only
     row = pk.tokens / pk.calls  # decoder positions of a row, on average
-    flops = (tokens * (shape.fwd_flops_per_token(row) - lm_head) + head * 2.0 * vocab * shape.hidden) * mult / (t * p)
+    varlen = varlen_rows(e)  # attention within each sample, no mask; else over the whole row
+    ctx = w.prompt_len + w.response_mean if varlen else row
+    flops = (tokens * (shape.fwd_flops_per_token(ctx) - lm_head) + head * 2.0 * vocab * shape.hidden) * mult / (t * p)
     passes = 2 if train else 1
-    mask = row * row * (1 + 2 * e * math.ceil(shape.layers / p))  # written once, converted and read per layer
+    mask = 0.0 if varlen else row * row * (1 + 2 * e * math.ceil(shape.layers / p))  # written once, read per layer
     byts = calls * passes * (e * shape.params / (t * p) + mask) + passes * tokens * traffic_per_token(shape, e, t) / p
     byts += head * vocab / t * (e + 8 + (4 + e if train else 0))
     roof = max(flops / rt.flops, byts / rt.bw) * _bubble(b, pk.calls)

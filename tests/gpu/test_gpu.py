@@ -7,8 +7,10 @@ runs them as its pipeline steps and its ``--cpu`` mode runs on the CPU in CI."""
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,3 +100,53 @@ def test_packed_rows_score_as_padded_rows_on_cuda() -> None:
     close(values(critic, samples, packed, pk(packed)), values(critic, samples, padded, pk(padded)))
     rm = reward_model(model(), seed=5).to(cuda)
     close(scores(rm, samples, packed, pk(packed), rm.score), scores(rm, samples, padded, pk(padded)))
+
+
+def test_varlen_attention_runs_packed_rows_on_cuda() -> None:
+    """torch's varlen flash kernel behind ``rlbatch.engines.attention``: on random bf16 q/k/v with
+    grouped-query heads it equals sdpa run on each sample alone (in fp32, from the same bf16
+    inputs) to bf16 rounding, and a packed bf16 LM's log-probs through it equal the padded rows'."""
+    from rlbatch.engines import attention
+    from rlbatch.engines.batch import pack
+    from rlbatch.engines.train.common import Split, logprobs
+    from rlbatch.models.spec import spec_from_config
+    from rlbatch.models.tiny import build_tiny_model
+    from tests.unit.test_batch import make_samples
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert attention.available(cuda, bf16), f"torch {torch.__version__} has no varlen_attn: packed rows take a dense mask"
+    g = torch.Generator(device=cuda).manual_seed(0)
+    lengths = [5, 1, 17, 64, 3]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=cuda)
+    n = sum(lengths)
+    q = torch.randn(1, 8, n, 64, device=cuda, dtype=bf16, generator=g)
+    k, v = (torch.randn(1, 2, n, 64, device=cuda, dtype=bf16, generator=g) for _ in range(2))
+    out, _ = attention.varlen_attention(torch.nn.Module(), q, k, v, None, scaling=64 ** -0.5, cu_seq_lens_q=cu,
+                                        cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    want = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        qs = q[0, :, a:b].float()
+        ks, vs = (t[0, :, a:b].float().repeat_interleave(4, dim=0) for t in (k, v))
+        want.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+    err = float((out[0].float() - torch.cat(want)).abs().max())
+    assert out.shape == (1, n, 8, 64) and err <= 4 * 2 ** -8, err  # outputs are convex mixes of |v| <~ 4
+
+    lm = build_tiny_model(spec_from_config({"arch": "qwen2", "initializer_range": 0.1}), seed=3).to(cuda, bf16)
+    samples = make_samples([(3, 4), (5, 0), (1, 6), (6, 2), (2, 1), (4, 5), (3, 3)], seed=4)
+    want_lp = logprobs(lm, samples, Split(samples=0), lambda c: pack(c, 0, cuda))
+    assert attention.prefer_varlen(lm, cuda, bf16)
+    calls: list[int] = []
+    kernel = attention._kernel()
+    assert kernel is not None
+
+    @functools.wraps(kernel)  # the kernel's signature says which causal keyword it takes
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "_kernel", lambda: counted)
+        got = logprobs(lm, samples, Split(max_tokens=12, device=cuda), lambda c: pack(c, 0, cuda, flat=True))
+    assert calls, "the packed rows did not reach the varlen kernel"
+    x, y = torch.cat([t.float() for t in got]), torch.cat([t.float() for t in want_lp])
+    assert float((x - y).abs().max()) <= 16 * 2 ** -8 * max(float(y.abs().max()), 1.0), float((x - y).abs().max())

@@ -94,8 +94,8 @@ def bench_train(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, device: 
     progress(f"train: building FSDPEngine ({shape.params / 1e6:.1f}M parameters, fp32 master weights)")
     algo = AlgoConfig(mini_batches=1, epochs=1, grad_accum=1, kl_coef=0.0, lr=1e-6,
                       activation_checkpointing=args.grad_ckpt)
-    engine = FSDPEngine(EngineContext("actor_train", FSDPArgs(), model_cfg, algo, vocab, device, seed=0, mesh=mesh,
-                                      trainable=True))
+    engine = FSDPEngine(EngineContext("actor_train", FSDPArgs(max_tokens_per_micro_batch=args.max_tokens), model_cfg,
+                                      algo, vocab, device, seed=0, mesh=mesh, trainable=True))
     objective = PolicyObjective(algo)
     g = torch.Generator().manual_seed(0)
     samples = [{"prompt": torch.randint(3, vocab.size, (args.prompt_len,), generator=g),
@@ -111,13 +111,29 @@ def bench_train(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, device: 
     tokens = args.batch * args.seq
     flops_token = shape.train_flops_per_token(args.seq)
     achieved = tokens * flops_token / step_s
-    out = {"step_s": step_s, "tokens_per_s": tokens / step_s, "flops_per_token": flops_token,
+    if args.profile:
+        print(profile_step(lambda: engine.train(samples, objective), device), flush=True)
+    out = {"max_tokens": engine.max_tokens, "varlen": engine.varlen, "step_s": step_s, "tokens_per_s": tokens / step_s, "flops_per_token": flops_token,
            "matmul_params": shape.matmul_params, "model_flops_per_s": achieved, "mfu": achieved / peak_flops,
            "peak_allocated_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0}
     progress(f"train: {step_s * 1e3:.1f} ms/step, {achieved / 1e12:.1f} TFLOP/s = {out['mfu']:.1%} MFU "
              f"(6N + 12LHQT = {flops_token / 1e9:.2f} GFLOP/token, N = {shape.matmul_params / 1e6:.1f}M), "
              f"peak {out['peak_allocated_bytes'] / 1e9:.1f} GB allocated")
     return out, engine
+
+
+def profile_step(step: Callable[[], Any], device: Any, rows: int = 15) -> str:
+    """One ``step`` under torch.profiler: the ops with the most self time on the device."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return str(prof.key_averages().table(sort_by=key, row_limit=rows))
 
 
 def bench_offload(args: argparse.Namespace, engine: Any, device: Any, sync: Callable[[], None]) -> dict[str, Any]:
@@ -274,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
             train, engine = bench_train(args, model_cfg, vocab, device, mesh, shape, hw.peak_flops, sync)
+            if args.train_only:
+                print(json.dumps({"train": train}), flush=True)
+                return 0
             offload = bench_offload(args, engine, device, sync)
             del engine
             gc.collect()  # the engine's stashes close over it: a cycle that only gc frees
@@ -298,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="train: sequences per step")
     p.add_argument("--seq", type=int, default=1024, help="train: tokens per sequence")
     p.add_argument("--grad-ckpt", action="store_true", help="train: activation checkpointing (not counted in MFU)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="train: engine_args.max_tokens_per_micro_batch (0: padded rows; default: the device's)")
+    p.add_argument("--train-only", action="store_true", help="only the train figures (no offload, no generate)")
+    p.add_argument("--profile", action="store_true", help="train: print the device's top ops of one profiled step")
     p.add_argument("--warmup", type=int, default=3, help="train: steps before timing")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps")
     p.add_argument("--gen-batch", type=int, default=64, help="generate: prompts")

@@ -10,7 +10,8 @@ otherwise), and response lengths drawn from a lognormal (sigma 1, cut at ``--max
 cut), random token ids over Qwen2.5's vocabulary (151936) and a random-init qwen2 model of
 ``--hidden`` / ``--layers`` with that vocabulary (``rlbatch.models.tiny.build_tiny_model``, as
 tests/unit/test_packing_forward.py builds its large-vocabulary model), in ``--dtype`` (fp32 unless
-told) on ``--device`` (the CPU unless told), sdpa attention.
+told) on ``--device`` (the CPU unless told), sdpa attention (packed rows: varlen, as the engines run
+them, where ``rlbatch.engines.attention.available``: bf16/fp16 on CUDA).
 
 Two paths of ``rlbatch.engines.train.common``, each called as the fsdp engine calls it on one rank
 (a plain transformers model, no process group):
@@ -38,9 +39,9 @@ allocator's fragments included. The packed log-probs are checked against the pad
 Prints a table and ``packing speedup: N.NNx`` (padded seconds / packed seconds) for each pass and
 ``log-prob peak memory: N.NNx lower``. On CPU, sdpa attends within each sample of a packed row
 through a dense [N, N] block-diagonal mask, so attention over a packed row costs as much as over an
-unpadded square of its length; on a GPU flash-attention's varlen kernel skips the masked blocks,
-which this bench shows only where transformers has a varlen kernel for the device (sdpa alone, on a GPU too,
-takes the dense mask).
+unpadded square of its length; on a GPU in bf16/fp16 torch's varlen flash kernel
+(``rlbatch.engines.attention``) takes the samples' boundaries instead, so a row costs what its
+samples do (fp32 on a GPU keeps sdpa's dense mask). The table names each packed path's attention.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     from rlbatch.algos.objective import PolicyObjective
     from rlbatch.config.schema import AlgoConfig
+    from rlbatch.engines.attention import prefer_varlen
     from rlbatch.engines.batch import Flat, Shared, pack
     from rlbatch.engines.train import common
     from rlbatch.models.spec import spec_from_model_config
@@ -141,6 +143,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                                    "max_position_embeddings": args.max_response + args.prompt_len[1]}, vocab=VOCAB)
     model = build_tiny_model(spec, seed=args.seed)
     torch.nn.Module.to(model, device=device, dtype=getattr(torch, DTYPES[args.dtype]))
+    varlen = packed and prefer_varlen(model, device, getattr(torch, DTYPES[args.dtype]))  # as the engines do
 
     def pack_fn(chunk: list[Any]) -> Any:
         return pack(chunk, PAD, device, share_prompts=True, flat=packed)
@@ -201,7 +204,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize()
     t_train = time.perf_counter() - start
-    return {"path": args.child, "max_tokens": max_tokens, "micro_batch": 0 if packed else args.micro_batch,
+    return {"path": args.child, "max_tokens": max_tokens, "attention": "varlen" if varlen else "sdpa", "micro_batch": 0 if packed else args.micro_batch,
             "forwards": forwards, "shared_prompt_forwards": shared, "train_forwards": train_forwards, "decoder_tokens": decoder, "head_positions": head,
             "logprob_s": t_logprobs, "train_s": t_train, "logprob_peak_bytes": peak}
 
@@ -283,7 +286,7 @@ def main() -> int:
     print(f"  {'':8s} {'per forward':>18s} {'forwards':>9s} {'decoder tok':>12s} {'LM-head pos':>12s} "
           f"{'log-prob s':>11s} {'train s':>9s} {'log-prob peak':>14s}")
     for path, r in res.items():
-        per = f"{r['micro_batch']} samples" if path == "padded" else f"<= {r['max_tokens']} tokens"
+        per = f"{r['micro_batch']} samples" if path == "padded" else f"<= {r['max_tokens']} tokens ({r['attention']})"
         print(f"  {path:8s} {per:>18s} {r['forwards']:9d} {r['decoder_tokens']:12d} {r['head_positions']:12d} "
               f"{r['logprob_s']:11.2f} {r['train_s']:9.2f} {r['logprob_peak_bytes'] / gib:10.3f} GiB")
     if pad["shared_prompt_forwards"]:

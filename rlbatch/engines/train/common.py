@@ -151,7 +151,7 @@ def flat_scores(model: Any, x: Flat, head: torch.nn.Module) -> list[float]:
     seen: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _module, _args, output: seen.append(output))
     try:
-        model(input_ids=x.input_ids, position_ids=x.position_ids, use_cache=False)
+        model(**x.forward_kwargs())
     finally:
         handle.remove()
     return seen[-1][0, x.keep, 0].float().tolist()

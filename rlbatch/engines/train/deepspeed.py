@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, WeightStream, layer_units
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import max_tokens_per_micro_batch, share_prompts
@@ -137,6 +138,8 @@ class DeepSpeedEngine(StashedState):
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
         self.max_tokens = max_tokens_per_micro_batch(args, ctx.device.type)
         self.split = common.Split(self.micro_batch, self.max_tokens, self.group, ctx.device)
+        # packed rows by their boundaries, not a dense mask, where the kernel exists (bf16 on CUDA)
+        self.varlen = self.max_tokens > 0 and prefer_varlen(model, ctx.device, compute_dtype(ctx.device))
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None

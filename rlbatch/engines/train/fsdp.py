@@ -22,6 +22,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import fsdp_single_unit, max_tokens_per_micro_batch, share_prompts
@@ -58,7 +59,8 @@ class FSDPEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
         self.dp_group = ctx.group("dp")
-        skeleton = engine_skeleton(ctx, held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable))
+        held = held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable)
+        skeleton = engine_skeleton(ctx, held)
         model = skeleton.model
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
@@ -72,6 +74,8 @@ class FSDPEngine(StashedState):
         dp_mesh = mesh["dp"]
         kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
         self.mp = mp
+        # packed rows by their boundaries, not a dense mask, where the kernel exists (bf16 on CUDA)
+        self.varlen = self.max_tokens > 0 and prefer_varlen(model, ctx.device, torch.bfloat16 if mp else held)
         self.single_unit = fsdp_single_unit(param_bytes(model), args)
         if not self.single_unit:
             for layer in model.model.layers:  # a unit per layer: gathered one at a time, overlapping compute
