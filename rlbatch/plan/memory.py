@@ -156,6 +156,21 @@ def token_budget(r: RoleLayout, hw: Hardware) -> int:
     return max_tokens_per_micro_batch(r.engine_args, "cpu" if hw.is_cpu else "cuda")
 
 
+def padded_budget(r: RoleLayout) -> int:
+    """The token budget of an engine that meets it with padded rows (``EngineSpec.packs_rows``
+    false: megatron): engine_args.max_tokens_per_micro_batch (0: micro-batches by count)."""
+    if r.backend is None or spec_of(r.backend.engine).packs_rows:
+        return 0
+    return int(r.engine_args.get("max_tokens_per_micro_batch") or 0)
+
+
+def budget_micro_batch(w: Workload, budget: int, share: int) -> int:
+    """Sequences per micro-batch of a padded-row engine under a token ``budget`` (``padded_budget``):
+    as many samples of the mean length as fit in the budget (``common.chunks`` counts real tokens),
+    at least one, at most the rank's ``share``; each row padded to the longest (``w.seq_len``)."""
+    return max(1, min(share, int(budget // max(1.0, w.prompt_len + w.response_mean))))
+
+
 @dataclass(frozen=True)
 class Packing:
     """A rank's pass under a token budget: one unpadded row per micro-batch (``rlbatch.engines.batch.Flat``)."""
@@ -303,6 +318,9 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     # not (34 + ...)/t.
     sp = b.engine == "fsdp" or (b.engine == "megatron" and bool(ea.get("sequence_parallel", True)))
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
+    if pb := padded_budget(r):  # micro-batches cut by tokens, rows padded within each
+        mb = budget_micro_batch(w, pb, math.ceil(w.sequences / (w.mini_batches * d)))
+        fmb = budget_micro_batch(w, pb, math.ceil(w.sequences / d))
     s = w.seq_len / c
     vocab = 1 if r.name in HEADS else shape.vocab  # a value or reward head: a scalar per token
     # Tokens and logit rows per micro-batch: every position of the padded sequences, or with shared

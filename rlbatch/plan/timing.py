@@ -30,9 +30,11 @@ from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import (
     RoleMemory,
+    budget_micro_batch,
     fsdp_units,
     logprob_micro_batch,
     packing,
+    padded_budget,
     pass_tokens,
     token_budget,
     train_micro_batch,
@@ -263,6 +265,8 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
         return _packed_pass(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, budget)
     mb = train_micro_batch(w, d) if train else logprob_micro_batch(r, w)
     seqs = math.ceil(w.sequences / d)
+    if pb := padded_budget(r):  # micro-batches cut by tokens, rows padded within each
+        mb = budget_micro_batch(w, pb, math.ceil(seqs / (w.mini_batches if train else 1)))
     s = w.seq_len / c
     repeats = w.epochs if train else 1
     calls = repeats * math.ceil(seqs / mb)
@@ -277,7 +281,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     byts = calls * passes * (models * e * shape.params / (t * p) + tokens * traffic_per_token(shape, e, t) / p)
     byts += rows * vocab / t * (e + 8 + (4 + e if train else 0))
     roof = max(flops / rt.flops, byts / rt.bw)
-    micro = w.grad_accum if train else math.ceil(seqs / mb)
+    micro = math.ceil(seqs / (w.mini_batches * mb)) if train and pb else w.grad_accum if train else math.ceil(seqs / mb)
     roof *= _bubble(b, micro)
     # Backward runs in autograd's C++ engine: about as much host work as the Python forward.
     ops = calls * (models * _fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))

@@ -161,3 +161,47 @@ def test_the_log_prob_estimate_matches_a_cpu_measurement() -> None:
     T, K, e = 886.0, 765.0, 4
     predicted = act.forward_working_bytes(shape, T, 1, e) + mask_bytes(T, e, 1) + packed_logits_bytes(K, shape.vocab, e)
     assert predicted == pytest.approx(702.9 * 2**20, rel=0.01)
+
+
+def test_megatron_under_a_budget_is_modelled_as_its_padded_micro_batches(h100) -> None:  # type: ignore[no-untyped-def]
+    """megatron meets a token budget with padded rows: a micro-batch of as many mean-length samples as
+    the budget holds (8192 / (512 + 512) = 8 here, 2 at 2048), each padded to the longest: its memory
+    and time are those of padded micro-batches of that many sequences."""
+    from rlbatch.plan.memory import budget_micro_batch, padded_budget
+
+    def layout(budget: int | None, micro_batch: int = 0):  # type: ignore[no-untyped-def]
+        args = {"engine_args": {"max_tokens_per_micro_batch": budget} if budget is not None else {}}
+        if micro_batch:
+            args["engine_args"]["micro_batch"] = micro_batch
+        cfg = make_config(algo=ALGO | {"grad_accum": 4}, roles=roles("megatron:d8", "vllm:d8", "list(range(0,8))",
+                                                                     "list(range(0,8))", actor_train=args, reference=args))
+        return make_layout(cfg), workload_from_config(cfg, 512, 0.5)
+
+    (lay, w), (small, _) = layout(8192), layout(2048)
+    r = lay.roles["actor_train"]
+    assert padded_budget(r) == 8192 and token_budget(r, h100) == 0  # no packed rows on megatron
+    assert padded_budget(layout(None)[0].roles["actor_train"]) == 0
+    assert budget_micro_batch(w, 8192, 8) == 8 and budget_micro_batch(w, 2048, 8) == 2
+    assert budget_micro_batch(w, 100, 8) == 1  # a sample longer than the budget runs alone
+
+    def mem(lay):  # type: ignore[no-untyped-def]
+        return role_memory(lay.roles["actor_train"], Q7B, w, 2, h100)
+
+    # the log-prob pass: a rank's share is 8 sequences; at 2048 two per micro-batch, as micro_batch=2
+    by_count, _ = layout(None, micro_batch=2)
+    assert mem(small).transient["logprobs"] == pytest.approx(mem(by_count).transient["logprobs"], rel=1e-12)
+    assert mem(lay).transient["logprobs"]["activations"] == pytest.approx(
+        4 * mem(small).transient["logprobs"]["activations"], rel=1e-12)
+    # training: 4 sequences of a mini-batch per rank; at 2048, 2 per micro-batch
+    assert mem(lay).transient["train"]["activations"] == pytest.approx(
+        2 * mem(small).transient["train"]["activations"], rel=1e-12)
+
+    def train_phase(lay):  # type: ignore[no-untyped-def]
+        p = predict(lay, Q7B, w, h100)
+        phase = p.phase("train")
+        assert phase is not None
+        return phase.features
+
+    few, many = train_phase(lay), train_phase(small)
+    assert many["roofline"] == pytest.approx(few["roofline"], rel=1e-12)  # the same padded tokens
+    assert many["overhead"] > 1.5 * few["overhead"]  # 4x the model calls, each a host cost
