@@ -62,7 +62,7 @@ TRAIN_STATE = ("params", "grads", "optimizer")
 
 PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("generate", "actor_infer", "generate", ("params", "kv_cache"), (),
-              ("prompt", "response", "behaviour_logprobs"), Dispatch.WORKERS, "generate"),
+              ("prompt", "response", "behaviour_logprobs", "loss_mask"), Dispatch.WORKERS, "generate"),
     PhaseSpec("score", "reward", "score", ("params",), ("prompt", "response"), ("reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("execute", "code_sandbox", "score", (), ("response",), ("code_reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
@@ -71,28 +71,35 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response"), ("old_logprobs",),
               Dispatch.SHARDS, "logprobs"),
-    PhaseSpec("critic_train", "critic", "train", TRAIN_STATE, ("prompt", "response", "values", "reward"), (),
-              Dispatch.SHARDS, "train"),
+    PhaseSpec("critic_train", "critic", "train", TRAIN_STATE, ("prompt", "response", "values", "reward", "loss_mask"),
+              (), Dispatch.SHARDS, "train"),
     PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
-              ("prompt", "response", "old_logprobs", "ref_logprobs", "reward"), (), Dispatch.SHARDS, "train"),
+              ("prompt", "response", "old_logprobs", "ref_logprobs", "reward", "loss_mask"), (), Dispatch.SHARDS,
+              "train"),
     PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer",
               overwrites=(("actor_infer", "params"),)),
     PhaseSpec("checkpoint", "actor_train", "checkpoint", ("params", "optimizer"), (), (), Dispatch.COLLECTIVE, "sync"),
-    PhaseSpec("rollout_buffer", "actor_infer", "buffer", (), (), ("prompt", "response", "behaviour_logprobs"),
-              Dispatch.WORKERS, "sync"),
+    PhaseSpec("rollout_buffer", "actor_infer", "buffer", (), (),
+              ("prompt", "response", "behaviour_logprobs", "loss_mask"), Dispatch.WORKERS, "sync"),
 )}
 """Phase name -> its row. ``checkpoint`` acts for every trainable role on a rank (its role is the
 first of them; ``needs`` applies to each). A field a phase reads but no earlier phase of the step
 wrote is simply absent (``values`` without a critic; ``reward`` stays with the controller, which
 turns it into advantages): reads also say which phases must finish first. A training phase also
 reads the fields its objective names (``objective.reads``: the behaviour log-probs for an
-off-policy correction). ``rollout_buffer``
+off-policy correction). A field a phase writes may be absent too: ``TRAJECTORY_FIELDS`` are written
+only by a multi-turn rollout (``env.name``). ``rollout_buffer``
 reads (into a checkpoint) or restores generated samples not yet trained on (asynchronous
 training, ``algo.max_staleness``)."""
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns",
                 "loss_mask")
 """Sample fields with one value per response token."""
+
+TRAJECTORY_FIELDS = ("loss_mask",)
+"""Fields ``generate`` writes only for a multi-turn rollout (``env.name``): ``loss_mask`` is 1 on the
+tokens the policy generated and 0 on the environment's observation tokens between its turns. A
+sample without one is trained on every response token."""
 
 
 def phase(name: str) -> PhaseSpec:

@@ -113,8 +113,11 @@ class ValueObjective:
         self.clip = float(algo.value_clip)
 
     def token_mask(self, sample: dict[str, Tensor]) -> Tensor:
-        """Every response token of ``sample`` counts in the value loss."""
-        return torch.ones(len(sample["response"]))
+        """The response tokens of ``sample`` that count in the value loss (as ``__call__`` masks
+        them): every one, but where its ``loss_mask`` is 0 (a multi-turn trajectory's observation
+        tokens: states the policy did not act in)."""
+        mask = torch.ones(len(sample["response"]))
+        return mask * sample["loss_mask"].float() if "loss_mask" in sample else mask
 
     def split(self, denominator: float) -> ValueObjective:
         """This objective with the loss the micro-batch's total divided by ``denominator``
@@ -126,9 +129,10 @@ class ValueObjective:
     def __call__(self, x: ValueInput) -> tuple[Tensor, dict[str, float]]:
         if "returns" not in x.fields:
             raise ValueError("the value objective needs each sample's per-token 'returns'")
-        per_token, clipped = value_loss(x.values, x.fields.get("values"), x.fields["returns"], x.mask, self.clip)
-        loss = self.agg(per_token, x.mask)
+        mask = x.mask * x.fields["loss_mask"] if "loss_mask" in x.fields else x.mask
+        per_token, clipped = value_loss(x.values, x.fields.get("values"), x.fields["returns"], mask, self.clip)
+        loss = self.agg(per_token, mask)
         from rlbatch.algos.objective import loss_stat_factor
 
-        return loss, {"value_loss": loss.item() * loss_stat_factor(self, x.mask), "value_clip_frac": masked_mean(clipped, x.mask).item(),
-                      "value_mean": masked_mean(x.values.detach(), x.mask).item()}
+        return loss, {"value_loss": loss.item() * loss_stat_factor(self, mask), "value_clip_frac": masked_mean(clipped, mask).item(),
+                      "value_mean": masked_mean(x.values.detach(), mask).item()}

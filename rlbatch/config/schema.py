@@ -317,8 +317,9 @@ class DataConfig:
     """Where prompts come from: the built-in synthetic task, or a jsonl/parquet file."""
 
     name: str = "synthetic"
-    """'synthetic' (built-in arithmetic task), 'file', 'synthetic_code' (built-in code task) or
-    'code_file' (MBPP/HumanEval-style records with tests; see rlbatch/data/code.py)."""
+    """'synthetic' (built-in arithmetic task), 'file', 'synthetic_code' (built-in code task),
+    'code_file' (MBPP/HumanEval-style records with tests; see rlbatch/data/code.py) or 'none' (no
+    prompts: with env.name, every episode's task is drawn by the env from its seed)."""
     path: str | None = None
     """jsonl or parquet file for name=file."""
     check_path: bool = True
@@ -432,6 +433,79 @@ class EnvConfig:
     tools: list[str] = field(default_factory=list)
     """Registered tools every episode may call besides the env's own (e.g. ['python']: the code
     sandbox with sandbox.isolation and sandbox.limits)."""
+    reward_fn_weight: float = bounded(0.0, ge=0)
+    """A trajectory's reward is its env rewards' sum plus this weight times data.reward_fn of its
+    whole response (turns and observations) and the record's answer; 0: the env's alone."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during training (docs/eval.md): the current policy generates for every
+    prompt of ``data``, scored as training is (``data.reward_fns`` routes by data source), without
+    touching the training run's data stream or random streams."""
+
+    every: int = bounded(0, ge=0)
+    """Evaluate after every N steps' weight sync (and after the last step); 0: never."""
+    at_start: bool = False
+    """Also evaluate the initial weights, before the first step (logged in the first step's row)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The held-out prompts, in the data section's shape (name, path, layout, keys, template,
+    chat_template, reward_fn, reward_fns); read in file order, never shuffled."""
+    max_prompts: int = bounded(0, ge=0)
+    """Evaluate on the first N prompts of ``data`` (0: all of them)."""
+    samples_per_prompt: int = bounded(1, ge=1)
+    """Responses per prompt (k of pass@k)."""
+    temperature: float = bounded(0.0, ge=0, why="0 samples greedily")
+    """Sampling temperature of evaluation; 0 (greedy) needs samples_per_prompt=1 (greedy samples
+    are all alike). top_p and max_new_tokens are the algorithm's."""
+    correct_at: float = bounded(1.0, gt=0, why="a reward of 0 would count every response as correct")
+    """A response counts as correct (pass@k) when its reward is at least this."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (docs/recipes.md, "Trackers")."""
+
+    enabled: bool = False
+    """Log each step's metrics row, with the config and the placement as the run's config, to W&B."""
+    mode: str = "offline"
+    """'offline': the run is written under <run_dir>/wandb, no network needed (upload it later with
+    ``wandb sync --id <id> <run_dir>/wandb/offline-run-*``); 'online': streamed to the W&B server from
+    the controller's node (needs network there and an API key, e.g. WANDB_API_KEY in the job's environment)."""
+    project: str = "rlbatch"
+    """W&B project."""
+    entity: str | None = None
+    """W&B team or user; None: the API key's default entity."""
+    name: str | None = None
+    """Display name of the run; None: the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run (each 1 to 64 characters)."""
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (docs/recipes.md, "Trackers")."""
+
+    enabled: bool = False
+    """Log each step's metrics row, and the config and the placement as the run's parameters, to MLflow."""
+    tracking_uri: str | None = None
+    """A file store (a path, relative ones to run_dir, or a 'file:' URI) or an MLflow server
+    ('http(s)://host:port'); None: the file store <run_dir>/mlruns."""
+    experiment: str = "rlbatch"
+    """Experiment the run belongs to (created when missing)."""
+    run_name: str | None = None
+    """Name of the run; None: the run directory's name."""
+
+
+@dataclass
+class TrackersConfig:
+    """Experiment trackers, besides metrics.jsonl and TensorBoard (always written). Only the
+    controller logs; a requeued or resumed job reattaches to the same tracker run, by the id kept in
+    <run_dir>/trackers.json, and logs no step twice. A tracker that fails while the run trains
+    (a server down) is warned about and retried, and training goes on."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass
@@ -474,3 +548,5 @@ class RLBatchConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     critic_model: CriticModelConfig = field(default_factory=CriticModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

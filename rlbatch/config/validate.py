@@ -27,6 +27,7 @@ from rlbatch.algos.registry import (
 )
 from rlbatch.config.bounds import field_problems
 from rlbatch.config.cluster_rules import cluster_problems
+from rlbatch.config.eval_rules import eval_problems
 from rlbatch.config.plain import dotted, to_plain
 from rlbatch.config.runnable import (
     engine_args_problems,
@@ -41,6 +42,7 @@ from rlbatch.config.schema import (
     CriticModelConfig,
     DataConfig,
     EnvConfig,
+    EvalConfig,
     ModelConfig,
     RewardModelConfig,
     RLBatchConfig,
@@ -52,6 +54,7 @@ from rlbatch.errors import ConfigError
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
 from rlbatch.sandbox.limits import Limits
+from rlbatch.trackers.checks import tracker_problems
 
 CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbatch.algos.registry
     "program": ("train", "selftest"),
@@ -60,10 +63,11 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbat
     "cluster.preempt_signal": ("USR2", "TERM", "INT", "HUP", "URG", "XCPU"),
     "model.arch": ("qwen2", "llama", "qwen2_moe"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "data.name": ("synthetic", "file", "synthetic_code", "code_file"),
+    "data.name": ("synthetic", "file", "synthetic_code", "code_file", "none"),
     "sandbox.isolation": ("auto", "namespaces", "process"),
     "sandbox.scoring": ("fraction", "all"),
 }
+CHOICES["eval.data.name"] = CHOICES["data.name"]  # held-out data: any kind the training data may be
 
 
 def _code_task_problems(cfg: Mapping[str, Any], strict: bool) -> list[str]:
@@ -100,15 +104,35 @@ def _code_task_problems(cfg: Mapping[str, Any], strict: bool) -> list[str]:
     return out
 
 
-def _env_problems(cfg: Mapping[str, Any], runnable: bool, train_run: bool) -> list[str]:
+def _env_problems(cfg: Mapping[str, Any], runnable: bool, train_run: bool, placement: Placement | None) -> list[str]:
     """The ``env`` section (``rlbatch.envs.checks``); a plugin env's module is imported only for a
-    runnable check. The training loop does not run environments yet: a train run with one is refused
-    rather than trained single-turn."""
+    runnable check. A train run with an env: what multi-turn rollouts of this build do not combine with."""
     problems = env_problems(cfg, load=runnable)
     name = _get(cfg, "env.name")
-    if train_run and name is not None and not problems:
-        problems.append(f"env.name: {name!r}: multi-turn rollouts are not wired into the training loop of this build "
-                        f"(rlbatch.envs runs episodes on its own; docs/agents.md); unset env.name")
+    if name is None:
+        if _get(cfg, "data.name") == "none":
+            problems.append("data.name: 'none' gives every trajectory an empty task for an environment to draw from "
+                            "its seed, and env.name is not set")
+        return problems
+    if not train_run:
+        return problems
+    env = f"env.name={name!r}"
+    if _enabled(cfg, "code_sandbox"):
+        problems.append(f"roles.code_sandbox: {env}: a trajectory is scored by its env (and env.reward_fn_weight); "
+                        f"the sandbox runs single responses against tests: remove the role")
+    if _enabled(cfg, "reward") and placement is not None and "reward" in placement.roles and placement.roles["reward"].is_gpu:
+        problems.append(f"roles.reward: {env}: a reward model does not score trajectories in this build (their "
+                        f"reward is the env's); use the CPU reward role (roles.reward.world_size)")
+    algo = _get(cfg, "algo") if isinstance(_get(cfg, "algo"), Mapping) else {}
+    if algo.get("overlong_filter") or (_int(algo.get("overlong_buffer")) or 0) > 0:
+        problems.append(f"algo.overlong_filter / algo.overlong_buffer: {env}: they judge a response by "
+                        f"algo.max_new_tokens, and a trajectory's response spans its turns and observations")
+    if placement is not None and "actor_infer" in placement.roles:
+        wide = [list(w) for w in placement.roles["actor_infer"].workers if len(w) > 1]
+        if wide:
+            problems.append(f"roles.actor_infer: {env}: an inference worker of several ranks ({wide[0]}: tensor or "
+                            f"pipeline parallel) would step its envs on each rank apart; multi-turn rollouts need "
+                            f"one rank per worker in this build (e.g. vllm:d2, not vllm:d1t2)")
     return problems
 
 
@@ -123,7 +147,8 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
 
 SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig,
                              "sandbox": SandboxConfig, "sandbox.limits": Limits,
-                             "reward_model": RewardModelConfig, "critic_model": CriticModelConfig, "env": EnvConfig}
+                             "reward_model": RewardModelConfig, "critic_model": CriticModelConfig, "env": EnvConfig,
+                             "eval": EvalConfig, "eval.data": DataConfig}
 """Sections whose keys must be schema fields (roles and cluster are checked by place())."""
 
 
@@ -396,8 +421,10 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     train_run = runnable and plain.get("program", "train") == "train"
     problems.extend(vllm_problems(plain, engines, placement, train_run))
     problems.extend(_code_task_problems(plain, train_run))
-    problems.extend(_env_problems(plain, runnable, train_run))
+    problems.extend(_env_problems(plain, runnable, train_run, placement))
+    problems.extend(eval_problems(plain, runnable))
     problems.extend(cluster_problems(plain))  # what reaches the sbatch script
+    problems.extend(tracker_problems(plain, runnable))
     if runnable:
         problems.extend(runnable_problems(plain, engines))
     if train_run and not problems and placement is not None:  # the prediction needs a valid config

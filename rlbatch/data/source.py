@@ -60,14 +60,15 @@ def fingerprint(problems: tuple[Sample, ...]) -> str:
 
 
 def problems_of(data_cfg: Any, model_cfg: Any = None) -> tuple[Sample, ...]:
-    """The problem set ``data.name`` names: synthetic, file, synthetic_code or code_file; with
+    """The problem set ``data.name`` names: synthetic, file, synthetic_code, code_file or none; with
     ``data.chat_template``, the prompts rendered with ``model.path``'s chat template."""
     from rlbatch.data import code
 
     chat = chat_prompts(data_cfg, model_cfg)
     build = {"synthetic": lambda: arithmetic_problems(), "file": lambda: file_problems(data_cfg, chat),
              "synthetic_code": lambda: code.synthetic_code_problems(),
-             "code_file": lambda: code.code_file_problems(data_cfg)}
+             "code_file": lambda: code.code_file_problems(data_cfg),
+             "none": lambda: (Sample("", ""),)}  # one empty task: an environment draws each episode from its seed
     if data_cfg.name not in build:
         raise ConfigError(f"data.name: {data_cfg.name!r} is not one of {sorted(build)}")
     problems = build[data_cfg.name]()

@@ -82,7 +82,9 @@ class Rollout:
     ``encode``: observation text -> tokens (the chat template per turn, where the model has one, is
     the caller's: it is part of ``encode``). ``decode``: generated tokens -> the action text the env
     reads. ``max_context``: a trajectory whose context would exceed it ends ('max_context') before
-    its next turn; its last observation is kept only if it fits. ``workers``: threads stepping envs."""
+    its next turn; an observation no turn reads (at the end of the episode, or one that leaves no
+    room for a turn) is left out, so a response ends with a generated turn. ``workers``: threads
+    stepping envs."""
 
     def __init__(self, turns: Turns, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
                  params: SamplingParams, max_context: int | None = None, workers: int = 8, barrier: bool = False) -> None:
@@ -129,9 +131,9 @@ class Rollout:
                     stepping[pool.submit(start.episode.step, self.decode(gen.tokens))] = key
 
             while live:
-                if ready:
+                if ready:  # in key order: which env answered first must not reorder a batch
                     self.turns.submit([TurnRequest(k, live[k][1].context(), _request_seed(seed, k, live[k][1].turns))
-                                       for k in ready], self.params)
+                                       for k in sorted(ready)], self.params)
                     ready.clear()
                 if self.barrier:  # every turn, then every env step, then the next turn
                     while self.turns.in_flight():
@@ -157,10 +159,11 @@ class Rollout:
         """Append the env's answer; True when the trajectory has ended."""
         tokens = self.encode(step.observation) if step.observation else []
         over = self.max_context is not None and len(traj.context()) + len(tokens) > self.max_context
+        full = self.max_context is not None and len(traj.context()) + len(tokens) >= self.max_context
         if opening:  # the first observation completes the prompt
             if not over:
                 traj.prompt += tokens
-        elif not over:
+        elif not (step.done or full):  # an observation no turn reads is left out: a response ends with a turn
             traj.response += tokens
             traj.loss_mask += [0] * len(tokens)
             traj.logprobs += [0.0] * len(tokens)
@@ -169,7 +172,7 @@ class Rollout:
             traj.rewards.append(float(step.reward))
         if step.done:
             traj.end = str(step.end)
-        elif over or (self.max_context is not None and len(traj.context()) >= self.max_context):
+        elif full:  # no room left for a turn
             traj.end = str(start.episode.stop("max_context").end)
         if traj.end:
             traj.info = start.episode.summary()

@@ -42,6 +42,7 @@ __all__ = [
     "answer_repeated",
     "boxed_format",
     "build_scorer",
+    "reward_role_scorer",
     "equivalent",
     "exact_match",
     "exact_match_with_format",
@@ -61,10 +62,22 @@ Scorer = Callable[..., tuple[list[float], dict[str, int]]]
 data source (None: the dataset names none)."""
 
 SCORERS: dict[str, str] = {
-    "reward": "rlbatch.rewards.rules:rule_scorer",
+    "reward": "rlbatch.rewards:reward_role_scorer",
     "code_sandbox": "rlbatch.rewards.code:code_scorer",
 }
 """CPU role -> ``module:factory``; ``factory(cfg) -> Scorer``."""
+
+
+def reward_role_scorer(cfg: Any) -> Scorer:
+    """The reward role's scorer: ``data.reward_fn`` (``rules.rule_scorer``); in a run with an
+    environment (``env.name``), each trajectory's env reward (``rlbatch.envs.scoring``)."""
+    if getattr(getattr(cfg, "env", None), "name", None):
+        from rlbatch.envs.scoring import env_scorer
+
+        return env_scorer(cfg)
+    from rlbatch.rewards.rules import rule_scorer
+
+    return rule_scorer(cfg)
 
 
 def build_scorer(role: str, cfg: Any) -> Scorer:

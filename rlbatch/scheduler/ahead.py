@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from rlbatch.checkpoint.store import CheckpointError
-from rlbatch.phases import phase_for
+from rlbatch.phases import TRAJECTORY_FIELDS, phase_for
 from rlbatch.scheduler.controller import Generation, PendingPhase, Pipeline, Role, Rollouts, split_even
 from rlbatch.scheduler.scoring import Scoring
 
@@ -176,7 +176,8 @@ class GenerationQueue:
             got = self.ahead[step]
             ro = got if isinstance(got, Rollouts) else got.result()
             self.ahead[step] = ro
-            samples = self._read(ro.ids, list(phase_for(self.infer.name, "buffer").writes))
+            names = [f for f in phase_for(self.infer.name, "buffer").writes if ro.episodes or f not in TRAJECTORY_FIELDS]
+            samples = self._read(ro.ids, names)
             for name in self.also:  # where taken (a step restored without them has none to read)
                 for sid, fields in self._read(ro.ids, [name]).items():
                     samples[sid].update(fields)

@@ -21,7 +21,7 @@ from rlbatch.algos.objective import objective_for
 from rlbatch.config.schema import RLBatchConfig, role_algo
 from rlbatch.engines.defaults import max_tokens_per_micro_batch
 from rlbatch.engines.registry import engine_args, spec_of
-from rlbatch.phases import PHASES, PhaseSpec, phase_for
+from rlbatch.phases import PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
 from rlbatch.runtime.control import Call, Controller
 from rlbatch.runtime.dataplane import Move
@@ -43,6 +43,9 @@ class Rollouts:
     sources: list[str] = field(default_factory=list)
     """Each sample's data source, in ``ids`` order (``data.reward_fns`` routes by it); empty when
     the dataset names none."""
+    episodes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """A run with an environment: each sample's trajectory summary (its reward, turns, end reason,
+    ...: ``rlbatch.envs.trajectories.summary``); empty for single-turn samples."""
 
     def source_of(self) -> dict[int, str]:
         return dict(zip(self.ids, self.sources, strict=True)) if self.sources else {}
@@ -260,8 +263,12 @@ class Generation:
         ro = self.rollouts
         for worker, ids in self.ids_of.items():
             for sid in ids:
-                ro.prompt_len[sid], ro.response_len[sid] = out[worker[0]][sid]
+                ro.prompt_len[sid], ro.response_len[sid], *episode = out[worker[0]][sid]
+                if episode:
+                    ro.episodes[sid] = episode[0]
                 for f in self.spec.writes:
+                    if f in TRAJECTORY_FIELDS and not episode:
+                        continue
                     self.pipe.produced(worker, sid, f, ro.prompt_len[sid] if f == "prompt" else ro.response_len[sid])
         self.done = True
         return ro
@@ -339,10 +346,12 @@ class Role:
     def generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0) -> Rollouts:
         return self.start_generate(prompts, n, first_id, seed, version).result()
 
-    def start_generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0) -> Generation:
+    def start_generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0,
+                       override: dict[str, Any] | None = None) -> Generation:
         """Start generating ``n`` samples of each prompt (ids from ``first_id``, in group order)
         on the role's workers; ``result()`` waits for the Rollouts. ``version``: the policy version
-        of the weights the engine holds, recorded on the rollouts."""
+        of the weights the engine holds, recorded on the rollouts. ``override``: sampling settings
+        in place of the algorithm's (evaluation's temperature)."""
         spec = phase_for(self.name, "generate")
         a = self.pipe.cfg.algo
         groups = split_even(list(range(len(prompts))), self.placement.world_size)
@@ -351,15 +360,28 @@ class Role:
             ids = [first_id + i * n + k for i in prompt_idx for k in range(n)]
             ids_of[tuple(self.placement.workers[w])] = ids
             sampling = {"max_new_tokens": int(a.max_new_tokens), "temperature": float(a.temperature),
-                        "top_p": float(a.top_p), "seed": seed * 1_000_003 + w}
+                        "top_p": float(a.top_p), "seed": seed * 1_000_003 + w} | (override or {})
+            episodes = self._episodes(prompts, prompt_idx, n, first_id)
             for r in self.placement.workers[w]:
-                work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)], "sampling": sampling}
+                work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)],
+                           "sampling": sampling} | episodes
         pending = self.pipe.start(spec.name, (self.name,), work)
         total = range(len(prompts) * n)
         sources = [str(getattr(prompts[i // n], "data_source", "")) for i in total]
         ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version,
                       sources if any(sources) else [])
         return Generation(self.pipe, spec, pending, ids_of, ro)
+
+    def _episodes(self, prompts: list[Any], prompt_idx: list[int], n: int, first_id: int) -> dict[str, Any]:
+        """With an environment, what each sample's episode starts from: its prompt's task record and
+        seed, shared by the prompt's ``n`` samples (one group: n trajectories from one start)."""
+        cfg = self.pipe.cfg
+        if not cfg.env.name:
+            return {}
+        from rlbatch.envs.trajectories import episode_seed, task_of
+
+        return {"tasks": [task_of(prompts[i]) for i in prompt_idx for _ in range(n)],
+                "seeds": [episode_seed(int(cfg.seed), first_id // n + i) for i in prompt_idx for _ in range(n)]}
 
     def receive(self, ro: Rollouts, also: tuple[str, ...] = ()) -> PendingPhase:
         """Start moving the rollouts' generated fields that this role's phases read (and those of
@@ -378,6 +400,7 @@ class Role:
         answer, source = dict(zip(ro.ids, ro.answers, strict=True)), ro.source_of()
         parts = split_even(ro.ids, len(self.ranks))
         work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} | ({"sources": [source[i] for i in ids]} if source else {})
+                | ({"env_rewards": [float(ro.episodes[i]["reward"]) for i in ids]} if ro.episodes else {})
                 for r, ids in zip(self.ranks, parts, strict=True)}
         need = {r: (ids, list(spec.reads)) for r, ids in zip(self.ranks, parts, strict=True)}
         return Scores(self.pipe.start(spec.name, (self.name,), work, need), ro.ids)
@@ -454,7 +477,7 @@ class Role:
         if skip_first_mini_batch:
             mbs = int(self.pipe.cfg.algo.mini_batches)
             assign = {sh: ids[len(ids) // mbs :] for sh, ids in assign.items()}
-        fields = list(spec.reads) + (["ref_logprobs"] if kl_estimator else [])
+        fields = list(spec.reads) + (["ref_logprobs", *TRAJECTORY_FIELDS] if kl_estimator else [])
         extra = {sh[0]: {"kl_estimator": kl_estimator} for sh in assign} if kl_estimator else None
         out = self._run_sharded(spec, assign, fields, extra)
         return {k: v for o in out.values() for k, v in o.items()}

@@ -1,4 +1,5 @@
-"""A step's metrics: metrics.jsonl (one JSON object per step), TensorBoard, progress bar, plot.
+"""A step's metrics: metrics.jsonl (one JSON object per step), TensorBoard, the enabled experiment
+trackers (W&B, MLflow: ``rlbatch.trackers``), progress bar, plot.
 
 Per-phase records from every rank are reduced here: times and bytes as the maximum over ranks
 (the slowest rank sets the pace), device memory as the peak per role, host RSS (after each phase,
@@ -16,10 +17,12 @@ from typing import Any
 import torch
 
 from rlbatch.runtime.rundir import RunDir
+from rlbatch.trackers.session import open_trackers
 
 log = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
 CURVE = "reward_curve.png"
+EVAL_CURVE = "eval_curve.png"
 
 
 def reduce_records(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -63,6 +66,8 @@ class Metrics:
             rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             self.history = [r for r in rows if r["step"] < start]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        # W&B and MLflow (trackers.*), on the controller only: this object lives nowhere else.
+        self.trackers = open_trackers(run.path, self.history, start)
 
     def progress(self, steps: Iterable[int]) -> Iterator[int]:
         from tqdm import tqdm
@@ -78,17 +83,24 @@ class Metrics:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
+        if self.trackers is not None:
+            self.trackers.log(self.history)
         if self.bar is not None:
             phases = " ".join(f"{k[5:]}={row[k]:.2f}s" for k in row if k.startswith("time/") and k not in ("time/offload", "time/reload"))
-            self.bar.set_postfix_str(f"reward={row['reward_mean']:.3f} {phases}", refresh=False)
+            held_out = f"eval_pass@1={row['eval/all/pass@1']:.3f} " if "eval/all/pass@1" in row else ""
+            self.bar.set_postfix_str(f"reward={row['reward_mean']:.3f} {held_out}{phases}", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close(completed=bool(self.history) and self.history[-1]["step"] >= self.steps - 1)
         if self.history:
             plot_reward(self.history, self.run.path / CURVE)
+        if any("eval/all/pass@1" in r for r in self.history):
+            plot_eval(self.history, self.run.path / EVAL_CURVE)
 
 
 def plot_reward(history: list[dict[str, Any]], path: Any) -> None:
@@ -105,6 +117,29 @@ def plot_reward(history: list[dict[str, Any]], path: Any) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.set_title("rlbatch: mean reward per step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_eval(history: list[dict[str, Any]], path: Any) -> None:
+    """pass@1 and mean reward of the held-out evaluations (``rlbatch.scheduler.evaluation``) over the
+    policy updates each evaluated (0: the initial weights)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in history if "eval/all/pass@1" in r]
+    updates = [r["eval/updates"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(updates, [r["eval/all/pass@1"] for r in rows], marker="o", markersize=3, label="pass@1")
+    ax.plot(updates, [r["eval/all/mean_reward"] for r in rows], marker="x", markersize=3, label="mean reward")
+    ax.set_xlabel("policy updates")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("rlbatch: held-out evaluation")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -154,6 +189,10 @@ def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, f
         "tokens/total": sum(rlen) + sum(rollouts.prompt_len[i] for i in rollouts.ids),
         "time/step": seconds,
     }
+    if getattr(rollouts, "episodes", None):  # trajectories: turns, env time, ends, tool calls; tokens generated vs observed
+        from rlbatch.envs.trajectories import trajectory_stats
+
+        row |= trajectory_stats(rollouts.episodes)
     row |= {f"time/{k}": v for k, v in phase_seconds.items()}
     row |= reduce_records(records)
     row |= idle_and_overlap(records, seconds)

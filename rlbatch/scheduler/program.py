@@ -33,6 +33,7 @@ from rlbatch.runtime.world import World
 from rlbatch.scheduler.ahead import GenerationQueue, async_plan
 from rlbatch.scheduler.checkpointing import Checkpointer
 from rlbatch.scheduler.controller import Pipeline, Role, Rollouts
+from rlbatch.scheduler.evaluation import Evaluation
 from rlbatch.scheduler.metrics import Metrics, step_row
 from rlbatch.scheduler.preemption import Preemption
 from rlbatch.scheduler.rank_runtime import RankRuntime
@@ -86,6 +87,7 @@ class Loop:
         self.start = self.ckpt.resume()
         self.version = self.queue.version
         """The policy version: actor updates so far."""
+        self.evaluation = Evaluation(self.pipe, cfg, self.start)  # at_start (start 0): the initial weights, now
         heap.settle()  # the controller's long-lived objects exist now: keep them out of collections
         if self.start > 0:
             self.actor_train.sync_weights(self.actor_infer)  # inference weights are not checkpointed
@@ -158,8 +160,10 @@ class Loop:
     def end_step(self, step: int, rollouts: Rollouts, generated: torch.Tensor, stats: dict[str, float],
                  extra: dict[str, float]) -> None:
         """Drop the step's samples, log its row (reward_mean: over every sample generated this
-        step), checkpoint when due, and decide whether to stop."""
+        step), checkpoint when due, and decide whether to stop. The held-out evaluation of the
+        weights just synced, when due, goes into the row (``rlbatch.scheduler.evaluation``)."""
         self.pipe.forget(rollouts.ids)
+        extra = extra | self.evaluation.after_step(step, self.version)
         step_s = time.perf_counter() - self.t0
         self.metrics.log(step_row(step, generated, rollouts, stats, self.pipe.phase_seconds, self.pipe.records,
                                   step_s, self.t0_wall) | extra)

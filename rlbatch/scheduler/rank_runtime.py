@@ -20,6 +20,7 @@ import torch
 from rlbatch.algos.advantages import response_loss_mask
 from rlbatch.algos.objective import objective_for
 from rlbatch.algos.registry import KL_ESTIMATORS
+from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, RLBatchConfig, role_algo
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
@@ -74,6 +75,8 @@ class RankRuntime:
         self.engines: dict[str, Any] = {}
         p = world.placement
         self.scorers = scorers(world, cfg)
+        self.multi_turn: Any = None
+        """Episodes of a run with an environment (``rlbatch.envs.trajectories.MultiTurn``), once needed."""
         order = build_order(world)
         self.residency = Residency({r: p.roles[r].offload for r in order}, world.device)
         for role in order:
@@ -117,11 +120,17 @@ class RankRuntime:
         return {"out": out, "rec": rec.as_dict(), "xfer": xfer}
 
     def _generate(self, spec: PhaseSpec, ids: list[int], prompts: list[str], sampling: dict[str, Any],
-                  ) -> dict[int, tuple[int, int]]:
+                  tasks: list[dict[str, Any]] | None = None, seeds: list[int] | None = None,
+                  ) -> dict[int, tuple[Any, ...]]:
+        """One response per sample: ``{sid: (prompt length, response length)}``. With ``tasks`` and
+        ``seeds`` (a run with an environment) each sample is a trajectory played to its end
+        (``_roll_out``)."""
         maybe_fault("generate", self.world.rank)
         unique = list(dict.fromkeys(prompts))  # a group's samples share their prompt: encode it once
         tokens = dict(zip(unique, self.tokenizer(unique)["input_ids"], strict=True))
         as_tensor = {text: torch.tensor(t, dtype=torch.long) for text, t in tokens.items()}
+        if tasks is not None and seeds is not None:
+            return self._roll_out(spec, ids, [tokens[text] for text in prompts], sampling, tasks, seeds)
         generations = self.engines[spec.role].generate([tokens[text] for text in prompts], SamplingParams(**sampling))
         out = {}
         for sid, text, gen in zip(ids, prompts, generations, strict=True):
@@ -131,10 +140,29 @@ class RankRuntime:
             out[sid] = (len(tokens[text]), len(gen.tokens))
         return out
 
+    def _roll_out(self, spec: PhaseSpec, ids: list[int], prompts: list[list[int]], sampling: dict[str, Any],
+                  tasks: list[dict[str, Any]], seeds: list[int]) -> dict[int, tuple[Any, ...]]:
+        """Each sample a trajectory (``rlbatch.envs.trajectories``): its fields kept here, and
+        ``{sid: (prompt length, response length, summary)}`` for the controller (the summary holds
+        the trajectory's reward for the score phase)."""
+        from rlbatch.envs.trajectories import MultiTurn, sample_fields, summary
+
+        if self.multi_turn is None:  # envs and tools (the python tool's sandbox) built once per rank
+            self.multi_turn = MultiTurn(to_plain(self.cfg), self.tokenizer)
+        params = SamplingParams(**sampling)
+        done = self.multi_turn(self.engines[spec.role], prompts, params, tasks, seeds, params.seed)
+        out: dict[int, tuple[Any, ...]] = {}
+        for sid, traj in zip(ids, done, strict=True):
+            for name, value in sample_fields(traj).items():
+                self.store.put(sid, name, value)
+            out[sid] = (len(traj.prompt), len(traj.response), summary(traj))
+        return out
+
     def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str], sources: list[str] | None = None,
-               ) -> dict[str, Any]:
+               env_rewards: list[float] | None = None) -> dict[str, Any]:
         """This rank's scorer for the phase's role: ``{"rewards": {sid: float}, "counts": {name: int}}``.
-        A rule or sandbox scorer reads the decoded responses; a reward model the prompts too."""
+        A rule or sandbox scorer reads the decoded responses; a reward model the prompts too. In a run
+        with an environment, ``env_rewards`` are the trajectories' (the reward role's scorer reads them)."""
         responses = [self.store.samples[sid]["response"] for sid in ids]
         completions = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
         scorer = self.scorers[spec.role]
@@ -142,6 +170,8 @@ class RankRuntime:
             if isinstance(scorer, ModelScorer):
                 rewards, counts = scorer([self.store.samples[sid]["prompt"] for sid in ids], responses, completions,
                                          answers, sources)
+            elif env_rewards is not None:
+                rewards, counts = scorer(completions, answers, sources, env_rewards=env_rewards)
             else:
                 rewards, counts = scorer(completions, answers, sources)
         except RewardError as e:  # name the sample the run knows, not its place in this rank's share
@@ -164,8 +194,13 @@ class RankRuntime:
         if kl_estimator is None:
             return {sid: float(len(v)) for sid, v in zip(ids, values, strict=True)}
         kl = KL_ESTIMATORS.get(kl_estimator)
-        return {sid: kl(logp, self.store.samples[sid]["ref_logprobs"]).tolist()
-                for sid, logp in zip(ids, values, strict=True)}
+        out = {}
+        for sid, logp in zip(ids, values, strict=True):
+            per_token = kl(logp, self.store.samples[sid]["ref_logprobs"])
+            if "loss_mask" in self.store.samples[sid]:  # the env's tokens are no action of the policy's
+                per_token = per_token * self.store.samples[sid]["loss_mask"]
+            out[sid] = per_token.tolist()
+        return out
 
     def _values(self, spec: PhaseSpec, ids: list[int]) -> dict[int, list[float]]:
         """The critic's per-token values, kept as the phase's field and returned (the controller
@@ -198,7 +233,8 @@ class RankRuntime:
                 for name, value in held.items():
                     self.store.put(sid, name, value)
             return {}
-        return {sid: {f: self.store.samples[sid][f].clone() for f in fields or spec.writes} for sid in ids or []}
+        return {sid: {f: self.store.samples[sid][f].clone() for f in fields or spec.writes if f in self.store.samples[sid]}
+                for sid in ids or []}
 
     def _checkpoint(self, spec: PhaseSpec, op: str, path: str) -> dict[str, float]:
         """Write (op=save, into the staging dir) or read (op=load) this rank's part of a checkpoint."""

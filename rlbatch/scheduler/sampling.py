@@ -76,8 +76,9 @@ def select(parts: list[tuple[Rollouts, torch.Tensor]], groups: list[int]) -> tup
         base += len(ro.ids) // n
         plen |= ro.prompt_len
         rlen |= ro.response_len
+    episodes = {i: e for ro, _ in parts for i, e in ro.episodes.items()}
     kept = Rollouts(ids, answers, n, {i: plen[i] for i in ids}, {i: rlen[i] for i in ids}, parts[0][0].version,
-                    sources if any(sources) else [])
+                    sources if any(sources) else [], {i: episodes[i] for i in ids if i in episodes})
     return kept, torch.cat(rewards), dropped
 
 

@@ -22,8 +22,10 @@ LEARNERS = {
     # the acceptance run: no overrides but the run directory
     "default": ([], 600),
     # unpadded micro-batches of at most 1024 tokens (a rank's share is ~3.5k): the token-budget
-    # split and the flat forward with chunked log-probs (rlbatch.engines.batch.Flat)
-    "packed": (["+roles.actor_train.engine_args.max_tokens_per_micro_batch=1024"], 900),
+    # split and the flat forward with chunked log-probs (rlbatch.engines.batch.Flat); evaluated
+    # (greedy, the 100 problems) before training and every 10 steps, which leaves training as it is
+    "packed": (["+roles.actor_train.engine_args.max_tokens_per_micro_batch=1024", "eval.every=10",
+                "eval.at_start=true"], 900),
     # vLLM generating (its CPU build here), colocated on both ranks and on a rank of its own. The
     # preset's 80 steps pass 0.8 from about step 35; 50 keep a margin (seeded: not flaky).
     "vllm-colocated": (["experiment=arithmetic_vllm", "steps=50"], 1500),
@@ -41,6 +43,11 @@ def test_experiment_learns_the_task(run_root: Path, learner: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     r = rewards(run_root / "run")
     assert r[0] <= 0.2 and r[-1] >= 0.8, r
+    if "eval.at_start=true" in args:  # held-out pass@1 (greedy) from chance to the table
+        rows = [json.loads(line) for line in (run_root / "run" / "metrics.jsonl").read_text().splitlines()]
+        passed = [(r["eval/updates"], r["eval/all/pass@1"]) for r in rows if "eval/all/pass@1" in r]
+        assert [u for u, _ in passed] == [0, *range(10, len(rows) + 1, 10)], passed
+        assert passed[0][1] <= 0.2 and passed[-1][1] >= 0.8, passed
 
 
 STEP_BUDGET = {"dr_grpo": 100, "dapo": 50, "gspo": 76, "rloo": 70, "reinforce_pp": 70,
@@ -79,3 +86,19 @@ def test_dynamic_sampling_generates_more_rounds_up_to_the_cap(run_root: Path) ->
         varied = round(24 * (1 - row["sampling/zero_variance_frac"]))
         assert row["sampling/zero_variance_in_batch"] == 8 - min(varied, 8), row
         assert 0.5 < row["train/loss_masked_frac"] < 1.0, row
+
+
+def test_multiturn_learns_running_sum(run_root: Path) -> None:
+    """experiment=multiturn, disaggregated (the trajectories move from the inference rank to the
+    trainer's, loss_mask with them): the reward rises from chance within a few steps, and the
+    trainer masks exactly the observation tokens (each trajectory: 3 generated, 6 observed)."""
+    out = launch(["experiment=multiturn", "steps=8", "roles=disaggregated", f"run_dir={run_root / 'run'}"], run_root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_root / "run" / "metrics.jsonl").read_text().splitlines()]
+    r = [row["reward_mean"] for row in rows]
+    assert r[0] <= 0.1 and sum(r[-2:]) / 2 >= r[0] + 0.15, r  # chance: 1/3 per right digit of ~18 tokens
+    for row in rows:
+        assert (row["env/turns_mean"], row["env/turns_max"], row["env/end/done"]) == (3.0, 3.0, 1.0), row
+        assert (row["tokens/generated"], row["tokens/observed"]) == (3 * row["samples"], 6 * row["samples"]), row
+        assert row["train/loss_masked_frac"] == pytest.approx(6 / 9), row
+        assert row["env/reward_mean"] == pytest.approx(row["reward_mean"], abs=1e-6), row

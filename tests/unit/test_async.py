@@ -275,12 +275,13 @@ def test_a_riding_reference_splits_each_workers_samples_over_its_shards_with_not
                         (2, "ref_logprobs"): (2, 7), (3, "ref_logprobs"): (2, 8)}
 
 
-@pytest.mark.parametrize(("correction", "fields"), [("none", ["prompt", "response"]),
-                                                   ("tis", ["behaviour_logprobs", "prompt", "response"])])
+@pytest.mark.parametrize(("correction", "fields"), [("none", ["loss_mask", "prompt", "response"]),
+                                                   ("tis", ["behaviour_logprobs", "loss_mask", "prompt", "response"])])
 def test_the_trainer_takes_off_the_inference_ranks_every_field_it_will_read(correction: str, fields: list[str]) -> None:
     """``receive`` moves what the trainer's phases read, its objective's extra reads included (the
     behaviour log-probs of a correction): otherwise its training phase would fetch them from an
-    inference rank busy with the next generation."""
+    inference rank busy with the next generation. (``loss_mask`` is asked for too: a multi-turn
+    rollout writes it; a sample without one has nothing to move, ``Pipeline._moves``.)"""
     from rlbatch.placement import place
     from rlbatch.scheduler.controller import Role
 

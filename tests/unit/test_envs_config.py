@@ -104,10 +104,15 @@ def test_bad_settings_are_refused_naming_the_field_and_value(cfg: dict[str, Any]
     check(ok)  # the same config with the field at its default or its bound passes
 
 
-def test_tools_without_an_env_and_a_train_run_with_an_env_are_refused(cfg: dict[str, Any]) -> None:
+def test_a_train_run_with_an_env_passes_and_what_it_does_not_combine_with_is_refused(cfg: dict[str, Any]) -> None:
     assert problems(set_(cfg, env__tools=["python"]), runnable=False) == [
         "env.tools: ['python'] are called inside an environment's episodes, and env.name is not set"]
-    assert problems(set_(cfg, env__name="running_sum")) == [
-        "env.name: 'running_sum': multi-turn rollouts are not wired into the training loop of this build "
-        "(rlbatch.envs runs episodes on its own; docs/agents.md); unset env.name"]
-    check(set_(cfg, env__name="running_sum"), runnable=False)  # the planner's check: the build's gap is not its
+    env = set_(cfg, env__name="running_sum")
+    check(env)  # a train run with an environment: multi-turn rollouts run in the generate phase
+    assert problems(set_(cfg, data__name="none")) == [
+        "data.name: 'none' gives every trajectory an empty task for an environment to draw from its seed, "
+        "and env.name is not set"]
+    check(set_(env, data__name="none"))
+    got = problems(set_(env, algo__overlong_filter=True))
+    assert len(got) == 1 and got[0].startswith("algo.overlong_filter / algo.overlong_buffer: env.name='running_sum'")
+    check(set_(env, algo__overlong_filter=True), runnable=False)  # the planner's check: the build's gap is not its

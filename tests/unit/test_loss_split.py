@@ -79,7 +79,7 @@ def _batch(samples: list[dict[str, torch.Tensor]], w: torch.Tensor, objective: A
         fields["loss_mask"] = loss_mask
     logits = x @ w
     if objective.head == "value":
-        return ValueInput(logits[..., 0], mask, {"returns": fields["returns"], "values": fields["values"]})
+        return ValueInput(logits[..., 0], mask, {f: fields[f] for f in ("returns", "values", "loss_mask") if f in fields})
     logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
     return LossInput(logp, mask, adv, fields, logits)
 

@@ -1,0 +1,77 @@
+"""What the launcher refuses about the ``eval`` section (``eval_problems``; docs/eval.md).
+
+Evaluation is scored by the run's own scoring roles, which were built with ``data.reward_fn`` and
+``data.reward_fns``: the held-out data must be of the training data's kind, and it cannot bring
+reward functions of its own. Its data section is checked as the training one is
+(``rlbatch.data.checks``), each problem naming ``eval.data.<field>``. No torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from rlbatch.config.plain import section
+from rlbatch.config.schema import DataConfig
+
+_FIELDS = "|".join(f.name for f in dataclasses.fields(DataConfig))
+_DATA_FIELD = re.compile(rf"(?<![\w./\\-])data\.(?=(?:{_FIELDS})\b)")
+"""``data.<field>`` in a problem's text (not a file name such as /srv/data.jsonl)."""
+
+
+def _renamed(problem: str) -> str:
+    """A problem of the data section's checks, about ``eval.data`` instead."""
+    return _DATA_FIELD.sub("eval.data.", problem)
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def enabled(plain: Mapping[str, Any]) -> bool:
+    """Whether the config evaluates at all (eval.every > 0 or eval.at_start)."""
+    ev = section(plain, "eval")
+    every = _number(ev.get("every"))
+    return bool(every and every > 0) or ev.get("at_start") is True
+
+
+def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
+    """One line per problem of the eval section; with ``runnable``, its file is read as the run
+    would read it. Nothing is checked while evaluation is off. Types and ranges: the schema's
+    (``field_problems``)."""
+    if not enabled(plain):
+        return []
+    ev, data, eval_data = section(plain, "eval"), section(plain, "data"), section(plain, "eval", "data")
+    problems = []
+    k, temperature = _number(ev.get("samples_per_prompt", 1)), _number(ev.get("temperature", 0.0))
+    if k is not None and temperature is not None and k > 1 and temperature == 0:
+        problems.append(f"eval.samples_per_prompt: {ev.get('samples_per_prompt')} samples per prompt at "
+                        f"eval.temperature=0 are one greedy response repeated, so pass@{ev.get('samples_per_prompt')} "
+                        f"would equal pass@1; set eval.temperature > 0 (e.g. 0.6) or eval.samples_per_prompt=1")
+    name, train_name = eval_data.get("name", DataConfig.name), data.get("name", DataConfig.name)
+    if name != train_name:
+        problems.append(f"eval.data.name: {name!r} differs from data.name={train_name!r}: evaluation is scored by the "
+                        f"run's scoring roles, which score data.name's kind of task; give eval.data.name={train_name}"
+                        + (" and eval.data.path=<the held-out file>" if train_name in ("file", "code_file") else ""))
+    for key in ("reward_fn", "reward_fns"):
+        default = DataConfig.reward_fn if key == "reward_fn" else {}
+        own, train = eval_data.get(key, default), data.get(key, default)
+        if own not in (default, train):
+            problems.append(f"eval.data.{key}: {own!r} differs from data.{key}={train!r}: evaluation is scored with the "
+                            f"training data's reward functions (data.reward_fn, routed by data source through "
+                            f"data.reward_fns); set them there and leave eval.data.{key} unset"[:600])
+    if name in ("file", "code_file") and not eval_data.get("path"):
+        problems.append(f"eval.data.path: eval.data.name={name} needs the held-out jsonl or parquet file")
+    if problems or not runnable:
+        return problems
+    path, check_path = eval_data.get("path"), eval_data.get("check_path", True) is not False
+    if name == "file" and path and check_path:
+        from rlbatch.config.runnable import _data_file_problem
+
+        if (problem := _data_file_problem(str(path))) is not None:
+            return [_renamed(problem)]
+    from rlbatch.data.checks import data_problems
+
+    return [_renamed(p) for p in data_problems({"data": eval_data, "model": section(plain, "model")}, reward_role=False)]

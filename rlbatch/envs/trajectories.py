@@ -1,0 +1,129 @@
+"""The generate phase of a run with an environment (``env.name``): each sample is a trajectory.
+
+The controller sends an inference worker its samples as usual (``samples_per_prompt`` consecutive
+ones per prompt) plus each sample's task record and episode seed; the samples of one prompt share
+both, so a GRPO group is ``n`` trajectories from the same episode start and its baseline compares
+like with like. The worker's first rank plays them all to their end with ``Rollout`` over its
+engine's ``Turns`` (each trajectory on its own), and each becomes one sample:
+
+    prompt              the task's prompt tokens, then the first observation's
+    response            every token after it: generated turns and the observations between them
+    behaviour_logprobs  aligned with response, 0 on observation tokens
+    loss_mask           1 on generated tokens, 0 on observation tokens (``rlbatch.phases.TRAJECTORY_FIELDS``)
+
+and a small summary (the trajectory's reward, turns, end reason, env seconds, tool calls) goes back
+to the controller: the reward to the score phase, the rest to the step's metrics
+(``trajectory_stats``).
+
+    rollout = MultiTurn(plain_cfg, tokenizer)
+    trajectories = rollout(engine, prompts, sampling, tasks, seeds, seed)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rlbatch.engines.base import SamplingParams, turns_of
+from rlbatch.envs.base import END_REASONS, TOOL_OUTCOMES
+from rlbatch.envs.rollout import Rollout, Start, Trajectory
+from rlbatch.envs.setup import EnvSetup
+
+
+def episode_seed(run_seed: int, group: int) -> int:
+    """The seed every trajectory of one group (one prompt's samples) resets its episode with: from
+    the run's seed and the group's number in the run (its first sample id // samples_per_prompt),
+    so it does not depend on which worker plays it, and a restarted step replays the same starts."""
+    return (int(run_seed) * 1_000_003 + int(group) * 7_919) % (1 << 31)
+
+
+def task_of(prompt: Any) -> dict[str, Any]:
+    """The task record an episode starts from: the data set record's answer and source (the
+    built-in envs draw what their record lacks from the seed)."""
+    task: dict[str, Any] = {"answer": str(getattr(prompt, "answer", ""))}
+    source = str(getattr(prompt, "data_source", "") or "")
+    if source:
+        task["data_source"] = source
+    return task
+
+
+class MultiTurn:
+    """Plays trajectories on one inference engine (its ``Turns``), episodes built from the config's
+    ``env`` section (``EnvSetup``). ``plain_cfg``: the run's config as plain mappings."""
+
+    def __init__(self, plain_cfg: Mapping[str, Any], tokenizer: Any, barrier: bool = False) -> None:
+        self.setup = EnvSetup(plain_cfg)
+        self.tokenizer = tokenizer
+        env, model = plain_cfg.get("env") or {}, plain_cfg.get("model") or {}
+        budget = env.get("max_context_tokens")
+        if budget is None and not model.get("path"):  # a random-init model's longest sequence
+            budget = model.get("max_position_embeddings")
+        self.max_context = int(budget) if budget is not None else None
+        self.barrier = barrier
+        """Every trajectory's turn, then every env step (``Rollout``'s baseline, for benchmarks)."""
+        self.last: Rollout | None = None
+        """The last rollout (its ``timeline``), for benchmarks."""
+
+    def encode(self, text: str) -> list[int]:
+        """An observation's tokens: the text alone, no special tokens (a BOS mid-trajectory would
+        read as a new sequence)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, tokens: list[int]) -> str:
+        """A turn's action as the env reads it: special tokens kept, so an env can tell a turn that
+        stopped (its EOS) from one cut at max_new_tokens (``rlbatch.rewards.extract_answer``)."""
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
+
+    def __call__(self, engine: Any, prompts: list[list[int]], params: SamplingParams,
+                 tasks: list[Mapping[str, Any]], seeds: list[int], seed: int) -> list[Trajectory]:
+        """One trajectory per sample, in order: ``prompts`` the task prompts' tokens (a BOS, or
+        empty: the first observation is then the whole prompt), ``tasks`` and ``seeds`` what each
+        episode starts from, ``seed`` the rollout's sampling seed."""
+        starts = [Start(k, list(p), self.setup.episode(), task, int(s))
+                  for k, (p, task, s) in enumerate(zip(prompts, tasks, seeds, strict=True))]
+        rollout = Rollout(turns_of(engine), self.encode, self.decode, params, self.max_context,
+                          workers=max(1, min(32, len(starts))), barrier=self.barrier)
+        self.last = rollout
+        return rollout.run(starts, seed)
+
+
+def sample_fields(traj: Trajectory) -> dict[str, torch.Tensor]:
+    """A trajectory as the sample the trainer reads (``rlbatch.phases``: the fields generate writes)."""
+    return {"prompt": torch.tensor(traj.prompt, dtype=torch.long),
+            "response": torch.tensor(traj.response, dtype=torch.long),
+            "behaviour_logprobs": torch.tensor(traj.logprobs, dtype=torch.float32),
+            "loss_mask": torch.tensor(traj.loss_mask, dtype=torch.float32)}
+
+
+def summary(traj: Trajectory) -> dict[str, Any]:
+    """What the controller gets back for one trajectory (small: a few numbers and names)."""
+    info = traj.info or {}
+    return {"reward": traj.reward, "turns": traj.turns, "end": traj.end, "generated": traj.generated,
+            "observed": traj.observed, "env_seconds": float(info.get("env_seconds", 0.0)),
+            "tool_calls": dict(info.get("tool_calls") or {})}
+
+
+def trajectory_stats(episodes: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+    """A step's trajectory metrics: turns per trajectory (mean, max), env seconds (summed over
+    trajectories: time inside env and tool calls, which overlaps generation), tokens generated vs
+    observed, the share of trajectories by end reason and the tool calls by outcome."""
+    if not episodes:
+        return {}
+    eps = list(episodes.values())
+    n = len(eps)
+    turns = [int(e["turns"]) for e in eps]
+    ends = Counter(str(e["end"]) for e in eps)
+    calls: Counter[str] = Counter()
+    for e in eps:
+        calls.update({str(k): int(v) for k, v in (e.get("tool_calls") or {}).items()})
+    out = {"env/turns_mean": sum(turns) / n, "env/turns_max": float(max(turns)),
+           "env/seconds": float(sum(float(e["env_seconds"]) for e in eps)),
+           "env/reward_mean": sum(float(e["reward"]) for e in eps) / n,
+           "tokens/generated": float(sum(int(e["generated"]) for e in eps)),
+           "tokens/observed": float(sum(int(e["observed"]) for e in eps))}
+    out |= {f"env/end/{r}": ends.get(r, 0) / n for r in END_REASONS}
+    out |= {f"env/tool_calls/{o}": float(calls.get(o, 0)) for o in TOOL_OUTCOMES}
+    return out

@@ -1,0 +1,72 @@
+"""The tracker contract and its registry: what ``rlbatch.trackers.session`` drives, and how a tracker
+is found by the name of its section under ``trackers`` in the config.
+
+A tracker is built on the controller only, from its section's settings (a mapping with the fields of
+its schema dataclass, ``enabled`` among them) and the run directory. It creates its run the first
+time and reattaches to it, by the id the session kept in the run directory, on every later job of
+the same run. Nothing in the scheduler names a tracker: adding one is a module with a class that
+implements ``Tracker``, a dataclass for its settings in ``TrackersConfig``, and a ``register`` line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Tracker(Protocol):
+    """One experiment tracker's run, driven by the controller."""
+
+    def start(self, run_id: str | None, params: Mapping[str, Any]) -> str:
+        """Create the tracker's run (``run_id`` None) or reattach to the run ``run_id`` with resume
+        semantics; log ``params`` (the config and the placement, nested); return the run's id."""
+        ...
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """One step's numbers; steps come in increasing order and never repeat a logged one."""
+        ...
+
+    def where(self) -> str:
+        """Where the run can be found (a path, a URL, how to upload it), for the start-up line."""
+        ...
+
+    def finish(self, completed: bool) -> None:
+        """Close the run: ``completed`` when the run reached its last step, else it stopped early
+        (preemption, walltime) and a later job may reattach."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrackerSpec:
+    name: str
+    """Its section under ``trackers`` in the config (``trackers.<name>.enabled``)."""
+    target: str
+    """'module:Class' of the implementation, imported on the controller when enabled; the class
+    takes ``(settings: Mapping[str, Any], run_dir: Path)``."""
+    settings: type
+    """The schema dataclass of its section (unknown keys are refused before start)."""
+    problems: Callable[[Mapping[str, Any]], list[str]]
+    """The section's settings (defaults filled in) -> problems naming the field and the value."""
+    package: str
+    """The import name the implementation needs; an enabled tracker without it is refused."""
+    install: str
+    """What to install when ``package`` is missing."""
+
+
+TRACKERS: dict[str, TrackerSpec] = {}
+
+
+def register(spec: TrackerSpec) -> None:
+    if spec.name in TRACKERS:
+        raise ValueError(f"tracker {spec.name!r} is registered twice")
+    TRACKERS[spec.name] = spec
+
+
+def build(spec: TrackerSpec, settings: Mapping[str, Any], run_dir: Path) -> Tracker:
+    import importlib
+
+    module, _, cls = spec.target.partition(":")
+    tracker: Tracker = getattr(importlib.import_module(module), cls)(settings, run_dir)
+    return tracker

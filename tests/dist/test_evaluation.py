@@ -1,0 +1,58 @@
+"""Held-out evaluation on real processes (local mpiexec, gloo, CPU): it leaves training bitwise as
+it was, its metrics land in the rows of the steps it follows, and a resumed run keeps them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launch
+
+pytestmark = pytest.mark.dist
+QUICK = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "seed=3",
+         "data.reward_fn=rlbatch.rewards.rules:format_reward"]  # some reward at once: a digit, then <eos>
+EVAL = ["eval.every=2", "eval.at_start=true", "eval.samples_per_prompt=2", "eval.temperature=1.0", "eval.max_prompts=40"]
+NOT_TRAINING = ("time/", "at/", "host/", "mem/", "idle/", "overlap/", "offload/", "reload/", "eval/")
+"""Metrics that are not the training run's own: wall times, memory, transfers (an evaluation leaves
+the inference engine resident, so the next phase reloads less) and evaluation."""
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def training(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(NOT_TRAINING)}
+
+
+def test_evaluation_leaves_training_bitwise_alone_and_survives_a_resume(run_root: Path) -> None:
+    plain, evaluated = run_root / "plain", run_root / "eval"
+    out = launch(["steps=4", f"run_dir={plain}", *QUICK], run_root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # sampled evaluation (temperature 1, two samples per prompt) on the inference ranks, which the
+    # colocated placement shares with the trainer; stopped after 3 steps and resumed to 4
+    out = launch(["steps=3", f"run_dir={evaluated}", *QUICK, *EVAL], run_root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    first = (evaluated / "metrics.jsonl").read_text().splitlines()
+    out = launch(["steps=4", f"run_dir={evaluated}", *QUICK, *EVAL], run_root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (evaluated / "metrics.jsonl").read_text().splitlines()[:3] == first  # kept, not evaluated again
+
+    a, b = rows(plain), rows(evaluated)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [training(r) for r in a] == [training(r) for r in b]
+    assert {"reward_mean", "train/pg_loss", "train/grad_norm", "tokens/generated"} <= set(training(a[0]))
+    assert len({r["train/grad_norm"] for r in a}) == 4 and any(r["reward_mean"] > 0 for r in a)  # it has teeth
+    assert not any(k.startswith("eval/") for r in a for k in r)
+
+    # step 0: the initial weights (at_start); 1: every 2nd; 2: the last step of the first launch; 3: both
+    assert [r["eval/updates"] for r in b] == [0.0, 2.0, 3.0, 4.0]
+    for r in b:
+        assert r["eval/all/prompts"] == 40.0
+        assert 0.0 <= r["eval/all/pass@1"] <= r["eval/all/pass@2"] <= 1.0
+        assert 0.0 <= r["eval/all/mean_reward"] <= 1.0 and r["eval/all/response_len_mean"] > 0
+    assert any(r["eval/all/pass@1"] > 0 for r in b)
+    assert "evaluation: 40 prompts x 2 samples" in out.stdout and "eval_pass@1=" in out.stdout  # the progress line
+    assert (evaluated / "eval_curve.png").stat().st_size > 1000 and not (plain / "eval_curve.png").exists()
