@@ -62,6 +62,14 @@ def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
             problems.append(f"eval.data.{key}: {own!r} differs from data.{key}={train!r}: evaluation is scored with the "
                             f"training data's reward functions (data.reward_fn, routed by data source through "
                             f"data.reward_fns); set them there and leave eval.data.{key} unset"[:600])
+    holdout = _number(ev.get("holdout", 0))
+    if holdout:
+        if eval_data.get("path"):
+            problems.append(f"eval.holdout: {ev.get('holdout')} held-out training problems and eval.data.path="
+                            f"{eval_data.get('path')!r} are two held-out sets; set one")
+        if problems or not runnable:
+            return problems  # the held-out problems are the training data's, checked as data
+        return _holdout_problem(plain, int(holdout))
     if name in ("file", "code_file") and not eval_data.get("path"):
         problems.append(f"eval.data.path: eval.data.name={name} needs the held-out jsonl or parquet file")
     if problems or not runnable:
@@ -75,3 +83,21 @@ def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
     from rlbatch.data.checks import data_problems
 
     return [_renamed(p) for p in data_problems({"data": eval_data, "model": section(plain, "model")}, reward_role=False)]
+
+
+def _holdout_problem(plain: Mapping[str, Any], n: int) -> list[str]:
+    """eval.holdout against the size of the training data, read as the run reads it."""
+    from types import SimpleNamespace
+
+    from rlbatch.data.source import problems_of
+    from rlbatch.errors import ConfigError
+
+    defaults = {f.name: getattr(DataConfig(), f.name) for f in dataclasses.fields(DataConfig)}
+    data = SimpleNamespace(**(defaults | dict(section(plain, "data"))))
+    try:
+        total = len(problems_of(data, SimpleNamespace(**section(plain, "model"))))
+    except ConfigError:
+        return []  # the data section's own checks report it
+    if n >= total:
+        return [f"eval.holdout: {n} held-out problems leave none of the training data's {total} to train on"]
+    return []

@@ -451,6 +451,11 @@ class EvalConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """The held-out prompts, in the data section's shape (name, path, layout, keys, template,
     chat_template, reward_fn, reward_fns); read in file order, never shuffled."""
+    holdout: int = bounded(0, ge=0)
+    """Evaluate on this many problems of the training data instead of ``data``: a fixed draw
+    (``holdout_seed``) that the training stream leaves out, whether or not evaluation runs."""
+    holdout_seed: int = 0
+    """The seed of the held-out draw (not the run's seed: every run of a data set holds out the same)."""
     max_prompts: int = bounded(0, ge=0)
     """Evaluate on the first N prompts of ``data`` (0: all of them)."""
     samples_per_prompt: int = bounded(1, ge=1)

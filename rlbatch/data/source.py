@@ -78,8 +78,25 @@ def problems_of(data_cfg: Any, model_cfg: Any = None) -> tuple[Sample, ...]:
     return tuple(Sample(t, s.answer) for t, s in zip(texts, problems, strict=True))
 
 
-def make_stream(data_cfg: Any, seed: int, model_cfg: Any = None) -> tuple[PromptStream, str]:
+def split_holdout(problems: tuple[Sample, ...], n: int, seed: int) -> tuple[tuple[Sample, ...], tuple[Sample, ...]]:
+    """(training problems, held-out problems): ``n`` problems drawn by ``seed`` alone (not the run's
+    seed, so every run of a data set holds out the same ones), both in the data set's order. A
+    ConfigError when fewer than one problem would be left to train on."""
+    if n <= 0:
+        return problems, ()
+    if n >= len(problems):
+        raise ConfigError(f"eval.holdout: {n} held-out problems leave none of the data set's {len(problems)} to train on")
+    import random
+
+    held = set(random.Random(seed).sample(range(len(problems)), n))
+    return (tuple(p for i, p in enumerate(problems) if i not in held),
+            tuple(p for i, p in enumerate(problems) if i in held))
+
+
+def make_stream(data_cfg: Any, seed: int, model_cfg: Any = None, holdout: int = 0,
+                holdout_seed: int = 0) -> tuple[PromptStream, str]:
     """The prompt stream and the dataset's fingerprint. ``model_cfg`` (``cfg.model``) gives the
-    tokenizer whose chat template ``data.chat_template=true`` renders prompts with."""
-    problems = problems_of(data_cfg, model_cfg)
+    tokenizer whose chat template ``data.chat_template=true`` renders prompts with. ``holdout``
+    problems (``split_holdout``: eval.holdout, eval.holdout_seed) are left out of training."""
+    problems, _ = split_holdout(problems_of(data_cfg, model_cfg), holdout, holdout_seed)
     return PromptStream(problems, seed=seed), fingerprint(problems)

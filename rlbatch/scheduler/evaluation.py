@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.data.source import problems_of
+from rlbatch.data.source import problems_of, split_holdout
 from rlbatch.data.synthetic import Sample
 from rlbatch.scheduler.controller import Pipeline, Role
 from rlbatch.scheduler.scoring import Scoring
@@ -107,7 +107,10 @@ class Evaluation:
         self.initial: dict[str, float] = {}
         if not self.enabled:
             return
-        problems = problems_of(self.e.data, cfg.model)
+        if int(self.e.holdout):  # the training data's held-out problems (make_stream leaves them out)
+            problems = split_holdout(problems_of(cfg.data, cfg.model), int(self.e.holdout), int(self.e.holdout_seed))[1]
+        else:
+            problems = problems_of(self.e.data, cfg.model)
         limit = int(self.e.max_prompts)
         self.problems = problems[:limit] if limit else problems
         self.infer = Role(pipe, "actor_infer")

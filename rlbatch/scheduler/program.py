@@ -75,7 +75,8 @@ class Loop:
         self.actor_infer, self.actor_train = Role(self.pipe, "actor_infer"), Role(self.pipe, "actor_train")
         self.reference = Role(self.pipe, "reference") if "reference" in world.placement.roles else None
         self.scoring = Scoring(self.pipe, cfg)
-        self.data, fingerprint = make_stream(cfg.data, int(cfg.seed), cfg.model)
+        self.data, fingerprint = make_stream(cfg.data, int(cfg.seed), cfg.model, int(cfg.eval.holdout),
+                                             int(cfg.eval.holdout_seed))
         self.kl_in_reward = bool(self.a.kl_in_reward) and self.a.kl_coef > 0 and self.reference is not None
         self.critic = Role(self.pipe, "critic") if "critic" in world.placement.roles else None
         used_reference = self.reference if self.reference is not None and self.a.kl_coef > 0 else None
