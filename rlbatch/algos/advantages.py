@@ -14,6 +14,8 @@ filtering (truncated responses kept out of the loss).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -124,3 +126,40 @@ def reinforce_pp_advantages(rewards: Tensor, lengths: list[int], kl: list[Tensor
         g = _groups(rewards, group_size)
         rewards = (g - g.mean(dim=1, keepdim=True)).view(-1)
     return whiten_tokens(returns_to_go(token_rewards(rewards, lengths, kl, kl_coef), gamma), eps)
+
+
+class Actions:
+    """The policy's own tokens of each response: in a trajectory its generated turns, not the
+    observations between them (``loss_mask``); a single-turn response is all action. Per-token
+    estimators run on the actions alone (``estimate``): returns and GAE step from one action to the
+    next across an observation, the sequence reward sits on the last action, whitening counts
+    actions only, and observation tokens get 0 (as verl's masked GAE does)."""
+
+    def __init__(self, masks: list[Tensor]) -> None:
+        self.masks = [m.bool() for m in masks]
+
+    def take(self, per_token: list[Tensor]) -> list[Tensor]:
+        """Each response's values at its actions."""
+        return [t[m] for t, m in zip(per_token, self.masks, strict=True)]
+
+    def put(self, per_token: list[Tensor]) -> list[Tensor]:
+        """Per-action values back at their positions of each response, 0 elsewhere."""
+        out = []
+        for t, m in zip(per_token, self.masks, strict=True):
+            full = torch.zeros(m.numel(), dtype=t.dtype)
+            full[m] = t
+            out.append(full)
+        return out
+
+    def estimate(self, estimator: Any, rewards: Tensor, group_size: int, algo: Any, *, kl: list[Tensor] | None = None,
+                 values: list[Tensor] | None = None) -> Any:
+        """``estimator`` (an ``ADVANTAGES`` entry) on the actions: its per-token outputs (lists)
+        put back at the actions' positions; a sequence-level output ([N]) as it is."""
+        kwargs: dict[str, Any] = {"lengths": [int(m.sum()) for m in self.masks],
+                                  "kl": self.take(kl) if kl is not None else None}
+        if values is not None:
+            kwargs["values"] = self.take(values)
+        out = estimator(rewards, group_size, algo, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(self.put(o) if isinstance(o, list) else o for o in out)
+        return self.put(out) if isinstance(out, list) else out

@@ -103,7 +103,32 @@ def summary(traj: Trajectory) -> dict[str, Any]:
     info = traj.info or {}
     return {"reward": traj.reward, "turns": traj.turns, "end": traj.end, "generated": traj.generated,
             "observed": traj.observed, "env_seconds": float(info.get("env_seconds", 0.0)),
-            "tool_calls": dict(info.get("tool_calls") or {})}
+            "tool_calls": dict(info.get("tool_calls") or {}), "spans": spans(traj.loss_mask)}
+
+
+def spans(loss_mask: list[int]) -> list[tuple[int, int]]:
+    """The generated runs of a response as (start, length) pairs: its loss_mask, compactly."""
+    out: list[tuple[int, int]] = []
+    for i, m in enumerate(loss_mask):
+        if m and out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        elif m:
+            out.append((i, 1))
+    return out
+
+
+def action_masks(episodes: Mapping[int, Mapping[str, Any]], ids: list[int], lengths: list[int]) -> list[torch.Tensor] | None:
+    """Each sample's loss_mask, rebuilt on the controller from its trajectory summary's ``spans``
+    (``rlbatch.algos.advantages.Actions``); None for single-turn samples (no episodes)."""
+    if not episodes:
+        return None
+    masks = []
+    for sid, n in zip(ids, lengths, strict=True):
+        m = torch.zeros(n, dtype=torch.bool)
+        for start, length in episodes[sid]["spans"]:
+            m[start : start + length] = True
+        masks.append(m)
+    return masks
 
 
 def trajectory_stats(episodes: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rlbatch.algos.advantages import overlong_penalty, zero_variance_groups
+from rlbatch.algos.advantages import Actions, overlong_penalty, zero_variance_groups
 from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
 from rlbatch.algos.value import explained_variance
 from rlbatch.config.schema import RLBatchConfig
@@ -158,6 +158,14 @@ class Loop:
                                    float(a.overlong_penalty))
         return rewards + penalty, lengths
 
+    def actions(self, rollouts: Rollouts, lengths: list[int]) -> Actions | None:
+        """With an environment, each response's actions (its generated turns) for the per-token
+        estimators; None for single-turn responses (every token an action)."""
+        from rlbatch.envs.trajectories import action_masks
+
+        masks = action_masks(rollouts.episodes, rollouts.ids, lengths)
+        return Actions(masks) if masks is not None else None
+
     def end_step(self, step: int, rollouts: Rollouts, generated: torch.Tensor, stats: dict[str, float],
                  extra: dict[str, float]) -> None:
         """Drop the step's samples, log its row (reward_mean: over every sample generated this
@@ -211,7 +219,9 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, 
             extra |= counts
             extra["sampling/zero_variance_frac"] = float(zero_variance_groups(rewards, loop.n).float().mean())
         shaped, lengths = loop.shaped(rewards, rollouts)
-        advantages = estimate_advantages(shaped, loop.n, a, lengths=lengths, kl=kl)
+        actions = loop.actions(rollouts, lengths)
+        advantages = (actions.estimate(estimate_advantages, shaped, loop.n, a, kl=kl) if actions is not None
+                      else estimate_advantages(shaped, loop.n, a, lengths=lengths, kl=kl))
         target = "advantage" if isinstance(advantages, torch.Tensor) else "advantages"
         stats = loop.train_actor(rollouts, {target: advantages})
         loop.sync()
@@ -238,14 +248,18 @@ def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, str]:
         values = critic.values(rollouts)
         rewards, counts = loop.scoring.result()
         shaped, lengths = loop.shaped(rewards, rollouts)
-        advantages, returns = estimate_advantages(shaped, loop.n, a, lengths=lengths, kl=kl, values=values)
+        actions = loop.actions(rollouts, lengths)
+        advantages, returns = (actions.estimate(estimate_advantages, shaped, loop.n, a, kl=kl, values=values)
+                               if actions is not None else
+                               estimate_advantages(shaped, loop.n, a, lengths=lengths, kl=kl, values=values))
         critic_training = critic.start_train(rollouts, {"returns": returns})  # alongside the actor's
         stats = loop.train_actor(rollouts, {"advantages": advantages}) if actor_trains else {}
         stats |= {f"critic/{k}": v for k, v in critic_training.result().items()}
         if actor_trains:
             loop.sync()
         extra = counts | advantage_stats(advantages) | kl_stats(kl) | {
-            "reward_shaped_mean": float(shaped.mean()), "critic/explained_variance": explained_variance(values, returns),
+            "reward_shaped_mean": float(shaped.mean()), "critic/explained_variance": explained_variance(
+                *((actions.take(values), actions.take(returns)) if actions is not None else (values, returns))),
             "critic/returns_mean": float(torch.cat(returns).mean()) if returns else 0.0,
             "critic/warmup": float(not actor_trains)}
         loop.end_step(step, rollouts, rewards, stats, extra)
