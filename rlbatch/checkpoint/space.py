@@ -71,7 +71,7 @@ def newest_checkpoint_bytes(root: Path) -> int | None:
     """The size of the newest committed checkpoint under ``root`` (a ``checkpoints/`` dir)."""
     from rlbatch.checkpoint.store import CheckpointStore
 
-    for _, path in CheckpointStore(root)._complete():
+    for _, path in CheckpointStore(root).complete():
         if (size := checkpoint_bytes(path)) is not None:
             return size
     return None

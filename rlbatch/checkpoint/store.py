@@ -241,7 +241,7 @@ class CheckpointStore:
                                   f"found {[str(p) for _, p in found]}")
         return found[0][1]
 
-    def _complete(self) -> list[tuple[int, Path]]:
+    def complete(self) -> list[tuple[int, Path]]:
         """``step_<n>`` dirs with a parseable manifest, newest first (no file checks: cheap)."""
         out = []
         for step, path in self._done_dirs():
@@ -259,7 +259,7 @@ class CheckpointStore:
         time) rather than a ``step_<n>`` with missing files. Directories without a valid manifest
         are never deleted here; only staging dirs no newer than the newest complete checkpoint are.
         """
-        complete = self._complete()
+        complete = self.complete()
         keep = {s for s, _ in complete[: self.keep]} | {committed}
         doomed = [p for s, p in complete if s not in keep]
         newest = complete[0][0] if complete else committed

@@ -47,6 +47,10 @@ class Rollouts:
     """A run with an environment: each sample's trajectory summary (its reward, turns, end reason,
     ...: ``rlbatch.envs.trajectories.summary``); empty for single-turn samples."""
 
+    def __post_init__(self) -> None:
+        if not any(self.sources):  # a dataset that names no source (or names none of these)
+            self.sources = []
+
     def source_of(self) -> dict[int, str]:
         return dict(zip(self.ids, self.sources, strict=True)) if self.sources else {}
 
@@ -368,8 +372,7 @@ class Role:
         pending = self.pipe.start(spec.name, (self.name,), work)
         total = range(len(prompts) * n)
         sources = [str(getattr(prompts[i // n], "data_source", "")) for i in total]
-        ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version,
-                      sources if any(sources) else [])
+        ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version, sources)
         return Generation(self.pipe, spec, pending, ids_of, ro)
 
     def _episodes(self, prompts: list[Any], prompt_idx: list[int], n: int, first_id: int) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def select(parts: list[tuple[Rollouts, torch.Tensor]], groups: list[int]) -> tup
         rlen |= ro.response_len
     episodes = {i: e for ro, _ in parts for i, e in ro.episodes.items()}
     kept = Rollouts(ids, answers, n, {i: plen[i] for i in ids}, {i: rlen[i] for i in ids}, parts[0][0].version,
-                    sources if any(sources) else [], {i: episodes[i] for i in ids if i in episodes})
+                    sources, {i: episodes[i] for i in ids if i in episodes})
     return kept, torch.cat(rewards), dropped
 
 
