@@ -284,6 +284,9 @@ class FakeLoop:
     def shaped(self, rewards: torch.Tensor, rollouts: Any) -> tuple[torch.Tensor, list[int]]:
         return rewards, [1, 1, 1, 1]
 
+    def actions(self, rollouts: Any, lengths: list[int]) -> None:
+        return None  # single-turn responses
+
     def train_actor(self, rollouts: Any, targets: Any) -> dict[str, float]:
         self.events.append("train")
         return {}
