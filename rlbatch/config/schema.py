@@ -454,7 +454,7 @@ class EvalConfig:
     holdout: int = bounded(0, ge=0)
     """Evaluate on this many problems of the training data instead of ``data``: a fixed draw
     (``holdout_seed``) that the training stream leaves out, whether or not evaluation runs."""
-    holdout_seed: int = 0
+    holdout_seed: int = bounded(0, ge=0)
     """The seed of the held-out draw (not the run's seed: every run of a data set holds out the same)."""
     max_prompts: int = bounded(0, ge=0)
     """Evaluate on the first N prompts of ``data`` (0: all of them)."""
