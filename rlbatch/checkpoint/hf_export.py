@@ -51,8 +51,10 @@ def find_config(ckpt: Checkpoint) -> Path:
     raise CheckpointError(f"{ckpt.path}: no {CONFIG} found (looked at {', '.join(map(str, candidates))})")
 
 
-def load_weights(dcp_dir: Path, model: torch.nn.Module) -> int:
-    """Load the ``model.*`` tensors of a DCP checkpoint into a plain (unsharded) model, strictly.
+def load_weights(dcp_dir: Path, model: torch.nn.Module, only_trained: bool = False) -> int:
+    """Load the ``model.*`` tensors of a DCP checkpoint into a plain (unsharded) model, strictly
+    (``only_trained``: the tensors of the parameters that require grad, a LoRA checkpoint's adapters;
+    the frozen base keeps what it was built with).
 
     Tied parameters (one tensor under two names, e.g. embed_tokens and lm_head) are loaded once.
     Raises CheckpointError listing missing, unexpected and mis-shaped tensors. Returns the count.
@@ -62,6 +64,9 @@ def load_weights(dcp_dir: Path, model: torch.nn.Module) -> int:
         if key.startswith("model."):
             saved[_hf_name(key[len("model."):])] = (key[len("model."):], md)
     target = model.state_dict()
+    if only_trained:
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        target = {n: t for n, t in target.items() if n in trained}
     tied: dict[tuple[int, tuple[int, ...]], list[str]] = {}
     for name, t in target.items():
         tied.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
@@ -86,12 +91,16 @@ def load_weights(dcp_dir: Path, model: torch.nn.Module) -> int:
     return len(load)
 
 
-def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp32", verify: bool = True) -> Exported:
-    """Write ``role``'s weights of the checkpoint ``src`` (or a run dir's newest) to ``out``."""
+def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp32", verify: bool = True,
+              lora_as: str = "merged") -> Exported:
+    """Write ``role``'s weights of the checkpoint ``src`` (or a run dir's newest) to ``out``. A
+    policy trained with ``model.lora``: ``lora_as`` 'merged' (a plain model, the adapters merged
+    into its weights) or 'adapter' (a PEFT adapter directory, for the base model)."""
     from omegaconf import DictConfig, OmegaConf
 
     from rlbatch.config.schema import HEADS
     from rlbatch.engines.model import DTYPES, load_model, load_tokenizer, value_model
+    from rlbatch.models import lora
 
     ckpt = open_checkpoint(Path(src), verify)
     d = role_dir(ckpt.path, role)
@@ -107,11 +116,17 @@ def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp3
     model = load_model(cfg.model, tokenizer, int(cfg.get("seed", 0)), torch.float32)
     if HEADS.get(role) == "value":  # the critic: a token-classification model with one label
         model = value_model(model)
-    load_weights(d, model)
+    adapters = role == "actor_train" and lora.enabled(cfg.model.get("lora"))
+    if adapters:  # the checkpoint holds the adapters; the base is rebuilt from the model's source
+        model = lora.adapt(model, cfg.model.lora)
+    load_weights(d, model, only_trained=adapters)
+    if adapters and lora_as == "merged":
+        model = model.merge_and_unload()
     model.to(DTYPES[dtype])
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "rlbatch_export.json").write_text(json.dumps(
-        {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "role": role, "dtype": dtype}, indent=1))
+        {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "role": role, "dtype": dtype}
+        | ({"lora": lora_as} if adapters else {}), indent=1))
     return Exported(ckpt, out, sorted(p for p in out.rglob("*") if p.is_file()))

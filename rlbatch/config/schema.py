@@ -146,6 +146,23 @@ class ClusterConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy (docs/lora.md): the trained role learns ``rank``-r adapters of
+    the ``target_modules`` linear layers through PEFT while the base weights stay frozen; inference
+    engines get the merged weights."""
+
+    rank: int = bounded(0, ge=0)
+    """Adapter rank r; 0: no adapters (full fine-tuning)."""
+    alpha: float = bounded(16.0, gt=0, why="the adapters' scale is alpha / rank")
+    """The adapters' scale is alpha / rank."""
+    dropout: float = bounded(0.0, ge=0, le=0.9, why="a probability; above 0.9 the adapters see almost no input")
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Names (suffixes) of the linear layers that get adapters, e.g. [q_proj, v_proj]; 'all-linear':
+    every linear layer of the decoder (not the LM head)."""
+
+
+@dataclass
 class ModelConfig:
     """The policy model. A local HF directory, or a small random-initialised architecture.
 
@@ -192,6 +209,8 @@ class ModelConfig:
     the logits nearly flat and learning stalls, so the arithmetic experiment sets 0.1."""
     dtype: str = "auto"
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp16' or 'fp32'."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters instead of full fine-tuning (``lora.rank`` > 0)."""
 
 
 @dataclass

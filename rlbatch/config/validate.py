@@ -43,6 +43,7 @@ from rlbatch.config.schema import (
     DataConfig,
     EnvConfig,
     EvalConfig,
+    LoraConfig,
     ModelConfig,
     RewardModelConfig,
     RLBatchConfig,
@@ -51,6 +52,7 @@ from rlbatch.config.schema import (
 from rlbatch.config.vllm_rules import vllm_problems
 from rlbatch.envs.checks import env_problems
 from rlbatch.errors import ConfigError
+from rlbatch.models.lora import lora_problems
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
 from rlbatch.sandbox.limits import Limits
@@ -148,7 +150,7 @@ def _enabled(cfg: Mapping[str, Any], role: str) -> bool:
 SECTIONS: dict[str, type] = {"config": RLBatchConfig, "algo": AlgoConfig, "model": ModelConfig, "data": DataConfig,
                              "sandbox": SandboxConfig, "sandbox.limits": Limits,
                              "reward_model": RewardModelConfig, "critic_model": CriticModelConfig, "env": EnvConfig,
-                             "eval": EvalConfig, "eval.data": DataConfig}
+                             "eval": EvalConfig, "eval.data": DataConfig, "model.lora": LoraConfig}
 """Sections whose keys must be schema fields (roles and cluster are checked by place())."""
 
 
@@ -423,6 +425,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(_code_task_problems(plain, train_run))
     problems.extend(_env_problems(plain, runnable, train_run, placement))
     problems.extend(eval_problems(plain, runnable))
+    problems.extend(lora_problems(plain, engines))
     problems.extend(cluster_problems(plain))  # what reaches the sbatch script
     problems.extend(tracker_problems(plain, runnable))
     if runnable:

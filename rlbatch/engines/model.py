@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlbatch.models import lora
 from rlbatch.models.weights import (
     SafetensorsFiles,
     Tensors,
@@ -298,6 +299,8 @@ def engine_skeleton(ctx: Any, dtype: torch.dtype = torch.float32) -> Skeleton:
         log.warning("%s: %s; every rank reads the whole model before it takes its shard", ctx.role, e)
         full = load_engine_model(ctx)
         sk = Skeleton(full, Tensors(params_to_meta(full)), f"{e}: read whole")
+    if ctx.trainable and ctx.head == "lm" and lora.enabled(getattr(ctx.model, "lora", None)):
+        sk = lora.lora_skeleton(sk, ctx.model.lora, ctx.seed)  # the trained policy learns adapters only
     cast_params(sk.model, dtype)
     return sk
 

@@ -189,6 +189,9 @@ class EngineSpec:
     ``rlbatch.engines.defaults.max_tokens_per_micro_batch``) it packs each micro-batch's samples
     into one unpadded row, the LM head only at scored positions: what the planner models."""
 
+    trains_adapters: bool = False
+    """It trains low-rank adapters of the model (``model.lora``) and syncs them merged."""
+
     @property
     def built(self) -> bool:
         return self.implementation is not None
@@ -300,7 +303,7 @@ def describe() -> str:
 
 
 register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d",
-                    heads=("lm", "value", "reward"), packs_rows=True))
+                    heads=("lm", "value", "reward"), packs_rows=True, trains_adapters=True))
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d"))
 # dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
 # keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.

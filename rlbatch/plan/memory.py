@@ -247,8 +247,13 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         # rlbatch's fsdp engine keeps fp32 master weights for a role that trains (bf16 only for
         # compute on GPUs) and the compute dtype for a forward-only one (``FSDPEngine``'s held_dtype).
         state = {"params": (e if forward_only else 4) * P / t / n}
+        # with model.lora the trained policy's gradients and AdamW state are the adapters' (the base is frozen)
+        G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if w.lora_rank and r.name == "actor_train" else P
+        if G < P and not forward_only:
+            state["adapters"] = 4 * G / t / n
+            notes.append(f"{r.name}: LoRA rank {w.lora_rank}: {G / 1e6:.1f}M trained parameters of {P / 1e6:.1f}M")
         if not forward_only:
-            state |= {"grads": 4 * P / t / n, "optimizer": 8 * P / t / n}
+            state |= {"grads": 4 * G / t / n, "optimizer": 8 * G / t / n}
         # FSDP2's collectives for the largest unit (the root: embedding, final norm, an untied head;
         # or the whole model when it is one unit), beside the next unit prefetched (a layer). An
         # all-gather copies the unit's shard into an input buffer (1/n), gathers it into an output
@@ -262,10 +267,11 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         unit = P if one else max(float(shape.layer_params), shape.embedding_params * (1 if shape.tied else 2) + shape.hidden)
         nxt = 0.0 if one else float(shape.layer_params)
         fwd_buffers = e * ((2 + 1 / n) * unit + nxt) / t
-        train_buffers = (3 * e * unit + 4 * (1 + 1 / n) * unit + e * (2 + 1 / n) * nxt + 4 * P / n) / t
+        g = G / P  # the share of a unit that gets gradients (1 but with adapters)
+        train_buffers = (3 * e * unit + 4 * (1 + 1 / n) * unit * g + e * (2 + 1 / n) * nxt + 4 * G / n) / t
         # torch's foreach AdamW computes sqrt(v) for every parameter at once: one fp32 shard more,
         # after the backward's buffers are gone.
-        step_temp = 4 * P / t / n
+        step_temp = 4 * G / t / n
         # Weight sync gathers one unit at a time, each tensor in full (a shard cast to the wire
         # dtype, the all-gather's padded output and its unpadded copy): the unit and its largest tensor again.
         sync_bytes = e * (unit * (1 + 1 / n) + min(unit, largest_tensor(shape))) / t

@@ -64,6 +64,21 @@ class ModelShape(ModelSpec):
         return (self.expert_params + self.hidden * self.experts + self._mlp(self.shared_ffn)
                 + (self.hidden if self.shared_gate else 0))
 
+    def adapter_params(self, rank: int, targets: tuple[str, ...] = ("all-linear",)) -> int:
+        """Parameters of rank-``rank`` LoRA adapters (r x (in + out) per adapted linear layer) on the
+        decoder's linear layers named by ``targets`` ('all-linear': every one; the LM head never)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp = [("gate_proj", self.hidden, self.ffn)] if self.gated else []
+        mlp += [("up_proj", self.hidden, self.ffn), ("down_proj", self.ffn, self.hidden)]
+        if self.experts:  # routed experts are fused tensors, not linear layers: the shared expert's MLP and gate
+            f = self.shared_ffn
+            mlp = [(n, a if a == self.hidden else f, b if b == self.hidden else f) for n, a, b in mlp] if f else []
+            mlp += [("shared_expert_gate", self.hidden, 1)] if self.shared_gate else []
+        linears = [("q_proj", self.hidden, q), ("k_proj", self.hidden, kv), ("v_proj", self.hidden, kv),
+                   ("o_proj", q, self.hidden), *mlp]
+        every = list(targets) == ["all-linear"]
+        return self.layers * sum(rank * (a + b) for name, a, b in linears if every or name in targets)
+
     @property
     def layer_params(self) -> int:
         """One decoder layer: FSDP's unit of sharding and the size of one all-gather."""

@@ -138,7 +138,8 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
     parts: list[tuple[str, dict[str, float]]] = []
     for name in ph.active:
         r, m = roles[name], mems[name]
-        opt = sum(m.state.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+        # what AdamW reads and writes: the trained weights (the adapters' with model.lora), grads, moments
+        opt = sum(m.state.get(k, 0.0) for k in ("adapters" if "adapters" in m.state else "params", "grads", "optimizer"))
         tr = m.transient.get("train" if ph.kind == "train" else "logprobs", {})
         # What stays hot in cache: one layer's activations at a time (the saved activations of the
         # whole model stream from memory in backward either way) plus the logits.

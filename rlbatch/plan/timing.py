@@ -270,7 +270,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     s = w.seq_len / c
     repeats = w.epochs if train else 1
     calls = repeats * math.ceil(seqs / mb)
-    mult = (4.0 if w.recompute else 3.0) if train else 1.0
+    mult = _train_mult(r, w) if train else 1.0
     tokens, rows, models = pass_tokens(r, w, mb, s)
     flops = calls * tokens * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
     vocab = 1 if r.name in HEADS else shape.vocab
@@ -296,6 +296,14 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
                    overlapped, exposed)
 
 
+def _train_mult(r: RoleLayout, w: Workload) -> float:
+    """FLOPs of a trained token over a forward's: the backward's input and weight gradients (2x),
+    a recomputed forward (1x more); with model.lora the policy's frozen weights get no gradient
+    (the adapters' are negligible): the backward is the input gradients alone."""
+    backward = 1.0 if w.lora_rank and r.name == "actor_train" else 2.0
+    return 1.0 + backward + (1.0 if w.recompute else 0.0)
+
+
 def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout, train: bool,
                  tensors: int, opt_bytes: float, rt: Rates, budget: int) -> Features:
     """``forward_pass`` under a token budget: real tokens only, one row per micro-batch (``memory.packing``).
@@ -311,7 +319,7 @@ def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     repeats = w.epochs if train else 1
     calls = repeats * updates * pk.calls
     tokens, head = repeats * updates * pk.tokens, repeats * updates * pk.head
-    mult = (4.0 if w.recompute else 3.0) if train else 1.0
+    mult = _train_mult(r, w) if train else 1.0
     vocab = 1 if r.name in HEADS else shape.vocab
     lm_head = 2.0 * shape.vocab * shape.hidden  # in matmul_params: charged at the scored positions only
     row = pk.tokens / pk.calls  # decoder positions of a row, on average

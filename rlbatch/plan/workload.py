@@ -99,6 +99,10 @@ class Workload:
     step's other phases when actor_infer has ranks of its own."""
     prompt_len_assumed: bool = False
     response_assumed: bool = False
+    lora_rank: int = 0
+    """``model.lora.rank``: the trained policy learns adapters of this rank (0: every weight)."""
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    """``model.lora.target_modules``."""
 
     @property
     def seq_len(self) -> float:
@@ -196,6 +200,7 @@ def workload_from_config(
         mean = response_mean * cap if response_mean <= 1 else response_mean
     ref = roles.get("reference") or {}
     critic = roles.get("critic") or {}
+    lora: Mapping[str, Any] = (cfg.get("model") or {}).get("lora") or {}
     rounds, frac = 1.0, None
     if algo.get("dynamic_sampling", False) is True:
         frac = DEFAULT_ZERO_VARIANCE_FRAC if zero_variance_frac is None else float(zero_variance_frac)
@@ -214,4 +219,5 @@ def workload_from_config(
         max_staleness=int(algo.get("max_staleness", 0)),
         prompt_len_assumed=prompt_len is None and not synthetic,
         response_assumed=response_mean is None,
+        lora_rank=int(lora.get("rank", 0) or 0), lora_targets=tuple(lora.get("target_modules") or ("all-linear",)),
     )

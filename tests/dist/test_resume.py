@@ -63,6 +63,9 @@ CASES = {
     # reference log-probs, taken right after it.
     "async-reference-rides": (["roles=disaggregated", "roles.reference.device_mapping=[1]", "algo.max_staleness=1",
                                "algo.off_policy=tis"], 300),
+    # LoRA: the checkpoint holds the adapters and their AdamW state; the resumed run rebuilds the
+    # frozen base from the seed and loads them (the export merges them either way).
+    "lora": (["model.lora.rank=16", "model.lora.alpha=32"], 300),
 }
 ASYNC_KEYS = ("train/staleness", "train/offpolicy/ratio_mean", "train/offpolicy/weight_mean", "train/kl_ref")
 KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/explained_variance"),
@@ -72,7 +75,7 @@ KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/exp
 
 @pytest.mark.parametrize("case", [
     pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)]),
-    pytest.param("ppo"), pytest.param("async"), pytest.param("async-reference-rides")])
+    pytest.param("ppo"), pytest.param("async"), pytest.param("async-reference-rides"), pytest.param("lora")])
 def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) -> None:
     whole, split, (extra, timeout) = run_root / "whole", run_root / "split", CASES[case]
     done = run(whole, "steps=6", *extra, timeout=timeout)
@@ -96,6 +99,10 @@ def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) ->
         assert saved["entries"][0]["rollouts"]["version"] == 2  # made with the policy after 2 updates
         held = {name for fields in saved["entries"][0]["samples"].values() for name in fields}
         assert ("ref_logprobs" in held) == (case == "async-reference-rides"), held
+    if case == "lora":
+        state = role_state(split, "actor_train")
+        weights = [k for k in state if k.startswith("model.")]
+        assert weights and all(".lora_" in k for k in weights), weights  # no base weight saved
     if case == "ppo":
         w, s = role_state(whole, "critic"), role_state(split, "critic")
         assert sorted(w) == sorted(s) and any(k.startswith("optim.") for k in w)

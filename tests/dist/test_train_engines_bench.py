@@ -1,6 +1,7 @@
 """tools/bench/train_engines.py --quick on 2 ranks (mpiexec, gloo): fsdp, deepspeed ZeRO-1 and
 megatron TP=1 (data-parallel over both ranks) and TP=2 each train the same tiny model on the same
-batch, the table parses, and the engines' losses agree to float32 rounding while training moved them."""
+batch, the table parses, and the engines' losses agree to float32 rounding while training moved them;
+fsdp with LoRA adapters starts from the same loss, trains fewer parameters and syncs the merged model."""
 
 from __future__ import annotations
 
@@ -37,10 +38,17 @@ def _table(stdout: str) -> list[dict[str, str]]:
 
 def test_quick_run_of_five_engine_configs_prints_a_table_with_equal_losses() -> None:
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/train_engines.py"), "--quick",
-                          "--engines", "fsdp,zero1,tp1,tp2,pp2"], capture_output=True, text=True, timeout=TIMEOUT_S,
-                         cwd=REPO_ROOT)
+                          "--engines", "fsdp,zero1,tp1,tp2,pp2,fsdp_lora"], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = _table(out.stdout)
+    # LoRA (adapters start at zero: the base model's first loss), its adapters the only trained
+    # weights, its sync the merged model's bytes; it trains other weights, so "loss after" is its own
+    lora = rows.pop()
+    assert (lora["engine"], lora["config"]) == ("fsdp", "FSDP2 d2, LoRA r16"), lora
+    assert abs(float(lora["loss step 1"]) - float(rows[0]["loss step 1"])) <= TOL, (lora, rows[0])
+    assert float(lora["trained params"].rstrip("M")) < 0.5 * float(rows[0]["trained params"].rstrip("M")), (lora, rows[0])
+    assert lora["sync MiB"] == rows[0]["sync MiB"] and float(lora["sync MiB"]) > 0, (lora, rows[0])
     assert [(r["engine"], r["config"]) for r in rows] == [("fsdp", "FSDP2 d2"), ("deepspeed", "ZeRO-1 d2"),
                                                            ("megatron", "TP=1 d2"), ("megatron", "TP=2 t2"),
                                                            ("megatron", "PP=2 p2")], out.stdout[-3000:]

@@ -59,6 +59,8 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "5m": dict(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2, vocab=4096),
     "15m": dict(hidden_size=384, intermediate_size=1536, num_layers=6, num_heads=6, num_kv_heads=2, vocab=8192),
     "25m": dict(hidden_size=512, intermediate_size=2048, num_layers=6, num_heads=8, num_kv_heads=4, vocab=8192),
+    # Qwen2.5-0.5B's config.json shape (14 heads: no TP=2)
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2, vocab=151936),
 }
 QUICK = dict(model_size="quick", batch=4, seq=16, prompt_len=8, warmup=1, steps=2)
 
@@ -74,6 +76,8 @@ class Config:
     dp: int
     tp: int
     pp: int = 1
+    lora: int = 0
+    """model.lora.rank (0: every weight trained)."""
 
 
 CONFIGS = [
@@ -84,9 +88,11 @@ CONFIGS = [
     Config("tp1", "megatron", "TP=1 d2", {}, 2, 1),
     Config("tp2", "megatron", "TP=2 t2", {}, 1, 2),
     Config("pp2", "megatron", "PP=2 p2", {}, 1, 1, pp=2),
+    Config("fsdp_lora", "fsdp", "FSDP2 d2, LoRA r16", {}, 2, 1, lora=16),
 ]
 BY_KEY = {c.key: c for c in CONFIGS}
-COLUMNS = ["engine", "config", "s/step", "CPU s/step", "peak RSS MiB/rank", "engine MiB/rank", "loss step 1", "loss after", "MFU"]
+COLUMNS = ["engine", "config", "s/step", "CPU s/step", "peak RSS MiB/rank", "engine MiB/rank", "trained params",
+           "sync MiB", "sync s", "loss step 1", "loss after", "MFU"]
 
 
 _T0 = time.perf_counter()
@@ -174,7 +180,14 @@ def bench_one(c: Config, args: argparse.Namespace, env: dict[str, Any]) -> dict[
 
     device, sync, cuda = env["device"], env["sync"], env["device"].type == "cuda"
     mesh = env["meshes"][(c.pp, c.dp, c.tp)]
-    ctx = EngineContext("actor_train", engine_args(c.engine, c.args), env["model"], env["algo"], env["vocab"], device,
+    model = env["model"]
+    if c.lora:
+        import dataclasses
+
+        from rlbatch.config.schema import LoraConfig
+
+        model = dataclasses.replace(model, lora=LoraConfig(rank=c.lora, alpha=2.0 * c.lora))
+    ctx = EngineContext("actor_train", engine_args(c.engine, c.args), model, env["algo"], env["vocab"], device,
                         seed=args.seed, mesh=mesh, trainable=True)
     release_memory()
     if cuda:
@@ -216,7 +229,10 @@ def bench_one(c: Config, args: argparse.Namespace, env: dict[str, Any]) -> dict[
         peak_kib = _status_kib("VmHWM")
         peak, own = world_max(peak_kib / 1024, device), world_max((peak_kib - base_kib) / 1024, device)
     step_s = statistics.median(times)
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in _module(engine).parameters() if p.requires_grad)
+    sync_bytes, sync_s = sync_cost(engine, device, sync)
     row = {"engine": c.engine, "config": c.label, "step_s": step_s, "cpu_s": statistics.median(cpu_times), "peak_mib": peak, "engine_mib": own,
+           "trained": trained, "sync_mib": sync_bytes / 2**20, "sync_s": sync_s,
            "loss_first": losses[0], "loss_after": after, "mfu": None}
     if cuda:
         flops = args.batch * args.seq * env["shape"].train_flops_per_token(args.seq)
@@ -224,6 +240,31 @@ def bench_one(c: Config, args: argparse.Namespace, env: dict[str, Any]) -> dict[
     del engine, share
     release_memory()
     return row
+
+
+def _module(engine: Any) -> Any:
+    """The engine's trained module: fsdp's and megatron's ``model`` (a list of stages: the first),
+    deepspeed's ``module``."""
+    m = next(m for m in (getattr(engine, "model", None), getattr(engine, "module", None)) if m is not None)
+    return m[0] if isinstance(m, list) else m
+
+
+def sync_cost(engine: Any, device: Any, sync: Any) -> tuple[int, float]:
+    """The weight sync's sending side: the bytes of the weights the engine streams (what an
+    inference engine receives) and the seconds to stream them (the slower rank's), in the engine's
+    wire dtype (bf16 on a GPU, fp32 on the CPU, as ``weightsync`` asks)."""
+    import torch
+    import torch.distributed as dist
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dist.barrier()
+    sync()
+    t0, total = time.perf_counter(), 0
+    with engine.export_weights() as stream:
+        for unit in stream.units(dtype):
+            total += sum(t.numel() * t.element_size() for _, t in unit)
+    sync()
+    return total, world_max(time.perf_counter() - t0, device)
 
 
 # -- the ranks ----------------------------------------------------------------------------------
@@ -336,6 +377,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         cells = [r["engine"], r["config"], f"{r['step_s']:.3f}", f"{r['cpu_s']:.3f}", f"{r['peak_mib']:.0f}", f"{r['engine_mib']:.0f}",
+                 f"{r['trained'] / 1e6:.2f}M", f"{r['sync_mib']:.1f}", f"{r['sync_s']:.3f}",
                  f"{r['loss_first']:.7f}", f"{r['loss_after']:.7f}", mfu]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -30,6 +30,7 @@ from rlbatch.engines.model import engine_skeleton, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.engines.train import common
 from rlbatch.engines.train.state import load_module_state, module_state
+from rlbatch.models import lora
 
 
 @torch.no_grad()
@@ -58,6 +59,7 @@ class FSDPEngine(StashedState):
         common.require_data_parallel(mesh, "fsdp")
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
+        self.lora = ctx.model.lora if ctx.trainable and ctx.head == "lm" and lora.enabled(ctx.model.lora) else None
         self.dp_group = ctx.group("dp")
         held = held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable)
         skeleton = engine_skeleton(ctx, held)
@@ -78,7 +80,7 @@ class FSDPEngine(StashedState):
         self.varlen = self.max_tokens > 0 and prefer_varlen(model, ctx.device, torch.bfloat16 if mp else held)
         self.single_unit = fsdp_single_unit(param_bytes(model), args)
         if not self.single_unit:
-            for layer in model.model.layers:  # a unit per layer: gathered one at a time, overlapping compute
+            for layer in lora.base_model(model).model.layers:  # a unit per layer: gathered one at a time, overlapping compute
                 fully_shard(layer, **kwargs)
         # FSDP2 leaves the root unit (embedding, final norm, head) unsharded after a forward, for the
         # backward that follows in training; a forward-only role has none, so it would hold them
@@ -90,7 +92,8 @@ class FSDPEngine(StashedState):
         self.optimizer: torch.optim.Optimizer | None = None
         if ctx.trainable:
             self.model.train()
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
+            trained = [p for p in self.model.parameters() if p.requires_grad]  # with model.lora: the adapters
+            self.optimizer = torch.optim.AdamW(trained, lr=algo.lr, weight_decay=algo.weight_decay,
                                                foreach=True)  # one dispatch per step, not one per DTensor
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, common.warmup(int(algo.warmup_steps)))
             opt = self.optimizer
@@ -148,8 +151,13 @@ class FSDPEngine(StashedState):
         # reshard it (local, no collective) so the parameters read here are the fp32 DTensor shards.
         self.model.reshard()
         units = self._export_units()
-        stream = WeightStream([(n, p.shape) for _, params in units for n, p in params],
-                              lambda dtype: self._export(units, dtype))
+        names = [(n, p.shape) for _, params in units for n, p in params]
+        if self.lora is not None:  # adapters merged into their base weights, under the base names
+            scale = lora.scaling(self.lora)
+            stream = WeightStream(lora.base_shapes(names),
+                                  lambda dtype: (lora.merged(u, scale) for u in self._export(units, dtype)))
+        else:
+            stream = WeightStream(names, lambda dtype: self._export(units, dtype))
         try:
             yield stream
         finally:
@@ -189,8 +197,9 @@ class FSDPEngine(StashedState):
         when forward-only."""
         if self.optimizer is None:
             return None
-        return module_state(self.model, self.optimizer, self.scheduler, self.dp_group, "fsdp")
+        return module_state(self.model, self.optimizer, self.scheduler, self.dp_group, "fsdp",
+                            trained_only=self.lora is not None)
 
     def load_checkpoint_state(self, state: CheckpointState) -> None:
         assert self.optimizer is not None, "load_checkpoint_state on a forward-only engine"
-        load_module_state(self.model, self.optimizer, self.scheduler, state)
+        load_module_state(self.model, self.optimizer, self.scheduler, state, trained_only=self.lora is not None)

@@ -21,11 +21,16 @@ OPTIONS = StateDictOptions(cpu_offload=True)
 
 
 def module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, group: Any,
-                 engine: str) -> CheckpointState:
+                 engine: str, trained_only: bool = False) -> CheckpointState:
     """The state to save, or (on load) the tensors to read into: a fresh optimizer's state is
-    initialised first (a zero-lr step, by ``get_state_dict``), so there are tensors to load into."""
+    initialised first (a zero-lr step, by ``get_state_dict``), so there are tensors to load into.
+    ``trained_only``: only the parameters that require grad (adapters: the frozen base is rebuilt
+    from its source, never saved)."""
     model_sd, optim = get_state_dict(model, optimizer, options=OPTIONS)
     optim_sd: dict[str, Any] = optim
+    if trained_only:
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trained}
     tensors: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
     for name, per_param in optim_sd["state"].items():
         for key, v in per_param.items():
@@ -36,7 +41,7 @@ def module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
 
 
 def load_module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                      state: CheckpointState) -> None:
+                      state: CheckpointState, trained_only: bool = False) -> None:
     model_sd = {k[len("model."):]: v for k, v in state.tensors.items() if k.startswith("model.")}
     per_param: dict[str, dict[str, Any]] = {}
     for k, v in state.tensors.items():
@@ -44,7 +49,12 @@ def load_module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
             name, _, key = k[len("optim."):].rpartition(".")
             per_param.setdefault(name, {})[key] = v
     optim_sd: Any = {"state": per_param, "param_groups": state.meta["param_groups"]}
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS)
+    if trained_only:  # every trained parameter present; the frozen ones stay as built
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        if missing := sorted(trained - set(model_sd)):
+            raise KeyError(f"the checkpoint lacks {len(missing)} trained parameters (e.g. {missing[0]})")
+    options = StateDictOptions(cpu_offload=True, strict=False) if trained_only else OPTIONS
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     if scheduler is not None and state.meta.get("scheduler") is not None:
         scheduler.load_state_dict(state.meta["scheduler"])
 

@@ -1,0 +1,195 @@
+"""Low-rank adapters (``model.lora``): the one transformation of the model that a trained role
+receives, through PEFT. Engines, checkpoints and the optimizer see an ordinary module whose base
+weights do not require grad; what leaves it (weight sync, export) is merged back under the base
+model's Hugging Face names (``merged``).
+
+    skeleton = lora_skeleton(engine_skeleton(...), cfg.model.lora, seed)   # on meta, then sharded
+    skeleton.materialise(device)           # base weights from the model's source, adapters seeded
+
+The adapters start as PEFT starts them (``lora_A`` Kaiming-uniform, ``lora_B`` zero: the adapted
+model is the base model at step 0), drawn from the run's seed by name, so every rank and every run
+of a seed holds the same adapters whatever the sharding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ALL_LINEAR = "all-linear"
+_LORA = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
+_PREFIX = "base_model.model."
+
+
+def enabled(lora: Any) -> bool:
+    """Whether ``model.lora`` asks for adapters."""
+    return lora is not None and int(getattr(lora, "rank", 0) or 0) > 0
+
+
+def peft_config(lora: Any) -> Any:
+    """PEFT's LoraConfig of ``model.lora``."""
+    from peft import LoraConfig
+
+    targets = list(lora.target_modules)
+    return LoraConfig(r=int(lora.rank), lora_alpha=float(lora.alpha),  # type: ignore[arg-type]  # a float scales as well lora_dropout=float(lora.dropout),
+                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
+                      task_type="CAUSAL_LM")
+
+
+def base_name(name: str) -> str | None:
+    """The base model's name of a PEFT-wrapped model's parameter; None for an adapter's."""
+    if _LORA.search(name):
+        return None
+    if name.startswith(_PREFIX):
+        name = name[len(_PREFIX):]
+    return name.replace(".base_layer.", ".")
+
+
+def adapt(model: Any, lora: Any) -> Any:
+    """``model`` with adapters (PEFT's ``get_peft_model``): only the adapters require grad. On a
+    model whose parameters are on meta (a skeleton), the adapters are built on meta too."""
+    from peft import get_peft_model
+
+    from rlbatch.models.weights import params_on_meta
+
+    if next(model.parameters()).device.type == "meta":
+        with params_on_meta():
+            return get_peft_model(model, peft_config(lora))
+    return get_peft_model(model, peft_config(lora))
+
+
+def base_model(model: Any) -> Any:
+    """The transformers model inside a PEFT wrapper (itself otherwise)."""
+    getter = getattr(model, "get_base_model", None)
+    return getter() if callable(getter) else model
+
+
+@dataclass
+class AdapterInit:
+    """A ``TensorSource`` of an adapted model: adapters as PEFT initialises them, seeded by name
+    (``lora_A``: uniform in +-1/sqrt(fan_in), PEFT's Kaiming-uniform with a = sqrt(5); ``lora_B``:
+    zeros), every other parameter ``base``'s under its base name."""
+
+    base: Any
+    seed: int
+
+    def rows(self, name: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        import torch
+
+        m = _LORA.search(name)
+        if m is None:
+            base = base_name(name)
+            assert base is not None
+            return self.base.rows(base, shape, start, end)
+        if m.group(1) == "B":
+            return torch.zeros((end - start, *shape[1:]))
+        digest = hashlib.sha256(f"{self.seed}/{name}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+        bound = 1.0 / math.sqrt(shape[1])
+        return (torch.rand(shape, generator=g) * 2 - 1).mul_(bound)[start:end]
+
+
+def lora_skeleton(sk: Any, lora: Any, seed: int) -> Any:
+    """A ``rlbatch.engines.model.Skeleton`` with adapters: the model adapted on meta, its weights
+    the skeleton's for the base parameters and ``AdapterInit`` for the adapters."""
+    from rlbatch.engines.model import Skeleton
+
+    return Skeleton(adapt(sk.model, lora), AdapterInit(sk.weights, seed), sk.whole)
+
+
+def scaling(lora: Any) -> float:
+    """PEFT's scale of an adapter's update: alpha / rank."""
+    return float(lora.alpha) / int(lora.rank)
+
+
+def merged(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> list[tuple[str, torch.Tensor]]:
+    """A PEFT-wrapped model's tensors (whole, e.g. one FSDP unit's, gathered) as the base model's:
+    each adapted weight merged, ``W + scale * B @ A`` computed in fp32 and cast to W's dtype,
+    under the base name; the adapters themselves dropped. Other tensors pass under their base names."""
+    tensors = dict(named)
+    out = []
+    for name, t in tensors.items():
+        base = base_name(name)
+        if base is None:
+            continue
+        stem = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
+        if stem is not None:
+            a = [v for k, v in tensors.items() if k.startswith(f"{stem}.lora_A.")]
+            b = [v for k, v in tensors.items() if k.startswith(f"{stem}.lora_B.")]
+            if a and b:
+                t = (t.float() + scale * (b[0].float() @ a[0].float())).to(t.dtype)
+        out.append((base, t))
+    return out
+
+
+def base_shapes(named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """(base name, shape) of a PEFT-wrapped model's non-adapter parameters, in order."""
+    return [(b, shape) for n, shape in named if (b := base_name(n)) is not None]
+
+
+def lora_problems(plain: Any, engines: Sequence[Any]) -> list[str]:
+    """What validation refuses about ``model.lora`` (``plain``: the config as plain mappings;
+    ``engines``: the roles' parsed backends, ``rlbatch.config.runnable.RoleEngine``): a trained
+    policy on an engine that does not train adapters, target modules the model does not have."""
+    from rlbatch.config.plain import section
+    from rlbatch.engines.registry import spec_of
+
+    cfg = section(plain, "model", "lora")
+    rank = cfg.get("rank", 0)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        return []  # off (its range is the schema's)
+    problems = []
+    for e in engines:
+        if e.role == "actor_train" and not spec_of(e.backend.engine).trains_adapters:
+            problems.append(f"model.lora.rank: {rank}: the {e.backend.engine} engine of roles.actor_train does not "
+                            f"train adapters in this build (fsdp does); use fsdp or model.lora.rank=0")
+    targets = cfg.get("target_modules", [ALL_LINEAR])
+    if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+        return [*problems, f"model.lora.target_modules: {targets!r}: expected a non-empty list of module names "
+                           f"or [{ALL_LINEAR}]"]
+    if list(targets) == [ALL_LINEAR]:
+        return problems
+    if ALL_LINEAR in targets:
+        return [*problems, f"model.lora.target_modules: {list(targets)}: {ALL_LINEAR!r} stands alone"]
+    linear = _linear_names(section(plain, "model"))
+    if linear is not None and (absent := [t for t in targets if t not in linear]):
+        problems.append(f"model.lora.target_modules: {absent} name no linear layer of the model; its linear layers: "
+                        f"{sorted(linear)}")
+    return problems
+
+
+def _linear_names(model_cfg: Any) -> set[str] | None:
+    """The last names of the model's linear layers (built on meta: no memory), or None when the
+    model cannot be built here (its own checks say why)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlbatch.config.schema import ModelConfig
+
+    try:
+        from rlbatch.models.spec import char_vocab_size
+
+        fields = {f: getattr(ModelConfig(), f) for f in ModelConfig.__dataclass_fields__} | dict(model_cfg)
+        cfg = SimpleNamespace(**fields)
+        if cfg.path:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.path))
+        else:
+            from rlbatch.models.spec import spec_from_model_config
+            from rlbatch.models.tiny import tiny_skeleton
+
+            with torch.device("meta"):
+                model = tiny_skeleton(spec_from_model_config(cfg, vocab=char_vocab_size()))
+    except Exception:  # noqa: BLE001 - the model's own checks report a model that does not build
+        return None
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

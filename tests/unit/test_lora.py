@@ -1,0 +1,153 @@
+"""``model.lora``: the trained role learns adapters only (PEFT), what leaves it is merged under the
+base model's names, and the adapted model starts as the base model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from rlbatch.algos.objective import PolicyObjective
+from rlbatch.config.schema import AlgoConfig, LoraConfig, ModelConfig
+from rlbatch.engines.base import EngineContext
+from rlbatch.engines.model import load_model
+from rlbatch.engines.registry import FSDPArgs
+from rlbatch.models import lora
+from rlbatch.models.spec import spec_from_config
+from rlbatch.models.tiny import build_tiny_model
+from tests.unit.test_sharded_load import TOK, one_rank_mesh  # noqa: F401 - the fixture
+
+RANK = 4
+
+
+def test_merged_weights_are_pefts_merge_under_the_base_names() -> None:
+    base = build_tiny_model(spec_from_config({"arch": "qwen2", "initializer_range": 0.1}), seed=3)
+    names = [n for n, _ in base.named_parameters()]
+    adapted = lora.adapt(copy.deepcopy(base), LoraConfig(rank=RANK, alpha=8.0))
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trainable and all(lora.base_name(n) is None for n in trainable)  # adapters only
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if ".lora_B." in n:  # PEFT starts B at zero: give the update a value to merge
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    got = dict(lora.merged(list(adapted.named_parameters()), lora.scaling(LoraConfig(rank=RANK, alpha=8.0))))
+    want = dict(copy.deepcopy(adapted).merge_and_unload().named_parameters())
+    assert list(got) == names == list(want)
+    for n in names:
+        assert torch.equal(got[n].detach(), want[n].detach()), n
+    assert lora.base_shapes([(n, p.shape) for n, p in adapted.named_parameters()]) == [
+        (n, p.shape) for n, p in base.named_parameters()]
+
+
+def _engine(mesh: Any, rank: int, trainable: bool = True) -> Any:
+    from rlbatch.engines.train.fsdp import FSDPEngine
+
+    cfg = ModelConfig(lora=LoraConfig(rank=rank, alpha=2.0 * rank or 16.0))
+    algo = AlgoConfig(lr=1e-2, kl_coef=0.0, mini_batches=1, epochs=1, grad_accum=1)
+    return FSDPEngine(EngineContext("actor_train", FSDPArgs(), cfg, algo, TOK, torch.device("cpu"), 7, mesh, trainable))
+
+
+def _export(engine: Any) -> dict[str, torch.Tensor]:
+    with engine.export_weights() as stream:
+        out = {n: t.clone() for unit in stream.units(None) for n, t in unit}
+        assert [n for n, _ in stream.manifest] == list(out)
+    return out
+
+
+def test_an_fsdp_step_trains_the_adapters_only_and_syncs_merged_weights(one_rank_mesh: Any) -> None:  # noqa: F811
+    """The adapted engine starts as the base model (same log-probs, same exported weights); a step
+    changes the adapters and leaves every base weight bitwise; the export is the merge."""
+    engine, plain = _engine(one_rank_mesh, RANK), _engine(one_rank_mesh, 0)
+    sample = {"prompt": torch.tensor([1, 5, 15, 6, 17]), "response": torch.tensor([9, 2, 11]),
+              "advantage": torch.tensor(1.0)}
+    assert torch.equal(engine.logprobs([sample])[0], plain.logprobs([sample])[0])
+    start = _export(engine)
+    whole = load_model(ModelConfig(), TOK, 7)
+    assert list(start) == [n for n, _ in whole.named_parameters()]
+    for n, p in whole.named_parameters():
+        assert torch.equal(start[n], p.detach()), n
+    before = {n: p.full_tensor().clone() for n, p in engine.model.named_parameters()}
+    engine.train([sample, sample | {"advantage": torch.tensor(-0.5)}], PolicyObjective(engine.algo))
+    after = {n: p.full_tensor() for n, p in engine.model.named_parameters()}
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(".lora_" in n for n in changed), changed
+    assert any(".lora_B." in n for n in changed)
+    assert len(engine.optimizer.state) == sum(p.requires_grad for p in engine.model.parameters())
+    synced = _export(engine)
+    assert any(not torch.equal(synced[n], start[n]) for n in synced)
+    want = dict(lora.merged(after.items(), lora.scaling(engine.lora)))
+    for n, t in synced.items():
+        assert torch.equal(t, want[n]), n
+    assert not torch.equal(engine.logprobs([sample])[0], plain.logprobs([sample])[0])
+
+
+@pytest.mark.parametrize("trainable", [False])
+def test_a_forward_only_role_never_gets_adapters(one_rank_mesh: Any, trainable: bool) -> None:  # noqa: F811
+    """The reference (and any forward-only role) is the base model: model.lora is the trained role's."""
+    ref = _engine(one_rank_mesh, RANK, trainable=trainable)
+    assert ref.lora is None and not any(".lora_" in n for n, _ in ref.model.named_parameters())
+
+
+def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_only(one_rank_mesh: Any) -> None:  # noqa: F811
+    """No base weight is saved; a fresh engine given the state trains on exactly as the saved one."""
+    from rlbatch.engines.base import CheckpointState
+
+    a, b = _engine(one_rank_mesh, RANK), _engine(one_rank_mesh, RANK)
+    sample = {"prompt": torch.tensor([1, 5, 15, 6, 17]), "response": torch.tensor([9, 2, 11]),
+              "advantage": torch.tensor(1.0)}
+    batch = [sample, sample | {"advantage": torch.tensor(-0.5)}]
+    a.train(batch, PolicyObjective(a.algo))
+    state = a.checkpoint_state()
+    model_keys = [k for k in state.tensors if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys
+    assert len(model_keys) == sum(p.requires_grad for p in a.model.parameters())
+    copied = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() if isinstance(v, torch.Tensor) else v
+              for k, v in state.tensors.items()}
+    template = b.checkpoint_state()
+    assert sorted(template.tensors) == sorted(copied)
+    b.load_checkpoint_state(CheckpointState({k: _like(template.tensors[k], v) for k, v in copied.items()},
+                                            copy.deepcopy(state.meta), state.group))
+    for ea in (a, b):
+        ea.train(batch, PolicyObjective(ea.algo))
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), n
+
+
+def _like(template: Any, value: torch.Tensor) -> Any:
+    """``value`` in the form the engine's state holds (a DTensor shard like ``template``'s)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(template, DTensor):
+        return distribute_tensor(value, template.device_mesh, template.placements)
+    return value
+
+
+def test_lora_settings_are_checked_before_start(cfg: dict[str, Any]) -> None:
+    from rlbatch.config.validate import check
+    from tests.unit.configs import problems, set_
+
+    check(set_(cfg, model__lora__rank=8))
+    check(set_(cfg, model__lora__rank=8, model__lora__target_modules=["q_proj", "v_proj"]))
+    check(set_(cfg, model__lora__target_modules=["nothing"]))  # rank 0: adapters off, nothing to check
+    assert any("model.lora.rank: must be >= 0" in p for p in problems(set_(cfg, model__lora__rank=-1)))
+    assert any("model.lora.alpha: must be > 0" in p for p in problems(set_(cfg, model__lora__rank=8, model__lora__alpha=0.0)))
+    found = problems(set_(cfg, model__lora__rank=8, model__lora__target_modules=["q_proj", "qkv"]))
+    assert any("model.lora.target_modules: ['qkv'] name no linear layer of the model" in p and "'q_proj'" in p
+               for p in found), found
+    found = problems(set_(cfg, model__lora__rank=8, roles__actor_train__backend="deepspeed:d2"))
+    assert any("model.lora.rank: 8: the deepspeed engine of roles.actor_train does not train adapters" in p
+               for p in found), found
+    assert any("unknown field(s) ['r']" in p for p in problems(set_(cfg, model__lora__r=8)))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2_moe"])
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"], ["down_proj"]])
+def test_the_planners_adapter_count_is_pefts(arch: str, targets: list[str]) -> None:
+    from rlbatch.plan.model import ModelShape
+
+    spec = spec_from_config({"arch": arch})
+    adapted = lora.adapt(build_tiny_model(spec, seed=0), LoraConfig(rank=RANK, target_modules=targets))
+    assert ModelShape.of(spec).adapter_params(RANK, tuple(targets)) == sum(
+        p.numel() for p in adapted.parameters() if p.requires_grad)
