@@ -134,7 +134,8 @@ def cmd_search(args: Args) -> int:
                          int(plain["cluster"].get("cpus_per_task") or 1), mem_limit(plain), args.ns.overlap)
     data = {"stats": stats, "gpus": gpus, "hardware": hw.name, "top": [
         {"rank": i + 1, "label": c.label, "mode": c.mode, "step_s": c.prediction.step_s if c.prediction else None,
-         "max_tokens_per_micro_batch": c.budget or None, "overrides": c.overrides} for i, c in enumerate(best)]}
+         "max_tokens_per_micro_batch": c.budget or None, "lora_rank": c.lora or None, "overrides": c.overrides}
+        for i, c in enumerate(best)]}
     rows = [("#", "step", "mode", "placement", "peak memory")]
     for i, c in enumerate(best):
         assert c.prediction is not None
@@ -142,6 +143,9 @@ def cmd_search(args: Args) -> int:
         rows.append((str(i + 1), secs(c.prediction.step_s), c.mode, c.label.split(": ", 1)[1], size(peak)))
     lines = [f"searched {stats['candidates']} placements of {gpus} x {hw.name}: {stats['fit']} fit, "
              f"{stats['oom']} do not fit, {stats['invalid']} of the best failed validation", table(rows), ""]
+    if stats.get("lora"):
+        lines.insert(1, f"none fits with every weight trained: placements with LoRA adapters of rank "
+                        f"{stats['lora']} (model.lora.rank={stats['lora']}, docs/lora.md) searched too")
     lines += [f"# {i + 1}: {secs(c.prediction.step_s if c.prediction else 0)}\n" + " ".join(c.overrides)
               for i, c in enumerate(best)]
     emit(args, data, "\n".join(lines))

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlbatch.engines.registry import spec_of
 from rlbatch.engines.vllm_limits import tp_heads_problem
 from rlbatch.errors import ConfigError
 from rlbatch.placement import parse_backend
@@ -50,6 +51,12 @@ class Candidate:
     overrides: list[str] = field(default_factory=list)
     budget: int = 0
     """The token budget chosen for the roles whose engines pack (``budgets``); 0: none searched."""
+    lora: int = 0
+    """``model.lora.rank`` the search proposes (``LORA_RANK``: nothing fits fully trained); 0: the config's."""
+
+
+LORA_RANK = 16
+"""The adapter rank the search proposes when no placement fits with every weight trained."""
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -232,6 +239,10 @@ def to_overrides(c: Candidate, cfg: Mapping[str, Any]) -> tuple[list[str], dict[
             # ++ adds the key or replaces the config's value
             lines.append(f"++roles.{name}.engine_args.{BUDGET_KEY}={c.budget}")
             rc["engine_args"] = dict(rc.get("engine_args") or {}) | {BUDGET_KEY: c.budget}
+    if c.lora:
+        lines.append(f"++model.lora.rank={c.lora}")
+        model = plain.setdefault("model", {})
+        model["lora"] = dict(model.get("lora") or {}) | {"rank": c.lora}
     cluster = plain.setdefault("cluster", {})
     nodes = cluster.get("nodes")
     if nodes is not None and nodes * c.layout.gpus_per_node < c.layout.num_gpus:
@@ -246,16 +257,27 @@ def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Wo
     """Rank every candidate; return the ``top`` valid fitting ones and counts of what was dropped."""
     from rlbatch.config.validate import check
 
-    scored, stats = [], {"candidates": 0, "fit": 0, "oom": 0, "invalid": 0}
-    for c in candidates(cfg, gpus, gpn, shape, w, cpus):
-        stats["candidates"] += 1
-        choose_budget(c, shape, w, hw, model_dtype, coef, mem_limit, overlap)
-        assert c.prediction is not None
-        if c.prediction.fits:
-            stats["fit"] += 1
-            scored.append(c)
-        else:
-            stats["oom"] += 1
+    scored, stats = [], {"candidates": 0, "fit": 0, "oom": 0, "invalid": 0, "lora": 0}
+
+    def rank(w: Workload, lora: int) -> None:
+        for c in candidates(cfg, gpus, gpn, shape, w, cpus):
+            stats["candidates"] += 1
+            c.lora = lora
+            if lora:
+                c.label += f", LoRA r{lora}"
+            choose_budget(c, shape, w, hw, model_dtype, coef, mem_limit, overlap)
+            assert c.prediction is not None
+            if c.prediction.fits:
+                stats["fit"] += 1
+                scored.append(c)
+            else:
+                stats["oom"] += 1
+
+    rank(w, 0)
+    train_engine = parse_backend(cfg["roles"]["actor_train"]["backend"]).engine
+    if not scored and not w.lora_rank and spec_of(train_engine).trains_adapters:
+        stats["lora"] = LORA_RANK  # nothing fits with every weight trained: adapters do with less
+        rank(replace(w, lora_rank=LORA_RANK), LORA_RANK)
     scored.sort(key=lambda c: (c.prediction.step_s if c.prediction else math.inf, c.label))
     best: list[Candidate] = []
     for c in scored:

@@ -48,3 +48,23 @@ def test_lora_training_skips_the_base_weights_gradients() -> None:
     full, ada = train(0), train(16)
     # the backward's weight gradients (a third of the FLOPs) and AdamW's pass over the base are gone
     assert 0.3 * full < ada <= (2 / 3) * full * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("gpus, lora", [(2, 16), (4, 0)])
+def test_search_proposes_lora_where_full_fine_tuning_fits_nowhere(gpus: int, lora: int) -> None:
+    """A 7B policy: on 2 H100s no placement holds its fp32 weights, gradients and AdamW state with
+    vLLM beside it, so the search ranks placements with rank-16 adapters (and says so); on 4 the
+    fully trained ones fit and nothing is proposed."""
+    from conftest import MODELS
+
+    from rlbatch.plan.coefficients import Coefficients
+    from rlbatch.plan.search import search
+
+    cfg = make_config(model={"path": str(MODELS / "qwen2_5_7b")},
+                      algo={"max_new_tokens": 512, "prompts_per_step": 8, "samples_per_prompt": 4},
+                      roles=roles("fsdp:d1", "vllm:d1", "list(range(0,1))", "list(range(0,1))", max_tokens=None))
+    best, stats = search(cfg, gpus, 8, Q7B, workload_from_config(cfg, 256, 0.5), load_hardware("h100_sxm"),
+                         Coefficients(), "auto", top=3)
+    assert best and stats["lora"] == lora and stats["invalid"] == 0
+    assert all(c.lora == lora for c in best)
+    assert all(("++model.lora.rank=16" in c.overrides) == bool(lora) for c in best)
