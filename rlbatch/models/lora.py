@@ -65,6 +65,11 @@ def adapt(model: Any, lora: Any) -> Any:
     return get_peft_model(model, peft_config(lora))
 
 
+def adapters_off(model: Any) -> Any:
+    """A context in which a PEFT-wrapped model (FSDP2 or not) computes as its base model."""
+    return model.disable_adapter()
+
+
 def base_model(model: Any) -> Any:
     """The transformers model inside a PEFT wrapper (itself otherwise)."""
     getter = getattr(model, "get_base_model", None)

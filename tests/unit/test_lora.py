@@ -151,3 +151,17 @@ def test_the_planners_adapter_count_is_pefts(arch: str, targets: list[str]) -> N
     adapted = lora.adapt(build_tiny_model(spec, seed=0), LoraConfig(rank=RANK, target_modules=targets))
     assert ModelShape.of(spec).adapter_params(RANK, tuple(targets)) == sum(
         p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
+def test_the_base_models_log_probs_come_from_the_adapted_engine_with_adapters_off(one_rank_mesh: Any) -> None:  # noqa: F811
+    """After training moved the adapters, ``base_logprobs`` is the base model's (a reference's), and
+    the adapters are back on afterwards."""
+    engine, plain = _engine(one_rank_mesh, RANK), _engine(one_rank_mesh, 0)
+    sample = {"prompt": torch.tensor([1, 5, 15, 6, 17]), "response": torch.tensor([9, 2, 11]),
+              "advantage": torch.tensor(1.0)}
+    for _ in range(2):  # two steps: B moves in the first, then B A is non-zero
+        engine.train([sample, sample | {"advantage": torch.tensor(-0.5)}], PolicyObjective(engine.algo))
+    adapted = engine.logprobs([sample])[0]
+    assert not torch.equal(adapted, plain.logprobs([sample])[0])
+    assert torch.equal(engine.base_logprobs([sample])[0], plain.logprobs([sample])[0])
+    assert torch.equal(engine.logprobs([sample])[0], adapted)

@@ -105,6 +105,13 @@ class FSDPEngine(StashedState):
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         return common.logprobs(self.model, samples, self.split, self._pack)
 
+    def base_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """With ``model.lora``: the log-probs of the base model, the adapters switched off (what the
+        reference computes from its own copy of the base weights)."""
+        assert self.lora is not None, "base_logprobs needs an engine with adapters (model.lora)"
+        with lora.adapters_off(self.model):
+            return common.logprobs(self.model, samples, self.split, self._pack)
+
     def _pack(self, chunk: list[Sample]) -> Packed:
         return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts,
                     flat=self.max_tokens > 0)
