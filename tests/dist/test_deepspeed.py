@@ -37,9 +37,15 @@ def mpirun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
 def test_zero_stages_on_ranks_without_rank0_match_fsdp_resume_exactly_and_share_checkpoints(
         stages: str, tmp_path: Path) -> None:
     out = mpirun(3, str(tmp_path), stages)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     for stage in stages:
-        assert out.stdout.count(f"ZeRO-{stage} ok") == 2, out.stdout[-2000:]
+        assert out.stdout.count(f"ZeRO-{stage} ok") == 2, out.stdout[-2000:] + out.stderr[-4000:]
+    # Every check passed on both ranks (the lines above are printed after them). MPICH's hydra
+    # sometimes reports a rank of a script that ends with os._exit right after MPI_Finalize (DeepSpeed's
+    # gloo threads abort a normal interpreter exit: mpi_exit.end_script) as killed by signal 9, after
+    # its work (tests/dist/scripts/world_gpu_node.py has the same); any other failure still fails here.
+    ended = out.returncode == 0 or (out.returncode == 9 and "Killed (signal 9)" in out.stdout + out.stderr
+                                    and "Traceback" not in out.stderr)
+    assert ended, out.stdout[-2000:] + out.stderr[-4000:]
 
 
 def _rewards(run_dir: Path) -> list[float]:
