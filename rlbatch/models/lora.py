@@ -38,8 +38,8 @@ def peft_config(lora: Any) -> Any:
     from peft import LoraConfig
 
     targets = list(lora.target_modules)
-    return LoraConfig(r=int(lora.rank), lora_alpha=float(lora.alpha),  # type: ignore[arg-type]  # a float scales as well lora_dropout=float(lora.dropout),
-                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
+    return LoraConfig(r=int(lora.rank), lora_alpha=float(lora.alpha),  # type: ignore[arg-type]  # a float scales as well
+                      lora_dropout=float(lora.dropout), target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
                       task_type="CAUSAL_LM")
 
 

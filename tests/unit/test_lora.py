@@ -22,6 +22,12 @@ from tests.unit.test_sharded_load import TOK, one_rank_mesh  # noqa: F401 - the 
 RANK = 4
 
 
+def test_every_setting_reaches_peft() -> None:
+    got = lora.peft_config(LoraConfig(rank=RANK, alpha=8.0, dropout=0.1, target_modules=["q_proj", "v_proj"]))
+    assert (got.r, got.lora_alpha, got.lora_dropout, sorted(got.target_modules)) == (RANK, 8.0, 0.1, ["q_proj", "v_proj"])
+    assert lora.peft_config(LoraConfig(rank=RANK)).target_modules == "all-linear"
+
+
 def test_merged_weights_are_pefts_merge_under_the_base_names() -> None:
     base = build_tiny_model(spec_from_config({"arch": "qwen2", "initializer_range": 0.1}), seed=3)
     names = [n for n, _ in base.named_parameters()]
