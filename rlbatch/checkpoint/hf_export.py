@@ -65,7 +65,9 @@ def load_weights(dcp_dir: Path, model: torch.nn.Module, only_trained: bool = Fal
             saved[_hf_name(key[len("model."):])] = (key[len("model."):], md)
     target = model.state_dict()
     if only_trained:
-        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        from rlbatch.models.lora import trained_names
+
+        trained = trained_names(model)
         target = {n: t for n, t in target.items() if n in trained}
     tied: dict[tuple[int, tuple[int, ...]], list[str]] = {}
     for name, t in target.items():

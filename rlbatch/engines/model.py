@@ -299,8 +299,8 @@ def engine_skeleton(ctx: Any, dtype: torch.dtype = torch.float32) -> Skeleton:
         log.warning("%s: %s; every rank reads the whole model before it takes its shard", ctx.role, e)
         full = load_engine_model(ctx)
         sk = Skeleton(full, Tensors(params_to_meta(full)), f"{e}: read whole")
-    if ctx.trainable and ctx.head == "lm" and lora.enabled(getattr(ctx.model, "lora", None)):
-        sk = lora.lora_skeleton(sk, ctx.model.lora, ctx.seed)  # the trained policy learns adapters only
+    if (adapters := lora.of(ctx)) is not None:
+        sk = lora.lora_skeleton(sk, adapters, ctx.seed)  # the trained policy learns adapters only
     cast_params(sk.model, dtype)
     return sk
 

@@ -33,6 +33,18 @@ def enabled(lora: Any) -> bool:
     return lora is not None and int(getattr(lora, "rank", 0) or 0) > 0
 
 
+def of(ctx: Any) -> Any:
+    """The adapters an engine's model gets (``model.lora``), or None: only a trained policy (a
+    trainable role with the LM head) is adapted; a reference, a critic and a reward model are not."""
+    cfg = getattr(ctx.model, "lora", None)
+    return cfg if ctx.trainable and ctx.head == "lm" and enabled(cfg) else None
+
+
+def trained_names(model: Any) -> set[str]:
+    """Names of the parameters that require grad (an adapted model's: its adapters)."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
 def peft_config(lora: Any) -> Any:
     """PEFT's LoraConfig of ``model.lora``."""
     from peft import LoraConfig
@@ -118,18 +130,16 @@ def merged(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> list[tupl
     """A PEFT-wrapped model's tensors (whole, e.g. one FSDP unit's, gathered) as the base model's:
     each adapted weight merged, ``W + scale * B @ A`` computed in fp32 and cast to W's dtype,
     under the base name; the adapters themselves dropped. Other tensors pass under their base names."""
-    tensors = dict(named)
+    named = list(named)
+    adapters = {(name[: m.start()], m.group(1)): t for name, t in named if (m := _LORA.search(name))}
     out = []
-    for name, t in tensors.items():
+    for name, t in named:
         base = base_name(name)
         if base is None:
             continue
-        stem = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
-        if stem is not None:
-            a = [v for k, v in tensors.items() if k.startswith(f"{stem}.lora_A.")]
-            b = [v for k, v in tensors.items() if k.startswith(f"{stem}.lora_B.")]
-            if a and b:
-                t = (t.float() + scale * (b[0].float() @ a[0].float())).to(t.dtype)
+        stem = name.removesuffix(".base_layer.weight")
+        if (stem, "A") in adapters and (stem, "B") in adapters:
+            t = (t.float() + scale * (adapters[stem, "B"].float() @ adapters[stem, "A"].float())).to(t.dtype)
         out.append((base, t))
     return out
 

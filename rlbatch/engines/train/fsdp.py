@@ -59,7 +59,7 @@ class FSDPEngine(StashedState):
         common.require_data_parallel(mesh, "fsdp")
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
-        self.lora = ctx.model.lora if ctx.trainable and ctx.head == "lm" and lora.enabled(ctx.model.lora) else None
+        self.lora = lora.of(ctx)
         self.dp_group = ctx.group("dp")
         held = held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable)
         skeleton = engine_skeleton(ctx, held)

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rlbatch.engines.base import CheckpointState
+from rlbatch.models.lora import trained_names
 
 OPTIONS = StateDictOptions(cpu_offload=True)
 """Staged through host memory: gathering a second copy on the device can OOM (ROLL)."""
@@ -29,7 +30,7 @@ def module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
     model_sd, optim = get_state_dict(model, optimizer, options=OPTIONS)
     optim_sd: dict[str, Any] = optim
     if trained_only:
-        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        trained = trained_names(model)
         model_sd = {k: v for k, v in model_sd.items() if k in trained}
     tensors: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
     for name, per_param in optim_sd["state"].items():
@@ -50,8 +51,7 @@ def load_module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
             per_param.setdefault(name, {})[key] = v
     optim_sd: Any = {"state": per_param, "param_groups": state.meta["param_groups"]}
     if trained_only:  # every trained parameter present; the frozen ones stay as built
-        trained = {n for n, p in model.named_parameters() if p.requires_grad}
-        if missing := sorted(trained - set(model_sd)):
+        if missing := sorted(trained_names(model) - set(model_sd)):
             raise KeyError(f"the checkpoint lacks {len(missing)} trained parameters (e.g. {missing[0]})")
     options = StateDictOptions(cpu_offload=True, strict=False) if trained_only else OPTIONS
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
