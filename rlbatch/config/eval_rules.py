@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.config.plain import section
-from rlbatch.config.schema import DataConfig
+from rlbatch.config.plain import as_section, section
+from rlbatch.config.schema import DataConfig, ModelConfig
 
 _FIELDS = "|".join(f.name for f in dataclasses.fields(DataConfig))
 _DATA_FIELD = re.compile(rf"(?<![\w./\\-])data\.(?=(?:{_FIELDS})\b)")
@@ -87,15 +87,12 @@ def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
 
 def _holdout_problem(plain: Mapping[str, Any], n: int) -> list[str]:
     """eval.holdout against the size of the training data, read as the run reads it."""
-    from types import SimpleNamespace
-
     from rlbatch.data.source import problems_of
     from rlbatch.errors import ConfigError
 
-    defaults = {f.name: getattr(DataConfig(), f.name) for f in dataclasses.fields(DataConfig)}
-    data = SimpleNamespace(**(defaults | dict(section(plain, "data"))))
+    data, model = as_section(DataConfig, section(plain, "data")), as_section(ModelConfig, section(plain, "model"))
     try:
-        total = len(problems_of(data, SimpleNamespace(**section(plain, "model"))))
+        total = len(problems_of(data, model))
     except ConfigError:
         return []  # the data section's own checks report it
     if n >= total:

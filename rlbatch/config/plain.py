@@ -25,6 +25,15 @@ def dotted(node: Any, path: str, missing: Any = None) -> Any:
     return node
 
 
+def as_section(schema: type, node: Mapping[str, Any]) -> Any:
+    """A plain section read as its schema's object: the schema's defaults with ``node``'s keys over
+    them, by attribute (no types checked: validation reports bad values)."""
+    from types import SimpleNamespace
+
+    defaults = {f.name: getattr(schema(), f.name) for f in dataclasses.fields(schema)}
+    return SimpleNamespace(**(defaults | dict(node)))
+
+
 def to_plain(cfg: Any) -> Any:
     """A config as plain dicts/lists: accepts dataclasses, OmegaConf nodes and mappings."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):

@@ -183,17 +183,15 @@ def lora_problems(plain: Any, engines: Sequence[Any]) -> list[str]:
 def _linear_names(model_cfg: Any) -> set[str] | None:
     """The last names of the model's linear layers (built on meta: no memory), or None when the
     model cannot be built here (its own checks say why)."""
-    from types import SimpleNamespace
-
     import torch
 
+    from rlbatch.config.plain import as_section
     from rlbatch.config.schema import ModelConfig
 
     try:
         from rlbatch.models.spec import char_vocab_size
 
-        fields = {f: getattr(ModelConfig(), f) for f in ModelConfig.__dataclass_fields__} | dict(model_cfg)
-        cfg = SimpleNamespace(**fields)
+        cfg = as_section(ModelConfig, model_cfg)
         if cfg.path:
             from transformers import AutoConfig, AutoModelForCausalLM
 
