@@ -16,6 +16,7 @@ compute) the model stays on sdpa and packed rows keep transformers' exact mask.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -34,11 +35,16 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
     return kernel
 
 
+@functools.lru_cache(maxsize=8)
+def _params(kernel: Callable[..., Any]) -> frozenset[str]:
+    """The kernel's keyword names, read once (every layer of every packed forward asks)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _causal_kwargs(kernel: Callable[..., Any], sliding_window: int | None) -> dict[str, Any]:
     """Causal attention (within ``sliding_window`` tokens, when set) in the kernel's own terms:
     ``window_size=(left, right)`` in newer torch, ``is_causal`` in the first releases."""
-    params = inspect.signature(kernel).parameters
-    if "window_size" in params:
+    if "window_size" in _params(kernel):
         return {"window_size": (-1 if sliding_window is None else sliding_window - 1, 0)}
     if sliding_window is not None:
         raise NotImplementedError(f"packed rows with sliding-window attention ({sliding_window} tokens) need "
@@ -67,7 +73,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
     extra = _causal_kwargs(kernel, sliding_window)
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in inspect.signature(kernel).parameters:
+        if "enable_gqa" in _params(kernel):
             extra["enable_gqa"] = True
         else:  # grouped-query attention by repeating each KV head for its query heads
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
