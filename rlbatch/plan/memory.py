@@ -199,6 +199,11 @@ def packing(w: Workload, budget: int, seqs: int) -> Packing:
                    seqs * w.response_mean)
 
 
+def adapted(r: RoleLayout, w: Workload) -> bool:
+    """Whether ``r`` trains adapters (``model.lora``): the policy's trained role, with a rank."""
+    return bool(w.lora_rank) and r.name == "actor_train"
+
+
 def varlen_rows(e: int) -> bool:
     """Whether packed rows computed in ``e``-byte elements run varlen attention: bf16/fp16 compute
     is a GPU's, where the engines switch to torch's varlen flash kernel
@@ -211,8 +216,8 @@ def mask_bytes(row: float, e: int, layers: int) -> float:
     which sdpa converts to an additive mask in the compute dtype in every layer's call, and autograd
     keeps each layer's for the backward (``layers``; 1 in a pass without autograd, one layer at a
     time). Measured: 2 N^2 bytes a layer kept in bf16 on an H100 (under sdpa, before varlen), 4 N^2
-    in fp32 on CPU. None under varlen attention."""
-    return 0.0 if varlen_rows(e) else row * row * (1 + e * layers)
+    in fp32 on CPU. Rows under varlen attention (``varlen_rows``) have none."""
+    return row * row * (1 + e * layers)
 
 
 def packed_logits_bytes(scored: float, vocab: int, e: int, t: int = 1, train: bool = False,
@@ -248,7 +253,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         # compute on GPUs) and the compute dtype for a forward-only one (``FSDPEngine``'s held_dtype).
         state = {"params": (e if forward_only else 4) * P / t / n}
         # with model.lora the trained policy's gradients and AdamW state are the adapters' (the base is frozen)
-        G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if w.lora_rank and r.name == "actor_train" else P
+        G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if adapted(r, w) else P
         if G < P and not forward_only:
             state["adapters"] = 4 * G / t / n
             notes.append(f"{r.name}: LoRA rank {w.lora_rank}: {G / 1e6:.1f}M trained parameters of {P / 1e6:.1f}M")

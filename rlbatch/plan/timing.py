@@ -30,6 +30,7 @@ from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import (
     RoleMemory,
+    adapted,
     budget_micro_batch,
     fsdp_units,
     logprob_micro_batch,
@@ -300,7 +301,7 @@ def _train_mult(r: RoleLayout, w: Workload) -> float:
     """FLOPs of a trained token over a forward's: the backward's input and weight gradients (2x),
     a recomputed forward (1x more); with model.lora the policy's frozen weights get no gradient
     (the adapters' are negligible): the backward is the input gradients alone."""
-    backward = 1.0 if w.lora_rank and r.name == "actor_train" else 2.0
+    backward = 1.0 if adapted(r, w) else 2.0
     return 1.0 + backward + (1.0 if w.recompute else 0.0)
 
 
