@@ -87,14 +87,16 @@ def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
 
 def _holdout_problem(plain: Mapping[str, Any], n: int) -> list[str]:
     """eval.holdout against the size of the training data, read as the run reads it."""
-    from rlbatch.data.source import problems_of
+    from rlbatch.data.source import problems_of, split_holdout
     from rlbatch.errors import ConfigError
 
     data, model = as_section(DataConfig, section(plain, "data")), as_section(ModelConfig, section(plain, "model"))
     try:
-        total = len(problems_of(data, model))
+        problems = problems_of(data, model)
     except ConfigError:
         return []  # the data section's own checks report it
-    if n >= total:
-        return [f"eval.holdout: {n} held-out problems leave none of the training data's {total} to train on"]
+    try:
+        split_holdout(problems, n, 0)  # the run's rule (which problems it draws does not matter here)
+    except ConfigError as e:
+        return list(e.problems)
     return []

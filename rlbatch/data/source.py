@@ -85,7 +85,7 @@ def split_holdout(problems: tuple[Sample, ...], n: int, seed: int) -> tuple[tupl
     if n <= 0:
         return problems, ()
     if n >= len(problems):
-        raise ConfigError(f"eval.holdout: {n} held-out problems leave none of the data set's {len(problems)} to train on")
+        raise ConfigError(f"eval.holdout: {n} held-out problems leave none of the training data's {len(problems)} to train on")
     import random
 
     held = set(random.Random(seed).sample(range(len(problems)), n))
