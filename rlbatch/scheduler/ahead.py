@@ -31,6 +31,7 @@ works when the step takes its samples, as in the synchronous loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,11 @@ class GenerationQueue:
                                         seed=self.seed * 100_003 + step, version=self.version)
         self.ahead[step] = Ahead(gen, self.rider)
 
-    def take(self, step: int) -> Rollouts:
-        """Step ``step``'s rollouts, their scoring started (``scoring.result()`` waits)."""
+    def take(self, step: int, behind: Callable[[], None] | None = None) -> Rollouts:
+        """Step ``step``'s rollouts, their scoring started (``scoring.result()`` waits). ``behind``:
+        more work to queue on the inference ranks (a held-out evaluation), started once the step's
+        samples are on their way off them, as before a generation ahead, so that no phase of the
+        step waits for it there."""
         for j in range(step, step + max(self.k, 1)):  # start-up: steps step .. step+k-1
             if j not in self.ahead:
                 self._start(j)
@@ -152,12 +156,15 @@ class GenerationQueue:
         rollouts = got if isinstance(got, Rollouts) else got.result()
         if step in self.unridden and self.rider is not None:  # restored from a checkpoint without them
             self.rider.role.logprobs(rollouts)
-        if self.k == 0:
+        if self.k == 0 and behind is None:
             self.scoring.start(rollouts)
             return rollouts
         moving: list[PendingPhase] = [role.receive(rollouts, self.also) for role in self.consumers]
         self.scoring.start(rollouts)
-        self._start(step + self.k)  # past the last step too: a run extended later goes on exactly
+        if self.k:
+            self._start(step + self.k)  # past the last step too: a run extended later goes on exactly
+        if behind is not None:
+            behind()
         for m in moving:
             m.result()
         return rollouts

@@ -110,6 +110,14 @@ def _tokens(ro: Rollouts) -> dict[int, int]:
     return {i: ro.prompt_len.get(i, 0) + ro.response_len.get(i, 0) for i in ro.ids}
 
 
+@dataclass
+class Ledger:
+    """Where finished phases leave their per-rank records and their seconds (``PendingPhase.result``)."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
 def token_imbalance(assign: dict[tuple[int, ...], list[int]], tokens: dict[int, int]) -> float:
     """Most tokens on one shard over the mean per shard (1: balanced)."""
     per = [sum(tokens[i] for i in ids) for ids in assign.values()]
@@ -118,6 +126,11 @@ def token_imbalance(assign: dict[tuple[int, ...], list[int]], tokens: dict[int, 
 
 
 class Pipeline:
+    apart: Ledger | None = None
+    """While set, phases started keep their records and seconds there instead of in the step's
+    (``records``, ``phase_seconds``), even when they finish during a later step: work that is not
+    the step's (evaluation) stays out of its metrics."""
+
     def __init__(self, world: World, cfg: RLBatchConfig) -> None:
         self.world, self.cfg, self.p = world, cfg, world.placement
         self.ctl = Controller(world.comm, world.timeout_s, lambda r: describe_rank(self.p, r))
@@ -185,7 +198,8 @@ class Pipeline:
     def start(self, phase: str, roles: tuple[str, ...], work: dict[int, dict[str, Any]],
               need: dict[int, tuple[list[int], list[str]]] | None = None) -> PendingPhase:
         """Start a phase without waiting for it. Phases started after it may run alongside it on
-        other ranks, so they must not need its results; ``result()`` them in the order started."""
+        other ranks, so they must not need its results; ``result()`` them in the order started
+        (phases on samples of their own, kept ``apart``, may be waited for later)."""
         start = time.perf_counter()
         moves = self._moves(need or {})
         ranks = sorted(set(work) | {m.src for m in moves} | {m.dst for m in moves})
@@ -195,7 +209,7 @@ class Pipeline:
                 "moves": [m for m in moves if r in (m.src, m.dst)]} | self._discard_on(r, discard)
             for r in ranks
         }
-        return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank), start)
+        return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank), start, self.apart)
 
     def produced(self, ranks: int | tuple[int, ...], sid: int, field: str, length: int) -> None:
         """``field`` of sample ``sid`` (``length`` values) is now held by ``ranks``."""
@@ -222,8 +236,10 @@ class Pipeline:
 
 
 class PendingPhase:
-    def __init__(self, pipe: Pipeline, phase: str, moves: list[Move], call: Call, start: float) -> None:
+    def __init__(self, pipe: Pipeline, phase: str, moves: list[Move], call: Call, start: float,
+                 ledger: Ledger | None = None) -> None:
         self.pipe, self.phase, self.moves, self.call, self.start = pipe, phase, moves, call, start
+        self.ledger = ledger
         pipe.started += 1
         self.seq = pipe.started
 
@@ -238,15 +254,17 @@ class PendingPhase:
             for sid in m.ids:
                 for f in m.fields:
                     p.where[(sid, f)].add(m.dst)
+        book = self.ledger or Ledger(p.records, p.phase_seconds)  # the step's, as they are now
+        records, phase_seconds = book.records, book.phase_seconds
         for r, rep in replies.items():
             if "rec" in rep:
-                p.records.append(rep["rec"] | {"rank": r})
+                records.append(rep["rec"] | {"rank": r})
         if overlapped:
             seconds = max((rep["rec"]["seconds"] + rep["xfer"]["seconds"] for rep in replies.values() if "rec" in rep),
                           default=0.0)
         else:
             seconds = time.perf_counter() - self.start
-        p.phase_seconds[self.phase] = p.phase_seconds.get(self.phase, 0.0) + seconds
+        phase_seconds[self.phase] = phase_seconds.get(self.phase, 0.0) + seconds
         return {r: rep["out"] for r, rep in replies.items() if "out" in rep}
 
 

@@ -109,8 +109,9 @@ class Loop:
 
     def generate(self, step: int) -> Rollouts:
         """The step's rollouts, scoring started alongside (``scoring.result()`` waits): generated
-        now, or ahead of time with ``algo.max_staleness`` (``rlbatch.scheduler.ahead``)."""
-        return self.queue.take(step)
+        now, or ahead of time with ``algo.max_staleness`` (``rlbatch.scheduler.ahead``). A held-out
+        evaluation waiting to run alongside the training is queued behind it on the inference ranks."""
+        return self.queue.take(step, behind=self.evaluation.behind())
 
     def train_actor(self, rollouts: Rollouts, targets: dict[str, Any]) -> dict[str, float]:
         """One batch of actor updates; the rollouts' staleness (policy versions between the one
@@ -133,7 +134,9 @@ class Loop:
             self.pipe.announce(phase_for(self.actor_train.name, "sync").name)
 
     def sync(self) -> None:
-        """The actor's weights to the inference engine (which finishes the generation it runs first)."""
+        """The actor's weights to the inference engine (which finishes the generation it runs first,
+        and a held-out evaluation of the weights it replaces)."""
+        self.evaluation.before_sync()
         self.actor_train.sync_weights(self.actor_infer)
         self.queue.synced(self.version)
 
@@ -170,15 +173,23 @@ class Loop:
                  extra: dict[str, float]) -> None:
         """Drop the step's samples, log its row (reward_mean: over every sample generated this
         step), checkpoint when due, and decide whether to stop. The held-out evaluation of the
-        weights just synced, when due, goes into the row (``rlbatch.scheduler.evaluation``)."""
+        weights just synced, when due, goes into the row (``rlbatch.scheduler.evaluation``): run
+        now, or where the placement allows alongside the next step, the row then written at the
+        next step's end, before that step's (a step whose checkpoint is saved is evaluated now)."""
         self.pipe.forget(rollouts.ids)
-        extra = extra | self.evaluation.after_step(step, self.version)
-        step_s = time.perf_counter() - self.t0
-        self.metrics.log(step_row(step, generated, rollouts, stats, self.pipe.phase_seconds, self.pipe.records,
-                                  step_s, self.t0_wall) | extra)
+        for held in self.evaluation.finished(self.pipe.records):  # the row of the step before, evaluated meanwhile
+            self.metrics.log(held)
         last = step == int(self.cfg.steps) - 1
+        saving = last or bool(self.cfg.save_every and (step + 1) % int(self.cfg.save_every) == 0)
+        extra = extra | self.evaluation.after_step(step, self.version, self.pipe.records, defer=not saving)
+        step_s = time.perf_counter() - self.t0
+        row = step_row(step, generated, rollouts, stats, self.pipe.phase_seconds, self.pipe.records, step_s,
+                       self.t0_wall) | extra
         self.stop = None if last else self.preemption.reason_to_stop(step_s, self.ckpt.last_save_s)
-        if last or self.stop or (self.cfg.save_every and (step + 1) % int(self.cfg.save_every) == 0):
+        ready = self.evaluation.hold(row, now=bool(self.stop))  # None: it waits for an evaluation
+        if ready is not None:
+            self.metrics.log(ready)
+        if saving or self.stop:
             self.ckpt.save(step, self.stop or ("end of run" if last else "save_every"))
 
     def finish(self) -> dict[str, str]:
