@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import unicodedata
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 NAME = "A-Za-z0-9_.+-"  # a character class; '-' last, so extra characters go in front of it
@@ -213,3 +214,16 @@ def parameter_problems(params: Mapping[str, Any], run_dir: Any) -> list[str]:
     if (p := run_dir_problem(run_dir)) is not None:
         problems.append(p)
     return problems
+
+
+def on_cpu(plain: Mapping[str, Any]) -> bool | None:
+    """Whether the GPU roles' ranks run on CPUs: cluster.device, or for 'auto' on cluster=local
+    whether this machine has NVIDIA devices; None when unknown (a Slurm job's nodes with device=auto)."""
+    cluster = plain.get("cluster")
+    cluster = cluster if isinstance(cluster, Mapping) else {}
+    device = cluster.get("device", "auto")
+    if device in ("cpu", "cuda"):
+        return device == "cpu"
+    if cluster.get("name", "local") == "local":
+        return not any(Path("/dev").glob("nvidia[0-9]*"))
+    return None

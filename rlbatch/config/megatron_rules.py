@@ -3,15 +3,18 @@ pipeline stages, its attention heads and MLP over tensor-parallel ranks, its rou
 expert-parallel ranks (the shape of ``model``: its config.json, or the random-init fields); and the
 layouts it does not build or megatron-core refuses (AReaL's hybrid attn|ffn layout; training a
 Mixture-of-Experts model under tensor parallelism without sequence parallelism; expert parallelism
-with tensor parallelism or with the distributed optimizer; training in fp16). The engine refuses the same at build, with the same numbers."""
+with tensor parallelism or with the distributed optimizer; training in fp16); and ranks without a
+GPU when no CPU shim is installed (``megatron_device.needs_cuda``: the message the ranks would stop with). The engine refuses the same at build, with the same numbers."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.config.cluster_rules import on_cpu
 from rlbatch.config.runnable import RoleEngine, section
 from rlbatch.config.schema import TRAINABLE_ROLES
+from rlbatch.engines.train.megatron_device import needs_cuda
 from rlbatch.errors import ConfigError
 
 
@@ -22,11 +25,13 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
     mine = [e for e in engines if e.backend.engine == "megatron" and not e.inherited]
     if not mine:
         return []
+    problems = []
+    if on_cpu(plain) and (why := needs_cuda("cpu")) is not None:  # the ranks would start, then stop with it
+        problems += [f"roles.{e.role}.backend: {why}" for e in mine]
     try:
         spec = spec_from_config(plain.get("model") or {})
     except (ConfigError, OSError, ValueError, TypeError):  # the model checks report it
-        return []
-    problems = []
+        return problems
     for e in mine:
         b, d = e.backend, e.backend.dims  # a hybrid spec's dims: attn's
         field = f"roles.{e.role}.backend"

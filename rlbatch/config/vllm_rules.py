@@ -21,9 +21,9 @@ import math
 import os
 import subprocess
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from rlbatch.config.cluster_rules import on_cpu
 from rlbatch.config.runnable import RoleEngine, section
 from rlbatch.engines.registry import VLLMArgs, parse_args
 from rlbatch.engines.vllm_limits import (
@@ -41,18 +41,6 @@ from rlbatch.placement import Placement
 
 MiB = float(1 << 20)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-def on_cpu(plain: Mapping[str, Any]) -> bool | None:
-    """Whether the ranks run on CPUs: cluster.device, or for 'auto' on cluster=local whether this
-    machine has NVIDIA devices; None when unknown (a Slurm job's nodes with device=auto)."""
-    cluster = section(plain, "cluster")
-    device = cluster.get("device", "auto")
-    if device in ("cpu", "cuda"):
-        return device == "cpu"
-    if cluster.get("name", "local") == "local":
-        return not any(Path("/dev").glob("nvidia[0-9]*"))
-    return None
 
 
 def _hardware(plain: Mapping[str, Any]) -> dict[str, float]:

@@ -91,6 +91,7 @@ def test_fp32_parameters_are_their_own_main_weights() -> None:
     assert all(main.of[p] is p for p in model.parameters()) and main.copies() == []
 
 
+@pytest.mark.usefixtures("megatron_runs_here")
 def test_training_in_fp16_is_refused_before_start_and_a_forward_only_role_may_run_it(tmp_path: Path) -> None:
     c = dataclasses.asdict(RLBatchConfig())
     c["run_dir"] = str(tmp_path / "run")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from rlbatch.config.cluster_rules import on_cpu
 from rlbatch.config.validate import check
-from rlbatch.config.vllm_rules import on_cpu
 from rlbatch.launch.__main__ import main
 from rlbatch.launch.compose import CONF_DIR, compose
 from tests.unit.test_sbatch_golden import CASES, GOLDEN
@@ -47,6 +47,11 @@ CPU_HEAD_DIM = ["roles.actor_infer: vllm on CPU needs head_dim in"] if on_cpu({"
 """cluster=local on a machine without a GPU runs vLLM's CPU build, which has no kernel for the tiny
 model's head_dim 16 (a Slurm job's nodes are not judged)."""
 
+def cpu_megatron(*roles: str) -> list[str]:
+    """On cluster=local without a GPU the megatron engine's roles are refused too (it needs CUDA)."""
+    return [f"roles.{r}.backend: the megatron engine needs CUDA" for r in roles] if CPU_HEAD_DIM else []
+
+
 SANDBOX_WITHOUT_CODE = "roles.code_sandbox: runs code against a problem's tests, but data.name=synthetic has none"
 """ROLL's mixed example names 8 code_sandbox workers: a train run needs a code task for them."""
 
@@ -66,8 +71,9 @@ REFUSED: dict[tuple[str, str], list[str]] = {
         "ranks e=4, but the model has none", *[
         f"roles.{role}.backend: '{spec}' splits the model's attention over tensor-parallel ranks t=4, but "
         "num_kv_heads=2" for role, spec in (("actor_train", "megatron:d2p2t4e4"), ("reference", "megatron:d2p2t4"))],
-        *CPU_HEAD_DIM],
-    ("roles", "areal_moe_hybrid_32gpu"): [*GOLDEN_REFUSED["areal_moe_hybrid_32gpu"], *CPU_HEAD_DIM],
+        *CPU_HEAD_DIM, *cpu_megatron("actor_train", "reference")],
+    ("roles", "areal_moe_hybrid_32gpu"): [*GOLDEN_REFUSED["areal_moe_hybrid_32gpu"], *CPU_HEAD_DIM,
+                                          *cpu_megatron("actor_train")],
     ("roles", "ppo_critic_8gpu"): [
         FSDP_T2.format("fsdp:d4t2"),
         "roles.critic: enabled, but algo.name=grpo does not use a critic (programs that do: ['ppo'])",

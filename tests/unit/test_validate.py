@@ -88,6 +88,7 @@ WHY_NOT_C = ("(context parallelism (c) needs TransformerEngine's attention (mega
 SUPPORTED = "engine 'megatron' supports d (data), t (tensor), p (pipeline), e (expert) only in this build"
 
 
+@pytest.mark.usefixtures("megatron_runs_here")
 def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_and_the_layout_not_built(cfg: dict[str, Any]) -> None:
     c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
     hybrid = ("is a hybrid layout (attention and MLP on different meshes), which the megatron engine does not "
@@ -100,6 +101,7 @@ def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_and_the_layout_no
     assert problems(c) == [f"roles.actor_train.backend: 'megatron:(attn:d4p2t2|ffn:d2p2t2e2)' {hybrid}"]
 
 
+@pytest.mark.usefixtures("megatron_runs_here")
 def test_megatron_expert_parallelism_needs_a_mixture_of_experts_model_and_refuses_what_is_not_built(
         cfg: dict[str, Any]) -> None:
     moe = set_(cfg, model__arch="qwen2_moe")  # 4 routed experts
@@ -130,6 +132,7 @@ def test_megatron_expert_parallelism_needs_a_mixture_of_experts_model_and_refuse
         "leave it false"]
 
 
+@pytest.mark.usefixtures("megatron_runs_here")
 def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_expert(cfg: dict[str, Any]) -> None:
     assert set(check(on_ranks(cfg, 2, "megatron:t2", "hf:d2")).roles) >= {"actor_train", "reference"}
     assert check(on_ranks(cfg, 4, "megatron:d2t2", "hf:d4")).roles["actor_train"].mesh == (
@@ -140,6 +143,7 @@ def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_exp
         f"roles.actor_train.backend: {SUPPORTED}; got c=2 in 'megatron:c2' " + WHY_NOT_C]
 
 
+@pytest.mark.usefixtures("megatron_runs_here")
 def test_megatron_splits_that_do_not_divide_are_refused_with_the_numbers(cfg: dict[str, Any]) -> None:
     c = set_(on_ranks(cfg, 4, "megatron:p4", "hf:d4"), model__num_layers=6)
     assert problems(c) == [
@@ -234,6 +238,7 @@ def test_ppo_runs_with_a_critic_and_refuses_what_it_cannot_run(cfg: dict[str, An
         "would never train"]
 
 
+@pytest.mark.usefixtures("megatron_runs_here")
 def test_a_critic_inherits_megatron_and_an_engine_without_a_value_head_is_refused(
         cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     c = ppo(cfg, roles__actor_train={"device_mapping": [0, 1], "backend": "megatron:t2"})
@@ -498,6 +503,7 @@ def test_a_head_split_the_model_builder_cannot_make_is_refused_before_launch() -
     assert any("model.hidden_size 64" in p and "num_heads 3" in p for p in e.value.problems), e.value.problems
 
 
+@pytest.mark.usefixtures("megatron_runs_here")
 def test_a_reward_model_on_gpus_is_checked_before_anything_starts(cfg: dict[str, Any], tmp_path: Path) -> None:
     gpu = set_(cfg, roles__reward={"device_mapping": [0, 1], "backend": "fsdp:d2"})
     check(gpu)
