@@ -14,6 +14,7 @@ filtering (truncated responses kept out of the loss).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -78,9 +79,18 @@ def response_loss_mask(response: Tensor, eos_id: int, max_len: int) -> Tensor:
     return torch.full((n,), 0.0 if cut else 1.0)
 
 
-def token_rewards(rewards: Tensor, lengths: list[int], kl: list[Tensor] | None, kl_coef: float) -> list[Tensor]:
+TurnRewards = list[list[tuple[int, float]]]
+"""Per sample, rewards that arrived during it as (token index, reward): a trajectory's per-turn
+env rewards at the last token of the turn each followed (``Actions``)."""
+
+
+def token_rewards(rewards: Tensor, lengths: list[int], kl: list[Tensor] | None, kl_coef: float,
+                  turn_rewards: TurnRewards | None = None) -> list[Tensor]:
     """Per-token rewards: the sequence's reward on its last token, minus ``kl_coef * KL_t`` on
-    every token (InstructGPT's KL-in-reward). An empty response has no token to carry either."""
+    every token (InstructGPT's KL-in-reward). With ``turn_rewards`` each sample's listed rewards sit
+    at their tokens and the rest of its reward (the sequence's minus theirs: other scorers, shaping,
+    a baseline) on its last token, so a sample's token rewards still sum to its reward. An empty
+    response has no token to carry either."""
     out = []
     for i, n in enumerate(lengths):
         r = torch.zeros(n, dtype=torch.float32)
@@ -89,7 +99,13 @@ def token_rewards(rewards: Tensor, lengths: list[int], kl: list[Tensor] | None, 
                 raise ValueError(f"sample {i}: {kl[i].numel()} per-token KL values for a response of {n} tokens")
             r -= kl_coef * kl[i].float()
         if n:
-            r[-1] += rewards[i].float()
+            rest = rewards[i].float()
+            for t, value in (turn_rewards[i] if turn_rewards is not None else ()):
+                if not 0 <= t < n:
+                    raise ValueError(f"sample {i}: a turn's reward at token {t} of a response of {n} tokens")
+                r[t] += value
+                rest = rest - value
+            r[-1] += rest
         out.append(r)
     return out
 
@@ -119,24 +135,30 @@ def whiten_tokens(per_token: list[Tensor], eps: float = 1e-8) -> list[Tensor]:
 
 
 def reinforce_pp_advantages(rewards: Tensor, lengths: list[int], kl: list[Tensor] | None, kl_coef: float,
-                            gamma: float, group_size: int | None = None, eps: float = 1e-8) -> list[Tensor]:
+                            gamma: float, group_size: int | None = None, eps: float = 1e-8,
+                            turn_rewards: TurnRewards | None = None) -> list[Tensor]:
     """REINFORCE++ (``group_size=None``) or REINFORCE++-baseline (the group's mean reward
-    subtracted first): per-token returns of the shaped rewards, whitened over the batch's tokens."""
+    subtracted first, from what sits on the last token): per-token returns of the shaped rewards
+    (``token_rewards``), whitened over the batch's tokens."""
     if group_size is not None:
         g = _groups(rewards, group_size)
         rewards = (g - g.mean(dim=1, keepdim=True)).view(-1)
-    return whiten_tokens(returns_to_go(token_rewards(rewards, lengths, kl, kl_coef), gamma), eps)
+    return whiten_tokens(returns_to_go(token_rewards(rewards, lengths, kl, kl_coef, turn_rewards), gamma), eps)
 
 
 class Actions:
     """The policy's own tokens of each response: in a trajectory its generated turns, not the
     observations between them (``loss_mask``); a single-turn response is all action. Per-token
     estimators run on the actions alone (``estimate``): returns and GAE step from one action to the
-    next across an observation, the sequence reward sits on the last action, whitening counts
-    actions only, and observation tokens get 0 (as verl's masked GAE does)."""
+    next across an observation, the sequence reward sits on the last action (but for the per-turn
+    rewards given to an estimator that takes them, each at its turn's last action), whitening
+    counts actions only, and observation tokens get 0 (as verl's masked GAE does)."""
 
-    def __init__(self, masks: list[Tensor]) -> None:
+    def __init__(self, masks: list[Tensor], turn_rewards: TurnRewards | None = None) -> None:
         self.masks = [m.bool() for m in masks]
+        self.turn_rewards = turn_rewards
+        """Each response's per-turn rewards at the index (among its actions) of the last token of
+        the turn each followed: an estimator that takes ``turn_rewards`` gets them."""
 
     def take(self, per_token: list[Tensor]) -> list[Tensor]:
         """Each response's values at its actions."""
@@ -159,6 +181,8 @@ class Actions:
                                   "kl": self.take(kl) if kl is not None else None}
         if values is not None:
             kwargs["values"] = self.take(values)
+        if self.turn_rewards is not None and "turn_rewards" in inspect.signature(estimator).parameters:
+            kwargs["turn_rewards"] = self.turn_rewards
         out = estimator(rewards, group_size, algo, **kwargs)
         if isinstance(out, tuple):
             return tuple(self.put(o) if isinstance(o, list) else o for o in out)

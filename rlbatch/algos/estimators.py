@@ -3,7 +3,9 @@ config to the pure tensor functions of ``rlbatch.algos.core`` and ``rlbatch.algo
 
 Advantage estimators take ``(rewards [N], group_size, algo, *, lengths, kl)``: ``lengths`` are the
 response lengths, ``kl`` the per-token KL to the reference of each response when
-``algo.kl_in_reward`` (else None). Sequence-level estimators subtract ``kl_coef * sum_t KL_t`` from
+``algo.kl_in_reward`` (else None). One that also takes ``turn_rewards`` gets, in a multi-turn run,
+each trajectory's per-turn env rewards at their turns' last tokens (``advantages.TurnRewards``;
+``rewards`` still holds each whole reward). Sequence-level estimators subtract ``kl_coef * sum_t KL_t`` from
 the reward; token-level ones put ``-kl_coef * KL_t`` on each token.
 """
 
@@ -49,17 +51,18 @@ def _lengths(lengths: list[int] | None) -> list[int]:
 
 
 def reinforce_pp(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int] | None = None,
-                 kl: list[Tensor] | None = None) -> list[Tensor]:
-    """REINFORCE++: per-token returns (KL on each token when kl_in_reward), whitened over the batch."""
+                 kl: list[Tensor] | None = None, turn_rewards: adv.TurnRewards | None = None) -> list[Tensor]:
+    """REINFORCE++: per-token returns (KL on each token when kl_in_reward; a trajectory's per-turn
+    rewards at their turns), whitened over the batch."""
     return adv.reinforce_pp_advantages(rewards, _lengths(lengths), kl, float(algo.kl_coef), float(algo.gamma),
-                                       None, float(algo.adv_eps))
+                                       None, float(algo.adv_eps), turn_rewards)
 
 
 def reinforce_pp_baseline(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int] | None = None,
-                          kl: list[Tensor] | None = None) -> list[Tensor]:
+                          kl: list[Tensor] | None = None, turn_rewards: adv.TurnRewards | None = None) -> list[Tensor]:
     """REINFORCE++-baseline: REINFORCE++ after subtracting each group's mean reward."""
     return adv.reinforce_pp_advantages(rewards, _lengths(lengths), kl, float(algo.kl_coef), float(algo.gamma),
-                                       group_size, float(algo.adv_eps))
+                                       group_size, float(algo.adv_eps), turn_rewards)
 
 
 def ppo_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, algo: Any,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlbatch.algos.advantages import token_rewards, whiten_tokens
+from rlbatch.algos.advantages import TurnRewards, token_rewards, whiten_tokens
 from rlbatch.algos.core import masked_mean
 from rlbatch.algos.registry import AGGREGATIONS
 
@@ -48,13 +48,15 @@ def gae(rewards: list[Tensor], values: list[Tensor], gamma: float, lam: float) -
 
 
 def gae_estimator(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int], kl: list[Tensor] | None = None,
-                  values: list[Tensor] | None = None) -> tuple[list[Tensor], list[Tensor]]:
+                  values: list[Tensor] | None = None,
+                  turn_rewards: TurnRewards | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """The ``gae`` advantage estimator (PPO): per-token rewards (the task reward on the last token,
-    minus ``kl_coef * KL_t`` when ``kl`` is given), GAE over the critic's ``values``, advantages
-    whitened over the batch's tokens when ``algo.whiten_advantages``. Returns (advantages, returns)."""
+    a trajectory's per-turn rewards at their turns, minus ``kl_coef * KL_t`` when ``kl`` is given),
+    GAE over the critic's ``values``, advantages whitened over the batch's tokens when
+    ``algo.whiten_advantages``. Returns (advantages, returns)."""
     if values is None:
         raise ValueError("the gae advantage estimator needs the critic's values (algo.name=ppo with a critic role)")
-    per_token = token_rewards(rewards, lengths, kl, float(algo.kl_coef))
+    per_token = token_rewards(rewards, lengths, kl, float(algo.kl_coef), turn_rewards)
     advantages, returns = gae(per_token, values, float(algo.gamma), float(algo.lam))
     if algo.whiten_advantages:
         advantages = whiten_tokens(advantages, float(algo.adv_eps))

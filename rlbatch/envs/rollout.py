@@ -59,6 +59,9 @@ class Trajectory:
     """The behaviour log-prob of each generated token; 0 on observation tokens (masked)."""
     rewards: list[float] = field(default_factory=list)
     """The env's reward after each turn."""
+    reward_at: list[int] = field(default_factory=list)
+    """For each reward, the tokens the policy had generated when it came (its turn's end among the
+    trajectory's actions)."""
     turns: int = 0
     end: str = ""
     """Why it ended (``rlbatch.envs.base.END_REASONS``)."""
@@ -170,6 +173,7 @@ class Rollout:
             traj.observed += len(tokens)
         if not opening:  # an episode's start gives an observation only
             traj.rewards.append(float(step.reward))
+            traj.reward_at.append(traj.generated)
         if step.done:
             traj.end = str(step.end)
         elif full:  # no room left for a turn

@@ -103,7 +103,8 @@ def summary(traj: Trajectory) -> dict[str, Any]:
     info = traj.info or {}
     return {"reward": traj.reward, "turns": traj.turns, "end": traj.end, "generated": traj.generated,
             "observed": traj.observed, "env_seconds": float(info.get("env_seconds", 0.0)),
-            "tool_calls": dict(info.get("tool_calls") or {}), "spans": spans(traj.loss_mask)}
+            "tool_calls": dict(info.get("tool_calls") or {}), "spans": spans(traj.loss_mask),
+            "turn_rewards": [(n - 1, r) for n, r in zip(traj.reward_at, traj.rewards, strict=True) if n > 0 and r]}
 
 
 def spans(loss_mask: list[int]) -> list[tuple[int, int]]:
@@ -129,6 +130,15 @@ def action_masks(episodes: Mapping[int, Mapping[str, Any]], ids: list[int], leng
             m[start : start + length] = True
         masks.append(m)
     return masks
+
+
+def turn_rewards_of(episodes: Mapping[int, Mapping[str, Any]], ids: list[int]) -> list[list[tuple[int, float]]] | None:
+    """Each sample's non-zero per-turn env rewards as (action index, reward): the index among its
+    generated tokens of the last token of the turn the reward followed (``Actions``); None for
+    single-turn samples."""
+    if not episodes:
+        return None
+    return [[(int(i), float(r)) for i, r in episodes[sid].get("turn_rewards", ())] for sid in ids]
 
 
 def trajectory_stats(episodes: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:

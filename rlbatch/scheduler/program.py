@@ -164,10 +164,10 @@ class Loop:
     def actions(self, rollouts: Rollouts, lengths: list[int]) -> Actions | None:
         """With an environment, each response's actions (its generated turns) for the per-token
         estimators; None for single-turn responses (every token an action)."""
-        from rlbatch.envs.trajectories import action_masks
+        from rlbatch.envs.trajectories import action_masks, turn_rewards_of
 
         masks = action_masks(rollouts.episodes, rollouts.ids, lengths)
-        return Actions(masks) if masks is not None else None
+        return Actions(masks, turn_rewards_of(rollouts.episodes, rollouts.ids)) if masks is not None else None
 
     def end_step(self, step: int, rollouts: Rollouts, generated: torch.Tensor, stats: dict[str, float],
                  extra: dict[str, float]) -> None:

@@ -103,6 +103,7 @@ def test_the_trained_tokens_are_the_generated_ones_and_the_observations_byte_for
         assert (traj.turns, traj.end, traj.generated, traj.observed) == (3, "done", 6, 6)
         assert traj.reward == pytest.approx(0.0 if d == 2 else 1.0)
         assert len(traj.rewards) == 3 and traj.info["turns"] == 3
+        assert traj.reward_at == [2, 4, 6]  # each turn's reward after its answer and EOS: 2 generated tokens a turn
 
 
 def test_a_trajectory_goes_on_while_another_env_is_slow_and_the_barrier_waits() -> None:
