@@ -203,10 +203,13 @@ def device(monkeypatch: pytest.MonkeyPatch) -> Device:
     monkeypatch.setattr(torch.cuda, "empty_cache", d.empty_cache)
     # The engine's generate imports vLLM's request types; vLLM itself takes ~30 s to import here.
     stub, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
+    sampling = types.ModuleType("vllm.sampling_params")
     stub.SamplingParams = lambda **kw: SimpleNamespace(**kw)  # type: ignore[attr-defined]
     inputs.TokensPrompt = lambda **kw: kw  # type: ignore[attr-defined]
+    sampling.RequestOutputKind = SimpleNamespace(CUMULATIVE=0, DELTA=1, FINAL_ONLY=2)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", stub)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling)
     return d
 
 
