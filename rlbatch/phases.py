@@ -11,6 +11,7 @@ Torch-free: the planner imports it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -67,6 +68,8 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("execute", "code_sandbox", "score", (), ("response",), ("code_reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
               Dispatch.SHARDS, "logprobs"),
+    PhaseSpec("base_logprobs", "actor_train", "base_logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
+              Dispatch.SHARDS, "logprobs"),
     PhaseSpec("values", "critic", "values", ("params",), ("prompt", "response"), ("values",),
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response"), ("old_logprobs",),
@@ -88,7 +91,9 @@ wrote is simply absent (``values`` without a critic; ``reward`` stays with the c
 turns it into advantages): reads also say which phases must finish first. A training phase also
 reads the fields its objective names (``objective.reads``: the behaviour log-probs for an
 off-policy correction). A field a phase writes may be absent too: ``TRAJECTORY_FIELDS`` are written
-only by a multi-turn rollout (``env.name``). ``rollout_buffer``
+only by a multi-turn rollout (``env.name``). ``base_logprobs`` writes the reference's log-probs
+from the trained policy's base model, its adapters switched off (``model.lora``: no reference role
+is placed, ``reference_is_actor_base``). ``rollout_buffer``
 reads (into a checkpoint) or restores generated samples not yet trained on (asynchronous
 training, ``algo.max_staleness``)."""
 
@@ -109,16 +114,20 @@ def phase(name: str) -> PhaseSpec:
 
 
 def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reuse_batch: bool,
-                kl_in_reward: bool, code_sandbox: bool = False, rule_reward: bool = True) -> list[str]:
+                kl_in_reward: bool, code_sandbox: bool = False, rule_reward: bool = True,
+                base_reference: bool = False) -> list[str]:
     """The phases one step runs, in the controller's order: the policy-gradient loop, or PPO's
     with ``critic`` (values before the advantages, the critic's training before the actor's).
 
     ``reuse_batch``: more than one optimizer step per batch, so the policy before the updates must
     be recorded (old_logprobs); ``kl_in_reward`` needs it too (the KL is taken before updating).
     ``code_sandbox``: responses also run against their tests (``execute``); ``rule_reward``: the
-    reward role scores them with data.reward_fn."""
+    reward role scores them with data.reward_fn; ``base_reference``: the reference's log-probs are
+    the trained policy's base model's (``model.lora``), taken on its ranks instead of a reference role's."""
     out = ["generate", *(["score"] if rule_reward else []), *(["execute"] if code_sandbox else [])]
-    if kl_to_reference and has_reference:
+    if kl_to_reference and base_reference:
+        out.append("base_logprobs")
+    elif kl_to_reference and has_reference:
         out.append("ref_logprobs")
     if critic:
         out.append("values")
@@ -127,6 +136,14 @@ def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reu
     if critic:
         out.append("critic_train")
     return [*out, "train", "sync"]
+
+
+def reference_is_actor_base(lora: object) -> bool:
+    """Whether the reference's log-probs come from the trained policy's base model, its adapters
+    off (``model.lora`` with a rank: the reference is that base model, so no reference role is
+    placed). ``lora``: the ``model.lora`` section (a mapping or the schema's dataclass) or None."""
+    rank = lora.get("rank", 0) if isinstance(lora, Mapping) else getattr(lora, "rank", 0)
+    return isinstance(rank, int) and not isinstance(rank, bool) and rank > 0
 
 
 def phase_for(role: str, op: str) -> PhaseSpec:

@@ -149,7 +149,7 @@ class ClusterConfig:
 class LoraConfig:
     """Low-rank adapters on the policy (docs/lora.md): the trained role learns ``rank``-r adapters of
     the ``target_modules`` linear layers through PEFT while the base weights stay frozen; inference
-    engines get the merged weights."""
+    engines get the merged weights, or the adapters alone where they load them (``sync``)."""
 
     rank: int = bounded(0, ge=0)
     """Adapter rank r; 0: no adapters (full fine-tuning)."""
@@ -160,6 +160,10 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Names (suffixes) of the linear layers that get adapters, e.g. [q_proj, v_proj]; 'all-linear':
     every linear layer of the decoder (not the LM head)."""
+    sync: str = "auto"
+    """What the weight sync moves into the inference engine: 'merged' (every weight, the adapters
+    merged in), 'adapter' (the adapters alone; the engine keeps the base it started with), 'auto':
+    the adapters where the inference engine loads them (vllm), else merged (hf)."""
 
 
 @dataclass

@@ -53,6 +53,7 @@ from rlbatch.config.vllm_rules import vllm_problems
 from rlbatch.envs.checks import env_problems
 from rlbatch.errors import ConfigError
 from rlbatch.models.lora import lora_problems
+from rlbatch.phases import reference_is_actor_base
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
 from rlbatch.sandbox.limits import Limits
@@ -322,10 +323,11 @@ def _check_algo_vs_roles(cfg: Mapping[str, Any], placement: Placement | None) ->
     problems.extend(_check_async(algo))
     problems.extend(_check_reward_model(cfg))
     kl = algo.get("kl_coef")
-    if isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl > 0 and not _enabled(cfg, "reference"):
+    if (isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl > 0 and not _enabled(cfg, "reference")
+            and not reference_is_actor_base(_get(cfg, "model.lora"))):
         problems.append(
-            f"roles.reference: algo.kl_coef={algo.get('kl_coef')} needs the reference role; "
-            f"enable it or set algo.kl_coef=0"
+            f"roles.reference: algo.kl_coef={algo.get('kl_coef')} needs the reference role (or model.lora, whose "
+            f"reference is the policy's base model); enable it or set algo.kl_coef=0"
         )
     if _get(cfg, "data.name") in ("file", "code_file"):
         if not _get(cfg, "data.path"):

@@ -31,6 +31,7 @@ from rlbatch.engines.vllm_limits import (
     BLOCK_TOKENS_GPU,
     CPU_HEAD_SIZES,
     CPU_KV_CACHE_MB,
+    LORA_RANKS,
     kv_heads_per_rank,
     tp_heads_problem,
     valid_tp,
@@ -188,6 +189,19 @@ def _memory_problems(plain: Mapping[str, Any], e: RoleEngine, spec: ModelSpec, a
     return problems
 
 
+def _lora_rank_problem(lora: Any) -> str | None:
+    """Adapters synced alone into vLLM (``model.lora.sync`` adapter, or auto) of a rank above the
+    largest ``max_lora_rank`` vLLM takes."""
+    if not isinstance(lora, Mapping):
+        return None
+    rank, sync = lora.get("rank", 0), lora.get("sync", "auto")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= LORA_RANKS[-1] or sync not in ("auto", "adapter"):
+        return None
+    return (f"model.lora.rank: {rank}: vLLM loads adapters of rank at most {LORA_RANKS[-1]} (max_lora_rank), and "
+            f"model.lora.sync={sync} syncs the adapters alone into the vllm engine; use a lower rank or "
+            f"model.lora.sync=merged")
+
+
 def vllm_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Placement | None,
                   runnable: bool = True) -> list[str]:
     """Every vLLM role's refusals, one line each (nothing when the model's shape or the role's
@@ -214,6 +228,8 @@ def vllm_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
                 f"vLLM accepts t in {valid_tp(spec.heads, spec.kv_heads, spec.heads)} for this model "
                 f"(num_heads={spec.heads}, num_kv_heads={spec.kv_heads})")
         if cpu and (p := _head_dim_problem(e.role, spec, bool(model.get("path")))) is not None:
+            problems.append(p)
+        if (p := _lora_rank_problem(model.get("lora"))) is not None:
             problems.append(p)
         raw = (roles.get(e.role) or {}).get("engine_args")
         args = parse_args("vllm", raw if isinstance(raw, Mapping) else None, "").value

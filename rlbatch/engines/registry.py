@@ -190,7 +190,13 @@ class EngineSpec:
     into one unpadded row, the LM head only at scored positions: what the planner models."""
 
     trains_adapters: bool = False
-    """It trains low-rank adapters of the model (``model.lora``) and syncs them merged."""
+    """It trains low-rank adapters of the model (``model.lora``) and exports them merged
+    (``export_weights``) or alone (``export_adapters``, for an engine that ``loads_adapters``)."""
+    loads_adapters: bool = False
+    """An inference engine that generates with low-rank adapters beside its base weights, so a
+    ``model.lora`` policy's weight sync moves the adapters alone (``model.lora.sync``): the trainer
+    streams them through its ``export_adapters``, the engine takes them through its
+    ``load_adapters(named) -> bytes`` (PEFT's names, in buckets, as ``load_weights`` takes weights)."""
 
     @property
     def built(self) -> bool:
@@ -308,12 +314,13 @@ register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HF
 # dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
 # keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.
 register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="dt",
-                    note="pipeline-parallel vLLM (p>1) is not built yet: use vllm:dXtY", reserves_device_share=True))
+                    note="pipeline-parallel vLLM (p>1) is not built yet: use vllm:dXtY", reserves_device_share=True,
+                    loads_adapters=True))
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build",
                     reserves_device_share=True))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward"),
-                    packs_rows=True))
+                    packs_rows=True, trains_adapters=True))
 # dims "dtpe": tensor, pipeline, data and expert parallel (e over d, for Mixture-of-Experts models);
 # the placement language keeps "dtpce" so plans with context parallelism are still modelled (and
 # refused with the note before submit).

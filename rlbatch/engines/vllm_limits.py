@@ -19,6 +19,10 @@ BLOCK_TOKENS_CPU = 128
 BLOCK_TOKENS_GPU = 16
 """Tokens per KV-cache block on a GPU (``CacheConfig`` default)."""
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes for ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``): an adapter of
+rank r needs the smallest at or above r; above the last, vLLM loads no adapter."""
+
 
 def tp_heads_problem(t: int, heads: int, kv_heads: int) -> str | None:
     """vLLM's rule for splitting attention over t tensor-parallel ranks, or None when it holds:

@@ -13,15 +13,18 @@ of a seed holds the same adapters whatever the sharding.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from rlbatch.engines.base import Unit, WeightStream
 
 ALL_LINEAR = "all-linear"
 _LORA = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
@@ -77,9 +80,25 @@ def adapt(model: Any, lora: Any) -> Any:
     return get_peft_model(model, peft_config(lora))
 
 
-def adapters_off(model: Any) -> Any:
-    """A context in which a PEFT-wrapped model (FSDP2 or not) computes as its base model."""
-    return model.disable_adapter()
+@contextlib.contextmanager
+def adapters_off(model: Any) -> Iterator[None]:
+    """A context in which a PEFT-wrapped model (FSDP2 or not) computes as its base model.
+
+    Only each adapted layer's switch is flipped: PEFT's own ``disable_adapter()`` also clears the
+    adapters' ``requires_grad`` and sets it back on the module's parameters, which under FSDP2 are
+    the sharded ones, while the unsharded parameters the forward uses take their flag when first
+    gathered; a first gather inside the context would leave the adapters untrainable."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before, strict=True):
+            m._disable_adapters = was
 
 
 def base_model(model: Any) -> Any:
@@ -149,22 +168,41 @@ def base_shapes(named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return [(b, shape) for n, shape in named if (b := base_name(n)) is not None]
 
 
+def merged_stream(manifest: list[tuple[str, Any]], produce: Callable[[torch.dtype | None], Iterable[Unit]],
+                  lora: Any) -> WeightStream:
+    """A PEFT-wrapped model's ``WeightStream`` (``manifest`` and ``produce`` as the engine would stream
+    the wrapped model, each unit holding an adapted weight with its adapters) as the base model's:
+    every unit ``merged``, under the base names."""
+    from rlbatch.engines.base import WeightStream
+
+    scale = scaling(lora)
+    return WeightStream(base_shapes(manifest), lambda dtype: (merged(u, scale) for u in produce(dtype)))
+
+
+def unwrapped(name: str) -> str:
+    """A parameter's name inside PEFT's wrapper (``base_model.model.`` dropped; an adapter's keeps its
+    ``lora_A``/``lora_B`` part): the Hugging Face layout, for grouping by decoder layer."""
+    return name.removeprefix(_PREFIX)
+
+
 def lora_problems(plain: Any, engines: Sequence[Any]) -> list[str]:
     """What validation refuses about ``model.lora`` (``plain``: the config as plain mappings;
     ``engines``: the roles' parsed backends, ``rlbatch.config.runnable.RoleEngine``): a trained
     policy on an engine that does not train adapters, target modules the model does not have."""
     from rlbatch.config.plain import section
-    from rlbatch.engines.registry import spec_of
+    from rlbatch.engines.registry import REGISTRY, spec_of
 
     cfg = section(plain, "model", "lora")
     rank = cfg.get("rank", 0)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         return []  # off (its range is the schema's)
-    problems = []
+    problems = sync_problems(cfg, engines)
+    trains = [name for name, spec in REGISTRY.items() if spec.trains_adapters]
     for e in engines:
         if e.role == "actor_train" and not spec_of(e.backend.engine).trains_adapters:
             problems.append(f"model.lora.rank: {rank}: the {e.backend.engine} engine of roles.actor_train does not "
-                            f"train adapters in this build (fsdp does); use fsdp or model.lora.rank=0")
+                            f"train adapters in this build ({', '.join(trains)} do); use {' or '.join(trains)}, "
+                            f"or model.lora.rank=0")
     targets = cfg.get("target_modules", [ALL_LINEAR])
     if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
         return [*problems, f"model.lora.target_modules: {targets!r}: expected a non-empty list of module names "
@@ -206,3 +244,57 @@ def _linear_names(model_cfg: Any) -> set[str] | None:
     except Exception:  # noqa: BLE001 - the model's own checks report a model that does not build
         return None
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+SYNC_FORMS = ("auto", "merged", "adapter")
+"""``model.lora.sync``: what a LoRA policy's weight sync moves (docs/lora.md)."""
+
+
+def sync_form(lora: Any, loads_adapters: bool) -> str | None:
+    """What a weight sync into an inference engine moves: 'adapter' (the adapters alone) when
+    ``model.lora.sync`` asks for them or says 'auto' and the engine loads adapters
+    (``EngineSpec.loads_adapters``), else 'merged'; None without adapters (every weight, as trained)."""
+    if not enabled(lora):
+        return None
+    want = str(getattr(lora, "sync", "auto"))
+    return "adapter" if want == "adapter" or (want == "auto" and loads_adapters) else "merged"
+
+
+def adapter_name(name: str) -> str | None:
+    """An adapter parameter's name as PEFT saves it (the adapter's own name dropped:
+    ``base_model.model.<module>.lora_A.weight``, what vLLM reads); None for a base parameter."""
+    m = _LORA.search(name)
+    return None if m is None else f"{name[: m.start()]}.lora_{m.group(1)}.weight"
+
+
+def adapter_shapes(model: Any, lora: Any) -> dict[str, Any]:
+    """{``adapter_name``: shape} of the adapters ``adapt`` gives ``model`` (which it wraps in place:
+    pass a model built for this, on meta or about to be dropped)."""
+    return {a: p.shape for n, p in adapt(model, lora).named_parameters() if (a := adapter_name(n)) is not None}
+
+
+def adapter_config(lora: Any) -> dict[str, Any]:
+    """PEFT's adapter_config.json of ``model.lora`` as a plain mapping (what an engine that loads
+    adapters reads beside their tensors)."""
+    cfg = peft_config(lora).to_dict()
+    targets = cfg.get("target_modules")
+    if isinstance(targets, (set, frozenset)):
+        cfg["target_modules"] = sorted(targets)
+    return cfg
+
+
+def sync_problems(cfg: Any, engines: Sequence[Any]) -> list[str]:
+    """What validation refuses about ``model.lora.sync`` (``cfg``: the model.lora section, plain;
+    ``engines``: the roles' parsed backends): a value not in ``SYNC_FORMS``, and 'adapter' into an
+    inference engine that does not load adapters."""
+    from rlbatch.engines.registry import REGISTRY, spec_of
+
+    want = cfg.get("sync", "auto")
+    if want not in SYNC_FORMS:
+        return [f"model.lora.sync: {want!r} is not one of {list(SYNC_FORMS)}"]
+    if want != "adapter":
+        return []
+    loaders = sorted(name for name, spec in REGISTRY.items() if spec.loads_adapters and spec.built)
+    return [f"model.lora.sync: adapter: the {e.backend.engine} engine of roles.{e.role} does not load adapters "
+            f"({', '.join(loaders)} does); use model.lora.sync=merged (or auto: adapters where the engine loads them)"
+            for e in engines if e.role == "actor_infer" and not spec_of(e.backend.engine).loads_adapters]

@@ -16,6 +16,7 @@ from typing import Any
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND, INHERIT_DEVICE_MAPPING, ClusterConfig, RoleConfig
 from rlbatch.errors import ConfigError
+from rlbatch.phases import reference_is_actor_base
 from rlbatch.placement.backend import BackendSpec, EngineKind, parse_backend
 from rlbatch.placement.device_mapping import MAX_GPUS, parse_device_mapping
 from rlbatch.placement.placement import (
@@ -275,11 +276,13 @@ def place(cfg: Any) -> Placement:
     nodes_cfg = _int_field(cluster.get("nodes"), "cluster.nodes", problems, maximum=MAX_GPUS)
     cpus = _int_field(cluster.get("cpus_per_task", 1), "cluster.cpus_per_task", problems, maximum=1024)
 
-    gpu, cpu = _read_roles(cfg.get("roles"), problems)
+    roles, unplaced = _without_base_reference(cfg)
+    gpu, cpu = _read_roles(roles, problems)
     if gpn is None:
         raise ConfigError(problems)
 
     used = sorted({g for r in gpu for g in r.ranks})
+    problems += _idle_reference_ranks(unplaced, used)
     num_gpus = used[-1] + 1 if used else 0
     problems += _rank_problems(gpu, used, gpn, nodes_cfg)
     num_nodes = max(1, -(-num_gpus // gpn)) if nodes_cfg is None else nodes_cfg
@@ -288,6 +291,39 @@ def place(cfg: Any) -> Placement:
     if problems:
         raise ConfigError(problems)
     return _build(gpu, cpu, gpn, num_nodes, num_gpus, cpus or 1)
+
+
+def _without_base_reference(cfg: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any] | None]:
+    """``cfg.roles`` without the reference role when its log-probs are the trained policy's base
+    model's (``model.lora``: ``reference_is_actor_base``), and the reference's config so left out
+    (None when it was not)."""
+    roles = cfg.get("roles")
+    model = cfg.get("model")
+    lora = model.get("lora") if isinstance(model, Mapping) else None
+    if not isinstance(roles, Mapping) or not reference_is_actor_base(lora):
+        return roles, None
+    ref = roles.get("reference")
+    if not isinstance(ref, Mapping) or ref.get("enabled", True) is False:
+        return roles, None
+    return {k: v for k, v in roles.items() if k != "reference"}, ref
+
+
+def _idle_reference_ranks(ref: Mapping[str, Any] | None, used: list[int]) -> list[str]:
+    """A reference left out for the policy's base (``_without_base_reference``) whose own GPU ranks
+    no placed role uses: refused, as those GPUs would be requested for nothing (or leave a gap)."""
+    if ref is None or ref.get("device_mapping") is None:
+        return []
+    try:
+        ranks = parse_device_mapping(ref["device_mapping"], "roles.reference.device_mapping")
+    except ConfigError:
+        return []  # nothing of it is placed: its mapping's own mistakes do not matter
+    taken = set(used)
+    if not (idle := sorted({g for g in ranks if g not in taken})):
+        return []
+    return [f"roles.reference.device_mapping: GPU ranks {_ranges([(g, g) for g in idle], 8)} are the reference's "
+            f"alone, but with model.lora the reference's log-probs are actor_train's base model's (its adapters "
+            f"off, on actor_train's ranks) and no reference role is placed; set roles.reference.enabled=false "
+            f"or give those GPUs to another role"]
 
 
 def _rank_problems(gpu: list[_GpuRole], used: list[int], gpn: int, nodes_cfg: int | None) -> list[str]:

@@ -284,12 +284,17 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     elif b.engine == "deepspeed":
         stage = int(ea.get("zero_stage", 3))
         n = d
+        # with model.lora only the adapters have gradients, fp32 masters and AdamW moments; the
+        # frozen base stays in the compute dtype
+        G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if adapted(r, w) else P
+        if G < P and not forward_only:
+            notes.append(f"{r.name}: LoRA rank {w.lora_rank}: {G / 1e6:.1f}M trained parameters of {P / 1e6:.1f}M")
         if stage == 3:  # DeepSpeed's estimate: 18 bytes/param over all GPUs + 4 per largest-layer param
-            state = {"params": 2 * P / n} if forward_only else {"params": 2 * P / n, "grads": 4 * P / n, "optimizer": 12 * P / n}
+            state = {"params": 2 * P / n} if forward_only else {"params": 2 * P / n, "grads": 4 * G / n, "optimizer": 12 * G / n}
             buffers = 4.0 * shape.largest_module_params
         else:
             state = {"params": 2 * P} if forward_only else {
-                "params": 2 * P, "grads": 2 * P / (n if stage == 2 else 1), "optimizer": 12 * P / n}
+                "params": 2 * P, "grads": 2 * G / (n if stage == 2 else 1), "optimizer": 12 * G / n}
             buffers = 0.0
         # ZeRO-Offload (engine_args): fp32 masters, AdamW state and the fp32 gradient partitions they
         # are stepped with live in host memory; offload_params (stage 3) moves the weights' partitions too.

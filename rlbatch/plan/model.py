@@ -67,6 +67,14 @@ class ModelShape(ModelSpec):
     def adapter_params(self, rank: int, targets: tuple[str, ...] = ("all-linear",)) -> int:
         """Parameters of rank-``rank`` LoRA adapters (r x (in + out) per adapted linear layer) on the
         decoder's linear layers named by ``targets`` ('all-linear': every one; the LM head never)."""
+        return self.layers * sum(rank * (a + b) for a, b in self._adapted(targets))
+
+    def adapted_layers(self, targets: tuple[str, ...] = ("all-linear",)) -> int:
+        """The linear layers LoRA adapts for ``targets`` (each gets two adapter tensors, A and B)."""
+        return self.layers * len(self._adapted(targets))
+
+    def _adapted(self, targets: tuple[str, ...]) -> list[tuple[int, int]]:
+        """(in, out) of each adapted linear layer of one decoder layer."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         mlp = [("gate_proj", self.hidden, self.ffn)] if self.gated else []
         mlp += [("up_proj", self.hidden, self.ffn), ("down_proj", self.ffn, self.hidden)]
@@ -77,7 +85,7 @@ class ModelShape(ModelSpec):
         linears = [("q_proj", self.hidden, q), ("k_proj", self.hidden, kv), ("v_proj", self.hidden, kv),
                    ("o_proj", q, self.hidden), *mlp]
         every = list(targets) == ["all-linear"]
-        return self.layers * sum(rank * (a + b) for name, a, b in linears if every or name in targets)
+        return [(a, b) for name, a, b in linears if every or name in targets]
 
     @property
     def layer_params(self) -> int:

@@ -23,14 +23,17 @@ synchronous, and so is the prediction (with a note).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
+from rlbatch.engines.registry import spec_of
+from rlbatch.models.lora import sync_form
 from rlbatch.phases import PHASES
 from rlbatch.placement import EngineKind
 from rlbatch.plan import timing
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.hardware import Hardware
-from rlbatch.plan.layout import Layout
+from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import RoleMemory, compute_bytes, role_memory
 from rlbatch.plan.model import ModelShape
 from rlbatch.plan.schedule import GpuKind, Phase, simulate, step_phases
@@ -120,6 +123,12 @@ class Prediction:
         }
 
 
+def _adapter_sync(infer: RoleLayout, w: Workload) -> bool:
+    """A weight sync moves the adapters alone (``rlbatch.models.lora.sync_form``)."""
+    loads = infer.backend is not None and spec_of(infer.backend.engine).loads_adapters
+    return sync_form(SimpleNamespace(rank=w.lora_rank, sync=w.lora_sync), loads) == "adapter"
+
+
 def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelShape, w: Workload, e: int,
           hw: Hardware) -> dict[str, float]:
     """Features of a phase's work on its busiest GPU; several roles add up when they share GPUs."""
@@ -127,6 +136,9 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
     if ph.kind == "generate":
         return timing.generate(roles["actor_infer"], mems["actor_infer"], shape, w, e, hw, layout)
     if ph.kind == "sync":
+        if _adapter_sync(roles["actor_infer"], w):  # the adapters alone: two tensors per adapted layer
+            return timing.sync(roles["actor_train"], roles["actor_infer"], shape, e, hw, layout,
+                               2 * shape.adapted_layers(w.lora_targets), shape.adapter_params(w.lora_rank, w.lora_targets))
         return timing.sync(roles["actor_train"], roles["actor_infer"], shape, e, hw, layout, mems["actor_train"].tensors)
     if ph.kind == "reward" and not ph.active:
         role = PHASES[ph.name].role

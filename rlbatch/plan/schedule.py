@@ -40,7 +40,7 @@ def step_phases(layout: Layout, w: Workload) -> list[Phase]:
     names = phases.step_phases(kl_to_reference=w.kl, has_reference="reference" in roles,
                                critic=w.critic and "critic" in roles, reuse_batch=w.optimizer_steps > 1,
                                kl_in_reward=w.kl_in_reward, code_sandbox="code_sandbox" in roles,
-                               rule_reward="reward" in roles)
+                               rule_reward="reward" in roles, base_reference=w.lora_rank > 0)
     # A KL penalty in the reward is taken from the old log-probs and the reference's.
     extra_reads = {"old_logprobs": ("ref_logprobs",)} if w.kl_in_reward else {}
     out: list[Phase] = []

@@ -125,7 +125,9 @@ def candidates(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w
     infer_engine = parse_backend(roles["actor_infer"]["backend"]).engine
     extra = {n: rc for n, rc in roles.items() if rc and rc.get("enabled", True) is not False
              and n not in ("actor_train", "actor_infer", *WITH_TRAIN)}
-    with_train = [n for n in WITH_TRAIN if roles.get(n) and roles[n].get("enabled", True) is not False]
+    # with model.lora the reference is the policy's base model, on actor_train's GPUs: no role of its own
+    with_train = [n for n in WITH_TRAIN if roles.get(n) and roles[n].get("enabled", True) is not False
+                  and not (n == "reference" and w.lora_rank)]
     cpu_roles = {n: RoleLayout(n, None, (), True, {}, int(rc.get("world_size") or 1))
                  for n, rc in extra.items() if rc.get("device_mapping") is None}
 
@@ -243,6 +245,9 @@ def to_overrides(c: Candidate, cfg: Mapping[str, Any]) -> tuple[list[str], dict[
         lines.append(f"++model.lora.rank={c.lora}")
         model = plain.setdefault("model", {})
         model["lora"] = dict(model.get("lora") or {}) | {"rank": c.lora}
+        if (ref := plain["roles"].get("reference")) and ref.get("enabled", True) is not False:
+            lines.append("roles.reference.enabled=false")  # the reference is the policy's base model
+            plain["roles"]["reference"] = dict(ref) | {"enabled": False}
     cluster = plain.setdefault("cluster", {})
     nodes = cluster.get("nodes")
     if nodes is not None and nodes * c.layout.gpus_per_node < c.layout.num_gpus:

@@ -396,12 +396,14 @@ def execute(r: RoleLayout | None, w: Workload, hw: Hardware, cpus: int = 1) -> F
 
 
 def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout,
-         tensors: int) -> Features:
+         tensors: int, params: float | None = None) -> Features:
     """Ship actor_train's weights to actor_infer: gather full tensors, then copy in-process
-    (colocated: same GPUs) or broadcast to the inference GPUs (disaggregated)."""
+    (colocated: same GPUs) or broadcast to the inference GPUs (disaggregated). ``params`` and
+    ``tensors``: what moves (the adapters alone with ``model.lora`` into an engine that loads them;
+    default every weight)."""
     bt, bi = train.backend, infer.backend
     assert bt is not None and bi is not None
-    size = e * shape.params
+    size = e * (shape.params if params is None else params)
     rt = rates(hw, layout, layout.ranks_per_node(train.ranks))
     n, dl = _dp_link(layout, train, hw)
     # rlbatch's fsdp engine gathers a one-unit model without mixed precision (CPU) in one collective;

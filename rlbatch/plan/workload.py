@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from rlbatch.phases import reference_is_actor_base
+
 SYNTHETIC_PROMPT_LEN = 5
 """The built-in task's prompts: '<bos>a+b=' is 5 tokens (rlbatch/data/synthetic.py, tokenizer.py)."""
 DEFAULT_PROMPT_LEN = 512
@@ -80,7 +82,8 @@ class Workload:
     epochs: int = 1
     grad_accum: int = 1
     kl: bool = True
-    """The reference role's log-probs are needed (kl_coef > 0)."""
+    """The reference's log-probs are needed (kl_coef > 0): the reference role's, or with
+    ``model.lora`` the trained policy's base model's (``lora_rank``)."""
     critic: bool = False
     """PPO: the critic computes values and trains."""
     kl_in_reward: bool = False
@@ -103,6 +106,8 @@ class Workload:
     """``model.lora.rank``: the trained policy learns adapters of this rank (0: every weight)."""
     lora_targets: tuple[str, ...] = ("all-linear",)
     """``model.lora.target_modules``."""
+    lora_sync: str = "auto"
+    """``model.lora.sync``: what a weight sync moves with adapters (``rlbatch.models.lora.sync_form``)."""
 
     @property
     def seq_len(self) -> float:
@@ -210,7 +215,7 @@ def workload_from_config(
         prompt_len=float(p), response_mean=max(1.0, min(float(mean), cap)), response_max=cap,
         max_new_tokens=cap, samples_per_prompt=int(algo.get("samples_per_prompt", 8)), mini_batches=int(algo.get("mini_batches", 1)), epochs=int(algo.get("epochs", 1)),
         grad_accum=int(algo.get("grad_accum", 1)),
-        kl=float(algo.get("kl_coef", 0.0)) > 0 and ref.get("enabled", True) is not False,
+        kl=float(algo.get("kl_coef", 0.0)) > 0 and (ref.get("enabled", True) is not False or reference_is_actor_base(lora)),
         critic=algo.get("name") == "ppo" and critic.get("enabled", False) is not False,
         kl_in_reward=bool(algo.get("kl_in_reward", False)) and float(algo.get("kl_coef", 0.0)) > 0,
         entropy=float(algo.get("entropy_coef", 0.0)) > 0,
@@ -220,4 +225,5 @@ def workload_from_config(
         prompt_len_assumed=prompt_len is None and not synthetic,
         response_assumed=response_mean is None,
         lora_rank=int(lora.get("rank", 0) or 0), lora_targets=tuple(lora.get("target_modules") or ("all-linear",)),
+        lora_sync=str(lora.get("sync", "auto")),
     )

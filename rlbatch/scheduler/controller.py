@@ -21,6 +21,7 @@ from rlbatch.algos.objective import objective_for
 from rlbatch.config.schema import RLBatchConfig, role_algo
 from rlbatch.engines.defaults import max_tokens_per_micro_batch
 from rlbatch.engines.registry import engine_args, spec_of
+from rlbatch.models import lora
 from rlbatch.phases import PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
 from rlbatch.runtime.control import Call, Controller
@@ -486,14 +487,15 @@ class Role:
         return self._start_sharded(phase_for(self.name, "logprobs"), assign, [])
 
     def logprobs(self, ro: Rollouts, kl_estimator: str | None = None, skip_first_mini_batch: bool = False,
-                 ) -> dict[int, Any]:
-        """This role's log-probs of the rollouts (reference: ref_logprobs; actor_train: old_logprobs),
-        kept on its ranks; returns each sample's per-token KL to the reference with ``kl_estimator``.
+                 op: str = "logprobs") -> dict[int, Any]:
+        """This role's log-probs of the rollouts (reference: ref_logprobs; actor_train: old_logprobs,
+        or with ``op="base_logprobs"`` its base model's as ref_logprobs), kept on its ranks; returns
+        each sample's per-token KL to the reference with ``kl_estimator``.
 
         ``skip_first_mini_batch``: leave out the samples each shard will train on first. The first
         mini-batch of a single epoch is trained before any update, so its old log-probs are the
         current ones, which the training forward computes anyway (same result, less work)."""
-        spec = phase_for(self.name, "logprobs")
+        spec = phase_for(self.name, op)
         assign = self._assign(ro)
         if skip_first_mini_batch:
             mbs = int(self.pipe.cfg.algo.mini_batches)
@@ -542,6 +544,16 @@ class Role:
         train_ranks, infer_ranks = set(self.ranks), set(infer.ranks)
         local = infer_ranks <= train_ranks
         bucket = int(engine_args(self.placement.engine, self.placement.engine_args).sync_bucket_mb) << 20
-        work = {r: {"src": min(self.ranks), "local": local, "bucket_bytes": bucket} for r in train_ranks | infer_ranks}
-        self.pipe.run(spec.name, (self.name, infer.name), work)
+        # A LoRA policy's sync moves the adapters alone where the inference engine loads them.
+        form = lora.sync_form(getattr(self.pipe.cfg.model, "lora", None), spec_of(infer.placement.engine).loads_adapters)
+        src = min(self.ranks)
+        work = {r: {"src": src, "local": local, "bucket_bytes": bucket, "form": form or "merged"}
+                for r in train_ranks | infer_ranks}
+        out = self.pipe.run(spec.name, (self.name, infer.name), work)
+        # The bytes the sync moved (the most any rank sent or loaded) ride on the sender's record of
+        # the phase, which the step's metrics reduce (``sync/bytes``).
+        moved = max((float(o.get("bytes", 0.0)) for o in out.values()), default=0.0)
+        rec = next((r for r in reversed(self.pipe.records) if r["phase"] == spec.name and r["rank"] == src), None)
+        if rec is not None:
+            rec["sync_bytes"] = rec.get("sync_bytes", 0.0) + moved
 

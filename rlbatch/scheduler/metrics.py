@@ -37,6 +37,8 @@ def reduce_records(records: list[dict[str, Any]]) -> dict[str, float]:
         for role in rec["roles"]:
             key = f"mem/{role}/peak_allocated"
             out[key] = max(out.get(key, 0.0), float(rec["peak_allocated"]))
+        if "sync_bytes" in rec:  # the step's weight syncs: bytes moved (rlbatch.scheduler.controller.Role.sync_weights)
+            out["sync/bytes"] = out.get("sync/bytes", 0.0) + float(rec["sync_bytes"])
         out["mem/reserved"] = max(out.get("mem/reserved", 0.0), float(rec["mem_reserved_after"]))
         out["host/rss"] = max(out.get("host/rss", 0.0), float(rec["rss_after"]))
         # Peak RSS per phase and of the start-up, the maximum over ranks (0: not measured).

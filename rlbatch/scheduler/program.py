@@ -25,7 +25,7 @@ from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
 from rlbatch.algos.value import explained_variance
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import make_stream
-from rlbatch.phases import phase_for
+from rlbatch.phases import phase_for, reference_is_actor_base
 from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
 from rlbatch.runtime.rundir import RunDir
@@ -77,7 +77,13 @@ class Loop:
         self.scoring = Scoring(self.pipe, cfg)
         self.data, fingerprint = make_stream(cfg.data, int(cfg.seed), cfg.model, int(cfg.eval.holdout),
                                              int(cfg.eval.holdout_seed))
-        self.kl_in_reward = bool(self.a.kl_in_reward) and self.a.kl_coef > 0 and self.reference is not None
+        # model.lora: the reference is the policy's base model, its adapters off, on actor_train's ranks
+        self.base_reference = self.reference is None and reference_is_actor_base(cfg.model.lora)
+        if self.base_reference and self.a.kl_coef > 0:
+            print("reference: actor_train's base model with its adapters off (model.lora), on actor_train's ranks",
+                  flush=True)
+        self.kl_in_reward = (bool(self.a.kl_in_reward) and self.a.kl_coef > 0
+                             and (self.reference is not None or self.base_reference))
         self.critic = Role(self.pipe, "critic") if "critic" in world.placement.roles else None
         used_reference = self.reference if self.reference is not None and self.a.kl_coef > 0 else None
         consumers = [self.actor_train, *([used_reference] if used_reference else []),
@@ -147,6 +153,8 @@ class Loop:
         a = self.a
         if self.reference is not None and a.kl_coef > 0 and self.queue.rider is None:  # else taken with generation
             self.reference.logprobs(rollouts)
+        elif self.base_reference and a.kl_coef > 0:
+            self.actor_train.logprobs(rollouts, op="base_logprobs")
         if not (self.reuse_batch or self.kl_in_reward):
             return None
         kl = self.actor_train.logprobs(rollouts, kl_estimator=a.kl_estimator if self.kl_in_reward else None,

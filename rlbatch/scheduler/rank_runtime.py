@@ -33,7 +33,7 @@ from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 from rlbatch.scheduler.residency import Residency
-from rlbatch.scheduler.weightsync import WeightBroadcast, load_in_process
+from rlbatch.scheduler.weightsync import AdapterSink, WeightBroadcast, load_in_process
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,8 @@ class RankRuntime:
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
         self.ops: dict[str, Any] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
-                    "values": self._values, "train": self._train, "sync": self._sync, "checkpoint": self._checkpoint,
-                    "buffer": self._buffer}
+                                    "base_logprobs": self._logprobs, "values": self._values, "train": self._train,
+                                    "sync": self._sync, "checkpoint": self._checkpoint, "buffer": self._buffer}
 
     def handlers(self) -> dict[str, Any]:
         return {"phase": self.phase, "ready": self.ready}
@@ -178,11 +178,11 @@ class RankRuntime:
             raise e.for_sample(ids[e.index]) from e
         return {"rewards": dict(zip(ids, rewards, strict=True)), "counts": counts}
 
-    def _per_token(self, spec: PhaseSpec, ids: list[int], compute: str) -> list[torch.Tensor]:
-        """Run the engine's ``compute`` (logprobs / values) on ``ids`` and keep the result as the
-        phase's output field."""
+    def _per_token(self, spec: PhaseSpec, ids: list[int]) -> list[torch.Tensor]:
+        """Run the engine's method named by the phase's op (logprobs, base_logprobs, values) on
+        ``ids`` and keep the result as the phase's output field."""
         samples = self.store.get(ids, list(spec.reads))
-        values = getattr(self.engines[spec.role], compute)(samples) if ids else []
+        values = getattr(self.engines[spec.role], spec.op)(samples) if ids else []
         for sid, v in zip(ids, values, strict=True):
             self.store.put(sid, spec.writes[0], v)
         return values
@@ -190,7 +190,7 @@ class RankRuntime:
     def _logprobs(self, spec: PhaseSpec, ids: list[int], kl_estimator: str | None = None) -> dict[int, Any]:
         """Log-probs into the phase's field; with ``kl_estimator``, each sample's per-token KL to
         the reference's log-probs (for a KL penalty in the reward), else lengths."""
-        values = self._per_token(spec, ids, "logprobs")
+        values = self._per_token(spec, ids)
         if kl_estimator is None:
             return {sid: float(len(v)) for sid, v in zip(ids, values, strict=True)}
         kl = KL_ESTIMATORS.get(kl_estimator)
@@ -205,7 +205,7 @@ class RankRuntime:
     def _values(self, spec: PhaseSpec, ids: list[int]) -> dict[int, list[float]]:
         """The critic's per-token values, kept as the phase's field and returned (the controller
         turns them into advantages)."""
-        values = self._per_token(spec, ids, "values")
+        values = self._per_token(spec, ids)
         return {sid: v.tolist() for sid, v in zip(ids, values, strict=True)}
 
     def _train(self, spec: PhaseSpec, ids: list[int], targets: dict[str, list[Any]]) -> dict[str, float]:
@@ -246,15 +246,21 @@ class RankRuntime:
         maybe_fault("checkpoint", self.world.rank)
         return out
 
-    def _sync(self, spec: PhaseSpec, src: int, local: bool, bucket_bytes: int) -> dict[str, float]:
+    def _sync(self, spec: PhaseSpec, src: int, local: bool, bucket_bytes: int, form: str = "merged") -> dict[str, float]:
         """Trainer -> inference engine, streamed one gathered unit at a time in the inference engine's
         dtype (``rlbatch.scheduler.weightsync``). Colocated: each unit loaded in process; otherwise a
         bucketed broadcast over the sync group. Every trainer rank iterates its export to the end, in
-        the same dtype: the gathers are collective over the trainer's ranks."""
+        the same dtype: the gathers are collective over the trainer's ranks. ``form`` 'adapter': the
+        trainer's adapters alone (``export_adapters``) into the engine's ``load_adapters``
+        (``rlbatch.models.lora.sync_form``); else its full weights."""
         assert spec.peer is not None
         train, infer = self.engines.get(spec.role), self.engines.get(spec.peer)
         wire = self.broadcast.wire_dtype
-        with train.export_weights() if train is not None else nullcontext(None) as weights:
+        adapters = form == "adapter"
+        if adapters and infer is not None:
+            infer = AdapterSink(infer)
+        export = (train.export_adapters if adapters else train.export_weights) if train is not None else None
+        with export() if export is not None else nullcontext(None) as weights:
             if local:
                 return {"bytes": float(load_in_process(weights, infer, wire))}
             if self.world.rank not in self.world.members[SYNC]:

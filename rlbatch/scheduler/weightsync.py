@@ -19,11 +19,16 @@ them by name, whatever either does inside.
   allocating, and on CPU page-faulting, a bucket every sync), then ``load_weights`` from views into
   it. The sender copies each tensor into the bucket as it arrives and drops it: it holds the
   bucket and at most one unit.
+
+With ``model.lora`` and an inference engine that loads adapters (``EngineSpec.loads_adapters``), a
+sync moves the adapters alone (``rlbatch.models.lora.sync_form``): the trainer streams them
+(``export_adapters``) through the same two paths, and the engine receives them through
+``AdapterSink`` (its ``load_adapters``), keeping the base weights it started with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +67,20 @@ def load_in_process(weights: WeightStream | None, infer: Any, dtype: torch.dtype
         total += int(infer.load_weights(unit))
         del unit  # dropped before the next unit is gathered
     return total
+
+
+class AdapterSink:
+    """An inference engine as the receiver of a sync of adapters: each bucket goes to its
+    ``load_adapters``; it has no views of its adapters' memory to broadcast into."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return int(self.engine.load_adapters(named))
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None
 
 
 class WeightBroadcast:

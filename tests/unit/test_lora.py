@@ -142,9 +142,10 @@ def test_lora_settings_are_checked_before_start(cfg: dict[str, Any]) -> None:
     found = problems(set_(cfg, model__lora__rank=8, model__lora__target_modules=["q_proj", "qkv"]))
     assert any("model.lora.target_modules: ['qkv'] name no linear layer of the model" in p and "'q_proj'" in p
                for p in found), found
-    found = problems(set_(cfg, model__lora__rank=8, roles__actor_train__backend="deepspeed:d2"))
-    assert any("model.lora.rank: 8: the deepspeed engine of roles.actor_train does not train adapters" in p
-               for p in found), found
+    check(set_(cfg, model__lora__rank=8, roles__actor_train__backend="deepspeed:d2"))
+    found = problems(set_(cfg, model__lora__rank=8, roles__actor_train__backend="megatron:d2"))
+    assert any("model.lora.rank: 8: the megatron engine of roles.actor_train does not train adapters in this build "
+               "(fsdp, deepspeed do)" in p for p in found), found
     assert any("unknown field(s) ['r']" in p for p in problems(set_(cfg, model__lora__r=8)))
 
 
@@ -161,13 +162,40 @@ def test_the_planners_adapter_count_is_pefts(arch: str, targets: list[str]) -> N
 
 def test_the_base_models_log_probs_come_from_the_adapted_engine_with_adapters_off(one_rank_mesh: Any) -> None:  # noqa: F811
     """After training moved the adapters, ``base_logprobs`` is the base model's (a reference's), and
-    the adapters are back on afterwards."""
+    the adapters are back on afterwards. It runs first, as a step's reference phase does: FSDP2's
+    first gather of the weights happens with the adapters off, and they still train after it."""
     engine, plain = _engine(one_rank_mesh, RANK), _engine(one_rank_mesh, 0)
     sample = {"prompt": torch.tensor([1, 5, 15, 6, 17]), "response": torch.tensor([9, 2, 11]),
               "advantage": torch.tensor(1.0)}
+    assert torch.equal(engine.base_logprobs([sample])[0], plain.logprobs([sample])[0])
     for _ in range(2):  # two steps: B moves in the first, then B A is non-zero
         engine.train([sample, sample | {"advantage": torch.tensor(-0.5)}], PolicyObjective(engine.algo))
     adapted = engine.logprobs([sample])[0]
     assert not torch.equal(adapted, plain.logprobs([sample])[0])
     assert torch.equal(engine.base_logprobs([sample])[0], plain.logprobs([sample])[0])
     assert torch.equal(engine.logprobs([sample])[0], adapted)
+
+
+def test_with_adapters_the_reference_is_the_policys_base_and_no_role_of_its_own(cfg: dict[str, Any]) -> None:
+    """``model.lora``: a reference role on actor_train's GPUs (the default's) is not placed; a
+    reference with GPUs of its own is refused (they would idle); a KL without any reference role is
+    valid; the step takes the reference's log-probs on actor_train, from its base."""
+    from rlbatch.config.validate import check
+    from rlbatch.phases import PHASES, step_phases
+    from tests.unit.configs import problems, set_
+
+    assert "reference" in check(cfg).roles
+    assert sorted(check(set_(cfg, model__lora__rank=8)).roles) == ["actor_infer", "actor_train", "reward"]
+    check(set_(cfg, model__lora__rank=8, roles__reference__enabled=False))
+    assert any("roles.reference: algo.kl_coef=0.01 needs the reference role" in p
+               for p in problems(set_(cfg, roles__reference__enabled=False)))
+    own = set_(cfg, model__lora__rank=8, roles__reference__device_mapping=[2, 3])
+    assert any(p.startswith("roles.reference.device_mapping: GPU ranks 2..3 are the reference's alone")
+               and "roles.reference.enabled=false" in p for p in problems(own))
+
+    kw = {"kl_to_reference": True, "has_reference": False, "critic": False, "reuse_batch": False, "kl_in_reward": False}
+    names = step_phases(**kw, base_reference=True)
+    assert "base_logprobs" in names and "ref_logprobs" not in names
+    assert "base_logprobs" not in step_phases(**kw | {"has_reference": True})
+    spec = PHASES["base_logprobs"]
+    assert (spec.role, spec.op, spec.writes) == ("actor_train", "base_logprobs", ("ref_logprobs",))

@@ -6,7 +6,9 @@ linear layer (``model.lora``), on the same batch.
 
 ``tools/bench/train_engines.py`` with ``--engines fsdp,fsdp_lora``: per configuration the median
 step time, peak RSS per rank and the engine's own memory, the trained parameters, and the weight
-sync's sending side (bytes streamed, in the engine's wire dtype, and seconds), then the ratios.
+sync's sending side (bytes streamed, in the engine's wire dtype, and seconds): merged weights (what
+an engine that does not load adapters receives: hf) and, for LoRA, the adapters alone (what vLLM
+receives, ``model.lora.sync``), then the ratios.
 Any other argument goes to train_engines.py.
 """
 
@@ -42,8 +44,10 @@ def main(argv: list[str]) -> int:
     print(f"LoRA against full fine-tuning: trained parameters {num(full, 'trained params') / num(lora, 'trained params'):.0f}x "
           f"fewer, engine memory {num(full, 'engine MiB/rank') / num(lora, 'engine MiB/rank'):.2f}x lower, peak RSS "
           f"{num(full, 'peak RSS MiB/rank') / num(lora, 'peak RSS MiB/rank'):.2f}x lower, step "
-          f"{num(full, 's/step') / num(lora, 's/step'):.2f}x faster, sync bytes "
-          f"{num(full, 'sync MiB') / num(lora, 'sync MiB'):.2f}x (merged weights: the whole model either way)")
+          f"{num(full, 's/step') / num(lora, 's/step'):.2f}x faster; merged sync bytes "
+          f"{num(full, 'sync MiB') / num(lora, 'sync MiB'):.2f}x (the whole model either way), adapter-only sync "
+          f"{num(lora, 'sync MiB') / num(lora, 'adapter sync MiB'):.0f}x fewer bytes and "
+          f"{num(lora, 'sync s') / num(lora, 'adapter sync s'):.0f}x fewer seconds than merged")
     return 0
 
 

@@ -92,7 +92,7 @@ CONFIGS = [
 ]
 BY_KEY = {c.key: c for c in CONFIGS}
 COLUMNS = ["engine", "config", "s/step", "CPU s/step", "peak RSS MiB/rank", "engine MiB/rank", "trained params",
-           "sync MiB", "sync s", "loss step 1", "loss after", "MFU"]
+           "sync MiB", "sync s", "adapter sync MiB", "adapter sync s", "loss step 1", "loss after", "MFU"]
 
 
 _T0 = time.perf_counter()
@@ -231,8 +231,10 @@ def bench_one(c: Config, args: argparse.Namespace, env: dict[str, Any]) -> dict[
     step_s = statistics.median(times)
     trained = sum(getattr(p, "ds_numel", p.numel()) for p in _module(engine).parameters() if p.requires_grad)
     sync_bytes, sync_s = sync_cost(engine, device, sync)
+    adapter = sync_cost(engine, device, sync, adapters=True) if c.lora else None
     row = {"engine": c.engine, "config": c.label, "step_s": step_s, "cpu_s": statistics.median(cpu_times), "peak_mib": peak, "engine_mib": own,
            "trained": trained, "sync_mib": sync_bytes / 2**20, "sync_s": sync_s,
+           "adapter_mib": adapter[0] / 2**20 if adapter else None, "adapter_s": adapter[1] if adapter else None,
            "loss_first": losses[0], "loss_after": after, "mfu": None}
     if cuda:
         flops = args.batch * args.seq * env["shape"].train_flops_per_token(args.seq)
@@ -249,10 +251,11 @@ def _module(engine: Any) -> Any:
     return m[0] if isinstance(m, list) else m
 
 
-def sync_cost(engine: Any, device: Any, sync: Any) -> tuple[int, float]:
+def sync_cost(engine: Any, device: Any, sync: Any, adapters: bool = False) -> tuple[int, float]:
     """The weight sync's sending side: the bytes of the weights the engine streams (what an
     inference engine receives) and the seconds to stream them (the slower rank's), in the engine's
-    wire dtype (bf16 on a GPU, fp32 on the CPU, as ``weightsync`` asks)."""
+    wire dtype (bf16 on a GPU, fp32 on the CPU, as ``weightsync`` asks). ``adapters``: the adapters
+    alone (``export_adapters``), what a sync into an engine that loads adapters streams."""
     import torch
     import torch.distributed as dist
 
@@ -260,7 +263,7 @@ def sync_cost(engine: Any, device: Any, sync: Any) -> tuple[int, float]:
     dist.barrier()
     sync()
     t0, total = time.perf_counter(), 0
-    with engine.export_weights() as stream:
+    with (engine.export_adapters() if adapters else engine.export_weights()) as stream:
         for unit in stream.units(dtype):
             total += sum(t.numel() * t.element_size() for _, t in unit)
     sync()
@@ -378,6 +381,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         cells = [r["engine"], r["config"], f"{r['step_s']:.3f}", f"{r['cpu_s']:.3f}", f"{r['peak_mib']:.0f}", f"{r['engine_mib']:.0f}",
                  f"{r['trained'] / 1e6:.2f}M", f"{r['sync_mib']:.1f}", f"{r['sync_s']:.3f}",
+                 "-" if r.get("adapter_mib") is None else f"{r['adapter_mib']:.1f}",
+                 "-" if r.get("adapter_s") is None else f"{r['adapter_s']:.3f}",
                  f"{r['loss_first']:.7f}", f"{r['loss_after']:.7f}", mfu]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -16,6 +16,13 @@ a worker of t ranks (``vllm:dXtY``) is t engines, one per rank, tensor-parallel 
   buckets); vLLM keeps references to a layer's tensors until the layer is complete, so a bucket
   that does not complete the sync is cloned (weight sync reuses one staging buffer). The prefix
   cache is reset after each sync.
+- **load_adapters** (``model.lora``, ``model.lora.sync`` adapter or auto): vLLM starts with LoRA
+  on (``enable_lora``, ``max_lora_rank`` the smallest vLLM allows at or above the rank) and the
+  base weights it loads at start; a sync moves the adapters alone (PEFT's names), which become one
+  LoRA adapter per policy version, built from the tensors in memory on each worker
+  (``_add_adapter``: vLLM's own ``LoRAModel.from_lora_tensors``, no files) in place of the last.
+  Every request is generated with the current version's ``LoRARequest``; before the first sync none
+  (the adapters start at zero: the base model is the policy).
 - **offload/reload**: vLLM's sleep mode on a GPU (level 1: weights to host, KV cache dropped;
   ``discard``: level 2, the weights dropped too, when a weight sync overwrites them next), what is
   asleep read from vLLM's executor itself (untested on a GPU here); vLLM's CPU build has none, so
@@ -48,7 +55,8 @@ from rlbatch.engines.base import EngineContext, Generation, SamplingParams, Turn
 from rlbatch.engines.infer.vllm_world import PrivateWorld, private_shm_names
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import Transfer
-from rlbatch.engines.vllm_limits import CPU_KV_CACHE_MB
+from rlbatch.engines.vllm_limits import CPU_KV_CACHE_MB, LORA_RANKS
+from rlbatch.models import lora
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +82,23 @@ def _rng_kept() -> Any:
 def hf_parameter_names(model_cfg: Any) -> set[str]:
     """The names a trainer exports (its transformers model's ``named_parameters``), for a model
     directory, without allocating it."""
+    return {n for n, _ in _meta_model(model_cfg).named_parameters()}
+
+
+def _meta_model(model_cfg: Any) -> Any:
+    """A model directory's transformers model on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
-    return {n for n, _ in model.named_parameters()}
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM takes that holds adapters of ``rank``."""
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"vllm engine: model.lora.rank {rank} is above vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+    return fits[0]
 
 
 def tp_peers(mesh: Any) -> tuple[tuple[int, ...], int]:
@@ -165,6 +185,12 @@ def one_rank_executor() -> type:
 
 
 class VLLMEngine:
+    lora: Any = None
+    """``model.lora`` when a sync brings the adapters alone (``load_adapters``), else None."""
+    adapter_version = 0
+    """The policy version whose adapters vLLM generates with (0: none yet, the base model)."""
+    _lora_request: Any = None
+
     def __init__(self, ctx: EngineContext) -> None:
         a = ctx.args
         self.device, self.tokenizer = ctx.device, ctx.tokenizer
@@ -173,6 +199,9 @@ class VLLMEngine:
         self.tp_ranks, self.tp_rank = tp_peers(ctx.mesh)
         self.world = PrivateWorld()
         self._turns: set[int] = set()  # keys of turn requests in flight (``submit``, ``poll``)
+        # this engine loads adapters (its EngineSpec.loads_adapters)
+        self.lora = ctx.model.lora if lora.sync_form(getattr(ctx.model, "lora", None), True) == "adapter" else None
+        self.expected_adapters: dict[str, torch.Size] = {}
         t = len(self.tp_ranks)
         tmp = None
         if ctx.model.path:
@@ -181,6 +210,8 @@ class VLLMEngine:
             path = str(ctx.model.path)
             check_tp(_model_shape(AutoConfig.from_pretrained(path)), t)
             self.expected = hf_parameter_names(ctx.model)
+            if self.lora is not None:
+                self.expected_adapters = lora.adapter_shapes(_meta_model(ctx.model), self.lora)
         else:  # random init: the same weights as every other role's (same seed), in a directory for vLLM
             model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
             check_tp(_model_shape(model.config), t)
@@ -189,6 +220,8 @@ class VLLMEngine:
             with self.world.active():  # transformers saves on torch rank 0 only, when a world exists
                 model.save_pretrained(tmp)
                 ctx.tokenizer.save_pretrained(tmp)
+            if self.lora is not None:  # wraps the model in place: after it is saved
+                self.expected_adapters = lora.adapter_shapes(model, self.lora)
             del model
         kwargs: dict[str, Any] = dict(
             model=path, tokenizer=path, dtype=dtype, seed=ctx.seed, max_num_seqs=a.max_num_seqs,
@@ -203,6 +236,8 @@ class VLLMEngine:
             kwargs |= {"distributed_executor_backend": one_rank_executor(), "tensor_parallel_size": 1}
         if a.max_model_len:
             kwargs["max_model_len"] = a.max_model_len
+        if self.lora is not None:  # one adapter at a time: the current policy version's
+            kwargs |= {"enable_lora": True, "max_lora_rank": max_lora_rank(int(self.lora.rank)), "max_loras": 1}
         if a.kv_cache_mb or self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = (a.kv_cache_mb or CPU_KV_CACHE_MB) << 20
         if not self.on_cpu:
@@ -228,6 +263,7 @@ class VLLMEngine:
                  "CPU" if self.on_cpu else str(ctx.device), dtype, "eager" if kwargs["enforce_eager"] else "compiled", t,
                  f", tp rank {self.tp_rank} of world ranks {list(self.tp_ranks)}" if t > 1 else "")
         self._received: set[str] = set()
+        self._adapter_parts: dict[str, torch.Tensor] = {}  # adapters of a sync under way (``load_adapters``)
         self._weights_lost = False
         """The weights were discarded (level-2 sleep) and no complete sync has loaded them since."""
         self._warned_no_sleep = False
@@ -259,7 +295,7 @@ class VLLMEngine:
         sampling = [_sampling(params, len(rows)) for rows in units]
         torch.manual_seed(params.seed)  # vLLM's sampler draws from the process RNG
         with self.world.active():
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, **self._adapter())
         out: list[Generation | None] = [None] * len(prompts)
         for rows, result in zip(units, outputs, strict=True):
             for row, completion in zip(rows, sorted(result.outputs, key=lambda c: c.index), strict=True):
@@ -281,7 +317,7 @@ class VLLMEngine:
                 if r.key in self._turns:
                     raise ValueError(f"turn request {r.key} is already in flight")
                 self.llm.llm_engine.add_request(f"turn-{r.key}", TokensPrompt(prompt_token_ids=list(r.tokens)),
-                                                _sampling(params, 1, seed=r.seed, final_only=True))
+                                                _sampling(params, 1, seed=r.seed, final_only=True), **self._adapter())
                 self._turns.add(r.key)
 
     def poll(self, block: bool = True) -> list[tuple[int, Generation]]:
@@ -327,11 +363,50 @@ class VLLMEngine:
     def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
         return None  # vLLM fuses and (on CPU) repacks its weights: no view of them in HF layout
 
+    @torch.no_grad()
+    def load_adapters(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a bucket of a sync of adapters (PEFT's names, ``rlbatch.models.lora.adapter_name``).
+        Buckets are copied (a sync reuses its staging buffer) until every adapter has come; then they
+        become the next policy version's LoRA adapter on every worker, in place of the last, and the
+        prefix cache is reset. Returns the bytes loaded."""
+        if self.lora is None:
+            raise RuntimeError("vllm engine: adapters synced into an engine started without them (model.lora.sync)")
+        chunk = list(named)
+        wrong = [(n, tuple(t.shape)) for n, t in chunk if self.expected_adapters.get(n) != t.shape]
+        if wrong:
+            raise KeyError(f"vllm engine: {wrong[:3]} are not the adapters of the model (by name and shape, e.g. "
+                           f"{next(iter(self.expected_adapters.items()), None)})")
+        for n, t in chunk:
+            self._adapter_parts[n] = t.detach().clone()
+        if self._adapter_parts.keys() >= self.expected_adapters.keys():
+            if self._turns:
+                raise RuntimeError(f"vllm engine: an adapter sync while {len(self._turns)} turn requests run on the "
+                                   f"previous version's adapters")
+            from vllm.lora.request import LoRARequest
+
+            version, tensors = self.adapter_version + 1, self._adapter_parts
+            self._adapter_parts = {}
+            with self.world.active():
+                self.llm.collective_rpc(_add_adapter, args=(version, tensors, lora.adapter_config(self.lora)))
+                self.llm.reset_prefix_cache()
+            # vLLM asks for a path; the adapter is already registered under its id and never read from it
+            self._lora_request = LoRARequest(f"rlbatch-policy-v{version}", version, f"rlbatch://policy/v{version}")
+            self.adapter_version = version
+        return sum(t.numel() * t.element_size() for _, t in chunk)
+
+    def _adapter(self) -> dict[str, Any]:
+        """A request's adapter (``lora_request``) once a sync has brought one; nothing before."""
+        return {} if self._lora_request is None else {"lora_request": self._lora_request}
+
     def _check_no_partial_sync(self) -> None:
         if self._received:
             missing = sorted(self.expected - self._received)
             raise RuntimeError(f"vllm engine: generate during an incomplete weight sync; not yet received: {missing[:5]} "
                                f"({len(missing)} in all)")
+        if self.lora is not None and self._adapter_parts:
+            missing = sorted(self.expected_adapters.keys() - self._adapter_parts.keys())
+            raise RuntimeError(f"vllm engine: generate during an incomplete adapter sync; not yet received: "
+                               f"{missing[:5]} ({len(missing)} in all)")
 
     # -- device state -------------------------------------------------------------------------
     # What is asleep is read from vLLM's executor (its ``sleeping_tags``), never kept beside it: vLLM
@@ -357,8 +432,9 @@ class VLLMEngine:
     def discard(self, kinds: Iterable[str]) -> Transfer:
         """Like ``offload``, but the weights are dropped, not copied (level-2 sleep): for when the
         next use of them is a weight sync, which overwrites them all. Generating before a complete
-        sync has loaded them again is refused."""
-        return self._put_away(kinds, level=2)
+        sync has loaded them again is refused. With adapters synced alone (``load_adapters``) a sync
+        brings no base weights: they are kept (``offload``'s level 1)."""
+        return self._put_away(kinds, level=1 if self.lora is not None else 2)
 
     def _put_away(self, kinds: Iterable[str], level: int) -> Transfer:
         go = {k for k in kinds if k in self.state_kinds}
@@ -465,6 +541,27 @@ def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool
         model.load_weights(iter(chunk))
         if last:
             finish_layerwise_reload(model, worker.vllm_config)
+
+
+def _add_adapter(worker: Any, version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Runs on the vLLM worker: ``tensors`` (the whole adapters, PEFT's names; a tp worker keeps its
+    shard when it activates them) as LoRA adapter ``version``, every other adapter removed. What vLLM's
+    own ``WorkerLoRAManager._load_adapter`` does from a directory, from memory instead."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(config | {"vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    adapter = LoRAModel.from_lora_tensors(version, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+                                          model_vocab_size=manager.vocab_size,
+                                          weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+                                          skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    for old in manager.list_adapters():
+        manager.remove_adapter(old)
+    manager._adapter_manager.add_adapter(adapter)
 
 
 def finish_layerwise_reload(model: Any, vllm_config: Any) -> None:

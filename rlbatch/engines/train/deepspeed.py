@@ -18,12 +18,19 @@ Update schedule, loss, LR warm-up and gradient clipping are those of the fsdp en
 Checkpoint state is full (gathered) fp32 tensors under the fsdp engine's names, so either
 engine resumes from the other's checkpoint. Forward-only roles (reference) are the plain model
 in the same compute dtype, bf16 on GPU (ZeRO-3: partitioned, gathered layer by layer on forward).
+
+With ``model.lora`` the trained policy is the model adapted as the fsdp engine adapts it
+(``rlbatch.engines.model.engine_skeleton``, the same adapters from the same seed): only the
+adapters require grad, so only they are in the optimizer (and in ZeRO's fp32 master partitions);
+the frozen base stays in the compute dtype (bf16 on GPU, partitioned under ZeRO-3). The weight sync
+is merged (``rlbatch.models.lora.merged_stream``), the checkpoint holds the adapters and their
+AdamW state only, and ``base_logprobs`` is the base model's (the adapters switched off).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,14 +38,15 @@ import torch
 import torch.distributed as dist
 
 from rlbatch.engines.attention import prefer_varlen
-from rlbatch.engines.base import CheckpointState, EngineContext, Sample, WeightStream, layer_units
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.defaults import max_tokens_per_micro_batch, share_prompts
-from rlbatch.engines.model import load_engine_model
+from rlbatch.engines.model import engine_skeleton, load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train import common
 from rlbatch.engines.train.ds_world import role_world
 from rlbatch.engines.train.state import param_groups_meta
+from rlbatch.models import lora
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -104,6 +112,24 @@ def ds_config(args: Any, algo: Any, device: torch.device, trainable: bool) -> di
     return cfg
 
 
+def host_model(ctx: EngineContext) -> Any:
+    """The role's model whole on the host in fp32. A trained policy with ``model.lora`` comes from
+    ``engine_skeleton`` (where the adapters are applied, seeded by name as every engine's are),
+    filled on the host; any other model from ``load_engine_model`` (the same tensors)."""
+    if lora.of(ctx) is None:
+        return load_engine_model(ctx)
+    sk = engine_skeleton(ctx)
+    sk.materialise(torch.device("cpu"))
+    return sk.model
+
+
+def export_units(names: list[str]) -> list[list[str]]:
+    """``layer_units`` of a model's parameter names, PEFT-wrapped or not: an adapter streams in the unit
+    of the layer it adapts, beside the weight it is merged into."""
+    inner = {lora.unwrapped(n): n for n in names}
+    return [[inner[n] for n in unit] for unit in layer_units(list(inner))]
+
+
 def _skip_shm_build() -> None:
     """Mark DeepSpeed's shared-memory all-reduce op unavailable before its comm backend starts, so it is
     not JIT-compiled (see the module docstring)."""
@@ -129,7 +155,8 @@ class DeepSpeedEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch, self.stage = int(args.micro_batch), int(args.zero_stage)
         self.group = ctx.group("dp")
-        model = load_engine_model(ctx)
+        self.lora = lora.of(ctx)
+        model = host_model(ctx)
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
@@ -152,8 +179,8 @@ class DeepSpeedEngine(StashedState):
         with role_world(self.group):
             if ctx.trainable:
                 model.train()
-                self.optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
-                                                   foreach=True)
+                trained = [p for p in model.parameters() if p.requires_grad]  # with model.lora: the adapters
+                self.optimizer = torch.optim.AdamW(trained, lr=algo.lr, weight_decay=algo.weight_decay, foreach=True)
                 self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, common.warmup(int(algo.warmup_steps)))
                 self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config, mpu=mpu,
                                                        dist_init_required=False)
@@ -166,7 +193,9 @@ class DeepSpeedEngine(StashedState):
         self.params = [p for _, p in self.module.named_parameters()]
         # Checkpoint names are the module's state_dict keys, as the fsdp engine writes them: a tied
         # weight (lm_head = embed_tokens) appears under both names; optimizer state once, by parameter.
-        by_id = {id(p): p for p in self.params}
+        # Only trained parameters: with model.lora the frozen base is rebuilt from its source, not saved.
+        self.trained = [(n, p) for n, p in zip(self.names, self.params, strict=True) if p.requires_grad]
+        by_id = {id(p): p for _, p in self.trained}
         self.model_keys = [(k, by_id[id(v)]) for k, v in self.module.state_dict(keep_vars=True).items()
                            if id(v) in by_id]
         self.state = Stashes({"params": TensorStash("params", self._param_tensors)})
@@ -200,6 +229,13 @@ class DeepSpeedEngine(StashedState):
 
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         with role_world(self.group):
+            return common.logprobs(self.engine, samples, self.split, self._pack)
+
+    def base_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """With ``model.lora``: the log-probs of the base model, the adapters switched off (what the
+        reference computes from its own copy of the base weights)."""
+        assert self.lora is not None, "base_logprobs needs an engine with adapters (model.lora)"
+        with lora.adapters_off(self.module), role_world(self.group):
             return common.logprobs(self.engine, samples, self.split, self._pack)
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
@@ -238,17 +274,44 @@ class DeepSpeedEngine(StashedState):
         """The weights under their Hugging Face names, streamed one decoder layer at a time
         (``WeightStream``). Under ZeRO-3 each parameter is all-gathered from its partitions over the
         role's ranks, each partition cast first; under ZeRO-1/2 every rank holds the parameters whole,
-        so they leave as they are (a cast copies one layer at a time)."""
-        zero3 = self.stage == 3 and self.engine is not self.module
-        shapes = [torch.Size(p.ds_shape) if zero3 else p.shape for p in self.params]
-        index = {n: k for k, n in enumerate(self.names)}
-        stream = WeightStream(list(zip(self.names, shapes, strict=True)),
-                              lambda dtype: ([(n, self._exported(self.params[index[n]], dtype, zero3)) for n in unit]
-                                             for unit in layer_units(self.names)))
+        so they leave as they are (a cast copies one layer at a time). With ``model.lora``: each layer's
+        adapted weights merged, under the base model's names."""
+        manifest, produce = self._source([[(n, n) for n in unit] for unit in export_units(self.names)])
+        stream = (WeightStream(manifest, produce) if self.lora is None
+                  else lora.merged_stream(manifest, produce, self.lora))
         try:
             yield stream
         finally:
             stream.close()
+
+    @contextmanager
+    def export_adapters(self) -> Iterator[WeightStream]:
+        """With ``model.lora``: the adapters alone, under PEFT's saved names (``lora.adapter_name``),
+        for an inference engine that keeps the base weights and loads adapters
+        (``EngineSpec.loads_adapters``): one decoder layer's adapters at a time, the base weights never
+        gathered."""
+        assert self.lora is not None, "export_adapters needs an engine with adapters (model.lora)"
+        units = [run for unit in export_units(self.names)
+                 if (run := [(a, n) for n in unit if (a := lora.adapter_name(n)) is not None])]
+        stream = WeightStream(*self._source(units))
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def _source(self, units: list[list[tuple[str, str]]]) -> tuple[list[tuple[str, torch.Size]],
+                                                                     Callable[[torch.dtype | None], Iterator[Unit]]]:
+        """A ``WeightStream``'s manifest and units of ``units``, lists of (name it leaves under, parameter
+        name): each parameter whole, in the dtype asked for (``_exported``)."""
+        zero3 = self.stage == 3 and self.engine is not self.module
+        params = dict(zip(self.names, self.params, strict=True))
+        manifest = [(out, torch.Size(params[n].ds_shape) if zero3 else params[n].shape) for unit in units for out, n in unit]
+
+        def produce(dtype: torch.dtype | None) -> Iterator[Unit]:
+            for unit in units:
+                yield [(out, self._exported(params[n], dtype, zero3)) for out, n in unit]
+
+        return manifest, produce
 
     @torch.no_grad()
     def _exported(self, p: Any, dtype: torch.dtype | None, zero3: bool) -> torch.Tensor:
@@ -283,8 +346,9 @@ class DeepSpeedEngine(StashedState):
 
     def checkpoint_state(self) -> CheckpointState | None:
         """Full fp32 weights and AdamW state per Hugging Face name (``model.<name>``,
-        ``optim.<name>.{exp_avg,exp_avg_sq,step}``), gathered on every rank of the role: plain
-        tensors, written once by DCP. None when forward-only."""
+        ``optim.<name>.{exp_avg,exp_avg_sq,step}``) of the trained parameters (with ``model.lora``: the
+        adapters only), gathered on every rank of the role: plain tensors, written once by DCP. None
+        when forward-only."""
         if self.optimizer is None:
             return None
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -295,11 +359,11 @@ class DeepSpeedEngine(StashedState):
             step = self._step()
             for key, p in self.model_keys:
                 tensors[f"model.{key}"] = safe_get_full_fp32_param(p).detach().cpu().clone()
-            for name, p in zip(self.names, self.params, strict=True):
+            for name, p in self.trained:
                 for key in ADAM_KEYS:
                     tensors[f"optim.{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
                 tensors[f"optim.{name}.step"] = step.clone()
-        meta = {"engine": "deepspeed", "param_groups": param_groups_meta(self.optimizer, self.names),
+        meta = {"engine": "deepspeed", "param_groups": param_groups_meta(self.optimizer, [n for n, _ in self.trained]),
                 "scheduler": self.scheduler.state_dict()}
         return CheckpointState(tensors, meta, self.group)
 
@@ -315,10 +379,10 @@ class DeepSpeedEngine(StashedState):
                 full = t[f"model.{key}"].to(self.device)
                 safe_set_full_fp32_param(p, full)
                 self._set_compute_weight(p, full)
-            for name, p in zip(self.names, self.params, strict=True):
+            for name, p in self.trained:
                 for key in ADAM_KEYS:
                     safe_set_full_optimizer_state(p, t[f"optim.{name}.{key}"].to(self.device), key)
-            step = float(t[f"optim.{self.names[0]}.step"])
+            step = float(t[f"optim.{self.trained[0][0]}.step"])
             for s in self.optimizer.state.values():
                 s["step"].fill_(step)
         hyper = state.meta.get("param_groups") or []

@@ -160,11 +160,26 @@ class FSDPEngine(StashedState):
         units = self._export_units()
         names = [(n, p.shape) for _, params in units for n, p in params]
         if self.lora is not None:  # adapters merged into their base weights, under the base names
-            scale = lora.scaling(self.lora)
-            stream = WeightStream(lora.base_shapes(names),
-                                  lambda dtype: (lora.merged(u, scale) for u in self._export(units, dtype)))
+            stream = lora.merged_stream(names, lambda dtype: self._export(units, dtype), self.lora)
         else:
             stream = WeightStream(names, lambda dtype: self._export(units, dtype))
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    @contextmanager
+    def export_adapters(self) -> Iterator[WeightStream]:
+        """With ``model.lora``: the adapters alone, under PEFT's saved names (``lora.adapter_name``),
+        for an inference engine that keeps the base weights and loads adapters
+        (``EngineSpec.loads_adapters``). Streamed one FSDP unit's adapters at a time, each adapter's
+        shard cast and all-gathered on its own: the base weights are never gathered."""
+        assert self.lora is not None, "export_adapters needs an engine with adapters (model.lora)"
+        self.model.reshard()  # as in export_weights: read the sharded parameters
+        units = [run for _, params in self._export_units()
+                 if (run := [(a, p) for n, p in params if (a := lora.adapter_name(n)) is not None])]
+        stream = WeightStream([(a, p.shape) for run in units for a, p in run],
+                              lambda dtype: ([(a, _gathered(p, dtype or p.dtype)) for a, p in run] for run in units))
         try:
             yield stream
         finally:
