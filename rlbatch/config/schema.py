@@ -153,8 +153,8 @@ class LoraConfig:
 
     rank: int = bounded(0, ge=0)
     """Adapter rank r; 0: no adapters (full fine-tuning)."""
-    alpha: float = bounded(16.0, gt=0, why="the adapters' scale is alpha / rank")
-    """The adapters' scale is alpha / rank."""
+    alpha: float = bounded(32.0, gt=0, why="the adapters' scale is alpha / rank")
+    """The adapters' scale is alpha / rank (32: twice rank 16, the common choice)."""
     dropout: float = bounded(0.0, ge=0, le=0.9, why="a probability; above 0.9 the adapters see almost no input")
     """Dropout on the adapters' input while training."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])

@@ -18,7 +18,7 @@ from tests.dist.test_mechanisms import mpirun
 
 pytestmark = pytest.mark.dist
 
-LORA = ["model.lora.rank=16", "model.lora.alpha=32"]
+LORA = ["model.lora.rank=16"]  # alpha 32 by default
 
 
 @pytest.mark.slow
