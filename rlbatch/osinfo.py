@@ -5,8 +5,10 @@ and the run-directory lock. A leaf: it imports nothing of rlbatch."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,16 @@ def process_cmdline(pid: int) -> str | None:
         return Path(f"/proc/{int(pid)}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except (OSError, ValueError):
         return None
+
+
+def on_cpu(plain: Mapping[str, Any]) -> bool | None:
+    """Whether the GPU roles' ranks run on CPUs: cluster.device, or for 'auto' on cluster=local
+    whether this machine has NVIDIA devices; None when unknown (a Slurm job's nodes with device=auto)."""
+    cluster = plain.get("cluster")
+    cluster = cluster if isinstance(cluster, Mapping) else {}
+    device = cluster.get("device", "auto")
+    if device in ("cpu", "cuda"):
+        return device == "cpu"
+    if cluster.get("name", "local") == "local":
+        return not any(Path("/dev").glob("nvidia[0-9]*"))
+    return None

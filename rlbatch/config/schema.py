@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rlbatch.config.bounds import TIMEOUT_MAX_S, bounded
-from rlbatch.sandbox.limits import Limits
+from rlbatch.config.limits import Limits
 
 GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
 """Roles that always hold a model on GPUs. ``reward`` may be a GPU model or a CPU rule; any other

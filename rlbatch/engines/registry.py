@@ -192,6 +192,15 @@ class EngineSpec:
     trains_adapters: bool = False
     """It trains low-rank adapters of the model (``model.lora``) and exports them merged
     (``export_weights``) or alone (``export_adapters``, for an engine that ``loads_adapters``)."""
+    rules: str | None = None
+    """'module:function' of its own checks before start, ``fn(plain, roles, placement, train_run)
+    -> problems``: ``plain`` the config as plain mappings, ``roles`` the roles that run this engine
+    (``rlbatch.placement.backend.RoleEngine``), ``placement`` (None when placement failed),
+    ``train_run`` whether this machine is to run the training (a runnable check of program=train).
+    Validation calls it for every engine in use (``rlbatch.checks.runnable.engine_rule_problems``)."""
+    cost: str | None = None
+    """'module:Class' of the planner's model of the engine (``rlbatch.plan.costs.EngineCost``): its
+    memory and what its passes cost; None: the generic defaults."""
     loads_adapters: bool = False
     """An inference engine that generates with low-rank adapters beside its base weights, so a
     ``model.lora`` policy's weight sync moves the adapters alone (``model.lora.sync``): the trainer
@@ -309,22 +318,29 @@ def describe() -> str:
 
 
 register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d",
-                    heads=("lm", "value", "reward"), packs_rows=True, trains_adapters=True))
-register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d"))
+                    heads=("lm", "value", "reward"), packs_rows=True, trains_adapters=True,
+                    cost="rlbatch.plan.costs.fsdp:FSDPCost"))
+register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d",
+                    cost="rlbatch.plan.costs.hf:HFCost"))
 # dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
 # keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.
 register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.vllm:VLLMEngine", dims="dt",
-                    note="pipeline-parallel vLLM (p>1) is not built yet: use vllm:dXtY", reserves_device_share=True,
-                    loads_adapters=True))
+                    note="pipeline-parallel vLLM (p>1) is not built: rlbatch runs vLLM inside its ranks through vLLM's "
+                         "external launcher, which vLLM builds for tensor parallelism (every rank one engine over "
+                         "the same requests); its pipeline stages run under vLLM's own multiprocessing or Ray "
+                         "executors; use vllm:dXtY", reserves_device_share=True,
+                    loads_adapters=True, cost="rlbatch.plan.vllm:VLLMCost",
+                    rules="rlbatch.engines.infer.vllm_rules:vllm_problems"))
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build",
-                    reserves_device_share=True))
+                    reserves_device_share=True, cost="rlbatch.plan.costs.sglang:SGLangCost"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward"),
-                    packs_rows=True, trains_adapters=True))
+                    packs_rows=True, trains_adapters=True, cost="rlbatch.plan.costs.deepspeed:DeepSpeedCost"))
 # dims "dtpe": tensor, pipeline, data and expert parallel (e over d, for Mixture-of-Experts models);
 # the placement language keeps "dtpce" so plans with context parallelism are still modelled (and
 # refused with the note before submit).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
                     dims="dtpe", data_axes=("dp",), heads=("lm", "value", "reward"),
                     note="context parallelism (c) needs TransformerEngine's attention (megatron-core's local "
-                         "attention has none), which this build does not use"))
+                         "attention has none), which this build does not use",
+                    cost="rlbatch.plan.costs.megatron:MegatronCost", rules="rlbatch.engines.train.megatron_rules:megatron_problems"))

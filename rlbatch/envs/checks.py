@@ -1,6 +1,6 @@
 """The config's ``env`` section checked before anything starts: each problem names the field and
 the value. Field types and ranges are ``rlbatch.config.bounds``'s; this adds what ties them to
-names, code and other sections. Called by ``rlbatch.config.validate.check``.
+names, code and other sections. Called by ``rlbatch.checks.validate.check``.
 """
 
 from __future__ import annotations

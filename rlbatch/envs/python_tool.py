@@ -15,8 +15,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.config.limits import Limits
 from rlbatch.envs.base import Tool, ToolError
-from rlbatch.sandbox.limits import Limits
 
 
 def python_tool(cfg: Mapping[str, Any]) -> Tool:

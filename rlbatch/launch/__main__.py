@@ -38,7 +38,7 @@ def _launch(argv: list[str]) -> int:
         from rlbatch.launch.sweep import hydra_cli
 
         return hydra_cli(argv)
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from rlbatch.launch.run import launch
 
     try:

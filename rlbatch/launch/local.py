@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlbatch.config.runnable import locate_mpiexec
+from rlbatch.checks.runnable import locate_mpiexec
 from rlbatch.launch.exit_codes import ExitCode, run_exit_code
 from rlbatch.launch.interrupt import StopRequests, descendants
 from rlbatch.placement import Placement

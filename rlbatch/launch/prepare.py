@@ -10,7 +10,7 @@ every rank gets, as the submitit launcher's sbatch script has them: ``cluster.en
 ``cluster.network_interface``, MPI's settings), and prints the run directory (only that, on
 stdout). Exit code 2 on a bad config or an allocation that does not fit; the values of
 ``rank_env.sh`` are quoted, and one that would not stay on its line (a control character) is a
-bad config (``rlbatch.config.cluster_rules``).
+bad config (``rlbatch.checks.cluster_rules``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def check_allocation(nodes: int | None, ntasks: int | None, need_nodes: int, nee
 def main(argv: list[str]) -> int:
     import os
 
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from rlbatch.launch.compose import compose
     from rlbatch.launch.slurm import export_lines, rank_env
     from rlbatch.runtime.env import read_env

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlbatch.config.cluster_rules import bad_char, parameter_problems
-from rlbatch.config.validate import ENV_NAME
+from rlbatch.checks.cluster_rules import bad_char, parameter_problems
+from rlbatch.checks.validate import ENV_NAME
 from rlbatch.errors import ConfigError, report_config_error
 from rlbatch.launch.exit_codes import ExitCode, run_exit_code
 from rlbatch.placement import Placement

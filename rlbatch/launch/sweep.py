@@ -17,7 +17,7 @@ def _task(cfg: Any) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from rlbatch.launch.run import launch
 
     hc = HydraConfig.get()

@@ -187,7 +187,7 @@ def unwrapped(name: str) -> str:
 
 def lora_problems(plain: Any, engines: Sequence[Any]) -> list[str]:
     """What validation refuses about ``model.lora`` (``plain``: the config as plain mappings;
-    ``engines``: the roles' parsed backends, ``rlbatch.config.runnable.RoleEngine``): a trained
+    ``engines``: the roles' parsed backends, ``rlbatch.placement.backend.RoleEngine``): a trained
     policy on an engine that does not train adapters, target modules the model does not have."""
     from rlbatch.config.plain import section
     from rlbatch.engines.registry import REGISTRY, spec_of

@@ -228,3 +228,13 @@ def _parse_hybrid(engine: str, rest: str, field: str, spec: str) -> BackendSpec:
     if problems:
         raise ConfigError([f"{field}: {p} in {spec!r}" for p in problems])
     return BackendSpec(engine=engine, dims=attn, attn=attn, ffn=ffn)
+
+
+@dataclass(frozen=True)
+class RoleEngine:
+    """A GPU role's parsed backend."""
+
+    role: str
+    backend: BackendSpec
+    inherited: bool
+    """The role has no backend of its own and takes actor_train's."""

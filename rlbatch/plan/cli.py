@@ -37,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-variance-frac", type=float,
                    help="dynamic sampling: assumed share of groups whose rewards are all equal, which sets the "
                         "expected generation rounds per step (default 0.5; a run's sampling/zero_variance_frac)")
+    p.add_argument("--turns", type=float, help="env.name: mean policy turns per trajectory (default: env.max_turns)")
+    p.add_argument("--observation-tokens", type=float, dest="observation_len",
+                   help="env.name: mean tokens of an observation between turns (default 16)")
+    p.add_argument("--env-step-s", type=float, help="env.name: seconds an environment takes per step (default 0)")
     p.add_argument("--overlap", action="store_true",
                    help="let phases that do not depend on each other run together (an overlapping controller)")
     p.add_argument("--gpus", type=int, help="search: GPUs to place on (default: the config's)")
@@ -95,9 +99,14 @@ def emit(args: Args, data: Any, text: str) -> None:
     print(json.dumps(data, indent=1, default=float) if args.ns.json else text)
 
 
+def episodes(args: Args) -> dict[str, float | None]:
+    """A multi-turn rollout's turns, observation tokens and env seconds from the command line."""
+    return {"turns": args.ns.turns, "observation_len": args.ns.observation_len, "env_step_s": args.ns.env_step_s}
+
+
 def _context(args: Args) -> tuple[Any, Any, dict[str, Any]]:
+    from rlbatch.checks.validate import check
     from rlbatch.config.plain import to_plain
-    from rlbatch.config.validate import check
     from rlbatch.launch.compose import compose
 
     cfg = compose(args.rest)
@@ -112,7 +121,7 @@ def cmd_predict(args: Args) -> int:
     _, placement, plain = _context(args)
     hw = pick_hardware(args, plain)
     p = predict_config(plain, placement, hw, args.ns.prompt_len, args.ns.response_mean, coefficients(args, hw),
-                       args.ns.overlap, args.ns.zero_variance_frac)
+                       args.ns.overlap, args.ns.zero_variance_frac, **episodes(args))
     emit(args, p.to_dict(), report(p))
     return 0 if p.fits else 1
 
@@ -128,7 +137,8 @@ def cmd_search(args: Args) -> int:
     hw = pick_hardware(args, plain)
     gpus = args.ns.gpus or placement.num_gpus
     shape = shape_from_config(plain["model"])
-    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac)
+    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac,
+                             **episodes(args))
     best, stats = search(plain, gpus, placement.gpus_per_node, shape, w, hw, coefficients(args, hw),
                          str(plain["model"].get("dtype", "auto")), args.ns.top,
                          int(plain["cluster"].get("cpus_per_task") or 1), mem_limit(plain), args.ns.overlap)

@@ -19,7 +19,7 @@ from typing import Any
 from rlbatch.errors import ConfigError
 
 KINDS = ("generate", "reward", "logprobs", "train", "sync", "offload", "reload", "step")
-FEATURES = ("roofline", "overhead", "comm", "transfer", "samples", "fixed", "workers", "transitions")
+FEATURES = ("roofline", "overhead", "comm", "transfer", "samples", "fixed", "workers", "transitions", "env")
 PRIORS: dict[str, float] = {
     "roofline": 1.0, "overhead": 1.0, "comm": 1.0, "transfer": 1.0, "samples": 1.0, "workers": 1.0,
     # The controller's part of a phase beyond the ranks' own work that does not depend on how many
@@ -27,6 +27,7 @@ PRIORS: dict[str, float] = {
     # ranks' time in their handlers, on the cpu profile's VM, came to about 2 ms plus 2.5 ms per rank.
     "fixed": 2e-3,
     "transitions": 1e-3,  # allocating or freeing one kind of state on the device (guess)
+    "env": 1.0,  # seconds of environment steps on a trajectory's critical path, beyond its generation
 }
 STEP_FIXED_PRIOR = 5e-3
 """Controller work between phases per step: batching prompts, advantages, metrics (guess)."""

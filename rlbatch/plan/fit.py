@@ -42,9 +42,11 @@ def hardware_from_config(hw: Mapping[str, Any]) -> Hardware | None:
 
 def predict_config(plain: Mapping[str, Any], placement: Placement, hw: Hardware, prompt_len: float | None = None,
                    response_mean: float | None = None, coef: Coefficients | None = None,
-                   overlap: bool = False, zero_variance_frac: float | None = None) -> Prediction:
-    """The planner's prediction for ``plain`` (a composed, plain config) placed as ``placement``."""
+                   overlap: bool = False, zero_variance_frac: float | None = None,
+                   **episodes: float | None) -> Prediction:
+    """The planner's prediction for ``plain`` (a composed, plain config) placed as ``placement``;
+    ``episodes``: a multi-turn rollout's turns, observation_len and env_step_s (``workload_from_config``)."""
     layout = from_placement(placement, int(plain["cluster"].get("cpus_per_task") or 1))
     shape = shape_from_config(plain["model"])
-    w = workload_from_config(plain, prompt_len, response_mean, zero_variance_frac)
+    w = workload_from_config(plain, prompt_len, response_mean, zero_variance_frac, **episodes)
     return predict(layout, shape, w, hw, str(plain["model"].get("dtype", "auto")), coef, mem_limit(plain), overlap)

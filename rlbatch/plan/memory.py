@@ -19,15 +19,13 @@ from dataclasses import dataclass, field
 
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES
 from rlbatch.engines.defaults import (
-    fsdp_single_unit,
     hf_max_batch,
     max_tokens_per_micro_batch,
-    share_prompts,
-    worth_sharing,
 )
 from rlbatch.engines.registry import spec_of
 from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
+from rlbatch.plan.costs import cost_of
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import RoleLayout
 from rlbatch.plan.model import ModelShape
@@ -87,24 +85,9 @@ def largest_tensor(shape: ModelShape) -> float:
 
 
 def load_bytes(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware) -> float:
-    """Host bytes beyond its state while a role's engine is built. rlbatch's fsdp engine builds on
-    the meta device and reads only its rows, one tensor at a time (``rlbatch.engines.model.engine_skeleton``):
-    at most the rows of the largest tensor in fp32, plus one random-init block. The hf engine reads a
-    model directory one tensor at a time into a model on the host (``load_model``), which on a GPU it
-    then copies to the device: the whole model in its dtype on the host. vLLM's loader reads a tensor
-    at a time and copies its part to the device. Not modelled: the deepspeed and megatron engines,
-    which build the whole fp32 model on the host on every rank before they shard or convert it
-    (``load_engine_model``), and vLLM's random-init path (the whole fp32 model, saved for vLLM to read)."""
-    b = r.backend
-    assert b is not None
-    rows = 4.0 * largest_tensor(shape)
-    if b.engine == "fsdp":
-        return rows / (b.t * b.d * b.c) + RANDOM_INIT_BLOCK
-    if b.engine == "hf":
-        return rows if hw.is_cpu else e * float(shape.params)
-    if b.engine == "vllm":
-        return e * largest_tensor(shape)
-    return 0.0
+    """Host bytes beyond its state while a role's engine is built (its cost model's ``load_bytes``:
+    0 where not modelled)."""
+    return cost_of(r.engine).load_bytes(r, shape, e, hw)
 
 
 def train_micro_batch(w: Workload, dp: int) -> int:
@@ -119,24 +102,20 @@ def logprob_micro_batch(r: RoleLayout, w: Workload) -> int:
     return min(share, int(r.engine_args.get("micro_batch", 0)) or share)
 
 
-def fsdp_units(r: RoleLayout, shape: ModelShape) -> int:
-    """rlbatch's fsdp engine makes a small model one unit, a larger one a unit per layer plus the root."""
-    if r.backend is not None and r.backend.engine == "fsdp" and fsdp_single_unit(4 * shape.params, r.engine_args):
-        return 1
-    return shape.layers + 1
+def weight_units(r: RoleLayout, shape: ModelShape) -> int:
+    """Units a role's engine gathers its weights in, one collective each (its cost model's)."""
+    return cost_of(r.engine).units(r, shape)
 
 
 def pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, float, int]:
-    """(tokens, logit rows, model calls) of one micro-batch of ``mb`` sequences. rlbatch's fsdp
-    engine runs each distinct prompt once with only its last position's logits, then the
-    responses (all but their last token) on its cache: two model calls
-    (``rlbatch.engines.batch``); otherwise every sequence runs whole, logits at every position."""
-    b = r.backend
-    assert b is not None
+    """(tokens, logit rows, model calls) of one micro-batch of ``mb`` sequences. An engine that
+    shares prompts (its cost model's ``shares_prompts``: rlbatch's fsdp engine) runs each distinct
+    prompt once with only its last position's logits, then the responses (all but their last token)
+    on its cache: two model calls (``rlbatch.engines.batch``); otherwise every sequence runs whole,
+    logits at every position."""
     distinct = w.distinct_prompts(mb)
     trained = r.name in TRAINABLE_ROLES  # as the ranks decide which engines train (and recompute)
-    if (b.engine == "fsdp" and b.c == 1 and share_prompts(r.engine_args) and not (trained and w.recompute)
-            and worth_sharing(distinct, mb)):
+    if cost_of(r.engine).shares_prompts(r, w, mb, trained):
         suffix = mb * max(w.response_max - 1, 0)
         return distinct * w.prompt_len + suffix, distinct + suffix, 2
     return mb * s, mb * s, 1
@@ -242,97 +221,13 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     """fsdp / deepspeed / megatron: weights, grads and Adam state by sharding; activations by micro-batch,
     or with a token ``budget`` (``token_budget``) by the largest packed row."""
     assert r.backend is not None
-    b, P = r.backend, float(shape.params)
+    b = r.backend
     d, t, p, c = b.d, b.t, b.p, b.c
-    ea = r.engine_args
-    notes: list[str] = []
-    big_unit = max(shape.layer_params, shape.embedding_params)
-    if b.engine == "fsdp":
-        n = d * c
-        # rlbatch's fsdp engine keeps fp32 master weights for a role that trains (bf16 only for
-        # compute on GPUs) and the compute dtype for a forward-only one (``FSDPEngine``'s held_dtype).
-        state = {"params": (e if forward_only else 4) * P / t / n}
-        # with model.lora the trained policy's gradients and AdamW state are the adapters' (the base is frozen)
-        G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if adapted(r, w) else P
-        if G < P and not forward_only:
-            state["adapters"] = 4 * G / t / n
-            notes.append(f"{r.name}: LoRA rank {w.lora_rank}: {G / 1e6:.1f}M trained parameters of {P / 1e6:.1f}M")
-        if not forward_only:
-            state |= {"grads": 4 * G / t / n, "optimizer": 8 * G / t / n}
-        # FSDP2's collectives for the largest unit (the root: embedding, final norm, an untied head;
-        # or the whole model when it is one unit), beside the next unit prefetched (a layer). An
-        # all-gather copies the unit's shard into an input buffer (1/n), gathers it into an output
-        # buffer (1) and copies that into the unsharded parameters (1): 2 + 1/n units. Backward holds
-        # the unit's unsharded parameters, their gradients (a tied embedding's two uses summed: 2)
-        # and the reduce-scatter's input and output in the reduce dtype (fp32): 3 units in the
-        # compute dtype, 1 + 1/n in fp32. And as the engine keeps its gradients between steps
-        # (zeroed, not freed), the backward's new gradient shards stand beside them until they are
-        # added: one fp32 gradient shard more. Measured on CPU (docs/benchmarks.md, "Host memory").
-        one = fsdp_units(r, shape) == 1
-        unit = P if one else max(float(shape.layer_params), shape.embedding_params * (1 if shape.tied else 2) + shape.hidden)
-        nxt = 0.0 if one else float(shape.layer_params)
-        fwd_buffers = e * ((2 + 1 / n) * unit + nxt) / t
-        g = G / P  # the share of a unit that gets gradients (1 but with adapters)
-        train_buffers = (3 * e * unit + 4 * (1 + 1 / n) * unit * g + e * (2 + 1 / n) * nxt + 4 * G / n) / t
-        # torch's foreach AdamW computes sqrt(v) for every parameter at once: one fp32 shard more,
-        # after the backward's buffers are gone.
-        step_temp = 4 * G / t / n
-        # Weight sync gathers one unit at a time, each tensor in full (a shard cast to the wire
-        # dtype, the all-gather's padded output and its unpadded copy): the unit and its largest tensor again.
-        sync_bytes = e * (unit * (1 + 1 / n) + min(unit, largest_tensor(shape))) / t
-        layers_held = shape.layers
-    elif b.engine == "deepspeed":
-        stage = int(ea.get("zero_stage", 3))
-        n = d
-        # with model.lora only the adapters have gradients, fp32 masters and AdamW moments; the
-        # frozen base stays in the compute dtype
-        G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if adapted(r, w) else P
-        if G < P and not forward_only:
-            notes.append(f"{r.name}: LoRA rank {w.lora_rank}: {G / 1e6:.1f}M trained parameters of {P / 1e6:.1f}M")
-        if stage == 3:  # DeepSpeed's estimate: 18 bytes/param over all GPUs + 4 per largest-layer param
-            state = {"params": 2 * P / n} if forward_only else {"params": 2 * P / n, "grads": 4 * G / n, "optimizer": 12 * G / n}
-            buffers = 4.0 * shape.largest_module_params
-        else:
-            state = {"params": 2 * P} if forward_only else {
-                "params": 2 * P, "grads": 2 * G / (n if stage == 2 else 1), "optimizer": 12 * G / n}
-            buffers = 0.0
-        # ZeRO-Offload (engine_args): fp32 masters, AdamW state and the fp32 gradient partitions they
-        # are stepped with live in host memory; offload_params (stage 3) moves the weights' partitions too.
-        if bool(ea.get("offload_optimizer", False)) and not forward_only:
-            state["optimizer"] = 0.0
-            if stage == 3:
-                state["grads"] = 0.0
-            notes.append("optimizer offloaded to host")
-        if bool(ea.get("offload_params", False)) and stage == 3:
-            state["params"] = 0.0
-            notes.append("parameters offloaded to host")
-        notes.append(f"deepspeed ZeRO stage {stage}")
-        layers_held = shape.layers
-    else:  # megatron: Megatron-LM's theoretical memory, most loaded (first) pipeline stage
-        dense = shape.layers * (shape.layer_params - shape.expert_params) + shape.hidden
-        emb = shape.embedding_params * (1 if shape.tied or p > 1 else 2)
-        ffn = b.ffn
-        e_split = (ffn.e * ffn.t) if ffn is not None else (b.e * t)
-        shard = (dense / p + emb) / t + shape.layers * shape.expert_params / p / e_split
-        # rlbatch's megatron engine keeps fp32 gradients, fp32 main weights beside 16-bit weights (fp32
-        # weights are their own) and AdamW's two fp32 moments: Megatron-LM's 18 bytes per parameter in
-        # bf16. engine_args.distributed_optimizer (off by default) gives each of the d*c data-parallel
-        # ranks the main weights and moments of 1/(d*c) of them: 6 + 12/dp bytes.
-        dist_opt = bool(ea.get("distributed_optimizer", False))
-        main = 4 if e < 4 else 0
-        state = {"params": e * shard} if forward_only else {
-            "params": e * shard, "grads": 4 * shard, "optimizer": (8 + main) * shard / (d * c if dist_opt else 1)}
-        if dist_opt and not forward_only:
-            notes.append(f"distributed optimizer: optimizer state / {d * c}")
-        buffers = 0.0
-        layers_held = math.ceil(shape.layers / p)
-    if b.engine != "fsdp":
-        fwd_buffers = train_buffers = buffers
-        step_temp, sync_bytes = 0.0, e * big_unit / t  # weight sync gathers full tensors one at a time
-    # rlbatch's megatron engine runs tensor parallelism with sequence parallelism unless
-    # engine_args.sequence_parallel is false: then a layer keeps Korthikanti's 10 + 24/t count,
-    # not (34 + ...)/t.
-    sp = b.engine == "fsdp" or (b.engine == "megatron" and bool(ea.get("sequence_parallel", True)))
+    cost = cost_of(b.engine)
+    held = cost.held(r, shape, w, e, forward_only)
+    state, layers_held, notes = held.state, held.layers_held, list(held.notes)
+    fwd_buffers, train_buffers, step_temp = held.fwd_buffers, held.train_buffers, held.step_temp
+    sp = cost.sequence_parallel(r)
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     if pb := padded_budget(r):  # micro-batches cut by tokens, rows padded within each
         mb = budget_micro_batch(w, pb, math.ceil(w.sequences / (w.mini_batches * d)))
@@ -357,7 +252,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
             "logits": act.logits_bytes(frows, vocab, e, t),
         }
     if fwd_buffers:
-        fwd["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = fwd_buffers
+        fwd[held.buffer_term] = fwd_buffers
     transient = {"logprobs": fwd}
     if not forward_only:
         recompute = "full" if w.recompute else "none"
@@ -377,23 +272,23 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         if budget and not varlen_rows(e):  # every layer's additive mask for the backward; recomputed: the one layer's
             train["attention_mask"] = mask_bytes(st, e, 1 if recompute == "full" else layers_held)
         if train_buffers:
-            train["fsdp_buffers" if b.engine == "fsdp" else "gather_buffers"] = train_buffers
+            train[held.buffer_term] = train_buffers
         if step_temp > sum(train.values()):  # the step runs after the passes' transients are freed
             train["optimizer_step"] = step_temp - sum(train.values())
         transient["train"] = train
-        transient["sync"] = {"sync_buffer": sync_bytes}
+        transient["sync"] = {"sync_buffer": held.sync_bytes}
     tensors = math.ceil(shape.tensors / max(1, p))
     return RoleMemory(r.name, state, transient, notes, tensors=tensors)
 
 
-def infer_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) -> RoleMemory:
-    """vllm (``rlbatch.plan.vllm``) and sglang reserve a share of the GPU; hf allocates what the batch needs."""
+def generic_infer_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware,
+                         reserve: tuple[str, float] | None) -> RoleMemory:
+    """An inference engine that reserves a share of the GPU (``reserve``: its engine_args key and
+    default, SGLang's mem_fraction_static) for weights, activations and KV cache, or (None) one that
+    allocates what the batch needs (hf: up to max_batch sequences per generate call, the KV cache
+    growing with them). vLLM has a model of its own (``rlbatch.plan.vllm``)."""
     assert r.backend is not None
     b = r.backend
-    if b.engine == "vllm":
-        from rlbatch.plan import vllm
-
-        return vllm.memory(r, shape, w, e, hw)
     tp, pp, engines = b.t, b.p, max(1, b.d)
     weights = e * shape.params / (tp * pp)
     kv_heads_per_gpu = max(1, shape.kv_heads // tp) if tp <= shape.kv_heads else 1  # replicated when t > kv heads
@@ -401,15 +296,13 @@ def infer_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     seqs = math.ceil(w.sequences / engines)
     kv_needed = seqs * w.seq_len * kv_tok
     notes: list[str] = []
-    if b.engine in ("vllm", "sglang"):
-        key, default = ("gpu_memory_utilization", VLLM_GPU_MEMORY_UTILIZATION) if b.engine == "vllm" else (
-            "mem_fraction_static", SGLANG_MEM_FRACTION)
+    if reserve is not None:
+        key, default = reserve
         frac = float(r.engine_args.get(key, default))
-        reserve = frac * hw.hbm_bytes
         tokens = int(r.engine_args.get("max_num_batched_tokens", VLLM_MAX_NUM_BATCHED_TOKENS))
         max_seqs = int(r.engine_args.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
         activ = act.forward_working_bytes(shape, tokens, 1, e, tp) + max_seqs * shape.vocab * 4.0
-        budget = reserve - weights - activ
+        budget = frac * hw.hbm_bytes - weights - activ
         state = {"params": weights, "kv_cache": max(0.0, budget)}
         transient = {"generate": {"activations": activ}, "sync": {}}
         per_seq = w.seq_len * kv_tok
@@ -434,7 +327,7 @@ def role_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardw
     """State and per-phase transients of one GPU role on its most loaded GPU."""
     assert r.backend is not None
     if r.backend.kind is EngineKind.INFER:
-        m = infer_engine(r, shape, w, e, hw)
+        m = cost_of(r.engine).infer_memory(r, shape, w, e, hw)
     else:
         m = train_engine(r, shape, w, e, forward_only=r.name not in TRAINABLE_ROLES, budget=token_budget(r, hw))
     m.load = load_bytes(r, shape, e, hw)

@@ -167,7 +167,7 @@ class ModelShape(ModelSpec):
         }
 
 
-def shape_from_hf_config(cfg: Mapping[str, Any], name: str = "hf") -> ModelShape:
+def shape_from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> ModelShape:
     """The shape of a Hugging Face ``config.json`` mapping (Llama, Qwen2, Mistral, Qwen2-MoE, Mixtral ...)."""
     return ModelShape.of(spec_from_hf_config(cfg, name))
 

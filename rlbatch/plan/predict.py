@@ -32,6 +32,7 @@ from rlbatch.phases import PHASES
 from rlbatch.placement import EngineKind
 from rlbatch.plan import timing
 from rlbatch.plan.coefficients import Coefficients
+from rlbatch.plan.costs import cost_of
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import RoleMemory, compute_bytes, role_memory
@@ -129,12 +130,28 @@ def _adapter_sync(infer: RoleLayout, w: Workload) -> bool:
     return sync_form(SimpleNamespace(rank=w.lora_rank, sync=w.lora_sync), loads) == "adapter"
 
 
+def _generation(infer: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
+                layout: Layout) -> dict[str, float]:
+    """The generate phase's features: one generation, or for a multi-turn rollout one per turn
+    (``Workload.turn_workloads``: each turn's prompt the context so far) and each trajectory's env
+    steps on its critical path (``env``: turns x ``env_step_s``; other trajectories' turns run
+    meanwhile, so it adds to the phase only as far as it is longer than their work)."""
+    cost = cost_of(infer.engine)
+    out: dict[str, float] = {}
+    for wk, weight in w.turn_workloads():
+        for k, v in cost.generate(infer, mem, shape, wk, e, hw, layout).items():
+            out[k] = max(out.get(k, 0.0), v) if k == "fixed" else out.get(k, 0.0) + weight * v
+    if w.turns > 1:
+        out["env"] = max(0.0, w.turns * w.env_step_s - sum(v for k, v in out.items() if k in ("roofline", "overhead")))
+    return out
+
+
 def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelShape, w: Workload, e: int,
           hw: Hardware) -> dict[str, float]:
     """Features of a phase's work on its busiest GPU; several roles add up when they share GPUs."""
     roles = layout.roles
     if ph.kind == "generate":
-        return timing.generate(roles["actor_infer"], mems["actor_infer"], shape, w, e, hw, layout)
+        return _generation(roles["actor_infer"], mems["actor_infer"], shape, w, e, hw, layout)
     if ph.kind == "sync":
         if _adapter_sync(roles["actor_infer"], w):  # the adapters alone: two tensors per adapted layer
             return timing.sync(roles["actor_train"], roles["actor_infer"], shape, e, hw, layout,
@@ -271,7 +288,7 @@ def _memory_problems(p: Prediction, mem_limit: float | None) -> None:
             f"host RAM: the busiest node needs {host / GiB:.1f} GiB ({what} {per_node_procs} processes at "
             f"{hw.process_host_bytes / GiB:.1f} GiB) > {limit / GiB:.1f} GiB per node")
     for r, m in p.roles.items():
-        if "kv_cache" in m.state and m.state["kv_cache"] <= 0 and layout.roles[r].engine in ("vllm", "sglang"):
+        if "kv_cache" in m.state and m.state["kv_cache"] <= 0 and spec_of(layout.roles[r].engine).reserves_device_share:
             p.problems.append(f"roles.{r}: {'; '.join(m.notes)}")
 
 
@@ -329,7 +346,13 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
                           f"max_staleness={w.max_staleness}: actor_infer shares GPUs with another role, so the run "
                           f"is synchronous")
     if w.response_assumed:
-        pred.notes.append(f"mean response assumed {w.response_mean:g} of {w.max_new_tokens} tokens (set --response-mean)")
+        mean = w.turn_response_mean if w.turns > 1 else w.response_mean
+        pred.notes.append(f"mean response assumed {mean:g} of {w.max_new_tokens} tokens"
+                          f"{' a turn' if w.turns > 1 else ''} (set --response-mean)")
+    if w.turns > 1:
+        pred.notes.append(f"multi-turn rollout: {w.turns:g} turns of {w.turn_response_mean:g} generated tokens and "
+                          f"{w.observation_len:g}-token observations per trajectory, {w.env_step_s:g} s per env step"
+                          + (" (assumed: set --turns, --observation-tokens, --env-step-s)" if w.turns_assumed else ""))
     _memory_problems(pred, mem_limit)
     if any(r.backend is not None and r.backend.kind is EngineKind.INFER and r.backend.p > 1 for r in layout.gpu_roles()):
         pred.notes.append("pipeline-parallel inference assumed to keep every stage busy")

@@ -12,7 +12,7 @@ within a node, engines for the rest), keeping the engines the config names. Wher
 engines run token-budget micro-batches (``engine_args.max_tokens_per_micro_batch``, set or the
 device's default), each placement is predicted under a ladder of budgets (``budgets``) and keeps
 the fastest that fits (``choose_budget``). Only the winners
-are validated with ``rlbatch.config.validate.check`` (candidates that fail are skipped and
+are validated with ``rlbatch.checks.validate.check`` (candidates that fail are skipped and
 counted), and each is printed as Hydra overrides ready to paste.
 """
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlbatch.engines.registry import spec_of
-from rlbatch.engines.vllm_limits import tp_heads_problem
 from rlbatch.errors import ConfigError
 from rlbatch.placement import parse_backend
 from rlbatch.plan.coefficients import Coefficients
+from rlbatch.plan.costs import cost_of
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import token_budget
@@ -59,42 +59,33 @@ LORA_RANK = 16
 """The adapter rank the search proposes when no placement fits with every weight trained."""
 
 
-def _pow2_upto(n: int) -> list[int]:
-    return [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
-
-
 def train_dims(engine: str, n: int, gpn: int, shape: ModelShape, w: Workload) -> list[str]:
-    """Backend strings for a training engine on ``n`` GPUs whose batch splits evenly."""
-    out = []
-    for t in _pow2_upto(gpn) if engine != "deepspeed" else [1]:
-        if n % t or shape.heads % t or shape.kv_heads % t:
+    """Backend strings for a training engine on ``n`` GPUs whose batch splits evenly, over the
+    sizes its cost model offers (``EngineCost.tensor_sizes``, ``pipeline_sizes``, ``expert_sizes``)."""
+    cost, out = cost_of(engine), []
+    for t in cost.tensor_sizes(gpn):
+        if n % t or shape.heads % t or shape.kv_heads % t or cost.tensor_split_problem(t, shape):
             continue
-        for p in (_pow2_upto(16) if engine == "megatron" else [1]):
+        for p in cost.pipeline_sizes(t, gpn):
             if (n // t) % p or shape.layers % p:
                 continue
             d = n // (t * p)
             if w.sequences % (d * w.mini_batches * w.grad_accum):
                 continue
-            es = [1]
-            if engine == "megatron" and shape.experts and t == 1:
-                # the engine splits the experts over groups of e data-parallel ranks, without tensor parallelism
-                es = [e for e in _pow2_upto(min(shape.experts, gpn)) if shape.experts % e == 0 and d % e == 0]
-            for e in es:
+            for e in cost.expert_sizes(shape, t, d, gpn):
                 dims = "".join(f"{k}{v}" for k, v in (("d", d), ("p", p), ("t", t), ("e", e)) if v > 1 or k == "d")
                 out.append(f"{engine}:{dims}")
     return out
 
 
 def infer_dims(engine: str, n: int, gpn: int, shape: ModelShape) -> list[str]:
-    """Backend strings for an inference engine on ``n`` GPUs: TP within a node (vLLM: the sizes it
-    splits the model's query and KV heads over), PP only across full nodes."""
-    if engine == "hf":
-        return [f"hf:d{n}"]
-    out = []
-    for t in _pow2_upto(gpn):
-        if n % t or shape.heads % t or (engine == "vllm" and tp_heads_problem(t, shape.heads, shape.kv_heads)):
+    """Backend strings for an inference engine on ``n`` GPUs: TP within a node (the sizes its cost
+    model offers and can split the model's heads over), PP as it offers (vLLM: across full nodes)."""
+    cost, out = cost_of(engine), []
+    for t in cost.tensor_sizes(gpn):
+        if n % t or shape.heads % t or cost.tensor_split_problem(t, shape):
             continue
-        for p in ([1, 2, 4, 8] if engine == "vllm" and t == gpn else [1]):
+        for p in cost.pipeline_sizes(t, gpn):
             if n % (t * p) or shape.layers % p:
                 continue
             dims = "".join(f"{k}{v}" for k, v in (("d", n // (t * p)), ("p", p), ("t", t)) if v > 1 or k == "d")
@@ -260,7 +251,7 @@ def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Wo
            coef: Coefficients, model_dtype: str, top: int = 5, cpus: int = 1,
            mem_limit: float | None = None, overlap: bool = False) -> tuple[list[Candidate], dict[str, int]]:
     """Rank every candidate; return the ``top`` valid fitting ones and counts of what was dropped."""
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
 
     scored, stats = [], {"candidates": 0, "fit": 0, "oom": 0, "invalid": 0, "lora": 0}
 

@@ -22,17 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlbatch.config.schema import HEADS
-from rlbatch.engines.defaults import share_prompts, worth_sharing
 from rlbatch.placement import BackendSpec
 from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
+from rlbatch.plan.costs import EngineCost, cost_of
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import (
     RoleMemory,
     adapted,
     budget_micro_batch,
-    fsdp_units,
     logprob_micro_batch,
     packing,
     padded_budget,
@@ -40,6 +39,7 @@ from rlbatch.plan.memory import (
     token_budget,
     train_micro_batch,
     varlen_rows,
+    weight_units,
 )
 from rlbatch.plan.model import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.workload import Workload
@@ -141,15 +141,13 @@ def _tp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> comm.Link:
 
 
 def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
-             layout: Layout) -> Features:
-    """Prefill, then decode step by step; the busiest engine sets the phase time. vLLM has a model
-    of its own (``rlbatch.plan.vllm``: continuous batching, prefix caching, its host costs)."""
+             layout: Layout, cost: EngineCost) -> Features:
+    """Prefill, then decode step by step; the busiest engine sets the phase time; ``cost``, the
+    engine's model, says how it batches and whether it shares prompts (``EngineCost.generate``
+    calls this; vLLM has a model of its own, ``rlbatch.plan.vllm``: continuous batching, prefix
+    caching, its host costs)."""
     b = r.backend
     assert b is not None
-    if b.engine == "vllm":
-        from rlbatch.plan import vllm
-
-        return vllm.generate(r, mem, shape, w, e, hw, layout)
     tp, pp = b.t, b.p
     seqs = math.ceil(w.sequences / max(1, b.d))
     rt = rates(hw, layout, layout.ranks_per_node(r.ranks), sum(mem.transient.get("generate", {}).values()))
@@ -158,7 +156,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     split = tp * pp
     # Prefill: every prompt token once, weights read once. The hf engine runs each distinct prompt
     # but its last token once, then the last token of every row (one more model call per wave).
-    shared = b.engine == "hf" and share_prompts(r.engine_args) and worth_sharing(w.distinct_prompts(seqs), seqs)
+    shared = cost.shares_prompts(r, w, seqs, False)
     if shared:
         tokens = w.distinct_prompts(seqs) * max(w.prompt_len - 1, 0) + seqs
     else:
@@ -173,7 +171,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     conc = max(1, mem.concurrency or seqs)
     waves = math.ceil(seqs / conc)
     surv = w.survival()
-    batch = conc * (surv if b.engine in ("vllm", "sglang") else np.ones_like(surv))
+    batch = conc * (surv if cost.continuous_batching else np.ones_like(surv))
     ctx = w.prompt_len + np.arange(len(surv), dtype=float)
     a0 = shape.fwd_flops_per_token(0.0)
     a1 = 4.0 * shape.layers * shape.heads * shape.head_dim
@@ -184,7 +182,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
         step_s *= np.maximum(1.0, pp / np.maximum(batch, 1e-9))
     roof += waves * float(step_s.sum())
     steps = waves * len(surv)
-    if b.engine in ("vllm", "sglang"):
+    if cost.continuous_batching:
         overhead = (steps + waves) * VLLM_STEP_S
     else:
         layers = math.ceil(shape.layers / pp)
@@ -201,10 +199,8 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
 
 
 def _fully_sharded(r: RoleLayout) -> bool:
-    """FSDP or ZeRO-3: parameters are gathered unit by unit for every pass."""
-    b = r.backend
-    assert b is not None
-    return b.engine == "fsdp" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) == 3)
+    """FSDP or ZeRO-3: parameters are gathered unit by unit for every pass (its cost model's)."""
+    return cost_of(r.engine).gathers_each_pass(r)
 
 
 def _sharding_collectives(r: RoleLayout, shape: ModelShape, train: bool, n: int) -> int:
@@ -212,7 +208,7 @@ def _sharding_collectives(r: RoleLayout, shape: ModelShape, train: bool, n: int)
     backward, and a reduce-scatter per unit; none on one rank."""
     if n <= 1 or not _fully_sharded(r):
         return 0
-    return fsdp_units(r, shape) * (3 if train else 1)
+    return weight_units(r, shape) * (3 if train else 1)
 
 
 def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout, mb: int, s: float,
@@ -226,7 +222,7 @@ def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout:
     if _fully_sharded(r):
         # One all-gather per sharded unit (each decoder layer and the root), forward and again in
         # backward (reshard_after_forward), and one fp32 reduce-scatter per unit: latency per unit.
-        units = fsdp_units(r, shape)
+        units = weight_units(r, shape)
         gathers = 2 if train else 1
         overlapped = gathers * units * comm.all_gather(e * P / b.t / units, n, dl)
         if train:
@@ -360,7 +356,7 @@ def _finish(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware,
         roof += steps * 2 * opt_bytes / rt.bw  # Adam reads and writes every state byte once
         ops += steps * OPT_OPS_PER_TENSOR * tensors
         comm_s += steps * comm.all_reduce(8, n * t * p, dl)  # gradient-norm scalar
-        if b.engine == "megatron" or (b.engine == "deepspeed" and int(r.engine_args.get("zero_stage", 3)) < 3):
+        if cost_of(r.engine).reduces_each_step(r):
             # Once per optimizer step: reduce-scatter grads and all-gather updated params over dp,
             # overlapped with the last backward (Megatron's overlap_grad_reduce).
             P = shape.params / (t * p)
@@ -408,7 +404,7 @@ def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Ha
     n, dl = _dp_link(layout, train, hw)
     # rlbatch's fsdp engine gathers a one-unit model without mixed precision (CPU) in one collective;
     # otherwise full tensors are gathered one parameter at a time: a collective latency per tensor.
-    one = hw.is_cpu and fsdp_units(train, shape) == 1
+    one = hw.is_cpu and weight_units(train, shape) == 1
     per = 1 if one else max(1, tensors)
     comm_s = per * (comm.all_gather(size / bt.t / per, n, dl) + comm.all_gather(size / per, bt.t * bt.p, _tp_link(layout, train, hw)))
     load = size / (bi.t * bi.p)

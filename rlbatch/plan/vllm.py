@@ -33,15 +33,22 @@ import math
 
 import numpy as np
 
-from rlbatch.engines.vllm_limits import BLOCK_TOKENS_CPU, BLOCK_TOKENS_GPU, CPU_KV_CACHE_MB, kv_heads_per_rank
+from rlbatch.engines.vllm_limits import (
+    BLOCK_TOKENS_CPU,
+    BLOCK_TOKENS_GPU,
+    CPU_KV_CACHE_MB,
+    kv_heads_per_rank,
+    tp_heads_problem,
+)
 from rlbatch.plan import activations as act
 from rlbatch.plan import comm
+from rlbatch.plan.costs import EngineCost
 from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import VLLM_GPU_MEMORY_UTILIZATION as GPU_MEMORY_UTILIZATION
 from rlbatch.plan.memory import VLLM_MAX_NUM_BATCHED_TOKENS as MAX_NUM_BATCHED_TOKENS
 from rlbatch.plan.memory import VLLM_MAX_NUM_SEQS as MAX_NUM_SEQS
-from rlbatch.plan.memory import RoleMemory
+from rlbatch.plan.memory import RoleMemory, largest_tensor
 from rlbatch.plan.model import OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.timing import VLLM_STEP_S, _tp_link, rates
 from rlbatch.plan.workload import Workload
@@ -166,3 +173,29 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     else:
         overhead = steps * VLLM_STEP_S
     return {"roofline": roof, "overhead": overhead, "comm": comm_s, "samples": 0.0, "fixed": 1.0}
+
+
+class VLLMCost(EngineCost):
+    """vLLM as the planner models it (``EngineSpec.cost``): this module's memory and generation."""
+
+    continuous_batching = True
+
+    def generate(self, r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
+                 layout: Layout) -> dict[str, float]:
+        return generate(r, mem, shape, w, e, hw, layout)
+
+    def pipeline_sizes(self, t: int, gpn: int) -> list[int]:
+        """Pipeline stages across whole nodes only."""
+        return [1, 2, 4, 8] if t == gpn else [1]
+
+    def tensor_split_problem(self, t: int, shape: ModelShape) -> bool:
+        """The sizes vLLM splits the model's query and KV heads over."""
+        return tp_heads_problem(t, shape.heads, shape.kv_heads) is not None
+
+    def load_bytes(self, r: RoleLayout, shape: ModelShape, e: int, hw: Hardware) -> float:
+        """Its loader reads a tensor at a time and copies its part to the device (vLLM's random-init
+        path, the whole fp32 model saved for vLLM to read, is not modelled)."""
+        return e * largest_tensor(shape)
+
+    def infer_memory(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) -> RoleMemory:
+        return memory(r, shape, w, e, hw)

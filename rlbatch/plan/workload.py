@@ -19,6 +19,8 @@ from rlbatch.phases import reference_is_actor_base
 
 SYNTHETIC_PROMPT_LEN = 5
 """The built-in task's prompts: '<bos>a+b=' is 5 tokens (rlbatch/data/synthetic.py, tokenizer.py)."""
+DEFAULT_OBSERVATION_LEN = 16.0
+"""Tokens of an environment's observation between two turns, when not given (``--observation-tokens``)."""
 DEFAULT_PROMPT_LEN = 512
 """Assumed prompt length for file datasets when --prompt-len is not given."""
 DEFAULT_RESPONSE_MEAN_FRAC = 0.6
@@ -108,6 +110,17 @@ class Workload:
     """``model.lora.target_modules``."""
     lora_sync: str = "auto"
     """``model.lora.sync``: what a weight sync moves with adapters (``rlbatch.models.lora.sync_form``)."""
+    turns: float = 1.0
+    """Mean policy turns per trajectory (``env.name``: a multi-turn rollout); 1: one response. The
+    response fields then describe the whole trajectory the trainer reads (turns and observations);
+    generation runs turn by turn (``turn_workloads``)."""
+    turn_response_mean: float = 0.0
+    """Mean generated tokens of one turn (a multi-turn rollout)."""
+    observation_len: float = 0.0
+    """Mean tokens of an observation between two turns."""
+    env_step_s: float = 0.0
+    """Seconds an environment takes per step (and its tool calls), on each trajectory's critical path."""
+    turns_assumed: bool = False
 
     @property
     def seq_len(self) -> float:
@@ -116,7 +129,21 @@ class Workload:
 
     @property
     def generated_tokens(self) -> float:
+        if self.turns > 1:
+            return self.sequences * self.turns * self.turn_response_mean
         return self.sequences * self.response_mean
+
+    def turn_workloads(self) -> list[tuple[Workload, float]]:
+        """A multi-turn rollout's generation as one generation per turn, with its weight (the last
+        turn's share of a fractional mean): turn k's prompt is the task's plus the k turns and
+        observations before it; it generates ``turn_response_mean`` tokens up to ``max_new_tokens``."""
+        if self.turns <= 1:
+            return [(self, 1.0)]
+        step = self.turn_response_mean + self.observation_len
+        one = replace(self, turns=1.0, response_mean=max(1.0, self.turn_response_mean),
+                      response_max=self.max_new_tokens, observation_len=0.0, env_step_s=0.0)
+        n = math.ceil(self.turns)
+        return [(replace(one, prompt_len=self.prompt_len + k * step), min(1.0, self.turns - k)) for k in range(n)]
 
     @property
     def optimizer_steps(self) -> int:
@@ -168,6 +195,8 @@ class Workload:
             "mini_batches": self.mini_batches, "epochs": self.epochs, "grad_accum": self.grad_accum,
             "prompt_len_assumed": self.prompt_len_assumed, "response_assumed": self.response_assumed,
             "generation_rounds": self.generation_rounds, "zero_variance_frac": self.zero_variance_frac,
+            "turns": self.turns, "turn_response_mean": self.turn_response_mean,
+            "observation_len": self.observation_len, "env_step_s": self.env_step_s,
             "max_staleness": self.max_staleness,
         }
 
@@ -189,10 +218,14 @@ def _survival(m: int, mean: float) -> np.ndarray:
 
 def workload_from_config(
     cfg: Mapping[str, Any], prompt_len: float | None = None, response_mean: float | None = None,
-    zero_variance_frac: float | None = None,
+    zero_variance_frac: float | None = None, turns: float | None = None, observation_len: float | None = None,
+    env_step_s: float | None = None,
 ) -> Workload:
-    """The step of ``cfg`` (plain mapping). ``response_mean`` <= 1 is read as a fraction of the cap.
-    ``zero_variance_frac`` (default ``DEFAULT_ZERO_VARIANCE_FRAC``) sets dynamic sampling's rounds."""
+    """The step of ``cfg`` (plain mapping). ``response_mean`` <= 1 is read as a fraction of the cap
+    (with ``env.name``: of one turn's). ``zero_variance_frac`` (default ``DEFAULT_ZERO_VARIANCE_FRAC``)
+    sets dynamic sampling's rounds. With ``env.name``: ``turns`` per trajectory (default, assumed:
+    ``env.max_turns``), ``observation_len`` tokens between turns (default, assumed:
+    ``DEFAULT_OBSERVATION_LEN``) and ``env_step_s`` seconds per env step (default 0)."""
     algo: Mapping[str, Any] = cfg.get("algo") or {}
     data: Mapping[str, Any] = cfg.get("data") or {}
     roles: Mapping[str, Any] = cfg.get("roles") or {}
@@ -210,7 +243,7 @@ def workload_from_config(
     if algo.get("dynamic_sampling", False) is True:
         frac = DEFAULT_ZERO_VARIANCE_FRAC if zero_variance_frac is None else float(zero_variance_frac)
         rounds = expected_rounds(int(algo.get("prompts_per_step", 16)), frac, int(algo.get("max_sampling_rounds", 3)))
-    return Workload(
+    w = Workload(
         sequences=int(algo.get("prompts_per_step", 16)) * int(algo.get("samples_per_prompt", 8)),
         prompt_len=float(p), response_mean=max(1.0, min(float(mean), cap)), response_max=cap,
         max_new_tokens=cap, samples_per_prompt=int(algo.get("samples_per_prompt", 8)), mini_batches=int(algo.get("mini_batches", 1)), epochs=int(algo.get("epochs", 1)),
@@ -227,3 +260,15 @@ def workload_from_config(
         lora_rank=int(lora.get("rank", 0) or 0), lora_targets=tuple(lora.get("target_modules") or ("all-linear",)),
         lora_sync=str(lora.get("sync", "auto")),
     )
+    env: Mapping[str, Any] = cfg.get("env") or {}
+    if not env.get("name"):
+        return w
+    max_turns = int(env.get("max_turns", 8))
+    t = float(min(max_turns, turns)) if turns is not None else float(max_turns)
+    obs = float(observation_len) if observation_len is not None else DEFAULT_OBSERVATION_LEN
+    gen = w.response_mean
+    if prompt_len is None and data.get("name") == "none":  # no task prompt: a BOS, then the first observation
+        w = replace(w, prompt_len=1.0 + obs, prompt_len_assumed=False)
+    return replace(w, turns=t, turn_response_mean=gen, observation_len=obs, env_step_s=float(env_step_s or 0.0),
+                   response_mean=t * gen + (t - 1) * obs, response_max=int(max_turns * cap + (max_turns - 1) * obs),
+                   turns_assumed=turns is None or observation_len is None)

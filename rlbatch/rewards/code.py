@@ -13,9 +13,9 @@ import logging
 from collections import Counter, OrderedDict
 from typing import Any
 
+from rlbatch.config.limits import Limits
 from rlbatch.data.code import decode_tests, extract_code
 from rlbatch.rewards.rules import split_at_stop
-from rlbatch.sandbox.limits import Limits
 from rlbatch.sandbox.runner import Job, Outcome, Sandbox
 
 log = logging.getLogger(__name__)

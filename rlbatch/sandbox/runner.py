@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from rlbatch.config.limits import Limits
 from rlbatch.sandbox import isolation
-from rlbatch.sandbox.limits import Limits
 
 _SIGNAL_REASONS = {signal.SIGXCPU: "cpu time limit", signal.SIGXFSZ: "file size limit",
                    signal.SIGSEGV: "crashed (SIGSEGV)", signal.SIGBUS: "crashed (SIGBUS)",

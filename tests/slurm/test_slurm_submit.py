@@ -39,7 +39,7 @@ def test_a_partition_sbatch_refuses_is_one_line_and_exit_2(run_root: Path) -> No
 def test_a_run_directory_missing_on_the_first_node_is_named_by_the_submitter(run_root: Path) -> None:
     run = Path("/tmp") / f"rlbatch-test-{uuid.uuid4().hex[:8]}"  # this machine's /tmp: no node sees it
     code = (
-        "from rlbatch.config.validate import check\n"
+        "from rlbatch.checks.validate import check\n"
         "from rlbatch.launch.compose import compose\n"
         "from rlbatch.launch.slurm import submit\n"
         f"cfg = compose(['program=selftest', 'cluster=slurm', 'cluster.cpus_per_task=1', 'wait=true', 'run_dir={run}'])\n"

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from rlbatch.checks.validate import check
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.config.validate import check
 from rlbatch.errors import ConfigError
 
 

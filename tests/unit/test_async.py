@@ -16,8 +16,8 @@ import torch
 from rlbatch.algos.objective import LossInput, PolicyObjective
 from rlbatch.algos.offpolicy import importance_ratio, ratio_mask, truncated_is
 from rlbatch.algos.registry import OFF_POLICY
+from rlbatch.checks.validate import check
 from rlbatch.config.schema import AlgoConfig, RLBatchConfig
-from rlbatch.config.validate import check
 from rlbatch.scheduler.ahead import GenerationQueue
 from rlbatch.scheduler.controller import Rollouts
 from rlbatch.scheduler.metrics import idle_and_overlap

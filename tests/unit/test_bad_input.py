@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
+from rlbatch.checks.validate import check
 from rlbatch.config.bounds import FLOAT_MAX, INT_MAX, Range, numeric_fields
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import RLBatchConfig, RoleConfig
-from rlbatch.config.validate import check
 from rlbatch.errors import ConfigError
 from rlbatch.launch.compose import compose
 

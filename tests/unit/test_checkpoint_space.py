@@ -139,7 +139,7 @@ def test_a_status_write_on_a_full_disk_rewrites_in_place_and_never_raises(tmp_pa
 
 def test_a_launch_onto_a_filesystem_without_room_is_refused_before_it_writes(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from rlbatch.runtime.rundir import prepare_run_dir
 
     free(monkeypatch, 100_000)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlbatch.checks.validate import check
 from rlbatch.config.schema import RLBatchConfig, SandboxConfig
-from rlbatch.config.validate import check
 from rlbatch.data.code import (
     SYNTHETIC_PREFIX,
     code_file_problems,

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from rlbatch import ConfigError
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.launch.compose import CONF_DIR, compose
 
 

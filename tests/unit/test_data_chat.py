@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.data.chat import ChatPrompts
 from rlbatch.data.source import make_stream
 from rlbatch.errors import ConfigError

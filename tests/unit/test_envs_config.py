@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.envs.checks import env_problems
 from rlbatch.envs.registry import ENVS, UnknownName, resolve_env
 from rlbatch.envs.setup import EnvSetup

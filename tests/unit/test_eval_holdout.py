@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.data.source import make_stream, problems_of, split_holdout
 from rlbatch.data.synthetic import arithmetic_problems
 from tests.unit.configs import problems, set_

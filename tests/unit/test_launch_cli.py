@@ -125,7 +125,7 @@ def test_plan_imports_no_engine(tmp_path: Path, cli_env: dict[str, str]) -> None
     code = (
         "import sys\n"
         "from rlbatch.placement import place\n"
-        "from rlbatch.config.validate import check\n"
+        "from rlbatch.checks.validate import check\n"
         "cfg = {'resume': 'auto', 'roles': {"
         "'actor_train': {'device_mapping': 'range(16)', 'backend': 'megatron:d2p2t4e4'},"
         "'actor_infer': {'device_mapping': 'range(16)', 'backend': 'vllm:d4t4'},"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from omegaconf import open_dict
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.errors import ConfigError
 from rlbatch.launch.compose import compose
 from rlbatch.launch.local import local_env

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.launch.compose import compose
 from rlbatch.launch.slurm import sbatch_refusal, submit
 

@@ -131,7 +131,7 @@ def _like(template: Any, value: torch.Tensor) -> Any:
 
 
 def test_lora_settings_are_checked_before_start(cfg: dict[str, Any]) -> None:
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from tests.unit.configs import problems, set_
 
     check(set_(cfg, model__lora__rank=8))
@@ -180,7 +180,7 @@ def test_with_adapters_the_reference_is_the_policys_base_and_no_role_of_its_own(
     """``model.lora``: a reference role on actor_train's GPUs (the default's) is not placed; a
     reference with GPUs of its own is refused (they would idle); a KL without any reference role is
     valid; the step takes the reference's log-probs on actor_train, from its base."""
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from rlbatch.phases import PHASES, step_phases
     from tests.unit.configs import problems, set_
 

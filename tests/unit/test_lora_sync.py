@@ -36,7 +36,7 @@ def test_adapter_names_are_pefts_saved_names() -> None:
 
 
 def test_adapter_sync_is_checked_before_start(cfg: dict[str, Any]) -> None:
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from tests.unit.configs import problems, set_
 
     check(set_(cfg, model__lora__rank=8, model__lora__sync="merged"))

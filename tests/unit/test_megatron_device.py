@@ -27,7 +27,7 @@ def test_validation_refuses_cpu_ranks_before_start_with_the_engines_words(
     """What a rank would stop with after start-up is refused before anything starts: on ranks that
     run on CPUs (cluster.device=cpu, or auto on cluster=local without a GPU), each role that runs
     the engine by its own backend, once; a GPU run, a Slurm job's unjudged nodes and the shim pass."""
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from tests.unit.configs import problems, set_
 
     monkeypatch.setattr(megatron_device, "CPU_SHIM", None)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rlbatch import ConfigError
+from rlbatch.checks.validate import check
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.config.validate import check
 from rlbatch.engines.train.megatron_optim import MainWeights
 
 LR, WD, STEPS = 1e-6, 0.01, 3

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlbatch import ConfigError
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.placement import Placement, ProcessKind, SlurmRequest, parse_backend, parse_device_mapping, place
 
 DELETE = object()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.launch.compose import compose
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import read_env

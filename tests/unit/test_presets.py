@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.config.cluster_rules import on_cpu
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.launch.__main__ import main
 from rlbatch.launch.compose import CONF_DIR, compose
+from rlbatch.osinfo import on_cpu
 from tests.unit.test_sbatch_golden import CASES, GOLDEN
 
 RUN_DIR = "run_dir=/shared/runs/preset"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.launch.__main__ import main as launch
 from rlbatch.launch.compose import compose
 from rlbatch.plan.__main__ import main as plan

@@ -24,7 +24,7 @@ import pytest
 
 from rlbatch import ConfigError
 from rlbatch.checkpoint.store import CheckpointStore
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.placement import place
 from rlbatch.rewards.rules import RewardError, reward_value, rule_scorer
 from tests.unit.configs import problems, set_

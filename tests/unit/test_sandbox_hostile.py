@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.sandbox.limits import Limits
+from rlbatch.config.limits import Limits
 from rlbatch.sandbox.runner import Job, Outcome, Sandbox
 
 SENTINEL_DIR = "/var/tmp/rlbatch-sandbox-sentinel"
@@ -348,7 +348,7 @@ def test_plain_data_round_trip() -> None:
 SAME_USER = snippet("""
     import json, os, sys
     sys.path.insert(0, sys.argv[1])
-    from rlbatch.sandbox.limits import Limits
+    from rlbatch.config.limits import Limits
     from rlbatch.sandbox.runner import Job, Sandbox
     box = Sandbox(Limits(test_timeout_s=3.0), isolation_mode="process")
     jobs = [Job(json.loads(sys.argv[2]) + attack + json.loads(sys.argv[3]), ["assert f(1) == 2"])
@@ -403,8 +403,8 @@ def test_namespaces_is_a_hard_requirement(monkeypatch: pytest.MonkeyPatch, caplo
 
 def test_config_refuses_namespaces_the_node_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A local run that asks for sandbox.isolation=namespaces is refused before start on a node without them."""
+    from rlbatch.checks.validate import check
     from rlbatch.config.schema import RLBatchConfig
-    from rlbatch.config.validate import check
     from rlbatch.errors import ConfigError
     from rlbatch.sandbox import isolation
 

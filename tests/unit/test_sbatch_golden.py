@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.launch.compose import compose
 from rlbatch.launch.slurm import rank_env, sbatch_script
 

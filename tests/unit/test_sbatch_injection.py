@@ -2,7 +2,7 @@
 
 Every field that reaches the script, the srun command line in it or ``rank_env.sh`` is tried with
 a hostile value: ``check`` refuses it before anything starts, naming the field and the character
-(rlbatch.config.cluster_rules). The script writer refuses the same values on its own when they
+(rlbatch.checks.cluster_rules). The script writer refuses the same values on its own when they
 reach it some other way. The legal unusual values are in tests/unit/test_sbatch_golden.py's
 ``unusual_but_legal`` golden file.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.errors import ConfigError
 from rlbatch.launch import prepare
 from rlbatch.launch.__main__ import main as launch_main
@@ -101,7 +101,7 @@ def test_the_same_fields_are_free_on_a_local_run() -> None:
 
 
 def test_the_script_writer_refuses_what_the_check_let_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("rlbatch.config.validate.cluster_problems", lambda cfg: [])
+    monkeypatch.setattr("rlbatch.checks.validate.cluster_problems", lambda cfg: [])
     cfg = slurm_config(**{"cluster.partition": "gpu\n#SBATCH --wrap=x", "cluster.setup": ["#SBATCH --nodes=9"],
                           "cluster.sbatch_args": {"comment": "x\ntouch y"}})
     placement = check(cfg, runnable=False)  # the first line of defence is off
@@ -115,7 +115,7 @@ def test_the_script_writer_refuses_what_the_check_let_through(monkeypatch: pytes
 
 def test_submit_refuses_it_before_making_the_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("rlbatch.config.validate.cluster_problems", lambda cfg: [])
+    monkeypatch.setattr("rlbatch.checks.validate.cluster_problems", lambda cfg: [])
     run = tmp_path / "run"
     cfg = slurm_config(**{"run_dir": str(run), "cluster.job_name": "x\ntouch y #"})
     assert submit(cfg, check(cfg, runnable=False)) == 2

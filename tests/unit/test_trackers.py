@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.placement.io import save_placement
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.scheduler.metrics import Metrics

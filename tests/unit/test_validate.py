@@ -19,7 +19,7 @@ import pytest
 from rlbatch import ConfigError
 from rlbatch.algos import registry as algos_registry
 from rlbatch.checkpoint.store import CheckpointStore
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.engines import registry as engines_registry
 from rlbatch.placement import backend as placement_backend
 from tests.unit.configs import problems, set_
@@ -93,9 +93,9 @@ def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_and_the_layout_no
     c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
     hybrid = ("is a hybrid layout (attention and MLP on different meshes), which the megatron engine does not "
               "build; write one mesh for both, e.g. 'megatron:d4p2e2'")
-    assert problems(c) == [f"roles.actor_train.backend: {SUPPORTED}; got c=2 in "
-                           "'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' " + WHY_NOT_C,
-                           f"roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' {hybrid}"]
+    assert problems(c) == [f"roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' {hybrid}",
+                           f"roles.actor_train.backend: {SUPPORTED}; got c=2 in "
+                           "'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' " + WHY_NOT_C]
     check(c, runnable=False)
     c = on_ranks(cfg, 16, "megatron:(attn:d4p2t2|ffn:d2p2t2e2)", "hf:d16")
     assert problems(c) == [f"roles.actor_train.backend: 'megatron:(attn:d4p2t2|ffn:d2p2t2e2)' {hybrid}"]
@@ -494,7 +494,7 @@ def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
 
 
 def test_a_head_split_the_model_builder_cannot_make_is_refused_before_launch() -> None:
-    from rlbatch.config.validate import check
+    from rlbatch.checks.validate import check
     from rlbatch.errors import ConfigError
     from rlbatch.launch.compose import compose
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.errors import ConfigError
 from rlbatch.launch.compose import compose
 from rlbatch.plan.hardware import load_hardware

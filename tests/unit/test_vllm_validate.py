@@ -1,5 +1,5 @@
 """What vLLM would refuse once the ranks are up is refused by ``check(cfg)`` before anything
-starts, naming the field and the numbers (``rlbatch/config/vllm_rules.py``)."""
+starts, naming the field and the numbers (``rlbatch/engines/infer/vllm_rules.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.errors import ConfigError
 from tests.unit.configs import problems, set_
 from tests.unit.test_validate import on_ranks

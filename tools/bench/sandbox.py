@@ -14,8 +14,8 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from rlbatch.config.limits import Limits
 from rlbatch.sandbox import isolation
-from rlbatch.sandbox.limits import Limits
 from rlbatch.sandbox.runner import Job, Sandbox
 
 

@@ -37,7 +37,7 @@ import json, os, sys
 sys.path[:0] = json.loads(sys.argv[1])
 from rlbatch.config.schema import SandboxConfig
 from rlbatch.rewards.code import CodeScorer
-from rlbatch.sandbox.limits import Limits
+from rlbatch.config.limits import Limits
 scorer = CodeScorer(SandboxConfig(isolation=sys.argv[2], cache=0, limits=Limits(test_timeout_s=3.0, timeout_s=15.0)))
 print(json.dumps({"pid": os.getpid(), "mode": scorer.sandbox.mode}), flush=True)
 for line in sys.stdin:

@@ -8,7 +8,7 @@ import shlex
 import pytest
 from conftest import MODELS, make_config, roles
 
-from rlbatch.config.validate import check
+from rlbatch.checks.validate import check
 from rlbatch.launch.compose import compose
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.hardware import load_hardware

@@ -11,19 +11,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.config.cluster_rules import on_cpu
-from rlbatch.config.runnable import RoleEngine, section
+from rlbatch.config.plain import section
 from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.engines.train.megatron_device import needs_cuda
 from rlbatch.errors import ConfigError
+from rlbatch.osinfo import on_cpu
+from rlbatch.placement.backend import RoleEngine
 
 
-def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> list[str]:
-    """One line per split that does not divide. Inherited backends are reported once, on actor_train."""
+def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Any = None,
+                      train_run: bool = True) -> list[str]:
+    """One line per split that does not divide (``EngineSpec.rules``; only for a run this machine is
+    to start, ``train_run``). Inherited backends are reported once, on actor_train."""
     from rlbatch.models.spec import spec_from_config
 
     mine = [e for e in engines if e.backend.engine == "megatron" and not e.inherited]
-    if not mine:
+    if not mine or not train_run:
         return []
     problems = []
     if on_cpu(plain) and (why := needs_cuda("cpu")) is not None:  # the ranks would start, then stop with it

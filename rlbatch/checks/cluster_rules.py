@@ -15,7 +15,7 @@ The sbatch script has three parts that read config values differently:
   ``#PBS``) line, which sbatch would read as a directive, and it must be complete shell on its own
   (``bash -n``), so that an open quote, block or heredoc cannot swallow the lines after it.
 
-``cluster_problems`` checks a config (from ``rlbatch.config.validate.check``);
+``cluster_problems`` checks a config (from ``rlbatch.checks.validate.check``);
 ``parameter_problems`` checks the parameters the script writer is about to render, a second
 line of defence for values that do not come from the config as given (a resolved run directory).
 Numbers (time, memory, counts) are checked with the rest of the schema.
@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import unicodedata
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 NAME = "A-Za-z0-9_.+-"  # a character class; '-' last, so extra characters go in front of it
@@ -215,15 +214,3 @@ def parameter_problems(params: Mapping[str, Any], run_dir: Any) -> list[str]:
         problems.append(p)
     return problems
 
-
-def on_cpu(plain: Mapping[str, Any]) -> bool | None:
-    """Whether the GPU roles' ranks run on CPUs: cluster.device, or for 'auto' on cluster=local
-    whether this machine has NVIDIA devices; None when unknown (a Slurm job's nodes with device=auto)."""
-    cluster = plain.get("cluster")
-    cluster = cluster if isinstance(cluster, Mapping) else {}
-    device = cluster.get("device", "auto")
-    if device in ("cpu", "cuda"):
-        return device == "cpu"
-    if cluster.get("name", "local") == "local":
-        return not any(Path("/dev").glob("nvidia[0-9]*"))
-    return None

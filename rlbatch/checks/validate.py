@@ -2,7 +2,7 @@
 
 ``place()`` checks the roles and the cluster; this adds the rest of the schema (algorithm, data,
 model, run options), the rules that tie them to the placement, and (unless ``runnable=False``)
-what this build and this machine can run (``rlbatch.config.runnable``), and reports every problem
+what this build and this machine can run (``rlbatch.checks.runnable``), and reports every problem
 in one ConfigError. The modules in ``plugins`` are imported first: they may register engines and
 algorithm parts. No torch; the only I/O is reading the paths and importing the modules the
 config names.
@@ -25,18 +25,20 @@ from rlbatch.algos.registry import (
     USES_CRITIC,
     VALUE_ADVANTAGES,
 )
-from rlbatch.config.bounds import field_problems
-from rlbatch.config.cluster_rules import cluster_problems
-from rlbatch.config.eval_rules import eval_problems
-from rlbatch.config.plain import dotted, to_plain
-from rlbatch.config.runnable import (
+from rlbatch.checks.cluster_rules import cluster_problems
+from rlbatch.checks.eval_rules import eval_problems
+from rlbatch.checks.runnable import (
     engine_args_problems,
+    engine_rule_problems,
     head_problems,
     program_name_problem,
     registry_problem,
     role_engines,
     runnable_problems,
 )
+from rlbatch.config.bounds import field_problems
+from rlbatch.config.limits import Limits
+from rlbatch.config.plain import dotted, to_plain
 from rlbatch.config.schema import (
     AlgoConfig,
     CriticModelConfig,
@@ -49,14 +51,12 @@ from rlbatch.config.schema import (
     RLBatchConfig,
     SandboxConfig,
 )
-from rlbatch.config.vllm_rules import vllm_problems
 from rlbatch.envs.checks import env_problems
 from rlbatch.errors import ConfigError
 from rlbatch.models.lora import lora_problems
 from rlbatch.phases import reference_is_actor_base
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins
-from rlbatch.sandbox.limits import Limits
 from rlbatch.trackers.checks import tracker_problems
 
 CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbatch.algos.registry
@@ -423,7 +423,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(head_problems(engines))
     problems.extend(engine_args_problems(plain, engines))
     train_run = runnable and plain.get("program", "train") == "train"
-    problems.extend(vllm_problems(plain, engines, placement, train_run))
+    problems.extend(engine_rule_problems(plain, engines, placement, train_run))
     problems.extend(_code_task_problems(plain, train_run))
     problems.extend(_env_problems(plain, runnable, train_run, placement))
     problems.extend(eval_problems(plain, runnable))

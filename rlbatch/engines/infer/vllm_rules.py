@@ -23,8 +23,7 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.config.cluster_rules import on_cpu
-from rlbatch.config.runnable import RoleEngine, section
+from rlbatch.config.plain import section
 from rlbatch.engines.registry import VLLMArgs, parse_args
 from rlbatch.engines.vllm_limits import (
     BLOCK_TOKENS_CPU,
@@ -38,7 +37,9 @@ from rlbatch.engines.vllm_limits import (
 )
 from rlbatch.errors import ConfigError
 from rlbatch.models.spec import ModelSpec
+from rlbatch.osinfo import on_cpu
 from rlbatch.placement import Placement
+from rlbatch.placement.backend import RoleEngine
 
 MiB = float(1 << 20)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -76,7 +76,7 @@ def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
         return problems
     path, check_path = eval_data.get("path"), eval_data.get("check_path", True) is not False
     if name == "file" and path and check_path:
-        from rlbatch.config.runnable import _data_file_problem
+        from rlbatch.checks.runnable import _data_file_problem
 
         if (problem := _data_file_problem(str(path))) is not None:
             return [_renamed(problem)]

@@ -25,7 +25,6 @@ import re
 import shutil
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -36,7 +35,7 @@ from rlbatch.engines.registry import REGISTRY, built_engines, parse_args
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import mount_of, nearest_existing
 from rlbatch.phases import PHASES
-from rlbatch.placement.backend import DIM_NAMES, BackendSpec, EngineKind, parse_backend
+from rlbatch.placement.backend import DIM_NAMES, EngineKind, RoleEngine, parse_backend
 
 PLANNED_PROGRAMS: dict[str, str] = {}
 """Programs the planner models (``runnable=False`` accepts them) that this build cannot run."""
@@ -79,14 +78,6 @@ def program_name_problem(name: Any, strict: bool) -> str | None:
     return f"{problem} (the planner also models {sorted(PLANNED_PROGRAMS)})"
 
 
-@dataclass(frozen=True)
-class RoleEngine:
-    """A GPU role's parsed backend."""
-
-    role: str
-    backend: BackendSpec
-    inherited: bool
-    """The role has no backend of its own and takes actor_train's."""
 
 
 def role_engines(plain: Mapping[str, Any]) -> list[RoleEngine]:
@@ -461,10 +452,24 @@ def runnable_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> li
     """Everything this build or this machine cannot run, one line each."""
     problems = []
     if plain.get("program", "train") == "train":
-        from rlbatch.config.megatron_rules import megatron_problems
-
         problems += engine_problems(engines) + program_problems(plain) + files_problems(plain)
-        problems += megatron_problems(plain, engines)
     problems += run_dir_problems(plain)
     problems += [p for p in (mpiexec_problem(plain), mpich_problem(plain)) if p is not None]
+    return problems
+
+
+def engine_rule_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Any,
+                         train_run: bool) -> list[str]:
+    """Each engine's own checks (``EngineSpec.rules``), called once per engine in use with the roles
+    that run it, in the order the roles name the engines."""
+    import importlib
+
+    problems = []
+    for name in dict.fromkeys(e.backend.engine for e in engines):
+        spec = REGISTRY.get(name)
+        if spec is None or spec.rules is None:
+            continue
+        module, _, fn = spec.rules.partition(":")
+        problems += getattr(importlib.import_module(module), fn)(
+            plain, [e for e in engines if e.backend.engine == name], placement, train_run)
     return problems

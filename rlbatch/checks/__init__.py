@@ -1,0 +1,6 @@
+"""Validation before anything starts: ``check(cfg)`` (``validate``) over the schema (``rlbatch.config``),
+the placement, the engines' own rules, the planner's fit and what this machine can run.
+
+It sits above the packages it asks (placement, engines, plan, data, envs, trackers); ``rlbatch.config``
+below them all is the schema alone, which imports nothing of rlbatch but its bounds.
+"""

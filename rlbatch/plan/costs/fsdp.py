@@ -1,0 +1,84 @@
+"""The planner's model of rlbatch's fsdp engine (FSDP2 over dp x cp, DTensor over tp)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlbatch.engines.defaults import fsdp_single_unit, share_prompts, worth_sharing
+from rlbatch.plan.costs import EngineCost, Held
+from rlbatch.plan.memory import RANDOM_INIT_BLOCK, adapted, largest_tensor
+
+if TYPE_CHECKING:
+    from rlbatch.plan.hardware import Hardware
+    from rlbatch.plan.layout import RoleLayout
+    from rlbatch.plan.model import ModelShape
+    from rlbatch.plan.workload import Workload
+
+
+class FSDPCost(EngineCost):
+    def load_bytes(self, r: RoleLayout, shape: ModelShape, e: int, hw: Hardware) -> float:
+        """It builds on the meta device and reads only its rows, one tensor at a time
+        (``rlbatch.engines.model.engine_skeleton``): at most the rows of the largest tensor in fp32,
+        plus one random-init block."""
+        b = r.backend
+        assert b is not None
+        return 4.0 * largest_tensor(shape) / (b.t * b.d * b.c) + RANDOM_INIT_BLOCK
+
+    def units(self, r: RoleLayout, shape: ModelShape) -> int:
+        """A small model is one unit, a larger one a unit per layer plus the root."""
+        return 1 if fsdp_single_unit(4 * shape.params, r.engine_args) else shape.layers + 1
+
+    def shares_prompts(self, r: RoleLayout, w: Workload, mb: int, trained: bool) -> bool:
+        """Each distinct prompt once with only its last position's logits, then the responses on its
+        cache (``rlbatch.engines.batch``); not under context parallelism nor a recomputed training pass."""
+        b = r.backend
+        assert b is not None
+        return (b.c == 1 and share_prompts(r.engine_args) and not (trained and w.recompute)
+                and worth_sharing(w.distinct_prompts(mb), mb))
+
+    def sequence_parallel(self, r: RoleLayout) -> bool:
+        return True
+
+    def gathers_each_pass(self, r: RoleLayout) -> bool:
+        return True
+
+    def held(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_only: bool) -> Held:
+        b, P = r.backend, float(shape.params)
+        assert b is not None
+        t, n = b.t, b.d * b.c
+        notes: list[str] = []
+        # rlbatch's fsdp engine keeps fp32 master weights for a role that trains (bf16 only for
+        # compute on GPUs) and the compute dtype for a forward-only one (``FSDPEngine``'s held_dtype).
+        state = {"params": (e if forward_only else 4) * P / t / n}
+        # with model.lora the trained policy's gradients and AdamW state are the adapters' (the base is frozen)
+        G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if adapted(r, w) else P
+        if G < P and not forward_only:
+            state["adapters"] = 4 * G / t / n
+            notes.append(f"{r.name}: LoRA rank {w.lora_rank}: {G / 1e6:.1f}M trained parameters of {P / 1e6:.1f}M")
+        if not forward_only:
+            state |= {"grads": 4 * G / t / n, "optimizer": 8 * G / t / n}
+        # FSDP2's collectives for the largest unit (the root: embedding, final norm, an untied head;
+        # or the whole model when it is one unit), beside the next unit prefetched (a layer). An
+        # all-gather copies the unit's shard into an input buffer (1/n), gathers it into an output
+        # buffer (1) and copies that into the unsharded parameters (1): 2 + 1/n units. Backward holds
+        # the unit's unsharded parameters, their gradients (a tied embedding's two uses summed: 2)
+        # and the reduce-scatter's input and output in the reduce dtype (fp32): 3 units in the
+        # compute dtype, 1 + 1/n in fp32. And as the engine keeps its gradients between steps
+        # (zeroed, not freed), the backward's new gradient shards stand beside them until they are
+        # added: one fp32 gradient shard more. Measured on CPU (docs/benchmarks.md, "Host memory").
+        one = self.units(r, shape) == 1
+        unit = P if one else max(float(shape.layer_params), shape.embedding_params * (1 if shape.tied else 2) + shape.hidden)
+        nxt = 0.0 if one else float(shape.layer_params)
+        g = G / P  # the share of a unit that gets gradients (1 but with adapters)
+        return Held(
+            state, shape.layers,
+            fwd_buffers=e * ((2 + 1 / n) * unit + nxt) / t,
+            train_buffers=(3 * e * unit + 4 * (1 + 1 / n) * unit * g + e * (2 + 1 / n) * nxt + 4 * G / n) / t,
+            buffer_term="fsdp_buffers",
+            # torch's foreach AdamW computes sqrt(v) for every parameter at once: one fp32 shard more,
+            # after the backward's buffers are gone.
+            step_temp=4 * G / t / n,
+            # Weight sync gathers one unit at a time, each tensor in full (a shard cast to the wire
+            # dtype, the all-gather's padded output and its unpadded copy): the unit and its largest tensor again.
+            sync_bytes=e * (unit * (1 + 1 / n) + min(unit, largest_tensor(shape))) / t,
+            notes=notes)

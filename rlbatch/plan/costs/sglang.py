@@ -1,0 +1,22 @@
+"""The planner's model of SGLang (modelled, not in this build): it reserves a share of the GPU."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlbatch.plan.costs import EngineCost
+from rlbatch.plan.memory import SGLANG_MEM_FRACTION, generic_infer_memory
+
+if TYPE_CHECKING:
+    from rlbatch.plan.hardware import Hardware
+    from rlbatch.plan.layout import RoleLayout
+    from rlbatch.plan.memory import RoleMemory
+    from rlbatch.plan.model import ModelShape
+    from rlbatch.plan.workload import Workload
+
+
+class SGLangCost(EngineCost):
+    continuous_batching = True
+
+    def infer_memory(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) -> RoleMemory:
+        return generic_infer_memory(r, shape, w, e, hw, reserve=("mem_fraction_static", SGLANG_MEM_FRACTION))
