@@ -527,7 +527,7 @@ class MlflowConfig:
 
 @dataclass
 class TrackersConfig:
-    """Experiment trackers, besides metrics.jsonl and TensorBoard (always written). Only the
+    """Experiment trackers, besides metrics.jsonl and TensorBoard (``logger``). Only the
     controller logs; a requeued or resumed job reattaches to the same tracker run, by the id kept in
     <run_dir>/trackers.json, and logs no step twice. A tracker that fails while the run trains
     (a server down) is warned about and retried, and training goes on."""
@@ -576,5 +576,9 @@ class RLBatchConfig:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     critic_model: CriticModelConfig = field(default_factory=CriticModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    logger: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where each step's metrics row goes besides metrics.jsonl: 'tensorboard' (event files under
+    <run_dir>/tensorboard) and trackers by name, e.g. ``logger=[tensorboard,wandb,mlflow]`` (their
+    settings under ``trackers.<name>``; ``trackers.<name>.enabled=true`` turns one on as well)."""
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

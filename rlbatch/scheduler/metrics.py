@@ -51,17 +51,18 @@ def reduce_records(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 class Metrics:
-    def __init__(self, run: RunDir, steps: int, start: int = 0) -> None:
+    def __init__(self, run: RunDir, steps: int, start: int = 0, tensorboard: bool = True) -> None:
         self.run = run
         self.path = run.path / METRICS
         self.history: list[dict[str, Any]] = []
         self.tb: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if tensorboard:  # ``logger`` lists it (the default)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run.path / "tensorboard"))
-        except ImportError:  # tensorboard is a core dependency; a broken install still trains
-            log.warning("tensorboard is not importable: no event files will be written")
+                self.tb = SummaryWriter(str(run.path / "tensorboard"))
+            except ImportError:  # tensorboard is a core dependency; a broken install still trains
+                log.warning("tensorboard is not importable: no event files will be written")
         self.steps, self.start = steps, start
         self.bar: Any = None
         if self.path.exists():  # resuming: keep the rows before the checkpoint, drop any after it

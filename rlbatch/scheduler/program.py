@@ -39,6 +39,7 @@ from rlbatch.scheduler.preemption import Preemption
 from rlbatch.scheduler.rank_runtime import RankRuntime
 from rlbatch.scheduler.sampling import dynamic_batch
 from rlbatch.scheduler.scoring import Scoring
+from rlbatch.trackers.checks import TENSORBOARD
 
 
 def advantage_stats(advantages: torch.Tensor | list[torch.Tensor]) -> dict[str, float]:
@@ -99,7 +100,7 @@ class Loop:
         if self.start > 0:
             self.actor_train.sync_weights(self.actor_infer)  # inference weights are not checkpointed
         self.preemption = Preemption(cfg.cluster, read_env())
-        self.metrics = Metrics(run, int(cfg.steps), self.start)
+        self.metrics = Metrics(run, int(cfg.steps), self.start, tensorboard=TENSORBOARD in cfg.logger)
         self.n = int(self.a.samples_per_prompt)
         self.reuse_batch = self.a.mini_batches > 1 or self.a.epochs > 1
         self.stop: str | None = None

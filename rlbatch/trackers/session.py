@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.trackers.base import Tracker, TrackerSpec, build
-from rlbatch.trackers.checks import settings_of
+from rlbatch.trackers.checks import active, settings_of
 from rlbatch.trackers.registry import TRACKERS
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,9 @@ class Trackers:
         self.run_dir, self.path, self.start = run_dir, run_dir / STATE, start
         self.state: dict[str, dict[str, Any]] = self._read()
         section = config.get("trackers") or {}
+        on = active(config)
         self.slots = [_Slot(spec, settings_of(section.get(name) or {}, spec.settings))
-                      for name, spec in TRACKERS.items() if (section.get(name) or {}).get("enabled")]
+                      for name, spec in TRACKERS.items() if name in on]
         self.params = run_params(config) | ({"placement": placement_params(placement)} if placement else {})
         for slot in self.slots:
             self._catch_up(slot, history, start)
@@ -196,8 +197,7 @@ def open_trackers(run_dir: Path, history: Sequence[Mapping[str, Any]], start: in
         config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG), resolve=True)
     except FileNotFoundError:
         return None
-    if not isinstance(config, dict) or not any(
-            isinstance(s, Mapping) and s.get("enabled") for s in (config.get("trackers") or {}).values()):
+    if not isinstance(config, dict) or not active(plain := {str(k): v for k, v in config.items()}):
         return None
     placement = json.loads((run_dir / PLACEMENT).read_text()) if (run_dir / PLACEMENT).exists() else None
-    return Trackers(run_dir, {str(k): v for k, v in config.items()}, placement, history, start)
+    return Trackers(run_dir, plain, placement, history, start)

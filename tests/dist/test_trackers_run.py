@@ -41,7 +41,7 @@ def test_a_preempted_gsm8k_run_with_evaluation_is_one_run_in_every_tracker(run_r
             '+data.reward_fns={openai/gsm8k: "rlbatch.rewards.math:gsm8k_match"}', f"run_dir={run}", "steps=4",
             "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "algo.max_new_tokens=8",
             "eval.every=2", "eval.data.name=file", f"eval.data.path={data}", "eval.data.chat_template=true",
-            "eval.max_prompts=4", "trackers.wandb.enabled=true", "trackers.mlflow.enabled=true"]
+            "eval.max_prompts=4", "logger=[tensorboard,wandb,mlflow]"]
     out = launch([*args, "cluster.deadline_margin_s=100000"], run_root,
                   env={"SLURM_JOB_END_TIME": str(int(time.time()) + 3600)})
     assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]  # preempted after step 0

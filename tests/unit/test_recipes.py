@@ -84,9 +84,9 @@ def test_the_gsm8k_recipe_launches_as_written(paths: dict[str, str], capsys: pyt
     assert placement.num_gpus == 8 and placement.roles["actor_infer"].engine == "vllm"
     assert (cfg.data.chat_template, dict(cfg.data.reward_fns)) == (True, {"openai/gsm8k": "rlbatch.rewards.math:gsm8k_match"})
     assert (cfg.eval.every, cfg.eval.at_start, cfg.eval.data.chat_template) == (10, True, True)
-    assert (cfg.trackers.wandb.enabled, cfg.trackers.wandb.mode, list(cfg.trackers.wandb.tags)) == (
-        True, "offline", ["qwen2.5-0.5b", "grpo"])
-    assert cfg.trackers.mlflow.enabled and cfg.trackers.mlflow.tracking_uri is None
+    assert list(cfg.logger) == ["tensorboard", "wandb", "mlflow"]
+    assert (cfg.trackers.wandb.mode, list(cfg.trackers.wandb.tags)) == ("offline", ["qwen2.5-0.5b", "grpo"])
+    assert cfg.trackers.mlflow.tracking_uri is None
     assert launch([*args, "dry_run=true"]) == 0, capsys.readouterr().err
     printed(docs["gsm8k-grpo-launch output"], capsys.readouterr().out)
 

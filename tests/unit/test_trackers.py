@@ -234,3 +234,24 @@ def test_a_tracker_whose_run_is_gone_starts_a_new_one_with_every_row(tmp_path: P
     second = mlflow_client(run / "second")
     assert sorted(m.step for m in second.get_metric_history(second_id, "reward_mean")) == list(range(STEPS))
     assert sorted(m.step for m in mlflow_client(run / "first").get_metric_history(first_id, "reward_mean")) == [0, 1, 2]
+
+
+def test_logger_names_the_trackers_and_tensorboard(tmp_path: Path, cfg: dict[str, Any],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``logger=[tensorboard,wandb,mlflow]`` turns the trackers on as their ``enabled`` does (their
+    settings still under ``trackers``); without 'tensorboard' no event files are written."""
+    run = make_run(tmp_path, logger=["wandb", "mlflow"])
+    m = Metrics(RunDir(run), STEPS, 0, tensorboard=False)
+    m.log(row(0))
+    m.close()
+    assert [[h["_step"] for h in r["history"]] for r in offline_runs(run)] == [[0]]
+    assert mlflow_client(run / "mlruns").search_experiments() and json.loads((run / STATE).read_text()).keys() == {
+        "wandb", "mlflow"}
+    assert not (run / "tensorboard").exists()
+    assert problems(set_(cfg, logger=["tensorboard", "neptune"])) == [
+        "logger: unknown ['neptune']; this build logs to ['tensorboard', 'wandb', 'mlflow']"]
+    assert problems(set_(cfg, logger="wandb"))[0].startswith("logger: expected a list of names")
+    monkeypatch.setitem(TRACKERS, "wandb", dataclasses.replace(TRACKERS["wandb"], package="rlbatch_no_such_package"))
+    assert problems(set_(cfg, logger=["tensorboard", "wandb"])) == [
+        "logger: wandb: the 'rlbatch_no_such_package' package is not installed here; pip install 'rlbatch[trackers]' "
+        "(or: pip install wandb)"]
