@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 import torch
@@ -279,10 +279,8 @@ class DeepSpeedEngine(StashedState):
         manifest, produce = self._source([[(n, n) for n in unit] for unit in export_units(self.names)])
         stream = (WeightStream(manifest, produce) if self.lora is None
                   else lora.merged_stream(manifest, produce, self.lora))
-        try:
+        with closing(stream):  # the stream's gathers end with the sync, or with its error
             yield stream
-        finally:
-            stream.close()
 
     @contextmanager
     def export_adapters(self) -> Iterator[WeightStream]:
@@ -294,10 +292,8 @@ class DeepSpeedEngine(StashedState):
         units = [run for unit in export_units(self.names)
                  if (run := [(a, n) for n in unit if (a := lora.adapter_name(n)) is not None])]
         stream = WeightStream(*self._source(units))
-        try:
+        with closing(stream):  # the stream's gathers end with the sync, or with its error
             yield stream
-        finally:
-            stream.close()
 
     def _source(self, units: list[list[tuple[str, str]]]) -> tuple[list[tuple[str, torch.Size]],
                                                                      Callable[[torch.dtype | None], Iterator[Unit]]]:

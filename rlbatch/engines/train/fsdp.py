@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 import torch
@@ -163,10 +163,8 @@ class FSDPEngine(StashedState):
             stream = lora.merged_stream(names, lambda dtype: self._export(units, dtype), self.lora)
         else:
             stream = WeightStream(names, lambda dtype: self._export(units, dtype))
-        try:
+        with closing(stream):  # the stream's gathers end with the sync, or with its error
             yield stream
-        finally:
-            stream.close()
 
     @contextmanager
     def export_adapters(self) -> Iterator[WeightStream]:
@@ -180,10 +178,8 @@ class FSDPEngine(StashedState):
                  if (run := [(a, p) for n, p in params if (a := lora.adapter_name(n)) is not None])]
         stream = WeightStream([(a, p.shape) for run in units for a, p in run],
                               lambda dtype: ([(a, _gathered(p, dtype or p.dtype)) for a, p in run] for run in units))
-        try:
+        with closing(stream):  # the stream's gathers end with the sync, or with its error
             yield stream
-        finally:
-            stream.close()
 
     def _export_units(self) -> list[tuple[FSDPModule, list[tuple[str, torch.nn.Parameter]]]]:
         """Runs of consecutive parameters (``named_parameters`` order) sharded by one FSDP unit: the whole

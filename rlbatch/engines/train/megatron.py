@@ -44,7 +44,7 @@ token, ``scores()`` at each sequence's last non-pad token (transformers' pooling
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from functools import partial
 from typing import Any
 
@@ -243,10 +243,8 @@ class MegatronEngine(StashedState):
         it, and with pipeline stages broadcasts it over pp."""
         stream = WeightStream([(n, self.hf_shapes[n]) for n in self.hf_names],
                               lambda dtype: (self._export_piece(names, dtype) for names in layer_units(self.hf_names)))
-        try:
+        with closing(stream):  # the stream's gathers end with the sync, or with its error
             yield stream
-        finally:
-            stream.close()
 
     @staticmethod
     def _hf_piece(name: str) -> str:
