@@ -189,3 +189,32 @@ def test_changed_dataset_is_reported(run_root: Path) -> None:
     changed = launch([f"run_dir={d}", "steps=2", *args], run_root)
     assert changed.returncode != 0
     assert "dataset changed since this checkpoint" in changed.stdout + changed.stderr
+
+
+def test_episodes_made_ahead_are_saved_at_a_checkpoint_and_trained_after_resume(run_root: Path) -> None:
+    """Multi-turn with max_staleness=1: the checkpoint at the end of step 2 holds step 3's
+    trajectories (made ahead, not trained yet) with their loss masks and summaries; the resumed
+    run trains step 3 on exactly them (their rewards, turns and token counts), generates nothing
+    twice and loses no step."""
+    split = run_root / "split"
+    args = ["experiment=multiturn", "roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis",
+            "algo.prompts_per_step=4", "algo.samples_per_prompt=4"]
+    first = launch([f"run_dir={split}", *args, "steps=3"], run_root, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = torch_load(split / "checkpoints" / "step_000002" / "rollouts.pt")
+    [entry] = saved["entries"]
+    episodes = entry["rollouts"]["episodes"]
+    assert entry["step"] == 3 and len(episodes) == 16 and set(episodes) == set(entry["samples"])
+    assert all("loss_mask" in fields for fields in entry["samples"].values())
+    second = launch([f"run_dir={split}", *args, "steps=5"], run_root, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stdout and "step_000002" in second.stdout
+    got = rows(split)
+    assert [r["step"] for r in got] == list(range(5))
+    resumed = got[3]
+    eps = list(episodes.values())
+    assert resumed["env/reward_mean"] == sum(float(e["reward"]) for e in eps) / len(eps)
+    assert resumed["reward_mean"] == resumed["env/reward_mean"]  # scored from the saved trajectories
+    assert resumed["tokens/generated"] == sum(int(e["generated"]) for e in eps)
+    assert resumed["tokens/observed"] == sum(int(e["observed"]) for e in eps)
+    assert resumed["train/staleness"] == 1.0 and resumed["train/grad_norm"] > 0
