@@ -29,6 +29,7 @@ Two ways to compute the logits that score those tokens, the same numbers either 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,10 @@ class Flat:
     width: int                    # R
     cu_seq_lens: torch.Tensor     # [S + 1] int32: where each sample's run of the row starts, then N
     max_length: int               # the longest sample's run
+    cp: Any = None
+    """``rlbatch.engines.ulysses.Slice`` when this is one rank's slice of a row split over a
+    context-parallel group (``ulysses.split``): the forward runs inside ``ulysses.over`` and
+    ``spread`` sums the group's kept outputs; None for a whole row."""
 
     def forward_kwargs(self) -> dict[str, Any]:
         """What a model call on this row takes: the ids and restarting positions, no attention mask
@@ -274,16 +279,18 @@ def flat_outputs(model: Any, x: Flat, lm: bool) -> torch.Tensor:
     cheap everywhere) read there. One call through the model's own forward (FSDP's and DeepSpeed's
     hooks gather the parameters there) with no attention mask and no cache: what makes
     transformers confine attention to each sample."""
-    if lm:
-        return model(**x.forward_kwargs(), logits_to_keep=x.keep).logits[0]
-    return model(**x.forward_kwargs()).logits[0, x.keep]
+    with x.cp.over() if x.cp is not None else contextlib.nullcontext():
+        if lm:
+            return model(**x.forward_kwargs(), logits_to_keep=x.keep).logits[0]
+        return model(**x.forward_kwargs()).logits[0, x.keep]
 
 
 def spread(values: torch.Tensor, x: Flat, batch: int) -> torch.Tensor:
     """[B, R] float32 from per-kept-position values (``flat_outputs`` order), 0 on padding; the
-    gradient flows back to ``values``."""
-    out = torch.zeros(batch * x.width, device=x.where.device)
-    return out.index_copy(0, x.where, values.float()).view(batch, x.width)
+    gradient flows back to ``values``. A context-parallel slice's values are summed over its
+    group (each position is kept on exactly one rank), so every rank holds the whole [B, R]."""
+    out = torch.zeros(batch * x.width, device=x.where.device).index_copy(0, x.where, values.float())
+    return (out if x.cp is None else x.cp.sum(out)).view(batch, x.width)
 
 
 def response_logprobs(model: Any, batch: Packed, entropy: bool = False

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rlbatch.engines import attention
+
+if TYPE_CHECKING:
+    from rlbatch.engines.batch import Flat
 
 ULYSSES = "rlbatch_ulysses"
 
@@ -192,3 +195,48 @@ def use(model: Any) -> None:
         raise TypeError(f"{type(model).__name__} has no transformers config to select its attention with")
     register()
     config._attn_implementation = ULYSSES
+
+
+class _SumAcross(torch.autograd.Function):
+    """All-reduce (sum) whose backward passes the gradient through unchanged: every rank computes
+    the same function of the sum, and each rank's addend is its own positions only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@dataclass
+class Slice:
+    """What a rank's slice of a split ``Flat`` row needs beside its own tokens (``Flat.cp``)."""
+
+    group: dist.ProcessGroup
+    position_ids: torch.Tensor  # [1, S] the whole (padded) row's
+
+    def over(self) -> Any:
+        return over(self.group, self.position_ids)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return _SumAcross.apply(x, self.group)
+
+
+def split(x: Flat, group: dist.ProcessGroup) -> Flat:
+    """This rank's slice of the packed row ``x``: the row padded to a multiple of the group's size
+    (the padding is one more run of positions 0, 1, ..., read by nobody), its contiguous share of
+    the tokens, and of ``keep``/``where`` the positions that fall in it (``keep`` relative to the
+    slice). Outputs kept on each rank are summed over the group by ``batch.spread``."""
+    c, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = x.input_ids.shape[1]
+    pad = padded_length(max(n, 1), c) - n
+    ids = torch.cat([x.input_ids, x.input_ids.new_zeros(1, pad)], 1)
+    positions = torch.cat([x.position_ids, torch.arange(pad, device=x.position_ids.device)[None]], 1)
+    size = ids.shape[1] // c
+    mine = (x.keep >= rank * size) & (x.keep < (rank + 1) * size)
+    return replace(x, input_ids=local(ids, group), position_ids=local(positions, group),
+                   keep=x.keep[mine] - rank * size, where=x.where[mine], cp=Slice(group, positions))
