@@ -116,7 +116,11 @@ def _env_problems(cfg: Mapping[str, Any], runnable: bool, train_run: bool, place
         if _get(cfg, "data.name") == "none":
             problems.append("data.name: 'none' gives every trajectory an empty task for an environment to draw from "
                             "its seed, and env.name is not set")
+        if _enabled(cfg, "env"):
+            problems.append(f"roles.env: hosts episodes of an environment (world_size={_get(cfg, 'roles.env.world_size')}), "
+                            f"but env.name is not set: name one (e.g. env.name=running_sum) or remove the role")
         return problems
+    problems += _env_role_problems(cfg, placement)
     if not train_run:
         return problems
     env = f"env.name={name!r}"
@@ -137,6 +141,19 @@ def _env_problems(cfg: Mapping[str, Any], runnable: bool, train_run: bool, place
                             f"pipeline parallel) would step its envs on each rank apart; multi-turn rollouts need "
                             f"one rank per worker in this build (e.g. vllm:d2, not vllm:d1t2)")
     return problems
+
+
+def _env_role_problems(cfg: Mapping[str, Any], placement: Placement | None) -> list[str]:
+    """The env role's size against a step's trajectories: a worker with none would sit idle."""
+    if placement is None or "env" not in placement.roles:
+        return []
+    workers = placement.roles["env"].world_size
+    prompts, n = _int(_get(cfg, "algo.prompts_per_step")), _int(_get(cfg, "algo.samples_per_prompt"))
+    if prompts is not None and n is not None and workers > prompts * n:
+        return [f"roles.env.world_size: {workers} env workers for {prompts * n} trajectories a step "
+                f"(algo.prompts_per_step={prompts} x algo.samples_per_prompt={n}): each worker hosts whole "
+                f"trajectories, so at most {prompts * n} workers have any"]
+    return []
 
 
 def _get(cfg: Mapping[str, Any], path: str) -> Any:

@@ -15,8 +15,13 @@ and a small summary (the trajectory's reward, turns, end reason, env seconds, to
 to the controller: the reward to the score phase, the rest to the step's metrics
 (``trajectory_stats``).
 
-    rollout = MultiTurn(plain_cfg, tokenizer)
-    trajectories = rollout(engine, prompts, sampling, tasks, seeds, seed)
+    rollout = MultiTurn(plain_cfg, tokenizer)                  # envs on this rank's threads
+    rollout = MultiTurn(plain_cfg, tokenizer, client=client)   # envs on the env role's workers
+    trajectories = rollout(engine, prompts, sampling, tasks, seeds, seed, ids)
+
+With an ``env`` role (``roles.env.world_size``) each trajectory's episode lives on the env worker
+its sample id picks (``rlbatch.envs.client``), behind the same ``Episode`` methods, so the rollout
+loop and the trajectories are the same either way.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from rlbatch.engines.base import SamplingParams, turns_of
 from rlbatch.envs.base import END_REASONS, TOOL_OUTCOMES
+from rlbatch.envs.client import EnvClient, worker_of
 from rlbatch.envs.rollout import Rollout, Start, Trajectory
 from rlbatch.envs.setup import EnvSetup
 
@@ -52,10 +58,13 @@ def task_of(prompt: Any) -> dict[str, Any]:
 
 class MultiTurn:
     """Plays trajectories on one inference engine (its ``Turns``), episodes built from the config's
-    ``env`` section (``EnvSetup``). ``plain_cfg``: the run's config as plain mappings."""
+    ``env`` section (``EnvSetup``), or hosted by the env role's workers through ``client``.
+    ``plain_cfg``: the run's config as plain mappings."""
 
-    def __init__(self, plain_cfg: Mapping[str, Any], tokenizer: Any, barrier: bool = False) -> None:
-        self.setup = EnvSetup(plain_cfg)
+    def __init__(self, plain_cfg: Mapping[str, Any], tokenizer: Any, barrier: bool = False,
+                 client: EnvClient | None = None) -> None:
+        self.client = client
+        self.setup = EnvSetup(plain_cfg) if client is None else None  # the workers build their own
         self.tokenizer = tokenizer
         env, model = plain_cfg.get("env") or {}, plain_cfg.get("model") or {}
         budget = env.get("max_context_tokens")
@@ -78,16 +87,25 @@ class MultiTurn:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
 
     def __call__(self, engine: Any, prompts: list[list[int]], params: SamplingParams,
-                 tasks: list[Mapping[str, Any]], seeds: list[int], seed: int) -> list[Trajectory]:
+                 tasks: list[Mapping[str, Any]], seeds: list[int], seed: int,
+                 ids: list[int] | None = None) -> list[Trajectory]:
         """One trajectory per sample, in order: ``prompts`` the task prompts' tokens (a BOS, or
         empty: the first observation is then the whole prompt), ``tasks`` and ``seeds`` what each
-        episode starts from, ``seed`` the rollout's sampling seed."""
-        starts = [Start(k, list(p), self.setup.episode(), task, int(s))
-                  for k, (p, task, s) in enumerate(zip(prompts, tasks, seeds, strict=True))]
+        episode starts from, ``seed`` the rollout's sampling seed, ``ids`` the samples' ids in the
+        run (which env worker hosts each; by default their order here)."""
+        ids = list(range(len(prompts))) if ids is None else ids
+        starts = [Start(k, list(p), self._episode(sid), task, int(s))
+                  for k, (p, task, s, sid) in enumerate(zip(prompts, tasks, seeds, ids, strict=True))]
         rollout = Rollout(turns_of(engine), self.encode, self.decode, params, self.max_context,
                           workers=max(1, min(32, len(starts))), barrier=self.barrier)
         self.last = rollout
         return rollout.run(starts, seed)
+
+    def _episode(self, sample_id: int) -> Any:
+        if self.client is not None:
+            return self.client.episode(worker_of(sample_id, self.client.size))
+        assert self.setup is not None
+        return self.setup.episode()
 
 
 def sample_fields(traj: Trajectory) -> dict[str, torch.Tensor]:
@@ -104,7 +122,8 @@ def summary(traj: Trajectory) -> dict[str, Any]:
     return {"reward": traj.reward, "turns": traj.turns, "end": traj.end, "generated": traj.generated,
             "observed": traj.observed, "env_seconds": float(info.get("env_seconds", 0.0)),
             "tool_calls": dict(info.get("tool_calls") or {}), "spans": spans(traj.loss_mask),
-            "turn_rewards": [(n - 1, r) for n, r in zip(traj.reward_at, traj.rewards, strict=True) if n > 0 and r]}
+            "turn_rewards": [(n - 1, r) for n, r in zip(traj.reward_at, traj.rewards, strict=True) if n > 0 and r],
+            "worker": info.get("worker")}
 
 
 def spans(loss_mask: list[int]) -> list[tuple[int, int]]:
@@ -161,4 +180,11 @@ def trajectory_stats(episodes: Mapping[int, Mapping[str, Any]]) -> dict[str, flo
            "tokens/observed": float(sum(int(e["observed"]) for e in eps))}
     out |= {f"env/end/{r}": ends.get(r, 0) / n for r in END_REASONS}
     out |= {f"env/tool_calls/{o}": float(calls.get(o, 0)) for o in TOOL_OUTCOMES}
+    # the share of trajectories that called a tool at all, and that got a tool's output back
+    out["env/tool_call_rate"] = sum(1 for e in eps if any((e.get("tool_calls") or {}).values())) / n
+    out["env/tool_call_ok_rate"] = sum(1 for e in eps if (e.get("tool_calls") or {}).get("ok", 0)) / n
+    hosts = [e.get("worker") for e in eps]
+    if any(h is not None for h in hosts):  # an env role: the share hosted there and how many workers did
+        out |= {"env/hosted_frac": sum(h is not None for h in hosts) / n,
+                "env/hosts": float(len({h for h in hosts if h is not None}))}
     return out

@@ -167,7 +167,9 @@ class RemoteError:
 
 
 def serve(comm: Any, controller_rank: int, handlers: dict[str, Callable[..., Any]]) -> None:
-    """A worker's loop: run each command from the controller until 'shutdown'.
+    """A worker's loop: run each command from the controller until 'shutdown' (the handler of that
+    name, if any, runs before it is acknowledged: the rank's own teardown, such as stopping what it
+    serves to other ranks).
 
     An exception in a handler goes back to the controller as the reply (so the controller names
     the rank and stops the run) and is then re-raised here.
@@ -177,6 +179,8 @@ def serve(comm: Any, controller_rank: int, handlers: dict[str, Callable[..., Any
     while True:
         cmd, kwargs = recv_obj(comm, controller_rank, CMD_TAG, None, "the next command")
         if cmd == "shutdown":
+            if "shutdown" in handlers:
+                handlers["shutdown"]()
             send_obj(comm, None, controller_rank, REPLY_TAG)
             return
         try:

@@ -9,6 +9,7 @@ registry and driven through the engine contract only (``rlbatch.engines.base``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 from contextlib import nullcontext
 from dataclasses import replace
@@ -57,6 +58,24 @@ def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
             if spec.op == "score" and spec.role in world.roles and not world.placement.roles[spec.role].is_gpu}
 
 
+SERVICES: dict[str, str] = {
+    "env": "rlbatch.envs.host:serve_envs",
+}
+"""CPU role -> ``module:factory`` of what its processes serve beside the command loop, to other
+ranks rather than to the controller (``factory(world, cfg)`` -> an object with ``close()``): the env
+role's workers answer the inference ranks' episode requests."""
+
+
+def services(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
+    """This rank's services, started: one per role of this rank that ``SERVICES`` names."""
+    out = {}
+    for role in world.roles:
+        if role in SERVICES:
+            module, _, name = SERVICES[role].partition(":")
+            out[role] = getattr(importlib.import_module(module), name)(world, cfg)
+    return out
+
+
 def build_order(world: World) -> list[str]:
     """This rank's GPU roles in the order their engines are built: engines that reserve a share of
     the device at start-up (``EngineSpec.reserves_device_share``: vLLM's gpu_memory_utilization)
@@ -92,6 +111,7 @@ class RankRuntime:
                      f"; offloaded until its first phase ({put_away.bytes} bytes)" if role in self.residency.offloadable else "")
             if ctx.head == "reward":
                 self.scorers[role] = ModelScorer(self.engines[role], tokenizer, self.tokenizer, cfg)
+        self.services = services(world, cfg)
         self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
@@ -100,7 +120,12 @@ class RankRuntime:
                                     "sync": self._sync, "checkpoint": self._checkpoint, "buffer": self._buffer}
 
     def handlers(self) -> dict[str, Any]:
-        return {"phase": self.phase, "ready": self.ready}
+        return {"phase": self.phase, "ready": self.ready, "shutdown": self.close}
+
+    def close(self) -> None:
+        """Before this rank acknowledges ``shutdown``: stop its services."""
+        for service in self.services.values():
+            service.close()
 
     def ready(self) -> None:
         """The engines are built: nothing long-lived is allocated after this."""
@@ -145,12 +170,14 @@ class RankRuntime:
         """Each sample a trajectory (``rlbatch.envs.trajectories``): its fields kept here, and
         ``{sid: (prompt length, response length, summary)}`` for the controller (the summary holds
         the trajectory's reward for the score phase)."""
+        from rlbatch.envs.client import env_client
         from rlbatch.envs.trajectories import MultiTurn, sample_fields, summary
 
         if self.multi_turn is None:  # envs and tools (the python tool's sandbox) built once per rank
-            self.multi_turn = MultiTurn(to_plain(self.cfg), self.tokenizer)
+            # or, with an env role, episodes hosted by its workers
+            self.multi_turn = MultiTurn(to_plain(self.cfg), self.tokenizer, client=env_client(self.world, self.cfg))
         params = SamplingParams(**sampling)
-        done = self.multi_turn(self.engines[spec.role], prompts, params, tasks, seeds, params.seed)
+        done = self.multi_turn(self.engines[spec.role], prompts, params, tasks, seeds, params.seed, ids)
         out: dict[int, tuple[Any, ...]] = {}
         for sid, traj in zip(ids, done, strict=True):
             for name, value in sample_fields(traj).items():

@@ -30,3 +30,13 @@ def test_a_failing_handler_is_answered_then_raised(monkeypatch: pytest.MonkeyPat
     assert [type(o) for o in sent] == ([control.RemoteError] if answered else [])
     if answered:
         assert type(raised).__name__ in sent[0].traceback
+
+
+def test_a_shutdown_handler_runs_before_the_shutdown_is_acknowledged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that serves other ranks (the env role's workers) stops that first: once the controller
+    has its acknowledgement, the rank's teardown may begin."""
+    events: list[str] = []
+    monkeypatch.setattr(control, "recv_obj", lambda *a, **k: ("shutdown", {}))
+    monkeypatch.setattr(control, "send_obj", lambda comm, obj, dest, tag: events.append("acknowledged"))
+    control.serve(None, 0, {"shutdown": lambda: events.append("stopped")})
+    assert events == ["stopped", "acknowledged"]
