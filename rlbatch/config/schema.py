@@ -448,9 +448,13 @@ class EnvConfig:
     step_timeout_s: float = bounded(30.0, gt=0, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
     """Longest one call into the env (building and reset, a step, a turn's tool calls); a call that
     outlives it ends its trajectory (reason 'timeout') and is abandoned, the job goes on."""
+    tool_call_format: str = "json"
+    """What a tool call is between its tags: 'json' ({"name": ..., "arguments": {...}}, Qwen2.5's
+    format) or 'compact' (``name(arg, key=value)``, or the bare arguments for the episode's only
+    tool: a format a character model with a small alphabet can write; docs/agents.md)."""
     tool_call_tags: list[str] = field(default_factory=lambda: ["<tool_call>", "</tool_call>"])
-    """[open, close] around a tool call's JSON {"name": ..., "arguments": {...}} in an action
-    (Qwen2.5's format)."""
+    """[open, close] around a tool call in an action (the close tag may end the action in the
+    compact format)."""
     tool_response_tags: list[str] = field(default_factory=lambda: ["<tool_response>", "</tool_response>"])
     """[open, close] around each tool call's output in the observation."""
     tools: list[str] = field(default_factory=list)

@@ -11,6 +11,7 @@ from typing import Any
 
 from rlbatch.config.plain import section
 from rlbatch.envs.registry import UnknownName, resolve_env, resolve_tool
+from rlbatch.envs.tools import SYNTAXES
 
 
 def _tag_problem(key: str, tags: Any) -> str | None:
@@ -31,6 +32,8 @@ def env_problems(cfg: Mapping[str, Any], load: bool = True) -> list[str]:
     if not isinstance(env, Mapping):
         return [f"env: expected a mapping of environment settings, got {type(env).__name__} {env!r}"[:200]]
     problems = [p for key in ("tool_call_tags", "tool_response_tags") if (p := _tag_problem(key, env.get(key)))]
+    if env.get("tool_call_format", "json") not in SYNTAXES:
+        problems.append(f"env.tool_call_format: expected one of {list(SYNTAXES)}, got {env['tool_call_format']!r}"[:200])
     args, tools, name = env.get("args"), env.get("tools"), env.get("name")
     if args is not None and not (isinstance(args, Mapping) and all(isinstance(k, str) for k in args)):
         problems.append(f"env.args: expected a mapping of keyword arguments, got {args!r}"[:200])

@@ -21,7 +21,8 @@ from rlbatch.envs.tools import ToolCallFormat
 def tool_format(env_cfg: Mapping[str, Any]) -> ToolCallFormat:
     call = list(env_cfg.get("tool_call_tags") or ("<tool_call>", "</tool_call>"))
     response = list(env_cfg.get("tool_response_tags") or ("<tool_response>", "</tool_response>"))
-    return ToolCallFormat(str(call[0]), str(call[1]), str(response[0]), str(response[1]))
+    return ToolCallFormat(str(call[0]), str(call[1]), str(response[0]), str(response[1]),
+                          env_cfg.get("tool_call_format") or "json")
 
 
 class EnvSetup:
