@@ -317,9 +317,11 @@ def describe() -> str:
     return "\n".join(lines)
 
 
-register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="d",
+# dims "dtc": FSDP2 over dp, DTensor tensor parallelism over tp (rlbatch.engines.train.fsdp_tp) or
+# Ulysses context parallelism over cp (rlbatch.engines.ulysses); t and c together are refused by its rules.
+register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="dtc",
                     heads=("lm", "value", "reward"), packs_rows=True, trains_adapters=True,
-                    cost="rlbatch.plan.costs.fsdp:FSDPCost"))
+                    cost="rlbatch.plan.costs.fsdp:FSDPCost", rules="rlbatch.engines.train.fsdp_rules:fsdp_problems"))
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.infer.hf:HFInferenceEngine", dims="d",
                     cost="rlbatch.plan.costs.hf:HFCost"))
 # dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language

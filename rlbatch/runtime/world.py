@@ -213,7 +213,8 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
         if name in mine:
             meshes[name] = mesh
         ep = role.backend.e if role.backend is not None and role.backend.ffn is None else 1
-        extra = subgroups.create(role.gpu_ranks, role.mesh, slot.world_rank, dist.new_group, ep)
+        ffn_dims = role.backend.ffn if role.backend is not None else None
+        extra = subgroups.create(role.gpu_ranks, role.mesh, slot.world_rank, dist.new_group, ep, ffn_dims)
         if name in mine and extra:
             more[name] = extra
         if (ffn := _ffn_mesh(role)) is not None:

@@ -47,3 +47,9 @@ def test_megatron_pipeline_stages_with_data_parallelism_and_the_distributed_opti
     out = mpirun("megatron_pp_dp.py", 4)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("megatron pipeline with data parallelism ok") == 4, out.stdout[-2000:]
+
+
+def test_megatron_hybrid_attn_ffn_layouts_export_exactly_and_train_like_one_mesh() -> None:
+    out = mpirun("megatron_hybrid.py", 4)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron hybrid ok") == 4, out.stdout[-2000:]

@@ -12,6 +12,12 @@ in a run, or a plain import in a test script) installs, for the whole process:
 - stubs for ``torch.cuda.current_device``, ``synchronize``, ``current_stream``, ``Stream`` and
   ``stream`` (the Mixture-of-Experts token dispatcher copies its split sizes on a side stream),
   and those split sizes turned into numpy arrays as on a GPU;
+- ``torch.distributed.all_gather`` and ``reduce_scatter`` of tensors of unequal sizes, which NCCL
+  runs and gloo refuses: the token dispatcher gathers over expert tensor-parallel ranks as many
+  tokens as each received (a hybrid ``(attn:...|ffn:...)`` layout with ffn t > 1 and e > 1). Here
+  the gather pads every piece to the largest and cuts the padding off; the reduce-scatter is an
+  all-reduce of the whole, of which each rank keeps its piece (the same sums). Patched on the
+  module, not in the mode: backward() runs them too, outside the mode;
 - the marker the engine checks before it agrees to run on CPU
   (``rlbatch.engines.train.megatron_device.CPU_SHIM``).
 """
@@ -33,6 +39,38 @@ def _cpu(device: Any) -> Any:
     if isinstance(device, torch.device) and device.type == "cuda":
         return torch.device("cpu")
     return device
+
+
+def _uneven(tensors: Any) -> bool:
+    return isinstance(tensors, (list, tuple)) and len({tuple(t.shape) for t in tensors}) > 1
+
+
+def _uneven_collectives() -> None:
+    dist = torch.distributed
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def gather(out: list[torch.Tensor], x: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        if not _uneven(out):
+            return all_gather(out, x, group=group, async_op=async_op)
+        padded = x.new_zeros(max(t.shape[0] for t in out), *x.shape[1:])
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in out]
+        all_gather(parts, padded, group=group)
+        for o, p in zip(out, parts, strict=True):
+            o.copy_(p[: o.shape[0]])
+        return None
+
+    def scatter(out: torch.Tensor, pieces: list[torch.Tensor], op: Any = dist.ReduceOp.SUM, group: Any = None,
+                async_op: bool = False) -> Any:
+        if not _uneven(pieces):
+            return reduce_scatter(out, pieces, op=op, group=group, async_op=async_op)
+        whole = torch.cat([p.reshape(-1) for p in pieces])
+        dist.all_reduce(whole, op=op, group=group)
+        start = sum(p.numel() for p in pieces[: dist.get_rank(group)])
+        out.copy_(whole[start : start + out.numel()].view_as(out))
+        return None
+
+    dist.all_gather, dist.reduce_scatter = gather, scatter
 
 
 class CudaToCpu(TorchFunctionMode):
@@ -94,6 +132,7 @@ def install() -> None:
     torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]  # the MoE dispatcher's side stream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     _splits_as_numpy()
+    _uneven_collectives()
     CudaToCpu().__enter__()  # for the rest of the process
     megatron_device.CPU_SHIM = __name__
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -91,8 +92,10 @@ def test_gpu_bench_cpu_smoke_measures_everything(tmp_path: Path) -> None:
     # Each stash is one host arena holding every storage at a 512-byte-aligned offset.
     assert r["offload"]["bytes"] <= r["offload"]["stash_bytes"] < r["offload"]["bytes"] + 512 * r["offload"]["tensors"]
     assert r["train"]["mfu"] > 0 and r["train"]["flops_per_token"] == 3 * 2 * r["train"]["matmul_params"] + 12 * 2 * 4 * 16 * 32
-    # decode_step_s is (full - prefill-only) / 15 steps, medians of 3: 15 steps of the tiny model
-    # outweigh the timing noise of a loaded machine (with 3 steps and one run it once came out < 0)
-    assert 0 < r["generate"]["tokens"] <= 2 * 16 and r["generate"]["decode_step_s"] > 0
+    # decode_step_s is (full - prefill-only) / 15 steps, medians of 3. On a GPU decoding dominates;
+    # here 15 steps of the tiny model are a few milliseconds, which a loaded shared CPU can invert
+    # (it came out < 0 at load ~30 even with 15 steps): the smoke checks that it is computed.
+    g = r["generate"]
+    assert 0 < g["tokens"] <= 2 * 16 and g["seconds"] > 0 and math.isfinite(g["decode_step_s"])
     for line in ("train (FSDP2 bf16, AdamW)", "decode step", "offload (device -> host)", "reload (host -> device)"):
         assert line in out.stdout

@@ -185,3 +185,37 @@ def test_what_a_mixture_of_experts_model_cannot_split_is_named_with_the_numbers(
     assert convert.problems(moe_layout(sparse_layers=(1, 3))) == [
         "layers [0, 2] have a dense MLP (decoder_sparse_step / mlp_only_layers); the engine converts Qwen2-MoE "
         "models whose every layer is sparse"]
+
+
+@pytest.mark.parametrize(("tp", "etp", "ep"), [(2, 2, 2), (2, 1, 4), (1, 2, 2), (2, 4, 1)])
+def test_a_hybrid_layout_splits_each_routed_expert_over_its_own_expert_tp_and_gives_back_every_weight(
+        tp: int, etp: int, ep: int) -> None:
+    """``megatron:(attn:..t<tp>|ffn:..t<etp>e<ep>)``: attention and the shared expert over tp, each
+    routed expert's fc1 rows and fc2 columns over etp, the experts over ep; back to HF exactly."""
+    lay = moe_layout(tp=tp, ep=ep, expert_tp=etp, moe_ffn=8)
+    assert lay.etp == etp and convert.problems(lay) == []
+    hf = hf_weights(lay)
+    shards: dict[str, list[torch.Tensor]] = {}
+    for e in range(ep):
+        for k in range(etp):
+            local = convert.to_megatron(hf, lay, k % tp, 0, ep_rank=e, etp_rank=k)
+            for name, t in local.items():
+                glob = convert.global_expert_name(name, lay, e)
+                if glob is not None:
+                    shards.setdefault(glob, []).append(t)
+    for r in range(tp):  # the rest as tp rank r holds it, on any expert rank
+        for name, t in convert.to_megatron(hf, lay, r, 0, ep_rank=0, etp_rank=0).items():
+            if convert.global_expert_name(name, lay, 0) is None:
+                shards.setdefault(name, []).append(t)
+    fc1 = convert.to_megatron(hf, lay, 0, 0, ep_rank=0, etp_rank=0)["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    shared = convert.to_megatron(hf, lay, 0, 0, ep_rank=0, etp_rank=0)["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"]
+    assert fc1.shape[0] == 2 * 8 // etp and shared.shape[0] == 2 * 10 // tp
+    back = convert.to_hf(shards, lay, 0)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_a_hybrid_layout_names_what_its_ffn_section_cannot_split() -> None:
+    assert convert.problems(moe_layout(tp=2, ep=2, expert_tp=4)) == [
+        "moe_intermediate_size = 6 is not divisible by expert tensor parallel t = 4"]
+    assert convert.problems(moe_layout(experts=0, expert_tp=2, ep=1)) == [
+        "a hybrid layout's ffn section (t = 2, e = 1) lays out routed experts; this model is dense"]

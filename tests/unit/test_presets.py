@@ -33,7 +33,6 @@ GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob(
 PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
 MEGATRON = "engine 'megatron' supports d (data), t (tensor), p (pipeline), e (expert) only in this build; got {} in '{}'"
-FSDP_T2 = "roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; got t=2 in '{}'"
 
 
 def train(spec: str, got: str, role: str = "actor_train") -> str:
@@ -56,16 +55,15 @@ SANDBOX_WITHOUT_CODE = "roles.code_sandbox: runs code against a problem's tests,
 """ROLL's mixed example names 8 code_sandbox workers: a train run needs a code task for them."""
 
 GOLDEN_REFUSED: dict[str, list[str]] = {
-    "areal_16gpu": [FSDP_T2.format("fsdp:d4t2")],
     "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "c=2"),
-                               "roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' is a hybrid layout",
+                               "roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' lays out routed "
+                               "experts in its ffn section (t=4, e=2), but the model has none",
                                VLLM_T8],
     "roll_mixed_cpu_sandbox": [SANDBOX_WITHOUT_CODE],
 }
 """Golden sbatch cases (cluster=slurm) this build cannot run -> the start of each line."""
 
 REFUSED: dict[tuple[str, str], list[str]] = {
-    ("roles", "areal_16gpu"): [*GOLDEN_REFUSED["areal_16gpu"], *CPU_HEAD_DIM],
     ("roles", "areal_megatron_16gpu"): [
         "roles.actor_train.backend: 'megatron:d2p2t4e4' splits the model's routed experts over expert-parallel "
         "ranks e=4, but the model has none", *[
@@ -75,12 +73,11 @@ REFUSED: dict[tuple[str, str], list[str]] = {
     ("roles", "areal_moe_hybrid_32gpu"): [*GOLDEN_REFUSED["areal_moe_hybrid_32gpu"], *CPU_HEAD_DIM,
                                           *cpu_megatron("actor_train")],
     ("roles", "ppo_critic_8gpu"): [
-        FSDP_T2.format("fsdp:d4t2"),
         "roles.critic: enabled, but algo.name=grpo does not use a critic (programs that do: ['ppo'])",
         *CPU_HEAD_DIM,
     ],
     ("roles", "roll_mixed_cpu_sandbox"): [*CPU_HEAD_DIM, SANDBOX_WITHOUT_CODE],
-    **({("roles", name): CPU_HEAD_DIM for name in ("roll_colocated_8gpu", "roll_disaggregated_8gpu",
+    **({("roles", name): CPU_HEAD_DIM for name in ("areal_16gpu", "roll_colocated_8gpu", "roll_disaggregated_8gpu",
                                                     "roll_disaggregated_24gpu")} if CPU_HEAD_DIM else {}),
 }
 """Presets this build cannot run -> the start of each line the launcher prints (all of them)."""

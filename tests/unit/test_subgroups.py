@@ -48,3 +48,47 @@ def test_expert_groups_split_each_positions_dp_ranks_into_consecutive_blocks() -
     assert "expert" not in subgroups(ranks, mesh)
     with pytest.raises(ValueError, match="e=3 does not divide data parallel d=4"):
         subgroups(ranks, mesh, ep=3)
+
+
+MEGATRON_CORE_EXPERT_GRID = {
+    "megatron:(attn:d2t2|ffn:t2e2)": {"expert": [(0, 2), (1, 3)], "expert_tp": [(0, 1), (2, 3)],
+                                      "expert_tp_ep": [(0, 1, 2, 3)], "expert_dp": [(0,), (1,), (2,), (3,)]},
+    "megatron:(attn:d2t2|ffn:e4)": {"expert": [(0, 1, 2, 3)], "expert_tp": [(0,), (1,), (2,), (3,)],
+                                    "expert_tp_ep": [(0, 1, 2, 3)], "expert_dp": [(0,), (1,), (2,), (3,)]},
+    "megatron:(attn:d4t2|ffn:t2e2)": {"expert": [(0, 2), (1, 3), (4, 6), (5, 7)],
+                                      "expert_tp": [(0, 1), (2, 3), (4, 5), (6, 7)],
+                                      "expert_tp_ep": [(0, 1, 2, 3), (4, 5, 6, 7)],
+                                      "expert_dp": [(0, 4), (1, 5), (2, 6), (3, 7)]},
+    "megatron:(attn:d2p2t2|ffn:p2e4)": {"expert": [(0, 1, 2, 3), (4, 5, 6, 7)],
+                                        "expert_tp": [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)],
+                                        "expert_tp_ep": [(0, 1, 2, 3), (4, 5, 6, 7)],
+                                        "expert_dp": [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)]},
+}
+"""megatron-core 0.19.2's own expert grid for these layouts: ``RankGenerator(tp=ffn t, ep=ffn e,
+dp=ffn d, pp=p, cp=1, order="tp-cp-ep-dp-pp").get_ranks(...)`` for 'ep', 'tp', 'tp-ep' and 'dp',
+sorted (printed once; importing megatron-core costs a unit test ~7 s)."""
+
+
+@pytest.mark.parametrize("spec", list(MEGATRON_CORE_EXPERT_GRID))
+def test_hybrid_expert_groups_are_megatron_cores_expert_grid(spec: str) -> None:
+    """A hybrid layout's expert groups over the attention mesh's ranks are the rank sets of
+    megatron-core's expert grid (tp innermost, then ep, expert dp, pp)."""
+    from rlbatch.placement.backend import parse_backend
+
+    b = parse_backend(spec)
+    a = b.dims
+    mesh = (("pp", a.p), ("dp", a.d), ("cp", a.c), ("tp", a.t))
+    groups = subgroups(list(range(b.world_size)), mesh, ffn=b.ffn)
+    assert {k: sorted(v) for k, v in groups.items() if k.startswith("expert")} == MEGATRON_CORE_EXPERT_GRID[spec]
+    assert ("model_parallel" in groups) == (a.p > 1)
+
+
+def test_hybrid_expert_groups_of_areals_example_and_a_layout_that_does_not_cover_the_ranks() -> None:
+    from rlbatch.placement.backend import ParallelDims
+
+    groups = subgroups(list(range(32)), (("pp", 2), ("dp", 4), ("cp", 2), ("tp", 2)), ffn=ParallelDims(d=2, p=2, t=4, e=2))
+    assert groups["expert_tp"][:2] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert groups["expert"][:2] == [(0, 4), (1, 5)]
+    assert groups["expert_tp_ep"][0] == tuple(range(8)) and groups["expert_dp"][0] == (0, 8)
+    with pytest.raises(ValueError, match=r"p\*d\*e\*t = 1\*1\*2\*1 does not cover the role's 4 ranks"):
+        subgroups(list(range(4)), (("pp", 1), ("dp", 4), ("cp", 1), ("tp", 1)), ffn=ParallelDims(e=2))

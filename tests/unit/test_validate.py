@@ -65,12 +65,11 @@ def test_deepspeed_is_runnable_and_its_engine_args_are_checked_before_start(cfg:
 
 
 def test_dims_the_built_engine_does_not_split_over_are_refused(cfg: dict[str, Any]) -> None:
-    c = on_ranks(cfg, 4, "fsdp:d2t2", "hf:d4")
-    assert problems(c) == ["roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; "
-                           "got t=2 in 'fsdp:d2t2'"]
-    c = set_(on_ranks(cfg, 8, "fsdp:d2c2t2", "hf:d8"), algo__prompts_per_step=16)
-    assert problems(c) == ["roles.actor_train.backend: engine 'fsdp' supports d (data) only in this build; "
-                           "got t=2, c=2 in 'fsdp:d2t2c2'"]
+    check(on_ranks(cfg, 4, "fsdp:d2t2", "hf:d4"))  # d, t (tensor) and c (context) are built
+    check(on_ranks(cfg, 4, "fsdp:d2c2", "hf:d4"))
+    c = set_(on_ranks(cfg, 8, "fsdp:d2c2t2", "hf:d8"), algo__prompts_per_step=16)  # not t with c
+    assert problems(c) == ["roles.actor_train.backend: 'fsdp:d2t2c2': tensor (t=2) with context (c=2) parallelism "
+                           "in the fsdp engine is not built; use one of them"]
     check(c, runnable=False)
 
 
@@ -89,16 +88,39 @@ SUPPORTED = "engine 'megatron' supports d (data), t (tensor), p (pipeline), e (e
 
 
 @pytest.mark.usefixtures("megatron_runs_here")
-def test_the_hybrid_megatron_layout_is_refused_naming_the_dims_and_the_layout_not_built(cfg: dict[str, Any]) -> None:
-    c = on_ranks(cfg, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
-    hybrid = ("is a hybrid layout (attention and MLP on different meshes), which the megatron engine does not "
-              "build; write one mesh for both, e.g. 'megatron:d4p2e2'")
-    assert problems(c) == [f"roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' {hybrid}",
-                           f"roles.actor_train.backend: {SUPPORTED}; got c=2 in "
+def test_the_hybrid_megatron_layout_runs_and_what_its_sections_cannot_split_is_named_with_the_numbers(
+        cfg: dict[str, Any]) -> None:
+    moe = set_(cfg, model__arch="qwen2_moe")  # 4 routed experts, 2 kv heads
+    for spec in ("megatron:(attn:d2t2|ffn:t2e2)", "megatron:(attn:d2t2|ffn:e4)", "megatron:(attn:d4|ffn:t2e2)",
+                 "megatron:(attn:t2|ffn:e2)", "megatron:(attn:d2p2|ffn:p2e2)"):
+        n = placement_backend.parse_backend(spec).world_size
+        check(on_ranks(moe, n, spec, f"hf:d{n}"))
+    c = on_ranks(cfg, 4, "megatron:(attn:d2t2|ffn:e4)", "hf:d4")
+    assert problems(c) == [
+        "roles.actor_train.backend: 'megatron:(attn:d2t2|ffn:e4)' lays out routed experts in its ffn section (t=1, "
+        "e=4), but the model has none (a dense qwen2); a hybrid layout needs a Mixture-of-Experts model, e.g. "
+        "model.arch=qwen2_moe, or write one mesh, e.g. 'megatron:d2t2'"]
+    assert problems(set_(on_ranks(moe, 4, "megatron:(attn:d2t2|ffn:t2e2)", "hf:d4"), model__num_experts=5,
+                         model__moe_intermediate_size=63)) == [
+        "roles.actor_train.backend: 'megatron:(attn:d2t2|ffn:t2e2)' splits the model's 5 routed experts over the "
+        "ffn section's expert-parallel ranks e=2, but num_experts=5 is not divisible by 2",
+        "roles.actor_train.backend: 'megatron:(attn:d2t2|ffn:t2e2)' splits the model's routed experts over the ffn "
+        "section's expert tensor-parallel ranks t=2, but moe_intermediate_size=63 is not divisible by 2"]
+    assert problems(set_(on_ranks(moe, 4, "megatron:(attn:d2t2|ffn:e4)", "hf:d4"),
+                         roles__actor_train__engine_args={"sequence_parallel": False, "distributed_optimizer": True})) == [
+        "roles.actor_train.backend: 'megatron:(attn:d2t2|ffn:e4)' trains a Mixture-of-Experts model under tensor "
+        "parallelism t=2 (the attn section's), which megatron-core does with sequence parallelism only; leave "
+        "engine_args.sequence_parallel true",
+        "roles.actor_train.backend: engine_args.distributed_optimizer with a hybrid layout is not built; leave it false"]
+    # attention's splits are checked on the attn section, the routed experts' on the ffn section
+    assert problems(on_ranks(moe, 4, "megatron:(attn:t4|ffn:e4)", "hf:d4")) == [
+        "roles.actor_train.backend: 'megatron:(attn:t4|ffn:e4)' splits the model's attention over tensor-parallel "
+        "ranks t=4, but num_kv_heads=2 is not divisible by 4"]
+    # context parallelism needs TransformerEngine's attention: refused before start, with the reason
+    c = on_ranks(moe, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
+    assert problems(c) == [f"roles.actor_train.backend: {SUPPORTED}; got c=2 in "
                            "'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' " + WHY_NOT_C]
     check(c, runnable=False)
-    c = on_ranks(cfg, 16, "megatron:(attn:d4p2t2|ffn:d2p2t2e2)", "hf:d16")
-    assert problems(c) == [f"roles.actor_train.backend: 'megatron:(attn:d4p2t2|ffn:d2p2t2e2)' {hybrid}"]
 
 
 @pytest.mark.usefixtures("megatron_runs_here")
@@ -118,7 +140,8 @@ def test_megatron_expert_parallelism_needs_a_mixture_of_experts_model_and_refuse
     check(on_ranks(moe, 4, "megatron:d2t2", "hf:d4"))  # sequence parallel by default
     assert problems(on_ranks(moe, 4, "megatron:d2t2e2", "hf:d4")) == [
         "roles.actor_train.backend: 'megatron:d2t2e2' combines expert parallelism e=2 with tensor parallelism t=2, "
-        "which the megatron engine does not build; use t=1 with e (or t without e)"]
+        "which the megatron engine does not build on one mesh; use t=1 with e (or t without e), or a hybrid layout, "
+        "e.g. 'megatron:(attn:d2t2|ffn:t2e2)'"]
     assert problems(set_(on_ranks(moe, 2, "megatron:t2", "hf:d2"), model__moe_intermediate_size=63)) == [
         "roles.actor_train.backend: 'megatron:t2' splits the model's routed experts over tensor-parallel ranks "
         "t=2, but moe_intermediate_size=63 is not divisible by 2"]
@@ -477,14 +500,14 @@ def test_a_relative_run_directory_is_judged_where_it_resolves(cfg: dict[str, Any
 
 
 def test_selftest_starts_no_engine_so_only_the_placement_and_run_directory_count(cfg: dict[str, Any]) -> None:
-    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2p2"), program="selftest", model__path="/nonexistent/model",
+    c = set_(on_ranks(cfg, 4, "fsdp:t2c2", "vllm:d2p2"), program="selftest", model__path="/nonexistent/model",
              data__reward_fn="nosuch.module:fn", resume="yes", roles__reward__enabled=False)
     check(c)
     assert len(problems(set_(c, program="train"))) == 5
 
 
 def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
-    c = set_(on_ranks(cfg, 4, "fsdp:d2t2", "vllm:d2p2"), algo__loss_agg="mean", model__path="/nonexistent/model",
+    c = set_(on_ranks(cfg, 4, "fsdp:t2c2", "vllm:d2p2"), algo__loss_agg="mean", model__path="/nonexistent/model",
              data__reward_fn="nosuch.module:fn", resume="yes", plugins=["rlbatch_test_missing"], cluster__name="slurm",
              run_dir="/tmp/runs/a", roles__actor_train__engine_args={"bogus": 1})
     fields = [line.split(":", 1)[0] for line in problems(c)]

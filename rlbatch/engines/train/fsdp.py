@@ -1,4 +1,7 @@
-"""``fsdp`` training engine: FSDP2 (``fully_shard``) over the role's DeviceMesh.
+"""``fsdp`` training engine: FSDP2 (``fully_shard``) over the role's DeviceMesh, with DTensor tensor
+parallelism on its tp axis at t > 1 (``rlbatch.engines.train.fsdp_tp``), or Ulysses context
+parallelism on its cp axis at c > 1 (``rlbatch.engines.ulysses``: each packed row split over the c
+ranks, FSDP sharding over dp x cp, the samples shared by the c ranks of a replica).
 
 Also serves forward-only roles (reference): without an optimizer it only computes log-probs.
 Parameter names are the transformers model's, i.e. Hugging Face names, so weight export and
@@ -13,6 +16,7 @@ ever holds the whole model, on the host or on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -22,15 +26,22 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rlbatch.engines import ulysses
 from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream
-from rlbatch.engines.batch import Packed, pack
-from rlbatch.engines.defaults import fsdp_single_unit, max_tokens_per_micro_batch, share_prompts
+from rlbatch.engines.batch import Flat, Packed, pack
+from rlbatch.engines.defaults import (
+    GPU_MAX_TOKENS_PER_MICRO_BATCH,
+    fsdp_single_unit,
+    max_tokens_per_micro_batch,
+    share_prompts,
+)
 from rlbatch.engines.model import engine_skeleton, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
-from rlbatch.engines.train import common
+from rlbatch.engines.train import common, fsdp_tp
 from rlbatch.engines.train.state import load_module_state, module_state
 from rlbatch.models import lora
+from rlbatch.models.weights import allocate
 
 
 @torch.no_grad()
@@ -52,15 +63,22 @@ def held_dtype(model_dtype_name: str, device: torch.device, trainable: bool) -> 
 
 
 class FSDPEngine(StashedState):
-    """A role's model sharded with FSDP2 over its dp axis (see the module docstring)."""
+    """A role's model sharded with FSDP2 over its dp axis, split over its tp axis (see the module docstring)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         mesh, algo, args = ctx.mesh, ctx.algo, ctx.args
-        common.require_data_parallel(mesh, "fsdp")
+        self.tp, self.cp = fsdp_tp.require_dp_tp(mesh)
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
         self.lora = lora.of(ctx)
+        if self.lora is not None and self.tp > 1:
+            raise NotImplementedError(f"fsdp engine, role {ctx.role}: model.lora with tensor parallel t = {self.tp} is "
+                                      f"not built (PEFT wraps the linear layers that tensor parallelism splits)")
         self.dp_group = ctx.group("dp")
+        self.cp_group = ctx.group("cp") if self.cp > 1 else None
+        if self.cp > 1 and ctx.head == "reward":
+            raise NotImplementedError(f"fsdp engine, role {ctx.role}: a reward model (sequence classifier) under "
+                                      f"context parallelism c = {self.cp} is not built; use c=1")
         held = held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable)
         skeleton = engine_skeleton(ctx, held)
         model = skeleton.model
@@ -71,14 +89,30 @@ class FSDPEngine(StashedState):
         # layer would append its keys to a shared prompt's cache a second time).
         self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
         self.max_tokens = max_tokens_per_micro_batch(args, ctx.device.type)
+        if self.cp > 1:  # context parallelism splits packed rows (padded rows have no sample boundaries to keep)
+            if getattr(args, "max_tokens_per_micro_batch", None) == 0:
+                raise ValueError(f"fsdp engine, role {ctx.role}: context parallelism c = {self.cp} splits packed rows; "
+                                 "engine_args.max_tokens_per_micro_batch=0 asks for padded ones")
+            self.max_tokens = self.max_tokens or GPU_MAX_TOKENS_PER_MICRO_BATCH
         self.split = common.Split(self.micro_batch, self.max_tokens, self.dp_group, ctx.device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if ctx.device.type == "cuda" else None
-        dp_mesh = mesh["dp"]
-        kwargs: dict[str, Any] = {"mesh": dp_mesh} | ({"mp_policy": mp} if mp else {})
+        # FSDP shards over every rank of a replica's context-parallel group too (each holds distinct
+        # parameter shards; the loss is scaled by c for FSDP's mean over them: ``train``)
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp > 1 else mesh["dp"]
+        kwargs: dict[str, Any] = {"mesh": shard_mesh} | ({"mp_policy": mp} if mp else {})
         self.mp = mp
-        # packed rows by their boundaries, not a dense mask, where the kernel exists (bf16 on CUDA)
-        self.varlen = self.max_tokens > 0 and prefer_varlen(model, ctx.device, torch.bfloat16 if mp else held)
-        self.single_unit = fsdp_single_unit(param_bytes(model), args)
+        if self.cp > 1:  # attention over the whole row by all-to-alls (varlen inside where it exists)
+            ulysses.use(model)
+            self.varlen = False
+        else:  # packed rows by their boundaries, not a dense mask, where the kernel exists (bf16 on CUDA)
+            self.varlen = self.max_tokens > 0 and prefer_varlen(model, ctx.device, torch.bfloat16 if mp else held)
+        # Tensor-parallel layers are units of their own: torch's FSDP2 + TP recipe, and a whole-model
+        # unshard would gather only the dp shards of the split weights (export reads them one by one).
+        self.single_unit = fsdp_single_unit(param_bytes(model), args) and self.tp == 1
+        if self.tp > 1:
+            cfg = model.config
+            fsdp_tp.parallelize(lora.base_model(model).model.layers, mesh["tp"], int(cfg.num_attention_heads),
+                                int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads))
         if not self.single_unit:
             for layer in lora.base_model(model).model.layers:  # a unit per layer: gathered one at a time, overlapping compute
                 fully_shard(layer, **kwargs)
@@ -87,7 +121,13 @@ class FSDPEngine(StashedState):
         # gathered until its next forward, on the device through other roles' phases (offload moves shards).
         root: dict[str, Any] = kwargs | ({} if ctx.trainable else {"reshard_after_forward": True})
         self.model = fully_shard(model, **root)
-        skeleton.materialise(ctx.device)  # this rank's shard only, read by rows
+        if self.tp > 1:  # 2-D shards: each rank's rows, then its columns
+            allocate(model, ctx.device)
+            fsdp_tp.materialise(model, skeleton.weights)
+        else:
+            skeleton.materialise(ctx.device)  # this rank's shard only, read by rows
+        # A checkpoint is written by every rank holding a distinct shard: the tp and cp peers too.
+        self.ckpt_group = fsdp_tp.role_group(ctx) if self.tp > 1 or self.cp > 1 else self.dp_group
         self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
         self.optimizer: torch.optim.Optimizer | None = None
         if ctx.trainable:
@@ -113,8 +153,12 @@ class FSDPEngine(StashedState):
             return common.logprobs(self.model, samples, self.split, self._pack)
 
     def _pack(self, chunk: list[Sample]) -> Packed:
-        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts,
-                    flat=self.max_tokens > 0)
+        b = pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts,
+                 flat=self.max_tokens > 0)
+        if self.cp_group is not None:  # this rank's slice of the row
+            assert isinstance(b.inputs, Flat)
+            b = dataclasses.replace(b, inputs=ulysses.split(b.inputs, self.cp_group))
+        return b
 
     def values(self, samples: list[Sample]) -> list[torch.Tensor]:
         return common.values(self.model, samples, self.split, self._pack)
@@ -133,9 +177,11 @@ class FSDPEngine(StashedState):
             self.optimizer.zero_grad(set_to_none=False)
             for m in micro_batches:
                 loss, stats = common.chunk_loss(self.model, self._pack(m.samples), m.objective)
-                (loss / m.divisor).backward()
+                (loss * self.cp / m.divisor).backward()
                 totals.add(stats, m.weight)
-            if a.grad_clip > 0:
+            if a.grad_clip > 0 and self.tp > 1:  # parameters on two meshes (dp x tp, dp): torch's refuses
+                totals.add({"grad_norm": fsdp_tp.clip_grad_norm(list(self.model.parameters()), a.grad_clip)}, 1.0)
+            elif a.grad_clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
                 total_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
                 totals.add({"grad_norm": float(total_norm)}, 1.0)
@@ -215,7 +261,7 @@ class FSDPEngine(StashedState):
         when forward-only."""
         if self.optimizer is None:
             return None
-        return module_state(self.model, self.optimizer, self.scheduler, self.dp_group, "fsdp",
+        return module_state(self.model, self.optimizer, self.scheduler, self.ckpt_group, "fsdp",
                             trained_only=self.lora is not None)
 
     def load_checkpoint_state(self, state: CheckpointState) -> None:

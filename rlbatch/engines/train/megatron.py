@@ -20,6 +20,14 @@ experts by all-to-all) are split over the 'expert' group: each rank holds expert
 gradients are summed over 'expert_dp' (the ranks holding the same experts) and divided by d, and
 count once per ep rank in the gradient norm; weights leave whole (gathered over ep).
 
+A hybrid layout ``megatron:(attn:<dims>|ffn:<dims>)`` (MoE parallel folding) lays the same ranks out
+twice: attention, norms, router and shared expert over the attn section's tp, pp and dp (the mesh),
+the routed experts over the ffn section's expert-tensor (t), expert (e) and expert-data (d) groups
+(``subgroups``: 'expert_tp', 'expert', 'expert_dp', and 'expert_tp_ep' that tokens travel in).
+megatron-core dispatches the tokens between the two; a routed expert's gradient, summed over the
+tokens of every rank it served, is summed over expert_dp and divided by attention's d, and counts
+once per expert tp x ep rank in the gradient norm.
+
 Pipeline stages (p > 1) each hold 1/p of the layers; every forward and training step runs
 megatron-core's 1F1B schedule over the role's micro-batches (``engine_args.micro_batch`` sequences
 each, or the update's gradient-accumulation micro-batches), and what the last stage computes
@@ -69,10 +77,10 @@ MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mu
 """Param-group keys megatron-core's optimizer reads, not AdamW's: left out of the checkpoint's groups."""
 
 
-def _routed(p: torch.nn.Parameter, ep: int) -> bool:
-    """A routed expert's weight split over ep > 1 ranks (megatron-core marks expert weights
-    ``allreduce=False``: not reduced over all of dp)."""
-    return ep > 1 and getattr(p, "allreduce", True) is False
+def _routed(p: torch.nn.Parameter) -> bool:
+    """A routed expert's weight on the expert groups: split over ep > 1 ranks, or a hybrid layout's
+    (megatron-core marks those ``allreduce=False``: reduced over expert_dp, not all of dp)."""
+    return getattr(p, "allreduce", True) is False
 
 
 def _sum_over(grads: list[torch.Tensor], group: Any, divide: int = 1) -> None:
@@ -110,13 +118,20 @@ class MegatronEngine(StashedState):
         self.ep_group, self.edp_group = groups.get("expert"), groups.get("expert_dp")
         self.ep = dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
         self.ep_rank = dist.get_rank(self.ep_group) if self.ep_group is not None else 0
+        # A hybrid layout's routed experts have tp groups of their own; else they follow tp.
+        self.hybrid = "expert_tp" in groups
+        self.etp_group = groups["expert_tp"] if self.hybrid else self.tp_group
+        self.etp, self.etp_rank = dist.get_world_size(self.etp_group), dist.get_rank(self.etp_group)
+        self.tp_ep_group = groups.get("expert_tp_ep", self.ep_group)
+        """The ranks holding different shards of the routed experts (None: every rank all of them)."""
         self.head = ctx.head
         hf = load_engine_model(ctx, torch.float32)
         self.hf_config = hf.config
         self.pad_id = hf.config.pad_token_id  # a reward model pools at the last token that is not this one
         self.hf_names = [n for n, _ in hf.named_parameters()]
         self.hf_shapes = {n: p.shape for n, p in hf.named_parameters()}
-        self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names, self.pp, self.ep)
+        self.lay = convert.layout(hf.config, self.tp, ctx.head, "score.bias" in self.hf_names, self.pp, self.ep,
+                                  self.etp if self.hybrid else 0)
         if bad := convert.problems(self.lay):
             raise ValueError(f"megatron engine, role {ctx.role}: " + "; ".join(bad))
         self.sp = bool(ctx.args.sequence_parallel) and self.tp > 1
@@ -124,16 +139,16 @@ class MegatronEngine(StashedState):
             raise ValueError(f"megatron engine, role {ctx.role}: a Mixture-of-Experts model trains at tensor "
                              f"parallel t = {self.tp} with sequence parallelism only (megatron-core's rule); leave "
                              f"engine_args.sequence_parallel true")
-        if self.ep > 1 and ctx.trainable and ctx.args.distributed_optimizer:
+        if (self.ep > 1 or self.hybrid) and ctx.trainable and ctx.args.distributed_optimizer:
             raise ValueError(f"megatron engine, role {ctx.role}: engine_args.distributed_optimizer with expert "
-                             f"parallelism (e = {self.ep}) is not built; leave it false")
+                             f"parallelism (e = {self.ep}) or a hybrid layout is not built; leave it false")
         dtype = model_dtype(str(ctx.model.dtype), ctx.device)  # 'auto': bf16 on GPU, fp32 on CPU
         if dtype == torch.float16 and ctx.trainable:
             raise ValueError(f"megatron engine, role {ctx.role}: model.dtype=fp16 is not trained (fp16 gradients need "
                              f"loss scaling, which this engine does not build); use bf16 or fp32")
         self.pgc = pgc = process_groups(ctx, groups)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
-                               self.lay.head_bias, self.pp, self.ep, self.sp).to(ctx.device)
+                               self.lay.head_bias, self.pp, self.ep, self.sp, self.etp).to(ctx.device)
         self.p2p: Any = None
         if self.pp > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -180,7 +195,7 @@ class MegatronEngine(StashedState):
     # -- weights in and out -------------------------------------------------------------------
     def _local(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's GPTModel-shaped share of HF-named tensors (its tp rank, stage and experts)."""
-        return convert.to_megatron(hf, self.lay, self.tp_rank, self.stage, self.ep_rank)
+        return convert.to_megatron(hf, self.lay, self.tp_rank, self.stage, self.ep_rank, self.etp_rank)
 
     def _load_full(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Set the model's weights from HF-named full tensors; returns this rank's share of them (as given,
@@ -199,15 +214,23 @@ class MegatronEngine(StashedState):
 
     def _shards(self, local: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         """Every TP rank's copy of each of this rank's GPTModel-shaped tensors (collective over tp); the
-        routed experts of every ep rank under their global names (collective over ep)."""
+        routed experts of every ep rank under their global names, each its expert-tensor ranks'
+        shards (collective over ep and expert tp)."""
         shards: dict[str, list[torch.Tensor]] = {}
         for name, t in local.items():
             t = t.detach().contiguous()
-            if self.ep > 1 and convert.global_expert_name(name, self.lay, 0) is not None:  # tp = 1
-                parts = [torch.empty_like(t) for _ in range(self.ep)]
-                dist.all_gather(parts, t, group=self.ep_group)
-                for r, x in enumerate(parts):
-                    shards[str(convert.global_expert_name(name, self.lay, r))] = [x]
+            if (self.ep > 1 or self.hybrid) and convert.global_expert_name(name, self.lay, 0) is not None:
+                pieces = [t]
+                if self.etp > 1:
+                    pieces = [torch.empty_like(t) for _ in range(self.etp)]
+                    dist.all_gather(pieces, t, group=self.etp_group)
+                for r in range(self.ep):
+                    shards[str(convert.global_expert_name(name, self.lay, r))] = []
+                for piece in pieces:
+                    parts = [torch.empty_like(piece) for _ in range(self.ep)]
+                    dist.all_gather(parts, piece, group=self.ep_group)
+                    for r, x in enumerate(parts):
+                        shards[str(convert.global_expert_name(name, self.lay, r))].append(x)
                 continue
             if self.tp == 1:
                 shards[name] = [t]
@@ -441,7 +464,7 @@ class MegatronEngine(StashedState):
         """(parameter, gradient) of every parameter with one but the routed experts under expert
         parallelism, and the routed experts' gradients."""
         with_grad = [(p, g) for p in self.model.parameters() if (g := self._grad(p)) is not None]
-        return [(p, g) for p, g in with_grad if not _routed(p, self.ep)], [g for p, g in with_grad if _routed(p, self.ep)]
+        return [(p, g) for p, g in with_grad if not _routed(p)], [g for p, g in with_grad if _routed(p)]
 
     def _sync_tied(self) -> None:
         """A tied embedding split over pipeline stages: sum the gradients of its two copies (the first
@@ -462,7 +485,7 @@ class MegatronEngine(StashedState):
 
     def _clip(self, max_norm: float) -> float:
         """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once,
-        routed experts under expert parallelism each ep rank's, each pipeline stage its own (the last
+        routed experts on the expert groups each expert tp x ep rank's, each pipeline stage its own (the last
         stage's copy of a tied embedding not again)."""
         params, experts = self._grads()
         split = [g for p, g in params if getattr(p, "tensor_model_parallel", False)]
@@ -473,9 +496,9 @@ class MegatronEngine(StashedState):
             dist.all_reduce(sq, group=self.tp_group)
         if repl:
             sq = sq + torch.stack([g.float().pow(2).sum() for g in repl]).sum()
-        if experts:  # tp = 1: each ep rank's experts once
+        if experts:  # each expert tp x ep rank's shards once
             own = torch.stack([g.float().pow(2).sum() for g in experts]).sum()
-            dist.all_reduce(own, group=self.ep_group)
+            dist.all_reduce(own, group=self.tp_ep_group)
             sq = sq + own
         if self.pp > 1:
             dist.all_reduce(sq, group=self.pp_group)

@@ -27,7 +27,9 @@ experts, a gated shared expert):
     layers.i.mlp.shared_expert_gate  -> ...mlp.shared_experts.gate_weight     replicated
 
 With expert parallelism (ep ranks, tp = 1) each rank holds ``experts / ep`` consecutive experts as
-its ``local_experts`` 0, 1, ... (``global_expert_name`` numbers them back).
+its ``local_experts`` 0, 1, ... (``global_expert_name`` numbers them back). A hybrid layout
+(``megatron:(attn:...|ffn:...)``) splits each routed expert over its own expert-tensor ranks
+(``expert_tp``, the ffn section's t) as a dense MLP over TP, and the shared expert over attention's tp.
 
 Under pipeline parallelism (p stages) each stage holds a contiguous 1/p of the layers, numbered
 from 0 on every stage (HF layer ``stage * layers/p + j`` is the stage's ``decoder.layers.j``); the
@@ -84,6 +86,13 @@ class Layout:
     sparse_layers: tuple[int, ...] = ()
     """The HF layers whose MLP is sparse (a Qwen2-MoE config's ``decoder_sparse_step`` and
     ``mlp_only_layers``): every layer, or the model is refused (``problems``)."""
+    expert_tp: int = 0
+    """A hybrid layout's expert-tensor ranks (its ffn section's t); 0: the routed experts follow tp."""
+
+    @property
+    def etp(self) -> int:
+        """The ranks each routed expert is split over, as a dense MLP over TP."""
+        return self.expert_tp or self.tp
 
     @property
     def padded_vocab(self) -> int:
@@ -123,7 +132,8 @@ def sparse_layers(hf_config: Any) -> tuple[int, ...]:
     return tuple(i for i in range(hf_config.num_hidden_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
 
 
-def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False, pp: int = 1, ep: int = 1) -> Layout:
+def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False, pp: int = 1, ep: int = 1,
+           expert_tp: int = 0) -> Layout:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     experts = int(getattr(hf_config, "num_experts", 0) or 0)
@@ -132,7 +142,7 @@ def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False, p
                   head == "lm" and bool(getattr(hf_config, "tie_word_embeddings", False)), qkv_bias(hf_config), tp, pp,
                   head, head_bias, experts, int(getattr(hf_config, "moe_intermediate_size", 0) or 0) if experts else 0,
                   int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
-                  ep, sparse_layers(hf_config))
+                  ep, sparse_layers(hf_config), expert_tp)
 
 
 def problems(lay: Layout) -> list[str]:
@@ -148,12 +158,17 @@ def problems(lay: Layout) -> list[str]:
         out.append(f"expert parallel e = {lay.ep} needs a Mixture-of-Experts model (num_experts), this one is dense")
     if lay.experts and lay.experts % lay.ep:
         out.append(f"num_experts = {lay.experts} is not divisible by expert parallel e = {lay.ep}")
-    if lay.ep > 1 and lay.tp > 1:
+    if lay.ep > 1 and lay.tp > 1 and not lay.expert_tp:
         out.append(f"expert parallel e = {lay.ep} with tensor parallel t = {lay.tp} is not built; use t = 1 with e")
+    if lay.expert_tp and not lay.experts:
+        out.append(f"a hybrid layout's ffn section (t = {lay.expert_tp}, e = {lay.ep}) lays out routed experts; "
+                   f"this model is dense")
     if lay.experts:
-        for what, n in (("moe_intermediate_size", lay.moe_ffn), ("shared_expert_intermediate_size", lay.shared_ffn)):
-            if n % lay.tp:
-                out.append(f"{what} = {n} is not divisible by tensor parallel t = {lay.tp}")
+        for what, n, by, axis in (("moe_intermediate_size", lay.moe_ffn, lay.etp,
+                                   "expert tensor parallel" if lay.expert_tp else "tensor parallel"),
+                                  ("shared_expert_intermediate_size", lay.shared_ffn, lay.tp, "tensor parallel")):
+            if n % by:
+                out.append(f"{what} = {n} is not divisible by {axis} t = {by}")
         if not lay.shared_ffn:
             out.append("a Qwen2-MoE model without a shared expert (shared_expert_intermediate_size = 0) is not converted")
         if len(lay.sparse_layers) != lay.layers:
@@ -199,10 +214,11 @@ def global_expert_name(name: str, lay: Layout, ep_rank: int) -> str | None:
 
 
 def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int, stage: int = 0,
-                ep_rank: int = 0) -> dict[str, torch.Tensor]:
+                ep_rank: int = 0, etp_rank: int | None = None) -> dict[str, torch.Tensor]:
     """This TP rank's GPTModel tensors of pipeline stage ``stage`` from HF-named tensors (weights or
     weight-shaped state; only the stage's own names are read); with expert parallelism, the routed
-    experts of expert-parallel rank ``ep_rank``."""
+    experts of expert-parallel rank ``ep_rank``, split as expert-tensor rank ``etp_rank`` (a hybrid
+    layout's; else the TP rank)."""
     tp, first, last = lay.tp, stage == 0, stage == lay.pp - 1
     out: dict[str, torch.Tensor] = {}
     if first:
@@ -228,21 +244,24 @@ def to_megatron(hf: Mapping[str, torch.Tensor], lay: Layout, rank: int, stage: i
             out[m + "self_attention.linear_qkv.bias"] = _qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"],
                                                              hf[a + "v_proj.bias"], lay, rank)
         out[m + "self_attention.linear_proj.weight"] = _rows(hf[a + "o_proj.weight"], rank, tp, dim=1)
-        out.update(_moe_to_megatron(hf, h, m, lay, rank, ep_rank) if lay.experts else
+        out.update(_moe_to_megatron(hf, h, m, lay, rank, ep_rank, rank if etp_rank is None else etp_rank)
+                   if lay.experts else
                    _mlp_to_megatron(hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"],
                                     hf[h + "mlp.down_proj.weight"], m + "mlp.", lay, rank))
     return out
 
 
 def _mlp_to_megatron(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, m: str, lay: Layout,
-                     rank: int) -> dict[str, torch.Tensor]:
-    """A SwiGLU MLP's ``linear_fc1`` (this rank's gate rows, then its up rows) and ``linear_fc2``."""
-    return {m + "linear_fc1.weight": torch.cat([_rows(gate, rank, lay.tp), _rows(up, rank, lay.tp)]),
-            m + "linear_fc2.weight": _rows(down, rank, lay.tp, dim=1)}
+                     rank: int, tp: int | None = None) -> dict[str, torch.Tensor]:
+    """A SwiGLU MLP's ``linear_fc1`` (this rank's gate rows, then its up rows) and ``linear_fc2``, split
+    over ``tp`` ranks (``lay.tp`` unless given)."""
+    tp = tp or lay.tp
+    return {m + "linear_fc1.weight": torch.cat([_rows(gate, rank, tp), _rows(up, rank, tp)]),
+            m + "linear_fc2.weight": _rows(down, rank, tp, dim=1)}
 
 
 def _moe_to_megatron(hf: Mapping[str, torch.Tensor], h: str, m: str, lay: Layout, rank: int,
-                     ep_rank: int) -> dict[str, torch.Tensor]:
+                     ep_rank: int, etp_rank: int) -> dict[str, torch.Tensor]:
     out = {m + "mlp.router.weight": hf[h + "mlp.gate.weight"],
            m + "mlp.shared_experts.gate_weight": hf[h + "mlp.shared_expert_gate.weight"]}
     s = h + "mlp.shared_expert."
@@ -252,7 +271,7 @@ def _moe_to_megatron(hf: Mapping[str, torch.Tensor], h: str, m: str, lay: Layout
     for k in range(lay.local_experts):
         e = ep_rank * lay.local_experts + k
         gate, up = gate_up[e].chunk(2)
-        out.update(_mlp_to_megatron(gate, up, down[e], m + f"mlp.experts.local_experts.{k}.", lay, rank))
+        out.update(_mlp_to_megatron(gate, up, down[e], m + f"mlp.experts.local_experts.{k}.", lay, etp_rank, lay.etp))
     return out
 
 
@@ -285,7 +304,8 @@ def _moe_to_hf(shards: Mapping[str, list[torch.Tensor]], h: str, m: str, lay: La
 
 def to_hf(shards: Mapping[str, list[torch.Tensor]], lay: Layout, stage: int = 0) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of pipeline stage ``stage`` from its TP ranks' GPTModel tensors
-    (``shards[name][r]``: rank r's; routed experts under ``global_expert_name``, all of them). The
+    (``shards[name][r]``: rank r's; routed experts under ``global_expert_name``, all of them, each
+    its expert-tensor ranks' shards). The
     last stage's copy of a tied embedding is not among them."""
     out: dict[str, torch.Tensor] = {}
     if stage == 0:

@@ -65,6 +65,8 @@ def process_groups(ctx: Any, groups: dict[str, Any]) -> Any:
     # With it (tp = 1), 'expert' splits the experts and 'expert_dp' holds the same ones.
     pgc.ep, pgc.expt_dp = groups.get("expert", ctx.group("cp")), groups.get("expert_dp", dp)
     pgc.expt_tp, pgc.tp_ep = tp, groups.get("expert", tp)
+    if "expert_tp" in groups:  # a hybrid layout: the experts' own tp, and the t x e ranks tokens travel between
+        pgc.expt_tp, pgc.tp_ep = groups["expert_tp"], groups["expert_tp_ep"]
     return pgc
 
 
@@ -86,7 +88,7 @@ def moe_config(hf_config: Any) -> dict[str, Any]:
 
 
 def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1, ep: int = 1,
-                       sequence_parallel: bool = False) -> Any:
+                       sequence_parallel: bool = False, etp: int | None = None) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -103,6 +105,7 @@ def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp or tp,
         sequence_parallel=sequence_parallel and tp > 1,
         # Between stages: micro-batches of any shape (the shapes travel first), the loss each
         # micro-batch returns used as it is (the engine scales it; not divided by their number).
@@ -172,10 +175,12 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
 
 
 def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
-              head_bias: bool = False, pp: int = 1, ep: int = 1, sequence_parallel: bool = False) -> Any:
+              head_bias: bool = False, pp: int = 1, ep: int = 1, sequence_parallel: bool = False,
+              etp: int | None = None) -> Any:
     """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller): this pipeline
     stage's part of it (``pgc.pp``'s rank of ``pp``: its layers, the embedding on the first stage,
-    the final norm and output layer on the last; with ``ep`` > 1, its share of the routed experts).
+    the final norm and output layer on the last; with ``ep`` > 1, its share of the routed experts;
+    each routed expert split over ``etp`` ranks, tp unless a hybrid layout says otherwise).
     Under ``sequence_parallel`` (t > 1) the activations outside the TP regions are split along the
     sequence over tp (the norms and the MoE router see a slice each). ``head``
     'value' or 'reward': a ``ScalarHead`` replaces the vocabulary output layer (the policy's, built by
@@ -193,7 +198,7 @@ def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch
     rope = getattr(hf_config, "rope_theta", None) or (getattr(hf_config, "rope_parameters", None) or {}).get(
         "rope_theta", 10000.0)
     stage = dist.get_rank(pgc.pp) if pp > 1 else 0
-    config = transformer_config(hf_config, tp, dtype, pp, ep, sequence_parallel)
+    config = transformer_config(hf_config, tp, dtype, pp, ep, sequence_parallel, etp)
     layer = get_gpt_layer_local_spec(num_experts=getattr(hf_config, "num_experts", None) or None,
                                      normalization="RMSNorm")
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm

@@ -1,9 +1,11 @@
 """What the megatron engine cannot split, said before anything starts: the model's layers over
 pipeline stages, its attention heads and MLP over tensor-parallel ranks, its routed experts over
-expert-parallel ranks (the shape of ``model``: its config.json, or the random-init fields); and the
-layouts it does not build or megatron-core refuses (AReaL's hybrid attn|ffn layout; training a
+expert-parallel ranks (the shape of ``model``: its config.json, or the random-init fields), and
+under a hybrid ``(attn:...|ffn:...)`` layout the routed experts over the ffn section's t and e; and the
+layouts it does not build or megatron-core refuses (a hybrid layout on a dense model; training a
 Mixture-of-Experts model under tensor parallelism without sequence parallelism; expert parallelism
-with tensor parallelism or with the distributed optimizer; training in fp16); and ranks without a
+with tensor parallelism outside a hybrid layout, or with the distributed optimizer; training in
+fp16); and ranks without a
 GPU when no CPU shim is installed (``megatron_device.needs_cuda``: the message the ranks would stop with). The engine refuses the same at build, with the same numbers."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.engines.train.megatron_device import needs_cuda
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
-from rlbatch.placement.backend import RoleEngine
+from rlbatch.placement.backend import ParallelDims, RoleEngine
 
 
 def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Any = None,
@@ -38,12 +40,11 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], place
     for e in mine:
         b, d = e.backend, e.backend.dims  # a hybrid spec's dims: attn's
         field = f"roles.{e.role}.backend"
+        args = section(plain, "roles", e.role, "engine_args")
         if b.ffn is not None:
-            problems.append(f"{field}: '{b}' is a hybrid layout (attention and MLP on different meshes), which the "
-                            f"megatron engine does not build; write one mesh for both, e.g. 'megatron:d4p2e2'")
-            continue
-        problems += _expert_problems(field, b, spec, section(plain, "roles", e.role, "engine_args"),
-                                     e.role in TRAINABLE_ROLES)
+            problems += _hybrid_problems(field, b, spec, args, e.role in TRAINABLE_ROLES)
+        else:
+            problems += _expert_problems(field, b, spec, args, e.role in TRAINABLE_ROLES)
         if e.role in TRAINABLE_ROLES and (plain.get("model") or {}).get("dtype") == "fp16":
             problems.append(f"{field}: the megatron engine trains in bf16 or fp32 (model.dtype), got model.dtype=fp16: "
                             f"fp16 gradients need loss scaling, which it does not build")
@@ -51,7 +52,8 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], place
                   ("attention", "num_heads", spec.heads, d.t, "tensor-parallel ranks t"),
                   ("attention", "num_kv_heads", spec.kv_heads, d.t, "tensor-parallel ranks t"),
                   ("MLP", "intermediate_size", spec.ffn, d.t, "tensor-parallel ranks t"),
-                  ("routed experts", "moe_intermediate_size", spec.moe_ffn, d.t, "tensor-parallel ranks t"),
+                  ("routed experts", "moe_intermediate_size", spec.moe_ffn, b.ffn.t if b.ffn else d.t,
+                   "the ffn section's expert tensor-parallel ranks t" if b.ffn else "tensor-parallel ranks t"),
                   ("shared expert", "shared_expert_intermediate_size", spec.shared_ffn, d.t, "tensor-parallel ranks t"))
         for what, name, n, by, axis in splits:
             if by > 1 and n % by:
@@ -72,7 +74,8 @@ def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, An
                    f"e={d.e}, but num_experts={spec.experts} is not divisible by {d.e}")
     if d.e > 1 and d.t > 1:
         out.append(f"{field}: '{b}' combines expert parallelism e={d.e} with tensor parallelism t={d.t}, which the "
-                   f"megatron engine does not build; use t=1 with e (or t without e)")
+                   f"megatron engine does not build on one mesh; use t=1 with e (or t without e), or a hybrid "
+                   f"layout, e.g. 'megatron:(attn:{d.spec('dptc')}|ffn:{ParallelDims(p=d.p, t=d.t, e=d.e).spec('pte')})'")
     if d.e > 1 and d.d % d.e:
         out.append(f"{field}: '{b}' folds expert parallelism onto data parallelism, but e={d.e} does not divide "
                    f"d={d.d}")
@@ -82,4 +85,25 @@ def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, An
     if d.e > 1 and engine_args.get("distributed_optimizer"):
         out.append(f"{field}: engine_args.distributed_optimizer with expert parallelism e={d.e} is not built; "
                    f"leave it false")
+    return out
+
+
+def _hybrid_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:
+    """A hybrid layout: attention's splits are checked as for one mesh (``b.dims`` are attn's); here the
+    ffn section's, which lays out the routed experts alone."""
+    f, a = b.ffn, b.attn
+    if not spec.experts:
+        return [f"{field}: '{b}' lays out routed experts in its ffn section (t={f.t}, e={f.e}), but the model has "
+                f"none (a dense {spec.arch}); a hybrid layout needs a Mixture-of-Experts model, e.g. "
+                f"model.arch=qwen2_moe, or write one mesh, e.g. 'megatron:{a.spec()}'"]
+    out = []
+    if spec.experts % f.e:
+        out.append(f"{field}: '{b}' splits the model's {spec.experts} routed experts over the ffn section's "
+                   f"expert-parallel ranks e={f.e}, but num_experts={spec.experts} is not divisible by {f.e}")
+    if a.t > 1 and trains and engine_args.get("sequence_parallel") is False:
+        out.append(f"{field}: '{b}' trains a Mixture-of-Experts model under tensor parallelism t={a.t} (the attn "
+                   f"section's), which megatron-core does with sequence parallelism only; leave "
+                   f"engine_args.sequence_parallel true")
+    if engine_args.get("distributed_optimizer"):
+        out.append(f"{field}: engine_args.distributed_optimizer with a hybrid layout is not built; leave it false")
     return out

@@ -1,4 +1,6 @@
-"""The planner's model of rlbatch's fsdp engine (FSDP2 over dp x cp, DTensor over tp)."""
+"""The planner's model of rlbatch's fsdp engine (FSDP2 over dp x cp, DTensor over tp: each decoder
+layer's attention and MLP weights split over t, the embedding, the norms and the LM head whole on
+every tp rank; ``rlbatch.engines.train.fsdp_tp``)."""
 
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ class FSDPCost(EngineCost):
         return 4.0 * largest_tensor(shape) / (b.t * b.d * b.c) + RANDOM_INIT_BLOCK
 
     def units(self, r: RoleLayout, shape: ModelShape) -> int:
-        """A small model is one unit, a larger one a unit per layer plus the root."""
-        return 1 if fsdp_single_unit(4 * shape.params, r.engine_args) else shape.layers + 1
+        """A small model is one unit, a larger one (or any under tensor parallelism) a unit per layer
+        plus the root."""
+        b = r.backend
+        one = fsdp_single_unit(4 * shape.params, r.engine_args) and (b is None or b.t == 1)
+        return 1 if one else shape.layers + 1
 
     def shares_prompts(self, r: RoleLayout, w: Workload, mb: int, trained: bool) -> bool:
         """Each distinct prompt once with only its last position's logits, then the responses on its
@@ -37,7 +42,8 @@ class FSDPCost(EngineCost):
                 and worth_sharing(w.distinct_prompts(mb), mb))
 
     def sequence_parallel(self, r: RoleLayout) -> bool:
-        return True
+        """The engine splits no activations along the sequence over tp (no effect at t = 1)."""
+        return r.backend is None or r.backend.t == 1
 
     def gathers_each_pass(self, r: RoleLayout) -> bool:
         return True
@@ -47,16 +53,21 @@ class FSDPCost(EngineCost):
         assert b is not None
         t, n = b.t, b.d * b.c
         notes: list[str] = []
+        # Tensor parallelism splits the decoder layers' linear weights (all but their two norms);
+        # the embedding, the final norm and the LM head stay whole on each tp rank. ``per_t`` is a
+        # rank's share of the whole model's parameters before dp sharding.
+        split = shape.layers * (shape.layer_params - 2 * shape.hidden) if t > 1 else 0.0
+        per_t = (P - split + split / t) / P if t > 1 else 1.0 / t
         # rlbatch's fsdp engine keeps fp32 master weights for a role that trains (bf16 only for
         # compute on GPUs) and the compute dtype for a forward-only one (``FSDPEngine``'s held_dtype).
-        state = {"params": (e if forward_only else 4) * P / t / n}
+        state = {"params": (e if forward_only else 4) * P * per_t / n}
         # with model.lora the trained policy's gradients and AdamW state are the adapters' (the base is frozen)
         G = float(shape.adapter_params(w.lora_rank, w.lora_targets)) if adapted(r, w) else P
         if G < P and not forward_only:
             state["adapters"] = 4 * G / t / n
             notes.append(f"{r.name}: LoRA rank {w.lora_rank}: {G / 1e6:.1f}M trained parameters of {P / 1e6:.1f}M")
         if not forward_only:
-            state |= {"grads": 4 * G / t / n, "optimizer": 8 * G / t / n}
+            state |= {"grads": 4 * G * per_t / n, "optimizer": 8 * G * per_t / n}
         # FSDP2's collectives for the largest unit (the root: embedding, final norm, an untied head;
         # or the whole model when it is one unit), beside the next unit prefetched (a layer). An
         # all-gather copies the unit's shard into an input buffer (1/n), gathers it into an output
@@ -67,7 +78,9 @@ class FSDPCost(EngineCost):
         # (zeroed, not freed), the backward's new gradient shards stand beside them until they are
         # added: one fp32 gradient shard more. Measured on CPU (docs/benchmarks.md, "Host memory").
         one = self.units(r, shape) == 1
-        unit = P if one else max(float(shape.layer_params), shape.embedding_params * (1 if shape.tied else 2) + shape.hidden)
+        # the buffers below are divided by t; the root unit is whole on every tp rank, so it counts t times
+        root = (shape.embedding_params * (1 if shape.tied else 2) + shape.hidden) * (t if t > 1 else 1)
+        unit = P if one else max(float(shape.layer_params), root)
         nxt = 0.0 if one else float(shape.layer_params)
         g = G / P  # the share of a unit that gets gradients (1 but with adapters)
         return Held(
@@ -77,7 +90,7 @@ class FSDPCost(EngineCost):
             buffer_term="fsdp_buffers",
             # torch's foreach AdamW computes sqrt(v) for every parameter at once: one fp32 shard more,
             # after the backward's buffers are gone.
-            step_temp=4 * G / t / n,
+            step_temp=4 * G * per_t / n,
             # Weight sync gathers one unit at a time, each tensor in full (a shard cast to the wire
             # dtype, the all-gather's padded output and its unpadded copy): the unit and its largest tensor again.
             sync_bytes=e * (unit * (1 + 1 / n) + min(unit, largest_tensor(shape))) / t,

@@ -41,9 +41,13 @@ def test_tensor_parallel_divides_weights_and_activations(h100) -> None:  # type:
     w = workload_from_config(base, 512)
     a = role_memory(make_layout(base).roles["actor_train"], Q7B, w, 2, h100)
     b = role_memory(make_layout(tp).roles["actor_train"], Q7B, w, 2, h100)
-    assert sum(b.state.values()) == pytest.approx(sum(a.state.values()))  # d*t shards either way
-    # Half the data-parallel ranks: twice the micro-batch; TP halves it back, so activations match.
-    assert b.transient["train"]["activations"] == pytest.approx(a.transient["train"]["activations"])
+    # d*t shards of the decoder layers' linear weights either way; the rest (embedding, LM head,
+    # norms) stays whole on each tp rank, so over half as many dp ranks it is twice as much.
+    rest = Q7B.params - Q7B.layers * (Q7B.layer_params - 2 * Q7B.hidden)
+    assert sum(b.state.values()) == pytest.approx(sum(a.state.values()) + 16 * rest / 8)
+    # Half the data-parallel ranks: twice the micro-batch; TP halves the attention and MLP inside
+    # back, but the engine splits nothing along the sequence (no sequence parallelism): more.
+    assert b.transient["train"]["activations"] > 1.1 * a.transient["train"]["activations"]
 
 
 def test_vllm_reserves_its_share_of_the_gpu(h100) -> None:  # type: ignore[no-untyped-def]
@@ -123,9 +127,9 @@ def test_shared_prompts_hold_each_prompt_once_in_activations_and_logits(h100) ->
 
 def test_megatron_activations_follow_its_sequence_parallelism(h100) -> None:  # type: ignore[no-untyped-def]
     # rlbatch's megatron engine runs TP with sequence parallelism by default: a layer's activations
-    # are (34 + ...)/t like fsdp's at the same dims and whole-sequence passes. With
-    # engine_args.sequence_parallel=false it keeps Korthikanti's s*b*h*(10 + 24/t + ...) (the norms'
-    # and dropouts' inputs whole on every TP rank).
+    # are (34 + ...)/t. With engine_args.sequence_parallel=false it keeps Korthikanti's
+    # s*b*h*(10 + 24/t + ...) (the norms' and dropouts' inputs whole on every TP rank), like fsdp's
+    # tensor parallelism (no sequence parallelism) at the same dims and whole-sequence passes.
     from rlbatch.plan import activations as act
 
     full = {"engine_args": {"share_prompts": False}}
@@ -138,5 +142,21 @@ def test_megatron_activations_follow_its_sequence_parallelism(h100) -> None:  # 
                for x in (f, m, no_sp))
     s = w.seq_len
     ratio = act.layer_bytes(Q7B, s, 1, 2, 2, sp=False) / act.layer_bytes(Q7B, s, 1, 2, 2, sp=True)
-    assert b == pytest.approx(a, rel=1e-9)
-    assert ratio > 1.1 and c == pytest.approx(a * ratio, rel=1e-9)
+    assert c == pytest.approx(a, rel=1e-9)
+    assert ratio > 1.1 and c == pytest.approx(b * ratio, rel=1e-9)
+
+
+def test_megatron_hybrid_layout_splits_the_routed_experts_by_its_ffn_dims(h100) -> None:  # type: ignore[no-untyped-def]
+    # megatron:(attn:d4t2|ffn:t2e4): attention, norms, router and shared expert as at d4t2; each rank
+    # holds 1/(t*e) = 1/8 of the routed experts (the ffn section's), where d4t2 holds 1/2 of them.
+    # The engine keeps 18 bytes per trained parameter in bf16 (weights, fp32 grads, main weights, moments).
+    moe = shape_from_config({"path": str(MODELS / "qwen1_5_moe_a2_7b")})
+    ranks = "list(range(0,8))"
+    model = {"path": str(MODELS / "qwen1_5_moe_a2_7b")}
+    one = make_config(algo=ALGO, model=model, roles=roles("megatron:d4t2", "vllm:d8", ranks, ranks))
+    hybrid = make_config(algo=ALGO, model=model, roles=roles("megatron:(attn:d4t2|ffn:t2e4)", "vllm:d8", ranks, ranks))
+    w = workload_from_config(one, 512)
+    a, b = (role_memory(make_layout(x).roles["actor_train"], moe, w, 2, h100) for x in (one, hybrid))
+    experts = moe.layers * moe.expert_params
+    assert sum(a.state.values()) - sum(b.state.values()) == pytest.approx(18 * experts * (1 / 2 - 1 / 8))
+    assert a.transient["train"]["activations"] == pytest.approx(b.transient["train"]["activations"])

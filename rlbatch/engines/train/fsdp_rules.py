@@ -1,0 +1,79 @@
+"""What the fsdp engine cannot split over tensor-parallel ranks (``fsdp:dXtY``, t > 1), said before
+anything starts, with the numbers: attention heads and KV heads that t does not divide (each tp
+rank computes whole heads), a Mixture-of-Experts model (its experts are not split), and low-rank
+adapters (PEFT wraps the linear layers that tensor parallelism splits). The embedding and LM head
+are never split over the vocabulary (a split embedding would untie a tied LM head), so the
+vocabulary size needs no check. Under context parallelism (``fsdp:dXcZ``, c > 1; Ulysses, each
+rank's heads after an all-to-all): heads that c does not divide, KV heads neither divisible by c
+nor dividing it (they are repeated up to c), t and c together, a reward model, padded rows
+(``max_tokens_per_micro_batch=0``). The engine refuses the same at build."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rlbatch.config.schema import HEADS
+from rlbatch.errors import ConfigError
+from rlbatch.placement.backend import RoleEngine
+
+
+def fsdp_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Any = None,
+                  train_run: bool = True) -> list[str]:
+    """One line per tensor-parallel split the fsdp engine does not build (``EngineSpec.rules``).
+    Inherited backends are reported once, on actor_train."""
+    from rlbatch.models.spec import spec_from_config
+
+    mine = [e for e in engines if e.backend.engine == "fsdp" and not e.inherited and e.backend.dims.t > 1]
+    split = [e for e in engines if e.backend.engine == "fsdp" and not e.inherited and e.backend.dims.c > 1]
+    if not mine and not split:
+        return []
+    model = plain.get("model") or {}
+    try:
+        spec = spec_from_config(model)
+    except (ConfigError, OSError, ValueError, TypeError):  # the model checks report it
+        spec = None
+    problems = [p for e in split for p in _context_problems(plain, e, spec, train_run)]
+    for e in mine:
+        b, t = e.backend, e.backend.dims.t
+        field = f"roles.{e.role}.backend"
+        if spec is not None:
+            for name, n in (("num_heads", spec.heads), ("num_kv_heads", spec.kv_heads)):
+                if n % t:
+                    problems.append(f"{field}: '{b}' splits the model's attention by heads over tensor-parallel "
+                                    f"ranks t={t}, but {name}={n} is not divisible by {t}")
+            if spec.experts:
+                problems.append(f"{field}: '{b}': the fsdp engine splits dense decoder layers over tensor-parallel "
+                                f"ranks, and the model is a Mixture-of-Experts {spec.arch} with {spec.experts} "
+                                f"routed experts; use t=1, or the megatron engine")
+        lora = model.get("lora")
+        # only a run this machine is to start: the planner prices such a layout as it would any other
+        if train_run and e.role == "actor_train" and isinstance(lora, Mapping) and int(lora.get("rank") or 0) > 0:
+            problems.append(f"{field}: '{b}' with model.lora.rank={lora.get('rank')}: low-rank adapters under the "
+                            f"fsdp engine's tensor parallelism (t={t}) are not built (PEFT wraps the linear layers "
+                            f"that it splits); use t=1")
+    return problems
+
+
+def _context_problems(plain: Mapping[str, Any], e: RoleEngine, spec: Any, train_run: bool) -> list[str]:
+    b, c, field = e.backend, e.backend.dims.c, f"roles.{e.role}.backend"
+    out = []
+    if b.dims.t > 1 and train_run:  # only a run this machine is to start: the planner prices the layout
+        out.append(f"{field}: '{b}': tensor (t={b.dims.t}) with context (c={c}) parallelism in the fsdp engine is not "
+                   f"built; use one of them")
+    if spec is not None:
+        if spec.heads % c:
+            out.append(f"{field}: '{b}' gives each of c={c} context-parallel ranks whole attention heads, but "
+                       f"num_heads={spec.heads} is not divisible by {c}")
+        if spec.kv_heads % c and c % spec.kv_heads:
+            out.append(f"{field}: '{b}' splits key/value heads over c={c} context-parallel ranks (repeating them "
+                       f"up to c), but num_kv_heads={spec.kv_heads} neither divides nor is divisible by {c}")
+    role = (plain.get("roles") or {}).get(e.role) or {}
+    args = role.get("engine_args") if isinstance(role, Mapping) else None
+    if isinstance(args, Mapping) and args.get("max_tokens_per_micro_batch") == 0:
+        out.append(f"{field}: '{b}' splits packed rows over c={c} context-parallel ranks, but "
+                   f"roles.{e.role}.engine_args.max_tokens_per_micro_batch=0 asks for padded ones; leave it unset "
+                   f"or give a token budget")
+    if HEADS.get(e.role) == "reward":
+        out.append(f"{field}: '{b}': a reward model under the fsdp engine's context parallelism is not built; use c=1")
+    return out

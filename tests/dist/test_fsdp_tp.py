@@ -1,0 +1,21 @@
+"""The fsdp engine with tensor parallelism (``fsdp:dXtY``) or context parallelism (``fsdp:dXcZ``)
+against data parallelism alone, with gloo on CPU: ``scripts/fsdp_tp.py`` says what each run checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.test_mechanisms import mpirun
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("ranks", "args"), [(2, ()), (4, ("equality-only",)), (2, ("cp",))],
+                         ids=["d1t2-vs-d2", "d2t2-vs-d4", "d1c2-vs-d2"])
+def test_fsdp_tensor_parallel_trains_like_data_parallel_shares_checkpoints_and_resumes_bitwise(
+        ranks: int, args: tuple[str, ...]) -> None:
+    out = mpirun("fsdp_tp.py", ranks, *args)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("fsdp tp ok") == ranks, out.stdout[-2000:]
+    assert out.stdout.count(" == fsdp:d") == ranks, out.stdout[-2000:]
