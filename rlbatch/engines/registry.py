@@ -93,12 +93,27 @@ class VLLMArgs:
 
 @dataclass(frozen=True)
 class SGLangArgs:
-    """engine_args of the ``sglang`` inference engine (modelled by the planner)."""
+    """engine_args of the ``sglang`` inference engine (an in-rank ``sglang.Engine`` per rank; on a
+    machine without a GPU, SGLang's CPU engine). See docs/sglang.md."""
 
     mem_fraction_static: float = bounded(0.88, gt=0, le=1)
-    """Share of the GPU SGLang reserves for weights and KV cache."""
+    """GPU: share of the GPU SGLang reserves for weights and KV cache (ignored on CPU)."""
     max_num_batched_tokens: int = 8192
+    """Tokens per prefill chunk (SGLang's chunked_prefill_size)."""
     max_num_seqs: int = 256
+    """Requests decoded together (SGLang's max_running_requests)."""
+    kv_cache_tokens: int = 0
+    """Tokens the KV cache holds (SGLang's max_total_tokens). 0: on a GPU, what mem_fraction_static
+    leaves; on CPU, 16384 (SGLang would otherwise size it from the node's memory)."""
+    max_model_len: int = 0
+    """Longest prompt + response (0: the model's max_position_embeddings)."""
+    dtype: str = "auto"
+    """Weights and activations: 'auto' (the run's model.dtype: bf16 on GPU, fp32 on CPU), 'bf16',
+    'fp16' or 'fp32'."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype: must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -333,8 +348,13 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.v
                          "executors; use vllm:dXtY", reserves_device_share=True,
                     loads_adapters=True, cost="rlbatch.plan.vllm:VLLMCost",
                     rules="rlbatch.engines.infer.vllm_rules:vllm_problems"))
-register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, None, dims="dt", note="the SGLang engine is not in this build",
-                    reserves_device_share=True, cost="rlbatch.plan.costs.sglang:SGLangCost"))
+# dims "d": one SGLang engine per rank; the placement language keeps "dt" so plans with
+# tensor-parallel SGLang are still modelled (and refused with the note before start).
+register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.infer.sglang:SGLangEngine", dims="d",
+                    note="tensor-parallel SGLang (t>1) is not built: SGLang runs the t ranks of an engine as "
+                         "scheduler processes it spawns itself, where rlbatch runs one engine per rank; use sglang:dN",
+                    reserves_device_share=True, cost="rlbatch.plan.costs.sglang:SGLangCost",
+                    rules="rlbatch.engines.infer.sglang_rules:sglang_problems"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward"),
                     packs_rows=True, trains_adapters=True, cost="rlbatch.plan.costs.deepspeed:DeepSpeedCost"))

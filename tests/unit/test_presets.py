@@ -77,6 +77,9 @@ REFUSED: dict[tuple[str, str], list[str]] = {
         *CPU_HEAD_DIM,
     ],
     ("roles", "roll_mixed_cpu_sandbox"): [*CPU_HEAD_DIM, SANDBOX_WITHOUT_CODE],
+    # on CPU: SGLang's CPU engine needs the stand-ins for sgl_kernel (tests/stand_ins, not loaded
+    # here); on a GPU beside vLLM: SGLang lives in an environment of its own (docs/sglang.md)
+    ("experiment", "arithmetic_sglang"): ["roles.actor_infer.backend: 'sglang:d2' "],
     **({("roles", name): CPU_HEAD_DIM for name in ("areal_16gpu", "roll_colocated_8gpu", "roll_disaggregated_8gpu",
                                                     "roll_disaggregated_24gpu")} if CPU_HEAD_DIM else {}),
 }

@@ -48,7 +48,10 @@ def test_the_default_experiment_is_runnable(cfg: dict[str, Any]) -> None:
     ],
 )
 def test_an_engine_that_is_not_built_is_refused_with_the_built_ones(cfg: dict[str, Any], train: str, infer: str,
-                                                                   line: str) -> None:
+                                                                   line: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a build without the sglang engine: its registry entry without an implementation
+    monkeypatch.setitem(engines_registry.REGISTRY, "sglang", dataclasses.replace(
+        engines_registry.REGISTRY["sglang"], implementation=None, rules=None, note="the SGLang engine is not in this build"))
     c = on_ranks(cfg, 2, train, infer)
     assert problems(c) == [line]  # reference inherits actor_train's backend: reported once
     check(c, runnable=False)  # the planner models it
@@ -76,7 +79,7 @@ def test_dims_the_built_engine_does_not_split_over_are_refused(cfg: dict[str, An
 def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]) -> None:
     assert problems(on_ranks(cfg, 2, "fsdp:d2", "fsdp:d2")) == [
         "roles.actor_infer.backend: 'fsdp:d2' names a training engine, but actor_infer runs generate, which needs "
-        "an inference engine; built: ['hf', 'vllm']"]
+        "an inference engine; built: ['hf', 'sglang', 'vllm']"]
     assert problems(on_ranks(cfg, 2, "hf:d2", "hf:d2")) == [
         "roles.actor_train.backend: 'hf:d2' names an inference engine, but actor_train runs logprobs and train, "
         f"which needs a training engine; built: {engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"]
@@ -196,7 +199,17 @@ def test_engine_args_of_an_engine_that_is_not_built_are_still_typed(cfg: dict[st
     c = set_(on_ranks(cfg, 2, "fsdp:d2", "sglang:d2"), roles__actor_infer__engine_args={"gpu_mem": 0.5})
     assert problems(c, runnable=False) == [
         "roles.actor_infer.engine_args: unknown key(s) ['gpu_mem'] for engine 'sglang'; it accepts "
-        "['max_num_batched_tokens', 'max_num_seqs', 'mem_fraction_static']"]
+        "['dtype', 'kv_cache_tokens', 'max_model_len', 'max_num_batched_tokens', 'max_num_seqs', "
+        "'mem_fraction_static']"]
+
+
+def test_tensor_parallel_sglang_is_refused_before_start_with_the_reason(cfg: dict[str, Any]) -> None:
+    c = on_ranks(cfg, 2, "fsdp:d2", "sglang:d1t2")
+    assert [p for p in problems(c) if "sgl_kernel" not in p] == [
+        "roles.actor_infer.backend: engine 'sglang' supports d (data) only in this build; got t=2 in "
+        "'sglang:t2' (tensor-parallel SGLang (t>1) is not built: SGLang runs the t ranks of an engine as scheduler "
+        "processes it spawns itself, where rlbatch runs one engine per rank; use sglang:dN)"]
+    check(c, runnable=False)  # the planner models it
 
 
 # ---------------------------------------------------------------------------------- algorithm

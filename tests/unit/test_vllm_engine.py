@@ -20,15 +20,14 @@ import torch
 import torch.distributed as dist
 import vllm  # noqa: F401  (installed by make venv: its absence is a broken install, not a skip)
 
-from rlbatch import algos  # noqa: E402
 from rlbatch.engines.base import EngineContext, SamplingParams  # noqa: E402
-from rlbatch.engines.batch import pack, response_logits  # noqa: E402
 from rlbatch.engines.infer.hf import HFInferenceEngine  # noqa: E402
 from rlbatch.engines.infer.vllm import VLLMEngine, _launcher_env, one_rank_executor  # noqa: E402
 from rlbatch.engines.model import load_model, load_tokenizer  # noqa: E402
 from rlbatch.engines.registry import HFArgs, VLLMArgs  # noqa: E402
 from rlbatch.launch.compose import compose  # noqa: E402
 from rlbatch.scheduler.weightsync import buckets  # noqa: E402
+from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SEED = 1
@@ -80,20 +79,9 @@ def test_a_one_rank_engine_runs_on_the_ranks_own_device(setup: Any) -> None:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_are_those_of_a_transformers_forward(setup: Any, temperature: float) -> None:
-    tok, engine = setup.tok, setup.engine
-    prompts = [tok.encode(f"{k}+{k}=") for k in range(4)] * 4
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=temperature, seed=3))
-    assert len(gens) == len(prompts)
-    assert all(len(g.logprobs) == len(g.tokens) and 0 < len(g.tokens) <= 6 for g in gens)
-    model = load_model(setup.cfg.model, tok, SEED).eval()  # the engine's initial weights
-    samples = [{"prompt": torch.tensor(p), "response": torch.tensor(g.tokens)} for p, g in zip(prompts, gens, strict=True)]
-    b = pack(samples, tok.pad_token_id, torch.device("cpu"))
-    with torch.no_grad():
-        expected = algos.token_logprobs(response_logits(model, b).float() / temperature, b.targets)
-    got = torch.zeros_like(expected)
-    for i, g in enumerate(gens):
-        got[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
-    assert torch.allclose(got * b.mask, expected * b.mask, atol=1e-4), (got - expected).abs().max()
+    tok = setup.tok
+    assert_behaviour_logprobs_match_transformers(setup.engine, setup.cfg, tok, SEED,
+                                                 [tok.encode(f"{k}+{k}=") for k in range(4)] * 4, temperature)
 
 
 def test_samples_of_one_prompt_differ_and_a_seed_reproduces_them(setup: Any) -> None:

@@ -1,4 +1,4 @@
-"""The planner's model of SGLang (modelled, not in this build): it reserves a share of the GPU."""
+"""The planner's model of SGLang: it reserves a share of the GPU (mem_fraction_static) as vLLM does."""
 
 from __future__ import annotations
 

@@ -1,0 +1,264 @@
+"""``sglang`` inference engine: one offline ``sglang.Engine`` per data-parallel rank (``sglang:dN``).
+
+    python -m rlbatch.launch roles.actor_infer.backend=sglang:d2
+
+- **processes**: SGLang's Engine is not one process: it spawns a scheduler (which holds the model
+  and the KV cache) and a detokenizer, and talks to them over local ZMQ sockets. They belong to the
+  rank that built the engine; no server port is opened. Its scheduler runs a torch.distributed
+  world of its own over a free local port; torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` would make
+  it wait for an agent store that does not exist, so it is removed from the environment. The
+  scheduler sleeps while idle (``sleep_on_idle``) instead of polling through the phases it sits out.
+- **generate**: one request per prompt row (a GRPO group's copies share their prefix through
+  SGLang's radix cache, so the prompt's KV is computed once). The behaviour log-prob of each token
+  is SGLang's ``output_token_logprobs``: under the temperature-scaled distribution it samples from
+  (greedy: the raw one). Sampling draws from the scheduler process's RNG, seeded at start-up from
+  the run's seed.
+- **load_weights**: Hugging Face ``(name, tensor)`` pairs through ``update_weights_from_tensor``
+  (SGLang's own name mapping, fused layouts included), one call per bucket; the first bucket of a
+  sync opens SGLang's ``begin_weight_update`` bracket, the bucket that completes the model's names
+  closes it (``end_weight_update``) and flushes the radix cache. A bucket is cloned before it is
+  sent (SGLang moves a CPU tensor's storage into shared memory to pass it to its scheduler, and a
+  sync reuses its staging buffer).
+- **offload/reload**: on a GPU, ``release_memory_occupation``/``resume_memory_occupation`` by tag
+  (``weights``, ``kv_cache``; SGLang's memory saver, with a host copy of the weights so a resume
+  brings them back exactly). Untested on a GPU here. On CPU SGLang has no memory saver: the state
+  stays resident (zero bytes).
+- **the process**: SGLang's Engine reconfigures the process it starts in (the root logger, SIGTERM
+  and SIGQUIT handlers, the asyncio loop policy, multiprocessing's start method); the rank's own
+  are put back after it (``_process_kept``).
+- **on CPU**: ``SGLANG_USE_CPU_ENGINE=1``, torch-native attention, no CUDA graphs, fp32 by
+  default, a KV cache of ``kv_cache_tokens`` tokens. SGLang's CPU engine imports some CUDA-only
+  modules (``sgl_kernel``'s CPU kernels, torchvision) that no CPU wheel provides; tests bring
+  stand-ins for them (tests/stand_ins, docs/sglang.md).
+- **tensor parallelism** (``sglang:dXtY``, t > 1) is refused before start
+  (``rlbatch.engines.infer.sglang_rules``): SGLang spawns its own tp scheduler processes from one
+  engine, where rlbatch's ranks each hold one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from rlbatch.engines.base import EngineContext, Generation, SamplingParams
+from rlbatch.engines.infer.vllm import _rng_kept, hf_parameter_names
+from rlbatch.engines.infer.vllm_world import PrivateWorld
+from rlbatch.engines.model import load_model, model_dtype
+from rlbatch.engines.offload import Transfer
+
+log = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_ARG_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TAGS = {"params": "weights", "kv_cache": "kv_cache"}
+"""State kind -> SGLang's memory-occupation tag."""
+
+
+def engine_kwargs(args: Any, path: str, dtype: torch.dtype, seed: int, device: torch.device) -> dict[str, Any]:
+    """``sglang.Engine``'s arguments for a rank's engine (``args``: ``SGLangArgs``)."""
+    on_cpu = device.type != "cuda"
+    kwargs: dict[str, Any] = dict(
+        model_path=path, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[dtype], random_seed=seed,
+        mem_fraction_static=args.mem_fraction_static, max_running_requests=args.max_num_seqs,
+        chunked_prefill_size=args.max_num_batched_tokens, tp_size=1, log_level="error",
+        # without it an idle scheduler polls its sockets without pause, a CPU core busy through
+        # every phase the engine sits out (training, log-probs)
+        sleep_on_idle=True,
+    )
+    if args.kv_cache_tokens or on_cpu:
+        kwargs["max_total_tokens"] = args.kv_cache_tokens or CPU_KV_CACHE_TOKENS
+    if args.max_model_len:
+        kwargs["context_length"] = args.max_model_len
+    if on_cpu:
+        kwargs |= {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
+    else:  # the memory saver (release/resume) with a host copy of the weights, on this rank's GPU
+        kwargs |= {"device": "cuda", "base_gpu_id": device.index or 0, "enable_memory_saver": True,
+                   "enable_weights_cpu_backup": True}
+    return kwargs
+
+
+CPU_KV_CACHE_TOKENS = 16384
+"""CPU: the KV cache's tokens when ``kv_cache_tokens`` is 0. SGLang sizes it otherwise from the
+node's memory times ``mem_fraction_static``, which takes minutes to allocate and most of a shared node."""
+
+
+KEPT_SIGNALS = (signal.SIGTERM, signal.SIGQUIT, signal.SIGINT, signal.SIGCHLD)
+
+
+@contextmanager
+def _process_kept() -> Iterator[None]:
+    """SGLang's Engine reconfigures the process it starts in: the root logger (``basicConfig(force=True)``
+    at its own level and format), SIGTERM and SIGQUIT handlers (its event loop's, and one that kills
+    the process tree when a child of SGLang's fails), the signal wakeup fd, the asyncio event loop
+    policy (uvloop) and multiprocessing's start method (``spawn``, forced). The rank's own are put
+    back: its failure handling and the other engines in the process (vLLM's workers start with the
+    process's start method) are the run's, not SGLang's."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    signals = {s: signal.getsignal(s) for s in KEPT_SIGNALS}
+    policy = asyncio.get_event_loop_policy()
+    method = multiprocessing.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        if threading.current_thread() is threading.main_thread():  # where SGLang sets them (and Python allows it)
+            for s, handler in signals.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+        asyncio.set_event_loop_policy(policy)
+        multiprocessing.set_start_method(method, force=True)
+
+
+class SGLangEngine:
+    def __init__(self, ctx: EngineContext) -> None:
+        a = ctx.args
+        self.device = ctx.device
+        self.on_cpu = ctx.device.type != "cuda"
+        dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _ARG_DTYPES[a.dtype]
+        if self.on_cpu:
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's own switch; without it device 'cpu' is unknown
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # inherited by SGLang's scheduler (module doc)
+        tmp = None
+        if ctx.model.path:
+            path = str(ctx.model.path)
+            self.expected = hf_parameter_names(ctx.model)
+        else:  # random init: the same weights as every other role's (same seed), in a directory for SGLang
+            model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
+            self.expected = {n for n, _ in model.named_parameters()}
+            path = tmp = tempfile.mkdtemp(prefix="rlbatch-sglang-")
+            with PrivateWorld().active():  # transformers saves on torch rank 0 only, when a world exists
+                model.save_pretrained(tmp)
+            del model
+        start = time.perf_counter()
+        try:
+            import sglang
+
+            with _rng_kept(), _process_kept():
+                self.engine: Any = sglang.Engine(**engine_kwargs(a, path, dtype, ctx.seed, ctx.device))
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        log.info("SGLang %s engine started in %.1fs (%s, %s)", ctx.role, time.perf_counter() - start,
+                 "CPU" if self.on_cpu else str(ctx.device), dtype)
+        self._received: set[str] = set()
+        self._asleep: set[str] = set()
+        self._warned_no_saver = False
+
+    def close(self) -> None:
+        """Stop SGLang's scheduler and detokenizer processes. The engine is unusable afterwards."""
+        self.engine.shutdown()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        self._check_ready()
+        greedy = params.temperature <= 0
+        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": 0.0 if greedy else params.temperature,
+                    "top_p": 1.0 if greedy else params.top_p, "top_k": -1, "skip_special_tokens": False}
+        if params.stop_strings:
+            raise ValueError("sglang engine: stop_strings need SGLang's tokenizer, which this engine does not start "
+                             "(it works on token ids)")
+        outputs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=[dict(sampling)] * len(prompts),
+                                       return_logprob=True)
+        return [_generation(o) for o in outputs]
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a bucket of a sync (module doc). Returns the bytes loaded."""
+        chunk = [(n, t.detach().clone()) for n, t in named]
+        unknown = [n for n, _ in chunk if n not in self.expected]
+        if unknown:
+            raise KeyError(f"sglang engine: weights {unknown[:5]} are not parameters of the model")
+        if not self._received:
+            self.engine.begin_weight_update()
+        self._received |= {n for n, _ in chunk}
+        last = self._received >= self.expected
+        ok, message = self.engine.update_weights_from_tensor(named_tensors=chunk, flush_cache=last)
+        if not ok:
+            raise RuntimeError(f"sglang engine: SGLang refused a weight bucket: {message}")
+        if last:
+            self.engine.end_weight_update()
+            self._received = set()
+        return sum(t.numel() * t.element_size() for _, t in chunk)
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # the weights live in SGLang's scheduler process, fused
+
+    def _check_ready(self) -> None:
+        if self._received:
+            missing = sorted(self.expected - self._received)
+            raise RuntimeError(f"sglang engine: generate during an incomplete weight sync; not yet received: "
+                               f"{missing[:5]} ({len(missing)} in all)")
+        if self._asleep:
+            raise RuntimeError(f"sglang engine: generate while SGLang holds {sorted(self._asleep)} released (the phase "
+                               f"must reload them first)")
+
+    # -- device state -------------------------------------------------------------------------
+
+    @property
+    def state_kinds(self) -> tuple[str, ...]:
+        return ("params", "kv_cache")
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        """GPU: release the asked kinds (SGLang's memory saver; the weights keep a host copy)."""
+        go = {k for k in kinds if k in self.state_kinds} - self._asleep
+        if not go:
+            return Transfer()
+        if self.on_cpu:
+            return self._resident()
+        start, free = time.perf_counter(), self._free_memory()
+        self.engine.release_memory_occupation(tags=sorted(_TAGS[k] for k in go))
+        self._asleep |= go
+        return Transfer(max(0, self._free_memory() - free), time.perf_counter() - start, 0)
+
+    def discard(self, kinds: Iterable[str]) -> Transfer:
+        """As ``offload``: SGLang's memory saver keeps the host copy either way."""
+        return self.offload(kinds)
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        """GPU: resume the asked kinds that were released (the KV cache with the weights)."""
+        want = {k for k in kinds if k in self.state_kinds}
+        if "kv_cache" in want:
+            want.add("params")  # a KV cache is of use only beside the weights
+        wake = want & self._asleep
+        if not wake:
+            return Transfer()
+        start, free = time.perf_counter(), self._free_memory()
+        self.engine.resume_memory_occupation(tags=sorted(_TAGS[k] for k in wake))
+        self._asleep -= wake
+        return Transfer(max(0, free - self._free_memory()), time.perf_counter() - start, 0)
+
+    def _free_memory(self) -> int:
+        torch.cuda.empty_cache()
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def _resident(self) -> Transfer:
+        if not self._warned_no_saver:
+            log.warning("sglang engine on CPU: SGLang's memory saver needs CUDA; its weights and KV cache stay "
+                        "resident (offload reports 0 bytes)")
+            self._warned_no_saver = True
+        return Transfer()
+
+
+def _generation(output: dict[str, Any]) -> Generation:
+    """One SGLang output as a ``Generation``: its tokens and the log-prob of each."""
+    tokens = [int(t) for t in output["output_ids"]]
+    steps = output["meta_info"]["output_token_logprobs"]
+    if [int(s[1]) for s in steps] != tokens:
+        raise RuntimeError(f"sglang engine: log-probs for tokens {[s[1] for s in steps][:5]}, generated {tokens[:5]}")
+    return Generation(tokens, [float(s[0]) for s in steps])

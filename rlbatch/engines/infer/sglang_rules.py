@@ -1,0 +1,53 @@
+"""What the sglang engine would fail on once the ranks are up, refused by validation before start.
+
+- the ``sglang`` package missing from this environment (``make venv SGLANG=auto``; docs/sglang.md);
+- on a machine without a GPU, SGLang's CPU engine without ``sgl_kernel``: SGLang imports that
+  library's CPU kernels at start-up and no CPU build of it is published; the test suite brings a
+  stand-in (tests/stand_ins, on ``PYTHONPATH``).
+
+Tensor parallelism (t > 1) is refused by the registry's dims with the engine's note. No torch, no
+SGLang import (``importlib.util.find_spec`` only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from rlbatch.osinfo import on_cpu
+from rlbatch.placement import Placement
+from rlbatch.placement.backend import RoleEngine
+
+
+def _kernel_importable() -> bool:
+    """Whether SGLang's CPU engine, started with its switch ``SGLANG_USE_CPU_ENGINE=1``, would find
+    sgl_kernel (installed, or a finder's stand-in that answers under that switch)."""
+    saved = os.environ.get("SGLANG_USE_CPU_ENGINE")
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    try:
+        return importlib.util.find_spec("sgl_kernel") is not None
+    finally:
+        if saved is None:
+            os.environ.pop("SGLANG_USE_CPU_ENGINE")
+        else:
+            os.environ["SGLANG_USE_CPU_ENGINE"] = saved
+
+
+def sglang_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Placement | None,
+                    train_run: bool = True) -> list[str]:
+    """The sglang roles' refusals, one line each; nothing unless this machine is to run them."""
+    roles = [e for e in engines if e.backend.engine == "sglang" and not e.inherited]
+    if not roles or not train_run:
+        return []
+    field = f"roles.{roles[0].role}.backend"
+    if importlib.util.find_spec("sglang") is None:
+        return [f"{field}: '{roles[0].backend}' needs the sglang package, which is not installed in this "
+                f"environment ({sys.prefix}); install it with `make venv SGLANG=auto` (docs/sglang.md)"]
+    if on_cpu(plain) and not _kernel_importable():
+        return [f"{field}: '{roles[0].backend}' on CPU runs SGLang's CPU engine, which imports sgl_kernel's CPU "
+                f"kernels at start-up; no CPU build of sgl_kernel is published (its wheels link CUDA). Run on a GPU, "
+                f"or with tests/stand_ins on PYTHONPATH as the tests do (docs/sglang.md)"]
+    return []
