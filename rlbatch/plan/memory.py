@@ -228,6 +228,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     state, layers_held, notes = held.state, held.layers_held, list(held.notes)
     fwd_buffers, train_buffers, step_temp = held.fwd_buffers, held.train_buffers, held.step_temp
     sp = cost.sequence_parallel(r)
+    vt = cost.vocab_split(r)  # the logits' split over tp ranks
     mb, fmb = train_micro_batch(w, d), logprob_micro_batch(r, w)
     if pb := padded_budget(r):  # micro-batches cut by tokens, rows padded within each
         mb = budget_micro_batch(w, pb, math.ceil(w.sequences / (w.mini_batches * d)))
@@ -240,7 +241,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         pk = packing(w, budget, math.ceil(w.sequences / d))
         fwd = {
             "activations": act.forward_working_bytes(shape, pk.row, 1, e, t),
-            "logits": packed_logits_bytes(pk.scored, vocab, e, t) if vocab > 1 else e * pk.row,
+            "logits": packed_logits_bytes(pk.scored, vocab, e, vt) if vocab > 1 else e * pk.row,
         }
         if not varlen_rows(e):
             fwd["attention_mask"] = mask_bytes(pk.row, e, 1)
@@ -249,7 +250,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         ftok, frows, _ = pass_tokens(r, w, fmb, s)
         fwd = {
             "activations": act.forward_working_bytes(shape, ftok / fmb, fmb, e, t),
-            "logits": act.logits_bytes(frows, vocab, e, t),
+            "logits": act.logits_bytes(frows, vocab, e, vt),
         }
     if fwd_buffers:
         fwd[held.buffer_term] = fwd_buffers
@@ -260,11 +261,11 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         if budget:  # one row of the rank's share of a mini-batch, at most the budget
             tp = packing(w, budget, math.ceil(w.sequences / (w.mini_batches * d)))
             st, mb = tp.row, 1
-            logits = packed_logits_bytes(tp.scored, vocab, e, t, train=True, entropy=w.entropy) if vocab > 1 else 2 * e * tp.row
+            logits = packed_logits_bytes(tp.scored, vocab, e, vt, train=True, entropy=w.entropy) if vocab > 1 else 2 * e * tp.row
         else:
             ttok, trows, _ = pass_tokens(r, w, mb, s)
             st = ttok / mb  # tokens per sequence, prompts shared or not
-            logits = act.logits_bytes(trows, vocab, e, t, train=True, entropy=w.entropy)
+            logits = act.logits_bytes(trows, vocab, e, vt, train=True, entropy=w.entropy)
         acts = layers_held * in_flight * act.layer_bytes(shape, st, mb, e, t, sp=sp, recompute=recompute)
         if recompute == "full":  # the layer being recomputed holds its full activations
             acts += act.layer_bytes(shape, st, mb, e, t, sp=sp)

@@ -91,15 +91,15 @@ def test_ranks_on_a_node_without_the_run_directory_are_named_with_that_node(run_
 
 
 def test_the_ppo_preset_places_its_ranks_on_two_nodes(run_root: Path) -> None:
-    """The 8-GPU presets fit the test cluster as 2 nodes of 4 GPUs. Tensor-parallel fsdp is not
-    built, so program=train refuses them; program=selftest starts no engine and checks
-    their placement on real processes (identity, every role group, every mesh axis, weight sync).
+    """The 8-GPU presets fit the test cluster as 2 nodes of 4 GPUs. The launcher accepts this one
+    (tensor-parallel fsdp, fsdp:d4t2, is built); program=selftest starts no engine and checks
+    its placement on real processes (identity, every role group, every mesh axis, weight sync).
     ppo_critic_8gpu is the one run here (~90 s): four GPU roles with tp=2 meshes colocated across
     both nodes, two reward workers. ROLL's two 8-GPU presets train for real on the cluster
     (test_slurm_runtime.py::test_roll_preset_trains_with_vllm_on_two_nodes)."""
     preset = ["roles=ppo_critic_8gpu", "algo=ppo"]
-    refused = launch(["dry_run=true", "cluster=slurm", f"run_dir={run_root / 'run'}", *preset], run_root, timeout=120)
-    assert refused.returncode == 2 and "engine 'fsdp' supports d (data) only" in refused.stderr
+    accepted = launch(["dry_run=true", "cluster=slurm", f"run_dir={run_root / 'run'}", *preset], run_root, timeout=120)
+    assert accepted.returncode == 0 and "rlbatch placement" in accepted.stdout, accepted.stderr[-3000:]
     out = selftest_on_slurm(run_root / "run", "cluster.gpus_per_node=4", *preset)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((run_root / "run" / "selftest.json").read_text())

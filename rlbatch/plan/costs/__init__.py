@@ -71,6 +71,11 @@ class EngineCost:
         activation count divided by t)."""
         return False
 
+    def vocab_split(self, r: RoleLayout) -> int:
+        """Ranks the LM head's vocabulary (so a pass's logits) is split over: the tensor-parallel
+        ranks (a vocabulary-parallel head), unless the engine keeps the head whole on each."""
+        return r.backend.t if r.backend is not None else 1
+
     def gathers_each_pass(self, r: RoleLayout) -> bool:
         """Whether its weights are sharded and gathered unit by unit for every pass (FSDP, ZeRO-3)."""
         return False

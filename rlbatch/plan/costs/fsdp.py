@@ -45,6 +45,11 @@ class FSDPCost(EngineCost):
         """The engine splits no activations along the sequence over tp (no effect at t = 1)."""
         return r.backend is None or r.backend.t == 1
 
+    def vocab_split(self, r: RoleLayout) -> int:
+        """The LM head stays whole on every tp rank (a vocabulary-sharded embedding would untie a
+        tied head): each computes the whole vocabulary's logits."""
+        return 1
+
     def gathers_each_pass(self, r: RoleLayout) -> bool:
         return True
 

@@ -50,6 +50,21 @@ def test_tensor_parallel_divides_weights_and_activations(h100) -> None:  # type:
     assert b.transient["train"]["activations"] > 1.1 * a.transient["train"]["activations"]
 
 
+def test_fsdp_tensor_parallel_ranks_each_compute_the_whole_vocabularys_logits(h100) -> None:  # type: ignore[no-untyped-def]
+    """The fsdp engine keeps the LM head whole on every tp rank (no vocabulary-parallel head): at the
+    same d, fsdp:d4t2's logits are fsdp:d4's; megatron's vocabulary-parallel head halves them."""
+    full = {"engine_args": {"share_prompts": False}}
+    mem = {}
+    for spec in ("fsdp:d4", "fsdp:d4t2", "megatron:d4", "megatron:d4t2"):
+        train = "list(range(0,8))" if spec.endswith("t2") else "list(range(0,4))"
+        cfg = make_config(algo=ALGO, roles=roles(spec, "vllm:d8", train, "list(range(0,8))", actor_train=full))
+        mem[spec] = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg, 512), 2, h100)
+    for phase in ("logprobs", "train"):
+        assert mem["fsdp:d4t2"].transient[phase]["logits"] == pytest.approx(mem["fsdp:d4"].transient[phase]["logits"])
+        assert mem["megatron:d4t2"].transient[phase]["logits"] == pytest.approx(
+            mem["megatron:d4"].transient[phase]["logits"] / 2)
+
+
 def test_vllm_reserves_its_share_of_the_gpu(h100) -> None:  # type: ignore[no-untyped-def]
     cfg = make_config(roles=COLOCATED_8)
     m = role_memory(make_layout(cfg).roles["actor_infer"], Q7B, workload_from_config(cfg), 2, h100)
