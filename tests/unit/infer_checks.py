@@ -30,3 +30,22 @@ def assert_behaviour_logprobs_match_transformers(engine: Any, cfg: Any, tok: Any
     for i, g in enumerate(gens):
         got[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
     assert torch.allclose(got * b.mask, expected * b.mask, atol=1e-4), (got - expected).abs().max()
+
+
+def sync_in_buckets(engine: Any, named: list[tuple[str, torch.Tensor]], bucket_elements: int = 8192) -> None:
+    """The receiving rank's side of ``rlbatch.scheduler.weightsync``: ``named`` in buckets of
+    ``bucket_elements`` (8192: q/k/v and weight/bias of one layer fall in different ones), each
+    broadcast into one reused staging buffer and loaded as views into it."""
+    from rlbatch.scheduler.weightsync import buckets
+
+    spans = buckets([t.numel() for _, t in named], bucket_elements)
+    assert len(spans) > 10, "a sync of one or a few buckets would not test the staging buffer's reuse"
+    staging = torch.empty(max(sum(t.numel() for _, t in named[i:j]) for i, j in spans))
+    for i, j in spans:
+        pos, chunk = 0, []
+        for name, t in named[i:j]:
+            view = staging[pos : pos + t.numel()].view(t.shape)
+            view.copy_(t)  # the broadcast
+            chunk.append((name, view))
+            pos += t.numel()
+        engine.load_weights(chunk)

@@ -30,8 +30,7 @@ from rlbatch.engines.infer.sglang import SGLangEngine
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import HFArgs, SGLangArgs
 from rlbatch.launch.compose import compose
-from rlbatch.scheduler.weightsync import buckets
-from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers
+from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets
 
 # On a GPU machine SGLang lives in an environment of its own, not beside vLLM (docs/sglang.md): there
 # these tests run in that environment; everywhere else `make venv` installs it and they must run.
@@ -100,17 +99,7 @@ def test_greedy_after_a_bucketed_sync_equals_transformers(setup: Any) -> None:
     before = [g.tokens for g in engine.generate(prompts, greedy)]
     assert before == [g.tokens for g in hf.generate(prompts, greedy)]
     named = _new_weights(hf.model)
-    spans = buckets([t.numel() for _, t in named], 8192)  # q/k/v and weight/bias of a layer in different buckets
-    assert len(spans) > 10
-    staging = torch.empty(max(sum(t.numel() for _, t in named[i:j]) for i, j in spans))
-    for i, j in spans:
-        pos, chunk = 0, []
-        for name, t in named[i:j]:
-            view = staging[pos : pos + t.numel()].view(t.shape)
-            view.copy_(t)  # the broadcast
-            chunk.append((name, view))
-            pos += t.numel()
-        engine.load_weights(chunk)
+    sync_in_buckets(engine, named)
     hf.load_weights(named)
     want = [g.tokens for g in hf.generate(prompts, greedy)]
     assert want != before  # the new weights change the answers: the check below sees the sync

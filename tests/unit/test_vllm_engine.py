@@ -26,8 +26,7 @@ from rlbatch.engines.infer.vllm import VLLMEngine, _launcher_env, one_rank_execu
 from rlbatch.engines.model import load_model, load_tokenizer  # noqa: E402
 from rlbatch.engines.registry import HFArgs, VLLMArgs  # noqa: E402
 from rlbatch.launch.compose import compose  # noqa: E402
-from rlbatch.scheduler.weightsync import buckets  # noqa: E402
-from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers  # noqa: E402
+from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SEED = 1
@@ -158,19 +157,7 @@ def test_greedy_after_a_bucketed_sync_equals_transformers(setup: Any) -> None:
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
     assert [g.tokens for g in engine.generate(prompts, greedy)] == [g.tokens for g in hf.generate(prompts, greedy)]
     named = _new_weights(hf.model)
-    # the receiving rank's side of rlbatch.scheduler.weightsync: 8 KiB buckets (q/k/v and weight/bias
-    # of one layer fall in different ones), broadcast into one staging buffer, loaded as views into it
-    spans = buckets([t.numel() for _, t in named], 8192)
-    assert len(spans) > 10
-    staging = torch.empty(max(sum(t.numel() for _, t in named[i:j]) for i, j in spans))
-    for i, j in spans:
-        pos, chunk = 0, []
-        for name, t in named[i:j]:
-            view = staging[pos : pos + t.numel()].view(t.shape)
-            view.copy_(t)  # the broadcast
-            chunk.append((name, view))
-            pos += t.numel()
-        engine.load_weights(chunk)
+    sync_in_buckets(engine, named)
     hf.load_weights(named)
     want = [g.tokens for g in hf.generate(prompts, greedy)]
     assert [g.tokens for g in engine.generate(prompts, greedy)] == want
