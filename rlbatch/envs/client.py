@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from rlbatch.envs.episode import Step
-from rlbatch.envs.host import MAX_PAUSE_S, REPLY_TAG, REQUEST_TAG, ROLE, RemoteError, Reply
+from rlbatch.envs.host import MAX_PAUSE_S, REPLY_TAG, REQUEST_TAG, ROLE, Reply
 
 REPLY_MARGIN_S = 60.0
 """How much longer than ``env.step_timeout_s`` a worker may take to answer before it is declared
@@ -88,31 +87,29 @@ class EnvClient:
                 self._pending.pop(rid, None)
             raise EnvWorkerError(f"{self.describe(worker)} did not answer '{op}' within {self.timeout_s:.0f}s "
                                  f"(env.step_timeout_s plus {REPLY_MARGIN_S:.0f}s): the worker is stuck") from None
-        if isinstance(reply, RemoteError):
-            raise EnvWorkerError(f"{self.describe(worker)} failed on '{op}':\n{reply.text}")
-        assert isinstance(reply, Reply)
+        if not isinstance(reply, Reply):  # the control plane's RemoteError: the host itself failed
+            raise EnvWorkerError(f"{self.describe(worker)} failed on '{op}':\n{reply.traceback}")
         return reply
 
     def _receive(self) -> None:
-        from mpi4py import MPI
+        from rlbatch.runtime.control import receive_until  # mpi4py: only once a worker is called
 
-        pause = 5e-5
-        while True:
-            with self._lock:
-                if not self._pending:
-                    self._receiver = None
-                    return
-            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=REPLY_TAG)
-            if msg is None:
-                time.sleep(pause)
-                pause = min(pause * 2, MAX_PAUSE_S)
-                continue
-            pause = 5e-5
-            rid, reply = msg.recv()
-            with self._lock:
-                fut = self._pending.pop(rid, None)
-            if fut is not None:  # None: its caller gave up (and raised)
-                fut.set_result(reply)
+        receive_until(self.comm, REPLY_TAG, self._idle, self._deliver, MAX_PAUSE_S)
+
+    def _idle(self) -> bool:
+        """No request in flight: the receiver thread ends (the next request starts another)."""
+        with self._lock:
+            if self._pending:
+                return False
+            self._receiver = None
+            return True
+
+    def _deliver(self, source: int, message: tuple[int, Any]) -> None:
+        rid, reply = message
+        with self._lock:
+            fut = self._pending.pop(rid, None)
+        if fut is not None:  # None: its caller gave up (and raised)
+            fut.set_result(reply)
 
 
 class RemoteEpisode:

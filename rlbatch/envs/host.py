@@ -9,7 +9,8 @@ to the worker of its trajectory; this process answers it.
 
     wire (pickled, over the run's MPI communicator)
     request  tag REQUEST: (request id, op, episode id, args)   op: start | step | stop | close
-    reply    tag REPLY:   (request id, Reply | RemoteError)
+    reply    tag REPLY:   (request id, Reply | RemoteError)   RemoteError: the control plane's, a
+                                                               request that failed in the host itself
 
 Each request runs on a thread of its own (a trajectory has at most one request in flight, so the
 threads are bounded by the episodes hosted), inside the same guarded ``Episode`` as in-rank envs:
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,13 +57,6 @@ class Reply:
 
     step: Step
     summary: dict[str, Any] | None = None
-
-
-class RemoteError:
-    """A request that failed in the host itself (not in the env: the episode contains those)."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
 
 
 def _wire_step(step: Step) -> Step:
@@ -102,20 +95,11 @@ class EnvHost:
                  self.counts["episodes"], self.counts["steps"], self.counts["failed_requests"])
 
     def _serve(self) -> None:
-        from mpi4py import MPI
+        from rlbatch.runtime.control import receive_until  # mpi4py: only where a worker serves
 
-        status = MPI.Status()
-        pause = 5e-5
         try:
-            while not self._stop.is_set():
-                msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=REQUEST_TAG, status=status)
-                if msg is None:
-                    time.sleep(pause)
-                    pause = min(pause * 2, MAX_PAUSE_S)
-                    continue
-                pause = 5e-5
-                source, request = status.Get_source(), msg.recv()
-                self._pool.submit(self._answer, source, request)
+            receive_until(self.comm, REQUEST_TAG, self._stop.is_set,
+                          lambda source, request: self._pool.submit(self._answer, source, request), MAX_PAUSE_S)
         except BaseException:
             # The clients then name this worker when their replies are overdue; the log says why.
             log.exception("%s worker stopped answering requests", self.name)
@@ -126,6 +110,8 @@ class EnvHost:
         try:
             reply: Reply | RemoteError = self.handle(source, *request[1:])
         except Exception:  # noqa: BLE001 (the request's failure goes back to the caller, who names this worker)
+            from rlbatch.runtime.control import RemoteError
+
             with self._lock:
                 self.counts["failed_requests"] += 1
             reply = RemoteError(traceback.format_exc())

@@ -86,6 +86,23 @@ def recv_obj(comm: Any, source: int, tag: int, timeout_s: float | None, what: st
     return box[0]
 
 
+def receive_until(comm: Any, tag: int, stop: Callable[[], bool], deliver: Callable[[int, Any], object],
+                  max_pause_s: float = MAX_PAUSE_S) -> None:
+    """Receive pickled messages with ``tag`` from any rank, handing each to ``deliver(source, obj)``,
+    until ``stop()`` (checked before each poll). Never blocks in MPI: between polls that find nothing
+    it sleeps from 50 us doubling to ``max_pause_s``, back to 50 us after a message."""
+    status = MPI.Status()
+    pause = 5e-5
+    while not stop():
+        msg = comm.improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+        if msg is None:
+            time.sleep(pause)
+            pause = min(pause * 2, max_pause_s)
+            continue
+        pause = 5e-5
+        deliver(status.Get_source(), msg.recv())
+
+
 def send_obj(comm: Any, obj: Any, dest: int, tag: int) -> None:
     comm.send(obj, dest=dest, tag=tag)
 
