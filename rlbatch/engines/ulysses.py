@@ -58,13 +58,10 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: i
     return torch.cat(received, dim=gather)
 
 
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[B, H, S/c, D] on each rank -> [B, H/c, S, D] (rank r gets heads r*H/c .. (r+1)*H/c - 1)."""
-    return _AllToAll.apply(x, group, 1, 2)
-
-
-def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The inverse of ``seq_to_heads``, on [B, S, H/c, D] -> [B, S/c, H, D] (attention's output layout)."""
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Dim 1 split over the group, what arrives concatenated along dim 2, differentiable. On
+    attention's inputs, [B, H, S/c, D] on each rank -> [B, H/c, S, D] (rank r gets heads
+    r*H/c .. (r+1)*H/c - 1); on its output, the way back: [B, S, H/c, D] -> [B, S/c, H, D]."""
     return _AllToAll.apply(x, group, 1, 2)
 
 
@@ -162,7 +159,7 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if c % hkv:
             raise ValueError(f"{hkv} key/value heads cannot be repeated to a multiple of {c} context-parallel ranks")
         key, value = (t.repeat_interleave(c // hkv, dim=1) for t in (key, value))
-    q, k, v = (seq_to_heads(t, group) for t in (query, key, value))  # [1, H/c, S, D]
+    q, k, v = (all_to_all(t, group) for t in (query, key, value))  # [1, H/c, S, D]
     if attention.available(q.device, q.dtype):  # the sample boundaries, no mask
         cu = _boundaries(active.position_ids).to(q.device)
         m = int((cu[1:] - cu[:-1]).max())
@@ -175,7 +172,7 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         out = out.transpose(1, 2)  # [1, S, H/c, D]
-    return heads_to_seq(out.contiguous(), group), None
+    return all_to_all(out.contiguous(), group), None  # [1, S/c, H, D]
 
 
 def register() -> None:
