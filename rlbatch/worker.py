@@ -61,6 +61,7 @@ def main(run_dir: str) -> int:
     from rlbatch.config.load import load_config
     from rlbatch.placement.io import load_placement
     from rlbatch.runtime.env import read_env
+    from rlbatch.runtime.lifeline import hold as hold_lifeline
     from rlbatch.runtime.logs import RankLog
     from rlbatch.runtime.postmortem import SECONDARY, describe_rank
     from rlbatch.runtime.world import build_world, identify, shutdown
@@ -79,6 +80,7 @@ def main(run_dir: str) -> int:
         MPI.COMM_WORLD.Split(MPI.UNDEFINED, 0)
         return 0
     rank = slot.world_rank
+    hold_lifeline(rank)
     who = describe_rank(placement, rank)
     logs = RankLog(run.rank_log(rank), rank, who, console=slot.kind.value == "controller")
     run.write_status(rank, "running", roles=[r for r, _ in slot.roles])

@@ -20,11 +20,13 @@ from typing import Any
 
 from rlbatch.checks.runnable import locate_mpiexec
 from rlbatch.launch.exit_codes import ExitCode, run_exit_code
-from rlbatch.launch.interrupt import StopRequests, descendants
+from rlbatch.launch.interrupt import StopRequests
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import MPI_ENV, cpu_device_env, network_env
+from rlbatch.runtime.lifeline import ENV as LIFELINE_ENV
+from rlbatch.runtime.lifeline import Lifelines
 from rlbatch.runtime.postmortem import culprits
-from rlbatch.runtime.rundir import RunDir, prepare_run_dir
+from rlbatch.runtime.rundir import prepare_run_dir
 
 
 def find_mpiexec(configured: str) -> str:
@@ -59,9 +61,10 @@ def run_local(cfg: Any, placement: Placement) -> int:
     cmd = mpiexec_command(cfg, placement, run.path)
     env = local_env(cfg)
     print(f"run_dir: {run.path}  (rank logs in {run.logs})", flush=True)
-    with StopRequests(run, placement.controller_rank, str(cfg.cluster.preempt_signal)) as stops:
-        proc = stops.start(cmd, env)
-        first = tee_and_watch(proc, run, placement.world_size, muted=lambda: stops.stopped_now)
+    with StopRequests(run, placement.controller_rank, str(cfg.cluster.preempt_signal)) as stops, \
+            Lifelines(placement.world_size) as lifelines:
+        proc = stops.start(cmd, env | {LIFELINE_ENV: lifelines.address})
+        first = tee_and_watch(proc, lifelines, muted=lambda: stops.stopped_now)
         rc = proc.wait()
     code = run_exit_code(rc == 0, run.read_status(placement.controller_rank), stops.stopped_now)
     if code == ExitCode.FAILED:
@@ -75,78 +78,29 @@ def run_local(cfg: Any, placement: Placement) -> int:
 
 
 FIRST_WINDOW_S = 0.25
-"""Processes that end this close after the first one are all candidates for the cause."""
+"""Ranks whose lifelines end this close after the first one are all named, the first one first."""
 
 
-def tee_and_watch(proc: subprocess.Popen[bytes], run: RunDir, world_size: int,
+def tee_and_watch(proc: subprocess.Popen[bytes], lifelines: Lifelines,
                   muted: Callable[[], bool] = lambda: False) -> list[int]:
-    """Pass mpiexec's output through unchanged (progress bars included) while watching every
-    process mpiexec starts through a pidfd; return the ranks whose process ended first. Output
-    is dropped while ``muted()`` (the ranks' dying words after the user stopped the run).
-
-    When a rank is killed, mpiexec kills all others within milliseconds, and afterwards they
-    all look alike. A pidfd becomes readable the moment its process exits, so the ranks that
-    end first are the ones to blame. Processes are
-    found in /proc while the ranks are still importing (seconds before any of them can fail),
-    and matched to ranks by the pid in their status files only when one ends.
-
-    The launcher can stop the others before the kernel reports the first one gone (it sees the
-    dead rank's sockets close a moment earlier), so every rank that ends within FIRST_WINDOW_S
-    of the first counts; the post-mortem narrows them with what the surviving ranks reported.
-    """
+    """Pass mpiexec's output through unchanged (progress bars included) while reading the ranks'
+    lifelines (``rlbatch.runtime.lifeline``); return the ranks whose lifelines ended first, in
+    the order they ended. Output is dropped while ``muted()`` (the ranks' dying words after the
+    user stopped the run)."""
     assert proc.stdout is not None
     out_fd, out = proc.stdout.fileno(), sys.stdout.buffer
-    sel = selectors.DefaultSelector()
-    sel.register(out_fd, selectors.EVENT_READ, None)
-    watched: set[int] = set()
-    first_pids: list[int] = []
-    first_at = 0.0
-    scan_until = time.monotonic() + 600.0
-    while True:
-        exited: list[int] = []
-        if time.monotonic() < scan_until and not first_pids:  # until every rank is watched
-            for pid in descendants(proc.pid) - watched:
-                watched.add(pid)
-                try:
-                    sel.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
-                except ProcessLookupError:
-                    exited.append(pid)
-                except OSError:
-                    pass  # no pidfd support (Linux < 5.3): the report falls back to status files
-            if _all_ranks_watched(run, world_size, watched):
-                scan_until = 0.0
-        for key, _ in sel.select(timeout=0.05 if scan_until else 1.0):
-            if key.data is None:
+    with selectors.DefaultSelector() as sel:
+        sel.register(out_fd, selectors.EVENT_READ, None)
+        lifelines.register(sel)
+        while True:
+            for key, _ in sel.select():
+                if lifelines.handle(key):
+                    continue
                 chunk = os.read(out_fd, 1 << 16)
                 if not chunk:
-                    return _ranks_of(run, world_size, first_pids)
+                    sel.unregister(out_fd)
+                    lifelines.drain(sel)
+                    return lifelines.first(FIRST_WINDOW_S)
                 if not muted():
                     out.write(chunk)
                     out.flush()
-            else:
-                exited.append(key.data)
-                sel.unregister(key.fd)
-                os.close(key.fd)
-        now = time.monotonic()
-        if exited and (not first_pids or now <= first_at + FIRST_WINDOW_S):
-            first_at = first_at or now
-            first_pids += exited
-
-
-def _rank_pids(run: RunDir, world_size: int) -> dict[int, int]:
-    pids = {}
-    for rank in range(world_size):
-        st = run.read_status(rank)
-        if st is not None:
-            pids[int(st["pid"])] = rank
-    return pids
-
-
-def _all_ranks_watched(run: RunDir, world_size: int, watched: set[int]) -> bool:
-    pids = _rank_pids(run, world_size)
-    return len(pids) == world_size and set(pids) <= watched
-
-
-def _ranks_of(run: RunDir, world_size: int, pids: list[int]) -> list[int]:
-    by_pid = _rank_pids(run, world_size)
-    return [by_pid[pid] for pid in pids if pid in by_pid]  # in the order they ended

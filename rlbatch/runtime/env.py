@@ -24,8 +24,10 @@ VARS: dict[str, tuple[str, ...]] = {
     "slurm_job_end": ("SLURM_JOB_END_TIME",),
     "mpi_rank": ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID"),
     "mpi_size": ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"),
+    "pmi_fd": ("PMI_FD",),
     "run_dir": ("RLBATCH_RUN_DIR",),
     "master_addr": ("RLBATCH_MASTER_ADDR",),
+    "lifeline": ("RLBATCH_LIFELINE",),  # the local launcher's socket each rank holds (runtime/lifeline.py)
     "cuda_visible_devices": ("CUDA_VISIBLE_DEVICES",),
     "fault": ("RLBATCH_FAULT",),  # tests only: '<kill|raise|hang|enospc>:<rank|r,s|*>[:<where>[:<nth>]]' (runtime/faults.py)
 }
@@ -58,8 +60,10 @@ class SchedulerEnv:
     slurm_job_end: int | None
     mpi_rank: int | None
     mpi_size: int | None
+    pmi_fd: int | None
     run_dir: str | None
     master_addr: str | None
+    lifeline: str | None
     cuda_visible_devices: str | None
     fault: str | None
 
@@ -78,7 +82,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> SchedulerEnv:
     e = os.environ if environ is None else environ
     raw = {k: _first(e, names) for k, names in VARS.items()}
     ints = {"slurm_procid", "slurm_localid", "slurm_nodeid", "slurm_ntasks", "slurm_job_start",
-            "slurm_job_end", "mpi_rank", "mpi_size"}
+            "slurm_job_end", "mpi_rank", "mpi_size", "pmi_fd"}
     values: dict[str, object] = {k: (_int(v) if k in ints else v) for k, v in raw.items()}
     values["slurm_restart_count"] = _int(raw["slurm_restart_count"]) or 0
     return SchedulerEnv(**values)  # type: ignore[arg-type]

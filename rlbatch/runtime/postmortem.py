@@ -67,7 +67,8 @@ def missing_run_dir(run_dir: Path, nodes: list[int], env: SchedulerEnv | None = 
 
 def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) -> list[str]:
     """Lines naming the ranks that caused a failure, cause first. ``first_exits``: the ranks
-    whose processes the launcher saw end first (they may have exited cleanly)."""
+    the launcher saw end first, in that order (``rlbatch.runtime.lifeline``; they may have exited
+    cleanly)."""
     primary: list[str] = []
     secondary: list[str] = []
     never: list[str] = []
@@ -104,8 +105,8 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
                  f"killed by a signal or the OOM killer?"]
         if first[1:]:
             lines += [f"then {describe_rank(p, r)}" for r in first[1:]]
-            lines.append("(the launcher stopped those within moments; one may be the cause if the kernel "
-                         "reported its end late)")
+            lines.append("(mpiexec stopped those as the first ended; one may be the cause too if it died "
+                         "at the same moment)")
         return lines
     # no launcher's view (the Slurm post-mortem): every silent rank, suspects first
     died = [f"{describe_rank(p, r)} died without a word on {host(r)}" for r in sorted(silent, key=lambda r: r not in suspects)]
