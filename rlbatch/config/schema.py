@@ -457,6 +457,9 @@ class EnvConfig:
     compact format)."""
     tool_response_tags: list[str] = field(default_factory=lambda: ["<tool_response>", "</tool_response>"])
     """[open, close] around each tool call's output in the observation."""
+    observation_role: str = "user"
+    """With data.chat_template: the role of the message each observation becomes ('tool' where the
+    model's template renders tool messages); the template's text around it is appended with it."""
     tools: list[str] = field(default_factory=list)
     """Registered tools every episode may call besides the env's own (e.g. ['python']: the code
     sandbox with sandbox.isolation and sandbox.limits)."""

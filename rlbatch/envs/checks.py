@@ -6,6 +6,7 @@ names, code and other sections. Called by ``rlbatch.checks.validate.check``.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,16 @@ def _tag_problem(key: str, tags: Any) -> str | None:
     return None
 
 
+def _observation_role_problems(cfg: Mapping[str, Any], role: Any) -> list[str]:
+    if not (isinstance(role, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]{0,31}", role)):
+        return [f"env.observation_role: expected a message role such as 'user' or 'tool' (a name of at most 32 "
+                f"letters, digits, '_' or '-'), got {role!r}"[:200]]
+    if role != "user" and not section(cfg, "data").get("chat_template"):
+        return [f"env.observation_role: {role!r}, but data.chat_template=false: observations are then plain text, "
+                f"not messages; set data.chat_template=true or leave it 'user'"]
+    return []
+
+
 def env_problems(cfg: Mapping[str, Any], load: bool = True) -> list[str]:
     """Problems of ``cfg['env']``. ``load``: also import a plugin env's module and check ``env.args``
     against its constructor (False: names and forms only, as the planner validates)."""
@@ -34,6 +45,7 @@ def env_problems(cfg: Mapping[str, Any], load: bool = True) -> list[str]:
     problems = [p for key in ("tool_call_tags", "tool_response_tags") if (p := _tag_problem(key, env.get(key)))]
     if env.get("tool_call_format", "json") not in SYNTAXES:
         problems.append(f"env.tool_call_format: expected one of {list(SYNTAXES)}, got {env['tool_call_format']!r}"[:200])
+    problems += _observation_role_problems(cfg, env.get("observation_role", "user"))
     args, tools, name = env.get("args"), env.get("tools"), env.get("name")
     if args is not None and not (isinstance(args, Mapping) and all(isinstance(k, str) for k in args)):
         problems.append(f"env.args: expected a mapping of keyword arguments, got {args!r}"[:200])

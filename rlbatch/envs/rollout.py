@@ -3,12 +3,13 @@
 A trajectory starts from its task's prompt and its episode's first observation; each turn the
 policy generates (``rlbatch.engines.base.Turns``), its action goes to its episode (``Episode``,
 run on a thread pool so that slow env steps overlap with generation and with each other), and the
-observation that comes back is tokenized once and appended. Token in, token out: the trained
+observation that comes back is tokenized once and appended (``rlbatch.envs.chat``: as plain text,
+or as a message of the model's chat template). Token in, token out: the trained
 sequence is exactly the tokens the policy saw, the prompt then ``response`` (generated and
 observation tokens interleaved), with ``loss_mask`` 1 on generated tokens and 0 on observations and
 a behaviour log-prob for every generated token.
 
-    rollout = Rollout(turns, encode, decode, SamplingParams(max_new_tokens=4), max_context=256)
+    rollout = Rollout(turns, PlainText(encode), decode, SamplingParams(max_new_tokens=4), max_context=256)
     done = rollout.run([Start(key, prompt_tokens, episode, task, seed), ...])
 
 ``barrier=False`` (the default): a trajectory whose turn is generated goes to its env at once, and
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlbatch.engines.base import Generation, SamplingParams, TurnRequest, Turns
+from rlbatch.envs.chat import Observations
 from rlbatch.envs.episode import Episode, Step
 
 
@@ -82,16 +84,15 @@ class Trajectory:
 class Rollout:
     """Runs trajectories to their end on one inference engine's ``Turns``.
 
-    ``encode``: observation text -> tokens (the chat template per turn, where the model has one, is
-    the caller's: it is part of ``encode``). ``decode``: generated tokens -> the action text the env
-    reads. ``max_context``: a trajectory whose context would exceed it ends ('max_context') before
+    ``observations``: how observation text becomes tokens (``rlbatch.envs.chat``: plain text or
+    chat messages). ``decode``: generated tokens -> the action text the env reads. ``max_context``: a trajectory whose context would exceed it ends ('max_context') before
     its next turn; an observation no turn reads (at the end of the episode, or one that leaves no
     room for a turn) is left out, so a response ends with a generated turn. ``workers``: threads
     stepping envs."""
 
-    def __init__(self, turns: Turns, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+    def __init__(self, turns: Turns, observations: Observations, decode: Callable[[list[int]], str],
                  params: SamplingParams, max_context: int | None = None, workers: int = 8, barrier: bool = False) -> None:
-        self.turns, self.encode, self.decode, self.params = turns, encode, decode, params
+        self.turns, self.observations, self.decode, self.params = turns, observations, decode, params
         self.max_context, self.workers, self.barrier = max_context, max(1, workers), barrier
         self.timeline: list[tuple[float, int, str]] = []
         """(seconds since the run began, trajectory key, event): 'generated', 'observed', 'ended'."""
@@ -160,12 +161,17 @@ class Rollout:
 
     def _observe(self, traj: Trajectory, start: Start, step: Step, opening: bool) -> bool:
         """Append the env's answer; True when the trajectory has ended."""
-        tokens = self.encode(step.observation) if step.observation else []
-        over = self.max_context is not None and len(traj.context()) + len(tokens) > self.max_context
-        full = self.max_context is not None and len(traj.context()) + len(tokens) >= self.max_context
         if opening:  # the first observation completes the prompt
+            prompt = self.observations.opening(traj.prompt, step.observation) if step.observation else traj.prompt
+            length = len(prompt)
+        else:
+            tokens = [] if step.done else self.observations.after(_last_turn(traj), step.observation)
+            length = len(traj.context()) + len(tokens)
+        over = self.max_context is not None and length > self.max_context
+        full = self.max_context is not None and length >= self.max_context
+        if opening:
             if not over:
-                traj.prompt += tokens
+                traj.prompt = list(prompt)
         elif not (step.done or full):  # an observation no turn reads is left out: a response ends with a turn
             traj.response += tokens
             traj.loss_mask += [0] * len(tokens)
@@ -182,6 +188,14 @@ class Rollout:
             traj.info = start.episode.summary()
             return True
         return False
+
+
+def _last_turn(traj: Trajectory) -> list[int]:
+    """The trajectory's last generated turn: the generated tokens at the end of its response."""
+    n = 0
+    while n < len(traj.loss_mask) and traj.loss_mask[-1 - n]:
+        n += 1
+    return traj.response[len(traj.response) - n:]
 
 
 def _request_seed(seed: int, key: int, turn: int) -> int:

@@ -34,6 +34,7 @@ import torch
 
 from rlbatch.engines.base import SamplingParams, turns_of
 from rlbatch.envs.base import END_REASONS, TOOL_OUTCOMES
+from rlbatch.envs.chat import ChatTurns, Observations, PlainText
 from rlbatch.envs.client import EnvClient, worker_of
 from rlbatch.envs.rollout import Rollout, Start, Trajectory
 from rlbatch.envs.setup import EnvSetup
@@ -66,7 +67,11 @@ class MultiTurn:
         self.client = client
         self.setup = EnvSetup(plain_cfg) if client is None else None  # the workers build their own
         self.tokenizer = tokenizer
-        env, model = plain_cfg.get("env") or {}, plain_cfg.get("model") or {}
+        env, model, data = plain_cfg.get("env") or {}, plain_cfg.get("model") or {}, plain_cfg.get("data") or {}
+        self.observations: Observations = PlainText(self.encode)
+        if data.get("chat_template"):
+            self.observations = ChatTurns(tokenizer, str(env.get("observation_role") or "user"),
+                                          data.get("system_prompt"), str(model.get("path") or "the tokenizer"))
         budget = env.get("max_context_tokens")
         if budget is None and not model.get("path"):  # a random-init model's longest sequence
             budget = model.get("max_position_embeddings")
@@ -96,7 +101,7 @@ class MultiTurn:
         ids = list(range(len(prompts))) if ids is None else ids
         starts = [Start(k, list(p), self._episode(sid), task, int(s))
                   for k, (p, task, s, sid) in enumerate(zip(prompts, tasks, seeds, ids, strict=True))]
-        rollout = Rollout(turns_of(engine), self.encode, self.decode, params, self.max_context,
+        rollout = Rollout(turns_of(engine), self.observations, self.decode, params, self.max_context,
                           workers=max(1, min(32, len(starts))), barrier=self.barrier)
         self.last = rollout
         return rollout.run(starts, seed)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from rlbatch.engines.base import Generation, SamplingParams, TurnRequest
 from rlbatch.envs.base import StepResult
+from rlbatch.envs.chat import PlainText
 from rlbatch.envs.client import EnvClient, EnvWorkerError, worker_of
 from rlbatch.envs.episode import Episode, EpisodeLimits
 from rlbatch.envs.host import EnvHost
@@ -234,7 +235,7 @@ def test_a_rollout_stopped_at_the_context_budget_ends_the_remote_episode(net: Ne
     client = EnvClient(net.comm(0), [1], timeout_s=10)
     try:
         ep = client.episode(0)
-        [t] = Rollout(_Scripted(), lambda s: [ord(c) for c in s], lambda t: "".join(map(chr, t)), SamplingParams(max_new_tokens=1),
+        [t] = Rollout(_Scripted(), PlainText(lambda s: [ord(c) for c in s]), lambda t: "".join(map(chr, t)), SamplingParams(max_new_tokens=1),
                       max_context=6).run([Start(0, [1], ep, {}, 3)])
         assert t.end == "max_context" and ep.summary()["end"] == "max_context" and not hosts[0].episodes
     finally:

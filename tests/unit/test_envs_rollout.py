@@ -16,6 +16,7 @@ import torch
 
 from rlbatch.engines.base import BatchedTurns, EngineContext, Generation, SamplingParams, TurnRequest
 from rlbatch.engines.model import load_tokenizer
+from rlbatch.envs.chat import PlainText
 from rlbatch.envs.episode import Episode, EpisodeLimits
 from rlbatch.envs.rollout import Rollout, Start
 from rlbatch.envs.running_sum import RunningSum
@@ -86,7 +87,7 @@ def starts(n: int, delays: dict[int, float] | None = None, limits: EpisodeLimits
 
 
 def test_the_trained_tokens_are_the_generated_ones_and_the_observations_byte_for_byte() -> None:
-    out = Rollout(ScriptedTurns(wrong={2}), encode, decode, SamplingParams(4)).run(starts(4))
+    out = Rollout(ScriptedTurns(wrong={2}), PlainText(encode), decode, SamplingParams(4)).run(starts(4))
     for traj in out:
         d = traj.key
         a, b, c = d % 10, (d + 3) % 10, (d + 5) % 10
@@ -110,12 +111,12 @@ def test_a_trajectory_goes_on_while_another_env_is_slow_and_the_barrier_waits() 
     """Trajectory 0's env takes 0.6 s a step. Per trajectory, the others finish all three turns
     during its first step; with the barrier, nobody's second turn starts before its first step ends."""
     delays = {0: 0.6}
-    free = Rollout(ScriptedTurns(), encode, decode, SamplingParams(4))
+    free = Rollout(ScriptedTurns(), PlainText(encode), decode, SamplingParams(4))
     a = free.run(starts(4, delays))
     ended = {k: s for s, k, e in free.timeline if e == "ended"}
     first_obs_0 = sorted(s for s, k, e in free.timeline if k == 0 and e == "observed")[1]  # [0]: its opening
     assert all(ended[k] < first_obs_0 for k in (1, 2, 3)), free.timeline
-    barrier = Rollout(ScriptedTurns(), encode, decode, SamplingParams(4), barrier=True)
+    barrier = Rollout(ScriptedTurns(), PlainText(encode), decode, SamplingParams(4), barrier=True)
     b = barrier.run(starts(4, delays))
     gens = sorted((s, k) for s, k, e in barrier.timeline if e == "generated")
     slow_steps_end = sorted(s for s, k, e in barrier.timeline if k == 0 and e in ("observed", "ended"))[1:]
@@ -134,11 +135,11 @@ def test_limits_and_a_failing_env_end_only_their_trajectory() -> None:
     s = starts(3)
     s[1] = Start(1, [], Episode(lambda: Broken(turns=3), EpisodeLimits(8, 10.0)), {"digits": [1, 2, 3]}, seed=1)
     s[2] = Start(2, [], Episode(lambda: RunningSum(turns=3), EpisodeLimits(2, 10.0)), {"digits": [1, 2, 3]}, seed=2)
-    out = Rollout(ScriptedTurns(), encode, decode, SamplingParams(4)).run(s)
+    out = Rollout(ScriptedTurns(), PlainText(encode), decode, SamplingParams(4)).run(s)
     assert [(t.end, t.turns) for t in out] == [("done", 3), ("error", 1), ("max_turns", 2)]
     assert out[0].reward == pytest.approx(1.0)
     # a context budget: the prompt '0=' (2) + '0' EOS (2) + '+3=' (3) = 7 fits, the next observation does not
-    short = Rollout(ScriptedTurns(), encode, decode, SamplingParams(4), max_context=9).run(starts(1))
+    short = Rollout(ScriptedTurns(), PlainText(encode), decode, SamplingParams(4), max_context=9).run(starts(1))
     (t,) = short
     assert t.end == "max_context" and len(t.context()) <= 9 and t.turns == 2
     assert sum(t.loss_mask) == t.generated == 4
@@ -150,7 +151,7 @@ def test_the_hf_engine_rolls_out_running_sum_with_batched_turns() -> None:
 
     cfg = compose([])
     engine = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, TOK, torch.device("cpu"), seed=1))
-    out = Rollout(BatchedTurns(engine), encode, decode, SamplingParams(3, temperature=1.0)).run(starts(6), seed=4)
+    out = Rollout(BatchedTurns(engine), PlainText(encode), decode, SamplingParams(3, temperature=1.0)).run(starts(6), seed=4)
     for traj in out:
         assert traj.end in ("done", "max_context") and 1 <= traj.turns <= 3
         assert len(traj.response) == len(traj.loss_mask) == len(traj.logprobs)
