@@ -13,10 +13,15 @@ tensor into the arena without waiting, synchronises once, then frees the device 
 and FSDP keep their references. Reload re-grows each storage and copies back.
 
 The same code runs on a CPU-only machine (host to host, the arena not pinned), so CI exercises it.
+
+An inference engine whose library offloads for it (vLLM, SGLang) measures what moved with
+``free_device_bytes`` before and after, and where the library cannot release memory (on CPU) its
+offload is a ``StaysResident``: nothing moves, and a warning says so once.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import time
 import weakref
@@ -48,6 +53,30 @@ class Transfer:
         self.seconds += other.seconds
         self.tensors += other.tensors
         return self
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of a CUDA device, PyTorch's cached blocks released first: vLLM's sleep and
+    wake-up release them too (``CuMemAllocator``), which would otherwise count as the engine's own
+    bytes."""
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+class StaysResident:
+    """The offload of an engine that cannot release its device memory where it runs: moves
+    nothing, and logs ``warning`` to ``log`` the first time it is called."""
+
+    def __init__(self, log: logging.Logger, warning: str) -> None:
+        self.log = log
+        self.warning = warning
+        self.warned = False
+
+    def __call__(self) -> Transfer:
+        if not self.warned:
+            self.log.warning(self.warning)
+            self.warned = True
+        return Transfer()
 
 
 def _sync(device: torch.device) -> None:

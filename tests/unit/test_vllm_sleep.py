@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from rlbatch.engines.base import SamplingParams
-from rlbatch.engines.infer.vllm import VLLMEngine
+from rlbatch.engines.infer.vllm import _NO_SLEEP, VLLMEngine, log
 from rlbatch.engines.infer.vllm_world import PrivateWorld
+from rlbatch.engines.offload import StaysResident
 
 SIZES = {"weights": 300, "kv_cache": 500}
 """Device bytes of each of vLLM's tags."""
@@ -218,7 +219,7 @@ def engine(device: Device) -> VLLMEngine:
     e = object.__new__(VLLMEngine)
     e.llm, e.on_cpu, e.device, e.world = StandInLLM(device), False, torch.device("cuda", 0), PrivateWorld()
     e.expected, e._received = {"a", "b"}, set()
-    e._weights_lost, e._warned_no_sleep = False, False
+    e._weights_lost, e._resident = False, StaysResident(log, _NO_SLEEP)
     e._asleep = set()  # type: ignore[attr-defined]  # the record an engine kept before it read vLLM's tags
     return e
 

@@ -43,11 +43,7 @@ def _stand_ins() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=32, help="distinct prompts")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    common.add_workload_flags(p, prompts=32, samples=8, prompt_len=64, new_tokens=64, repeats=3)
     p.add_argument("--kv-cache-tokens", type=int, default=32768)
     p.add_argument("--vllm", action="store_true", help="rlbatch's vllm engine on the same workload too")
     common.add_model_flags(p, hidden=256, layers=4, heads=4, kv_heads=2, ffn=1024, vocab=8192)

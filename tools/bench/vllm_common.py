@@ -17,6 +17,16 @@ from pathlib import Path
 from typing import Any
 
 
+def add_workload_flags(p: argparse.ArgumentParser, *, prompts: int, samples: int, prompt_len: int, new_tokens: int,
+                       repeats: int) -> None:
+    """The flags that size a benchmark's batch and count its timed runs, with the caller's defaults."""
+    p.add_argument("--prompts", type=int, default=prompts, help="distinct prompts")
+    p.add_argument("--samples", type=int, default=samples, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+    p.add_argument("--repeats", type=int, default=repeats)
+
+
 def add_model_flags(p: argparse.ArgumentParser, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
                     vocab: int) -> None:
     g = p.add_argument_group("model (random-init Qwen2)")

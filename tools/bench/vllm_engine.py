@@ -26,11 +26,7 @@ from tools.bench import vllm_common as common  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=64, help="distinct prompts")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
+    common.add_workload_flags(p, prompts=64, samples=8, prompt_len=128, new_tokens=128, repeats=5)
     p.add_argument("--kv-cache-mb", type=int, default=512)
     common.add_model_flags(p, hidden=256, layers=4, heads=4, kv_heads=2, ffn=1024, vocab=8192)
     a = p.parse_args(argv)

@@ -26,11 +26,7 @@ from tools.bench import vllm_common as common  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=64, help="distinct prompts")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1)
+    common.add_workload_flags(p, prompts=64, samples=8, prompt_len=128, new_tokens=256, repeats=1)
     p.add_argument("--kv-cache-mb", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=512, help="vLLM: sequences decoded together")
     common.add_model_flags(p, hidden=384, layers=6, heads=6, kv_heads=2, ffn=1536, vocab=16384)

@@ -56,7 +56,7 @@ from rlbatch.engines.base import EngineContext, Generation, SamplingParams
 from rlbatch.engines.infer.vllm import _rng_kept, hf_parameter_names
 from rlbatch.engines.infer.vllm_world import PrivateWorld
 from rlbatch.engines.model import load_model, model_dtype
-from rlbatch.engines.offload import Transfer
+from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 _ARG_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _TAGS = {"params": "weights", "kv_cache": "kv_cache"}
 """State kind -> SGLang's memory-occupation tag."""
+_NO_SAVER = ("sglang engine on CPU: SGLang's memory saver needs CUDA; its weights and KV cache stay resident "
+             "(offload reports 0 bytes)")
 
 
 def engine_kwargs(args: Any, path: str, dtype: torch.dtype, seed: int, device: torch.device) -> dict[str, Any]:
@@ -156,7 +158,7 @@ class SGLangEngine:
                  "CPU" if self.on_cpu else str(ctx.device), dtype)
         self._received: set[str] = set()
         self._asleep: set[str] = set()
-        self._warned_no_saver = False
+        self._resident = StaysResident(log, _NO_SAVER)
 
     def close(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes. The engine is unusable afterwards."""
@@ -221,10 +223,10 @@ class SGLangEngine:
             return Transfer()
         if self.on_cpu:
             return self._resident()
-        start, free = time.perf_counter(), self._free_memory()
+        start, free = time.perf_counter(), free_device_bytes(self.device)
         self.engine.release_memory_occupation(tags=sorted(_TAGS[k] for k in go))
         self._asleep |= go
-        return Transfer(max(0, self._free_memory() - free), time.perf_counter() - start, 0)
+        return Transfer(max(0, free_device_bytes(self.device) - free), time.perf_counter() - start, 0)
 
     def discard(self, kinds: Iterable[str]) -> Transfer:
         """As ``offload``: SGLang's memory saver keeps the host copy either way."""
@@ -238,21 +240,10 @@ class SGLangEngine:
         wake = want & self._asleep
         if not wake:
             return Transfer()
-        start, free = time.perf_counter(), self._free_memory()
+        start, free = time.perf_counter(), free_device_bytes(self.device)
         self.engine.resume_memory_occupation(tags=sorted(_TAGS[k] for k in wake))
         self._asleep -= wake
-        return Transfer(max(0, free - self._free_memory()), time.perf_counter() - start, 0)
-
-    def _free_memory(self) -> int:
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info(self.device)[0])
-
-    def _resident(self) -> Transfer:
-        if not self._warned_no_saver:
-            log.warning("sglang engine on CPU: SGLang's memory saver needs CUDA; its weights and KV cache stay "
-                        "resident (offload reports 0 bytes)")
-            self._warned_no_saver = True
-        return Transfer()
+        return Transfer(max(0, free - free_device_bytes(self.device)), time.perf_counter() - start, 0)
 
 
 def _generation(output: dict[str, Any]) -> Generation:

@@ -54,7 +54,7 @@ import torch
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams, TurnRequest
 from rlbatch.engines.infer.vllm_world import PrivateWorld, private_shm_names
 from rlbatch.engines.model import load_model, model_dtype
-from rlbatch.engines.offload import Transfer
+from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
 from rlbatch.engines.vllm_limits import CPU_KV_CACHE_MB, LORA_RANKS
 from rlbatch.models import lora
 
@@ -65,6 +65,8 @@ TP_WORLD_TIMEOUT_S = 600.0
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SLEEP_TAGS = {"params": "weights", "kv_cache": "kv_cache"}
 """State kind -> vLLM's sleep tag."""
+_NO_SLEEP = ("vllm engine on CPU: vLLM's CPU build has no sleep mode; its weights and KV cache stay resident "
+             "(offload reports 0 bytes)")
 
 
 @contextmanager
@@ -266,7 +268,7 @@ class VLLMEngine:
         self._adapter_parts: dict[str, torch.Tensor] = {}  # adapters of a sync under way (``load_adapters``)
         self._weights_lost = False
         """The weights were discarded (level-2 sleep) and no complete sync has loaded them since."""
-        self._warned_no_sleep = False
+        self._resident = StaysResident(log, _NO_SLEEP)
 
     def close(self) -> None:
         """Stop the engine core (its executor and scheduler) and let its memory go; vLLM's one-rank
@@ -443,7 +445,7 @@ class VLLMEngine:
         go -= self.asleep()
         if not go:
             return Transfer()
-        start, free = time.perf_counter(), self._free_memory()
+        start, free = time.perf_counter(), free_device_bytes(self.device)
         with self.world.active():
             if "params" in go:
                 self.llm.sleep(level=level)
@@ -455,7 +457,7 @@ class VLLMEngine:
             raise RuntimeError(f"vllm engine: vLLM left {sorted(missed)} awake after sleep (asleep: {sorted(self.asleep())})")
         if "params" in go and level == 2:
             self._weights_lost = True
-        freed = self._free_memory() - free
+        freed = free_device_bytes(self.device) - free
         return Transfer(max(0, freed), time.perf_counter() - start, 0)
 
     def reload(self, kinds: Iterable[str]) -> Transfer:
@@ -470,7 +472,7 @@ class VLLMEngine:
         wake = want & self.asleep()
         if not wake:
             return Transfer()
-        start, free = time.perf_counter(), self._free_memory()
+        start, free = time.perf_counter(), free_device_bytes(self.device)
         with self.world.active():
             self.llm.wake_up(tags=sorted(_SLEEP_TAGS[k] for k in wake))
             if "kv_cache" in wake:
@@ -478,14 +480,8 @@ class VLLMEngine:
         still = wake & self.asleep()
         if still:
             raise RuntimeError(f"vllm engine: vLLM did not wake {sorted(still)} (asleep: {sorted(self.asleep())})")
-        taken = free - self._free_memory()
+        taken = free - free_device_bytes(self.device)
         return Transfer(max(0, taken), time.perf_counter() - start, 0)
-
-    def _free_memory(self) -> int:
-        """Free device memory, PyTorch's cached blocks released first: vLLM's sleep and wake-up
-        release them too (``CuMemAllocator``), which would otherwise count as vLLM's own bytes."""
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info(self.device)[0])
 
     def _check_awake(self) -> None:
         """vLLM with any state asleep holds its scheduler paused and would wait for ever; with the
@@ -499,13 +495,6 @@ class VLLMEngine:
         if self._weights_lost:
             raise RuntimeError("vllm engine: generate after its weights were discarded (level-2 sleep, because a weight "
                                "sync was announced to come first) and before a complete sync loaded them again")
-
-    def _resident(self) -> Transfer:
-        if not self._warned_no_sleep:
-            log.warning("vllm engine on CPU: vLLM's CPU build has no sleep mode; its weights and KV cache "
-                        "stay resident (offload reports 0 bytes)")
-            self._warned_no_sleep = True
-        return Transfer()
 
 
 def _sampling(params: SamplingParams, n: int, seed: int | None = None, final_only: bool = False) -> Any:
