@@ -203,18 +203,31 @@ def test_episodes_made_ahead_are_saved_at_a_checkpoint_and_trained_after_resume(
             "algo.prompts_per_step=4", "algo.samples_per_prompt=4"]
     first = launch([f"run_dir={split}", *args, "steps=3"], run_root, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    saved = torch_load(split / "checkpoints" / "step_000002" / "rollouts.pt")
-    [entry] = saved["entries"]
-    episodes = entry["rollouts"]["episodes"]
-    assert entry["step"] == 3 and len(episodes) == 16 and set(episodes) == set(entry["samples"])
-    assert all("loss_mask" in fields for fields in entry["samples"].values())
+    step, episodes = saved_episodes(split / "checkpoints" / "step_000002")
+    assert (step, len(episodes)) == (3, 16)
     second = launch([f"run_dir={split}", *args, "steps=5"], run_root, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from" in second.stdout and "step_000002" in second.stdout
     got = rows(split)
     assert [r["step"] for r in got] == list(range(5))
-    resumed = got[3]
-    eps = list(episodes.values())
+    assert_trained_on_the_saved_episodes(split / "checkpoints" / "step_000002", got)
+
+
+def saved_episodes(checkpoint: Path) -> tuple[int, list[dict]]:
+    """(the step, its trajectories' summaries) a multi-turn checkpoint holds made ahead, each with
+    its sample (loss mask included)."""
+    [entry] = torch_load(checkpoint / "rollouts.pt")["entries"]
+    episodes = entry["rollouts"]["episodes"]
+    assert episodes and set(episodes) == set(entry["samples"])
+    assert all("loss_mask" in fields for fields in entry["samples"].values())
+    return int(entry["step"]), list(episodes.values())
+
+
+def assert_trained_on_the_saved_episodes(checkpoint: Path, got: list[dict]) -> None:
+    """The step a resumed run trained from ``checkpoint``'s trajectories made ahead was scored and
+    counted from exactly them."""
+    step, eps = saved_episodes(checkpoint)
+    resumed = got[step]
     assert resumed["env/reward_mean"] == sum(float(e["reward"]) for e in eps) / len(eps)
     # scored from the saved trajectories (the score phase's mean is float32; another trajectory's
     # reward would move it by a multiple of 1/48)
