@@ -4,7 +4,7 @@ A phase's predicted seconds are ``sum(coef[kind][f] * features[f])``. Seconds-va
 (roofline, overhead, comm, transfer, samples: host work per sample, workers: the controller's
 messages and wake-ups for the ranks it commands) have prior weight 1: the hardware profile's
 numbers are taken at face value. Count-valued features (fixed: 1 per phase; transitions: state
-kinds moved) have priors in seconds, measured on the cpu profile's VM or guessed, until a run is
+kinds moved; env_calls: round trips to env workers) have priors in seconds, measured on the cpu profile's VM or guessed, until a run is
 calibrated.
 
 Saved as YAML by ``python -m rlbatch.plan calibrate`` and read by ``--profile FILE``.
@@ -19,7 +19,8 @@ from typing import Any
 from rlbatch.errors import ConfigError
 
 KINDS = ("generate", "reward", "logprobs", "train", "sync", "offload", "reload", "step")
-FEATURES = ("roofline", "overhead", "comm", "transfer", "samples", "fixed", "workers", "transitions", "env")
+FEATURES = ("roofline", "overhead", "comm", "transfer", "samples", "fixed", "workers", "transitions", "env",
+            "env_calls")
 PRIORS: dict[str, float] = {
     "roofline": 1.0, "overhead": 1.0, "comm": 1.0, "transfer": 1.0, "samples": 1.0, "workers": 1.0,
     # The controller's part of a phase beyond the ranks' own work that does not depend on how many
@@ -28,6 +29,11 @@ PRIORS: dict[str, float] = {
     "fixed": 2e-3,
     "transitions": 1e-3,  # allocating or freeing one kind of state on the device (guess)
     "env": 1.0,  # seconds of environment steps on a trajectory's critical path, beyond its generation
+    # One round trip to an env worker (the env role), sent and received on the inference rank: its
+    # pickled request and reply and the receiver's poll. experiment=multiturn on the cpu profile's VM
+    # generated 1024 trajectories a step (512 per inference rank, 4 round trips each) in 1.9-2.6 s
+    # with 2 env workers against 0.9-1.6 s with the envs on the ranks' threads: ~1 s / 2048.
+    "env_calls": 5e-4,
 }
 STEP_FIXED_PRIOR = 5e-3
 """Controller work between phases per step: batching prompts, advantages, metrics (guess)."""

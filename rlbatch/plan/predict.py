@@ -22,6 +22,7 @@ synchronous, and so is the prediction (with a note).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -135,7 +136,9 @@ def _generation(infer: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Worklo
     """The generate phase's features: one generation, or for a multi-turn rollout one per turn
     (``Workload.turn_workloads``: each turn's prompt the context so far) and each trajectory's env
     steps on its critical path (``env``: turns x ``env_step_s``; other trajectories' turns run
-    meanwhile, so it adds to the phase only as far as it is longer than their work)."""
+    meanwhile, so it adds to the phase only as far as it is longer than their work); with the env
+    role, the round trips to its workers (``env_calls``: a start and a step per turn for each of
+    the rank's trajectories, sent and received on the rank)."""
     cost = cost_of(infer.engine)
     out: dict[str, float] = {}
     for wk, weight in w.turn_workloads():
@@ -143,6 +146,8 @@ def _generation(infer: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Worklo
             out[k] = max(out.get(k, 0.0), v) if k == "fixed" else out.get(k, 0.0) + weight * v
     if w.turns > 1:
         out["env"] = max(0.0, w.turns * w.env_step_s - sum(v for k, v in out.items() if k in ("roofline", "overhead")))
+        if w.env_workers and infer.backend is not None:  # the busiest rank's round trips, one after another
+            out["env_calls"] = math.ceil(w.sequences / max(1, infer.backend.d)) * (w.turns + 1)
     return out
 
 

@@ -120,6 +120,9 @@ class Workload:
     """Mean tokens of an observation between two turns."""
     env_step_s: float = 0.0
     """Seconds an environment takes per step (and its tool calls), on each trajectory's critical path."""
+    env_workers: int = 0
+    """The env role's processes (``roles.env.world_size``): each trajectory's start and steps are
+    round trips to one of them; 0: envs run on the inference ranks' threads."""
     turns_assumed: bool = False
 
     @property
@@ -196,7 +199,7 @@ class Workload:
             "prompt_len_assumed": self.prompt_len_assumed, "response_assumed": self.response_assumed,
             "generation_rounds": self.generation_rounds, "zero_variance_frac": self.zero_variance_frac,
             "turns": self.turns, "turn_response_mean": self.turn_response_mean,
-            "observation_len": self.observation_len, "env_step_s": self.env_step_s,
+            "observation_len": self.observation_len, "env_step_s": self.env_step_s, "env_workers": self.env_workers,
             "max_staleness": self.max_staleness,
         }
 
@@ -269,6 +272,9 @@ def workload_from_config(
     gen = w.response_mean
     if prompt_len is None and data.get("name") == "none":  # no task prompt: a BOS, then the first observation
         w = replace(w, prompt_len=1.0 + obs, prompt_len_assumed=False)
+    role = (cfg.get("roles") or {}).get("env") or {}
+    workers = int(role.get("world_size", 0) or 0) if role.get("enabled", True) is not False else 0
     return replace(w, turns=t, turn_response_mean=gen, observation_len=obs, env_step_s=float(env_step_s or 0.0),
+                   env_workers=workers,
                    response_mean=t * gen + (t - 1) * obs, response_max=int(max_turns * cap + (max_turns - 1) * obs),
                    turns_assumed=turns is None or observation_len is None)

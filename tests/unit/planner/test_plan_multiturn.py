@@ -45,3 +45,22 @@ def test_turns_and_env_steps_lengthen_the_step() -> None:
     assert gen is not None and gen.seconds >= 3 * 2.0  # each trajectory waits for its env three times
     assert gen.seconds == pytest.approx(gen3.seconds + gen.features["env"], rel=1e-6)
     assert any("multi-turn rollout: 3 turns" in n for n in slow.notes)
+
+
+def test_env_workers_add_their_round_trips_to_the_generate_phase() -> None:
+    """With the env role, each trajectory's start and steps are round trips to a worker, sent and
+    received on its inference rank: the busiest rank's count, at the prior's seconds each."""
+    from rlbatch.plan.coefficients import PRIORS
+
+    env = {"name": "running_sum", "max_turns": 3}
+    _, local = _plan(env, observation_len=3.0)
+    cfg = make_config(env=env, algo=ALGO, data={"name": "none"}, roles={"env": {"world_size": 2}})
+    w = workload_from_config(cfg, response_mean=2.0, observation_len=3.0)
+    remote = predict(make_layout(cfg), ModelShape.of(spec_from_config(cfg["model"])), w, load_hardware("cpu"))
+    assert w.env_workers == 2 and local.phase("generate").features.get("env_calls") is None  # type: ignore[union-attr]
+    gen = remote.phase("generate")
+    assert gen is not None
+    replicas = make_layout(cfg).roles["actor_infer"].backend.d  # type: ignore[union-attr]
+    assert gen.features["env_calls"] == -(-8 * 8 // replicas) * (3 + 1)
+    assert gen.seconds == pytest.approx(local.phase("generate").seconds  # type: ignore[union-attr]
+                                        + gen.features["env_calls"] * PRIORS["env_calls"], rel=1e-6)
