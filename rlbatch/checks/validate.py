@@ -134,12 +134,6 @@ def _env_problems(cfg: Mapping[str, Any], runnable: bool, train_run: bool, place
     if algo.get("overlong_filter") or (_int(algo.get("overlong_buffer")) or 0) > 0:
         problems.append(f"algo.overlong_filter / algo.overlong_buffer: {env}: they judge a response by "
                         f"algo.max_new_tokens, and a trajectory's response spans its turns and observations")
-    if placement is not None and "actor_infer" in placement.roles:
-        wide = [list(w) for w in placement.roles["actor_infer"].workers if len(w) > 1]
-        if wide:
-            problems.append(f"roles.actor_infer: {env}: an inference worker of several ranks ({wide[0]}: tensor or "
-                            f"pipeline parallel) would step its envs on each rank apart; multi-turn rollouts need "
-                            f"one rank per worker in this build (e.g. vllm:d2, not vllm:d1t2)")
     return problems
 
 

@@ -169,15 +169,27 @@ class RankRuntime:
                   tasks: list[dict[str, Any]], seeds: list[int]) -> dict[int, tuple[Any, ...]]:
         """Each sample a trajectory (``rlbatch.envs.trajectories``): its fields kept here, and
         ``{sid: (prompt length, response length, summary)}`` for the controller (the summary holds
-        the trajectory's reward for the score phase)."""
+        the trajectory's reward for the score phase). On a worker of several ranks the first plays
+        them and the others take its engine calls (``rlbatch.envs.lockstep``)."""
+        from rlbatch.engines.base import turns_of
         from rlbatch.envs.client import env_client
+        from rlbatch.envs.lockstep import Lockstep, follow
         from rlbatch.envs.trajectories import MultiTurn, sample_fields, summary
 
-        if self.multi_turn is None:  # envs and tools (the python tool's sandbox) built once per rank
-            # or, with an env role, episodes hosted by its workers
-            self.multi_turn = MultiTurn(to_plain(self.cfg), self.tokenizer, client=env_client(self.world, self.cfg))
         params = SamplingParams(**sampling)
-        done = self.multi_turn(self.engines[spec.role], prompts, params, tasks, seeds, params.seed, ids)
+        turns: Any = turns_of(self.engines[spec.role])
+        [worker] = [w for w in self.world.placement.roles[spec.role].workers if self.world.rank in w]
+        if worker[0] != self.world.rank:  # a tensor-parallel worker's other ranks: the leader's engine calls
+            done = follow(turns, self.world.comm, worker[0])
+        else:
+            if self.multi_turn is None:  # envs and tools (the python tool's sandbox) built once per rank
+                # or, with an env role, episodes hosted by its workers
+                self.multi_turn = MultiTurn(to_plain(self.cfg), self.tokenizer, client=env_client(self.world, self.cfg))
+            if len(worker) > 1:
+                turns = Lockstep(turns, self.world.comm, list(worker[1:]))
+            done = self.multi_turn(turns, prompts, params, tasks, seeds, params.seed, ids)
+            if isinstance(turns, Lockstep):
+                turns.finish(done)
         out: dict[int, tuple[Any, ...]] = {}
         for sid, traj in zip(ids, done, strict=True):
             for name, value in sample_fields(traj).items():

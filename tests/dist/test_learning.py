@@ -101,11 +101,22 @@ def test_dynamic_sampling_generates_more_rounds_up_to_the_cap(run_root: Path) ->
         assert 0.5 < row["train/loss_masked_frac"] < 1.0, row
 
 
-def test_multiturn_learns_running_sum(run_root: Path) -> None:
-    """experiment=multiturn, disaggregated (the trajectories move from the inference rank to the
-    trainer's, loss_mask with them): the reward rises from chance within a few steps, and the
-    trainer masks exactly the observation tokens (each trajectory: 3 generated, 6 observed)."""
-    out = launch(["experiment=multiturn", "steps=8", "roles=disaggregated", f"run_dir={run_root / 'run'}"], run_root)
+MULTITURN = {
+    # the trajectories move from the inference rank to the trainer's, loss_mask with them
+    "hf-disaggregated": ["roles=disaggregated"],
+    # one vLLM worker over both ranks (tensor parallel): the first rank plays the trajectories, the
+    # other makes its engine calls in lockstep (rlbatch.envs.lockstep)
+    "vllm-t2": ["roles.actor_infer.backend=vllm:d1t2", "model.num_heads=2", "model.num_kv_heads=1"],
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", list(MULTITURN))
+def test_multiturn_learns_running_sum(run_root: Path, case: str) -> None:
+    """experiment=multiturn: the reward rises from chance within a few steps, and the trainer masks
+    exactly the observation tokens (each trajectory: 3 generated, 6 observed)."""
+    out = launch(["experiment=multiturn", "steps=8", *MULTITURN[case], f"run_dir={run_root / 'run'}"], run_root,
+                 timeout=800)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_root / "run" / "metrics.jsonl").read_text().splitlines()]
     r = [row["reward_mean"] for row in rows]
