@@ -22,6 +22,7 @@ import fcntl
 import os
 import selectors
 import socket
+import struct
 import time
 
 from rlbatch.runtime.env import VARS, read_env
@@ -53,6 +54,11 @@ def hold(rank: int) -> None:
         s.close()
     _held = socket.socket(fileno=high)
     os.register_at_fork(after_in_child=_drop)
+
+
+def _same_user(conn: socket.socket) -> bool:
+    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid == os.getuid()
 
 
 def _drop() -> None:
@@ -122,6 +128,9 @@ class Lifelines:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            if not _same_user(conn):  # the name is visible to every user of the machine
+                conn.close()
+                continue
             conn.setblocking(False)
             self._conns[conn.fileno()] = (conn, bytearray())
             self._sel.register(conn, selectors.EVENT_READ, self)

@@ -86,3 +86,28 @@ def test_a_window_keeps_the_ranks_that_ended_together() -> None:
         assert lines.first(FIRST_WINDOW_S) == [1, 0]
     finally:
         lines.close()
+
+
+def test_a_connection_from_another_user_is_not_a_lifeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import selectors
+    import socket
+
+    with Lifelines(1) as lines, selectors.DefaultSelector() as sel:
+        lines.register(sel)
+        uid = os.getuid()
+        monkeypatch.setattr(lifeline.os, "getuid", lambda: uid + 1)  # the launcher: someone else
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.connect("\0" + lines.address)
+        peer.sendall(b"0\n")
+        lines.drain(sel, quiet_s=0.1)
+        peer.close()
+        lines.drain(sel, quiet_s=0.1)
+        assert lines.ended == [] and not lines._conns
+        monkeypatch.undo()
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.connect("\0" + lines.address)
+        peer.sendall(b"0\n")
+        lines.drain(sel, quiet_s=0.1)
+        peer.close()
+        lines.drain(sel, quiet_s=0.1)
+        assert [rank for _, rank in lines.ended] == [0]
