@@ -19,3 +19,4 @@ def test_fsdp_tensor_parallel_trains_like_data_parallel_shares_checkpoints_and_r
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("fsdp tp ok") == ranks, out.stdout[-2000:]
     assert out.stdout.count(" == fsdp:d") == ranks, out.stdout[-2000:]
+    assert out.stdout.count("reward scores within") == (ranks if "cp" in args else 0), out.stdout[-2000:]

@@ -74,7 +74,7 @@ def test_the_engine_splits_each_dense_layers_seven_linear_layers_and_refuses_an_
 
 def test_context_parallel_fsdp_is_accepted_and_its_splits_refused_with_the_numbers(cfg: dict[str, Any]) -> None:
     """fsdp:dXcZ (Ulysses): each context-parallel rank takes whole heads after the all-to-all; KV heads
-    fewer than c are repeated up to it; t and c together, padded rows and a reward model are not built."""
+    fewer than c are repeated up to it; t and c together and padded rows are not built."""
     assert check(fsdp_on(cfg, 4, "fsdp:d1c4")).roles["actor_train"].backend.dims.c == 4  # 4 heads, 2 KV heads repeated
     c = fsdp_on(cfg, 4, "fsdp:d1c4", model__hidden_size=48, model__num_heads=6, model__num_kv_heads=3)
     assert problems(c) == [

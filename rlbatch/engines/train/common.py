@@ -9,6 +9,7 @@ resume in another.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -116,18 +117,20 @@ def values(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Ca
 
 @torch.no_grad()
 def scores(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed],
-           head: torch.nn.Module | None = None) -> list[float]:
+           head: torch.nn.Module | None = None, slice_row: Callable[[Flat], Flat] | None = None) -> list[float]:
     """One score per sample (prompt + response) from a sequence-classification model: its output at
     the sequence's last token. Padded (no token budget): transformers' pooling at each right-padded
     row's last non-pad token. Under a ``Split``'s token budget: each chunk's whole sequences in one
     row (``flat_sequences``), the model's ``head`` (its ``score`` layer) read where transformers'
-    pooling reads each padded row (which would read one position of a packed row)."""
+    pooling reads each padded row (which would read one position of a packed row); ``slice_row``:
+    this rank's slice of that row under context parallelism (``rlbatch.engines.ulysses.split``)."""
     out: list[float] = []
     flat = micro_batch if isinstance(micro_batch, Split) and micro_batch.max_tokens > 0 else None
     for chunk in chunks(samples, micro_batch):
         if flat is not None:
             assert head is not None, "scoring flat rows reads the model's score layer: pass it as head"
-            out += flat_scores(model, flat_sequences(chunk, model_pad_id(model), flat.device), head)
+            row = flat_sequences(chunk, model_pad_id(model), flat.device)
+            out += flat_scores(model, row if slice_row is None else slice_row(row), head, len(chunk))
             continue
         x = pack(chunk).inputs
         assert isinstance(x, Full), "a sequence-classification model scores whole padded sequences (not shared, not flat)"
@@ -143,18 +146,21 @@ def model_pad_id(model: Any) -> int:
     return -1 if pad is None else int(pad)
 
 
-def flat_scores(model: Any, x: Flat, head: torch.nn.Module) -> list[float]:
-    """A sequence-classification model's score at each kept position of one flat row: one call
-    through the model's own forward (as ``flat_outputs``: FSDP's and DeepSpeed's hooks gather the
-    parameters there; no attention mask, so attention stays within each sample), its head's
-    per-position output caught on the way (transformers then pools one position of the row, unused)."""
+def flat_scores(model: Any, x: Flat, head: torch.nn.Module, batch: int) -> list[float]:
+    """A sequence-classification model's score of each of the ``batch`` sequences of one flat row,
+    read at its kept position: one call through the model's own forward (as ``flat_outputs``:
+    FSDP's and DeepSpeed's hooks gather the parameters there; no attention mask, so attention stays
+    within each sample), its head's per-position output caught on the way (transformers then pools
+    one position of the row, unused). A context-parallel slice scores the sequences that end in it,
+    and ``spread`` sums them over the group."""
     seen: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda _module, _args, output: seen.append(output))
     try:
-        model(**x.forward_kwargs())
+        with x.cp.over() if x.cp is not None else contextlib.nullcontext():
+            model(**x.forward_kwargs())
     finally:
         handle.remove()
-    return seen[-1][0, x.keep, 0].float().tolist()
+    return spread(seen[-1][0, x.keep, 0], x, batch)[:, 0].tolist()
 
 
 def chunk_loss(model: Any, b: Packed, objective: Any) -> tuple[torch.Tensor, dict[str, float]]:

@@ -17,6 +17,7 @@ ever holds the whole model, on the host or on the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -76,9 +77,6 @@ class FSDPEngine(StashedState):
                                       f"not built (PEFT wraps the linear layers that tensor parallelism splits)")
         self.dp_group = ctx.group("dp")
         self.cp_group = ctx.group("cp") if self.cp > 1 else None
-        if self.cp > 1 and ctx.head == "reward":
-            raise NotImplementedError(f"fsdp engine, role {ctx.role}: a reward model (sequence classifier) under "
-                                      f"context parallelism c = {self.cp} is not built; use c=1")
         held = held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable)
         skeleton = engine_skeleton(ctx, held)
         model = skeleton.model
@@ -164,7 +162,8 @@ class FSDPEngine(StashedState):
         return common.values(self.model, samples, self.split, self._pack)
 
     def scores(self, samples: list[Sample]) -> list[float]:
-        return common.scores(self.model, samples, self.split, self._pack, self.model.score)
+        cut = None if self.cp_group is None else functools.partial(ulysses.split, group=self.cp_group)
+        return common.scores(self.model, samples, self.split, self._pack, self.model.score, cut)
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch

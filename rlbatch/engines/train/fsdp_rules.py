@@ -5,7 +5,7 @@ adapters (PEFT wraps the linear layers that tensor parallelism splits). The embe
 are never split over the vocabulary (a split embedding would untie a tied LM head), so the
 vocabulary size needs no check. Under context parallelism (``fsdp:dXcZ``, c > 1; Ulysses, each
 rank's heads after an all-to-all): heads that c does not divide, KV heads neither divisible by c
-nor dividing it (they are repeated up to c), t and c together, a reward model, padded rows
+nor dividing it (they are repeated up to c), t and c together, padded rows
 (``max_tokens_per_micro_batch=0``). The engine refuses the same at build."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.config.schema import HEADS
 from rlbatch.errors import ConfigError
 from rlbatch.placement.backend import RoleEngine
 
@@ -74,6 +73,4 @@ def _context_problems(plain: Mapping[str, Any], e: RoleEngine, spec: Any, train_
         out.append(f"{field}: '{b}' splits packed rows over c={c} context-parallel ranks, but "
                    f"roles.{e.role}.engine_args.max_tokens_per_micro_batch=0 asks for padded ones; leave it unset "
                    f"or give a token budget")
-    if HEADS.get(e.role) == "reward":
-        out.append(f"{field}: '{b}': a reward model under the fsdp engine's context parallelism is not built; use c=1")
     return out

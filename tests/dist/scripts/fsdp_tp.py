@@ -33,7 +33,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import checkpoint, critic_directory, policy_steps, restore, resumes_exactly, same, weights
+from engine_state import (
+    checkpoint,
+    critic_directory,
+    policy_steps,
+    restore,
+    resumes_exactly,
+    same,
+    scores_like_transformers,
+    weights,
+)
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -160,6 +169,12 @@ v_d, v_tp = (logprobs(FSDPEngine(EngineContext("critic", ARGS, critic, cfg.algo,
                                                mesh=m, head="value")), m, values=True) for m in (mesh_d, mesh_tp))
 err_v = float((v_tp - v_d).abs().max())
 assert err_v < 1e-5 and float(v_d.std()) > 1e-3, f"{TP} vs {D} critic values differ by {err_v} (std {float(v_d.std())})"
+
+# -- context parallelism: a reward model scores each sample at its last token, wherever it falls --------
+if CP:
+    rm = FSDPEngine(EngineContext("reward", ARGS, cfg.model, cfg.algo, tok, torch.device("cpu"), seed=SEED,
+                                  mesh=mesh_tp, head="reward"))
+    scores_like_transformers(rm, cfg, tok, SEED, global_batch(0), 1e-4, TP)
 
 # -- checkpoints across layouts: d -> dXt2 -> d ------------------------------------------------------
 checkpoint(d, TMP / "d3")
