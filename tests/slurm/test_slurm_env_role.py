@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import launch
 from tests.dist.test_resume import assert_trained_on_the_saved_episodes, rows, saved_episodes
-from tests.slurm.test_slurm_runtime import wait_gone
+from tests.slurm.test_slurm_runtime import preempt_at_step_2_and_wait
 
 pytestmark = pytest.mark.slurm
 
@@ -50,17 +48,8 @@ def test_a_job_preempted_mid_rollout_requeues_and_trains_the_trajectories_it_sav
                   "algo.samples_per_prompt=4"], run_root)
     assert sub.returncode == 0, sub.stderr[-3000:]
     job = re.search(r"submitted Slurm job (\d+)", sub.stdout).group(1)
-    deadline = time.monotonic() + 240
-    while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline, "the job did not reach step 2"
-        time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    preempt_at_step_2_and_wait(run, job, steps, start_s=240, finish_s=400)
     final = run / "checkpoints" / f"step_{steps - 1:06d}"
-    deadline = time.monotonic() + 400
-    while not (final / "manifest.json").exists():
-        assert time.monotonic() < deadline, "the requeued job did not finish"
-        time.sleep(1)
-    wait_gone([job])
     logs = "".join(p.read_text() for p in (run / "slurm").glob("*_log.out"))
     assert "signal SIGUSR2; checkpoint saved" in logs and "requeued" in logs and "resuming from" in logs
     got = rows(run)

@@ -30,6 +30,21 @@ def wait_gone(job_ids: list[str], timeout: float = 240) -> None:
     raise AssertionError(f"jobs {job_ids} still queued after {timeout}s")
 
 
+def preempt_at_step_2_and_wait(run: Path, job: str, steps: int, start_s: float = 180, finish_s: float = 300) -> None:
+    """Once the job has logged 2 steps, send it SIGUSR2 (what Slurm sends before preemption or the
+    time limit); wait for the requeued job to write its last checkpoint (step ``steps - 1``) and leave."""
+    deadline = time.monotonic() + start_s
+    while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, "the job did not reach step 2"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    deadline = time.monotonic() + finish_s
+    while not (run / "checkpoints" / f"step_{steps - 1:06d}" / "manifest.json").exists():
+        assert time.monotonic() < deadline, "the requeued job did not finish"
+        time.sleep(1)
+    wait_gone([job])
+
+
 def selftest_on_slurm(run_dir: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return launch(["program=selftest", "cluster=slurm", "cluster.cpus_per_task=1", "wait=true", f"run_dir={run_dir}", *extra],
                   run_dir.parent, timeout=timeout)
@@ -233,16 +248,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_roo
     sub = launch(["cluster=slurm", "cluster.cpus_per_task=1", f"run_dir={run}", *args], run_root)
     assert sub.returncode == 0, sub.stderr[-3000:]
     job = re.search(r"submitted Slurm job (\d+)", sub.stdout).group(1)
-    deadline = time.monotonic() + 180
-    while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline, "the job did not reach step 2"
-        time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what Slurm sends before preemption/walltime
-    deadline = time.monotonic() + 300
-    while not (run / "checkpoints" / f"step_{steps - 1:06d}" / "manifest.json").exists():
-        assert time.monotonic() < deadline, "the requeued job did not finish"
-        time.sleep(1)
-    wait_gone([job])
+    preempt_at_step_2_and_wait(run, job, steps)
     restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     logs = "".join(p.read_text() for p in (run / "slurm").glob("*_log.out"))
     assert "signal SIGUSR2; checkpoint saved" in logs and "requeued" in logs and "resuming from" in logs
