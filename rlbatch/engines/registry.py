@@ -333,7 +333,7 @@ def describe() -> str:
 
 
 # dims "dtc": FSDP2 over dp, DTensor tensor parallelism over tp (rlbatch.engines.train.fsdp_tp) or
-# Ulysses context parallelism over cp (rlbatch.engines.ulysses); t and c together are refused by its rules.
+# Ulysses context parallelism over cp (rlbatch.engines.ulysses), alone or together (c splits each tp rank's heads).
 register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.train.fsdp:FSDPEngine", dims="dtc",
                     heads=("lm", "value", "reward"), packs_rows=True, trains_adapters=True,
                     cost="rlbatch.plan.costs.fsdp:FSDPCost", rules="rlbatch.engines.train.fsdp_rules:fsdp_problems"))

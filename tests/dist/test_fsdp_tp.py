@@ -1,5 +1,5 @@
-"""The fsdp engine with tensor parallelism (``fsdp:dXtY``) or context parallelism (``fsdp:dXcZ``)
-against data parallelism alone, with gloo on CPU: ``scripts/fsdp_tp.py`` says what each run checks."""
+"""The fsdp engine with tensor parallelism (``fsdp:dXtY``), context parallelism (``fsdp:dXcZ``) or
+both (``fsdp:dXtYcZ``) against data parallelism alone, with gloo on CPU: ``scripts/fsdp_tp.py`` says what each run checks."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("ranks", "args"), [(2, ()), (4, ("equality-only",)), (2, ("cp",))],
-                         ids=["d1t2-vs-d2", "d2t2-vs-d4", "d1c2-vs-d2"])
+@pytest.mark.parametrize(("ranks", "args"), [(2, ()), (4, ("equality-only",)), (2, ("cp",)),
+                                             (4, ("equality-only", "cp-tp"))],
+                         ids=["d1t2-vs-d2", "d2t2-vs-d4", "d1c2-vs-d2", "d1t2c2-vs-d4"])
 def test_fsdp_tensor_parallel_trains_like_data_parallel_shares_checkpoints_and_resumes_bitwise(
         ranks: int, args: tuple[str, ...]) -> None:
     out = mpirun("fsdp_tp.py", ranks, *args)

@@ -74,7 +74,7 @@ def test_the_engine_splits_each_dense_layers_seven_linear_layers_and_refuses_an_
 
 def test_context_parallel_fsdp_is_accepted_and_its_splits_refused_with_the_numbers(cfg: dict[str, Any]) -> None:
     """fsdp:dXcZ (Ulysses): each context-parallel rank takes whole heads after the all-to-all; KV heads
-    fewer than c are repeated up to it; t and c together and padded rows are not built."""
+    fewer than c are repeated up to it; with t, c splits each tp rank's heads; padded rows are not built."""
     assert check(fsdp_on(cfg, 4, "fsdp:d1c4")).roles["actor_train"].backend.dims.c == 4  # 4 heads, 2 KV heads repeated
     c = fsdp_on(cfg, 4, "fsdp:d1c4", model__hidden_size=48, model__num_heads=6, model__num_kv_heads=3)
     assert problems(c) == [
@@ -84,8 +84,12 @@ def test_context_parallel_fsdp_is_accepted_and_its_splits_refused_with_the_numbe
         "up to c), but num_kv_heads=3 neither divides nor is divisible by 4"]
     c = fsdp_on(cfg, 4, "fsdp:d1t2c2", roles__actor_train__engine_args={"max_tokens_per_micro_batch": 0})
     assert [p for p in problems(c) if "context" in p] == [
-        "roles.actor_train.backend: 'fsdp:t2c2': tensor (t=2) with context (c=2) parallelism in the fsdp engine is "
-        "not built; use one of them",
         "roles.actor_train.backend: 'fsdp:t2c2' splits packed rows over c=2 context-parallel ranks, but "
         "roles.actor_train.engine_args.max_tokens_per_micro_batch=0 asks for padded ones; leave it unset or give a "
         "token budget"]
+    # t and c together: c splits each tensor-parallel rank's heads (4 heads: 2 a tp rank, 1 KV head repeated)
+    assert check(fsdp_on(cfg, 4, "fsdp:d1t2c2")).roles["actor_train"].backend.dims.t == 2
+    c = fsdp_on(cfg, 8, "fsdp:d1t2c4")
+    assert [p for p in problems(c) if "context" in p] == [
+        "roles.actor_train.backend: 'fsdp:t2c4' gives each of c=4 context-parallel ranks whole attention heads, but "
+        "num_heads=4 (2 on each of t=2 tensor-parallel ranks) is not divisible by 4"]

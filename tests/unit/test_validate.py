@@ -68,12 +68,12 @@ def test_deepspeed_is_runnable_and_its_engine_args_are_checked_before_start(cfg:
 
 
 def test_dims_the_built_engine_does_not_split_over_are_refused(cfg: dict[str, Any]) -> None:
-    check(on_ranks(cfg, 4, "fsdp:d2t2", "hf:d4"))  # d, t (tensor) and c (context) are built
+    check(on_ranks(cfg, 4, "fsdp:d2t2", "hf:d4"))  # d, t (tensor) and c (context) are built, alone or together
     check(on_ranks(cfg, 4, "fsdp:d2c2", "hf:d4"))
-    c = set_(on_ranks(cfg, 8, "fsdp:d2c2t2", "hf:d8"), algo__prompts_per_step=16)  # not t with c
-    assert problems(c) == ["roles.actor_train.backend: 'fsdp:d2t2c2': tensor (t=2) with context (c=2) parallelism "
-                           "in the fsdp engine is not built; use one of them"]
-    check(c, runnable=False)
+    check(set_(on_ranks(cfg, 8, "fsdp:d2c2t2", "hf:d8"), algo__prompts_per_step=16))
+    assert problems(on_ranks(cfg, 4, "fsdp:d2p2", "hf:d4"))[0] == (
+        "roles.actor_train.backend: engine 'fsdp' does not accept 'p' (pipeline parallel) in 'fsdp:d2p2'; it accepts "
+        "d, t, c")
 
 
 def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]) -> None:
@@ -516,7 +516,7 @@ def test_selftest_starts_no_engine_so_only_the_placement_and_run_directory_count
     c = set_(on_ranks(cfg, 4, "fsdp:t2c2", "vllm:d2p2"), program="selftest", model__path="/nonexistent/model",
              data__reward_fn="nosuch.module:fn", resume="yes", roles__reward__enabled=False)
     check(c)
-    assert len(problems(set_(c, program="train"))) == 5
+    assert len(problems(set_(c, program="train"))) == 4
 
 
 def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
@@ -525,8 +525,7 @@ def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
              run_dir="/tmp/runs/a", roles__actor_train__engine_args={"bogus": 1})
     fields = [line.split(":", 1)[0] for line in problems(c)]
     assert sorted(fields) == sorted(["plugins", "algo.loss_agg", "roles.actor_train.engine_args",
-                                     "roles.actor_train.backend", "roles.actor_infer.backend", "model.path",
-                                     "data.reward_fn", "resume", "run_dir"])
+                                     "roles.actor_infer.backend", "model.path", "data.reward_fn", "resume", "run_dir"])
 
 
 def test_a_head_split_the_model_builder_cannot_make_is_refused_before_launch() -> None:

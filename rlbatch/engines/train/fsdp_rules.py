@@ -5,8 +5,8 @@ adapters (PEFT wraps the linear layers that tensor parallelism splits). The embe
 are never split over the vocabulary (a split embedding would untie a tied LM head), so the
 vocabulary size needs no check. Under context parallelism (``fsdp:dXcZ``, c > 1; Ulysses, each
 rank's heads after an all-to-all): heads that c does not divide, KV heads neither divisible by c
-nor dividing it (they are repeated up to c), t and c together, padded rows
-(``max_tokens_per_micro_batch=0``). The engine refuses the same at build."""
+nor dividing it (they are repeated up to c), padded rows (``max_tokens_per_micro_batch=0``); with
+t and c together, each tp rank's share of the heads over c. The engine refuses the same at build."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def fsdp_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
         spec = spec_from_config(model)
     except (ConfigError, OSError, ValueError, TypeError):  # the model checks report it
         spec = None
-    problems = [p for e in split for p in _context_problems(plain, e, spec, train_run)]
+    problems = [p for e in split for p in _context_problems(plain, e, spec)]
     for e in mine:
         b, t = e.backend, e.backend.dims.t
         field = f"roles.{e.role}.backend"
@@ -54,19 +54,17 @@ def fsdp_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
     return problems
 
 
-def _context_problems(plain: Mapping[str, Any], e: RoleEngine, spec: Any, train_run: bool) -> list[str]:
-    b, c, field = e.backend, e.backend.dims.c, f"roles.{e.role}.backend"
+def _context_problems(plain: Mapping[str, Any], e: RoleEngine, spec: Any) -> list[str]:
+    b, c, t, field = e.backend, e.backend.dims.c, e.backend.dims.t, f"roles.{e.role}.backend"
     out = []
-    if b.dims.t > 1 and train_run:  # only a run this machine is to start: the planner prices the layout
-        out.append(f"{field}: '{b}': tensor (t={b.dims.t}) with context (c={c}) parallelism in the fsdp engine is not "
-                   f"built; use one of them")
-    if spec is not None:
-        if spec.heads % c:
+    # at t > 1, each tp rank's heads are what c splits (heads that t does not divide are refused above)
+    if spec is not None and not (spec.heads % t or spec.kv_heads % t):
+        if (spec.heads // t) % c:
             out.append(f"{field}: '{b}' gives each of c={c} context-parallel ranks whole attention heads, but "
-                       f"num_heads={spec.heads} is not divisible by {c}")
-        if spec.kv_heads % c and c % spec.kv_heads:
+                       f"num_heads={_share(spec.heads, t)} is not divisible by {c}")
+        if (spec.kv_heads // t) % c and c % (spec.kv_heads // t):
             out.append(f"{field}: '{b}' splits key/value heads over c={c} context-parallel ranks (repeating them "
-                       f"up to c), but num_kv_heads={spec.kv_heads} neither divides nor is divisible by {c}")
+                       f"up to c), but num_kv_heads={_share(spec.kv_heads, t)} neither divides nor is divisible by {c}")
     role = (plain.get("roles") or {}).get(e.role) or {}
     args = role.get("engine_args") if isinstance(role, Mapping) else None
     if isinstance(args, Mapping) and args.get("max_tokens_per_micro_batch") == 0:
@@ -74,3 +72,8 @@ def _context_problems(plain: Mapping[str, Any], e: RoleEngine, spec: Any, train_
                    f"roles.{e.role}.engine_args.max_tokens_per_micro_batch=0 asks for padded ones; leave it unset "
                    f"or give a token budget")
     return out
+
+
+def _share(heads: int, t: int) -> str:
+    """A head count, and each tensor-parallel rank's share of it at t > 1 (what c splits)."""
+    return f"{heads}" if t == 1 else f"{heads} ({heads // t} on each of t={t} tensor-parallel ranks)"

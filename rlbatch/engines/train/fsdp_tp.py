@@ -34,13 +34,12 @@ def mesh_dims(mesh: Any) -> dict[str, int]:
 
 
 def require_dp_tp(mesh: Any) -> tuple[int, int]:
-    """The mesh's (tp, cp) sizes; refuses pipeline parallelism, which the fsdp engine does not run,
-    and tensor with context parallelism together, not built."""
+    """The mesh's (tp, cp) sizes; refuses pipeline parallelism, which the fsdp engine does not run."""
     dims = mesh_dims(mesh)
     tp, cp = dims.get("tp", 1), dims.get("cp", 1)
-    if dims.get("pp", 1) > 1 or (tp > 1 and cp > 1):
-        raise NotImplementedError(f"fsdp engine: data with tensor or with context parallelism (dXtY, dXcZ) is "
-                                  f"implemented, got mesh {dims}")
+    if dims.get("pp", 1) > 1:
+        raise NotImplementedError(f"fsdp engine: data, tensor and context parallelism (dXtYcZ) are implemented, "
+                                  f"not pipeline stages; got mesh {dims}")
     return tp, cp
 
 

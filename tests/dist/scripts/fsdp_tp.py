@@ -2,7 +2,8 @@
 ``equality-only``, the first two checks alone, over one update): the fsdp
 engine with tensor parallelism on the tp axis trains like the same engine with data parallelism
 alone, on the same global batch. With the argument ``cp``, the same checks of context parallelism
-(fsdp:d1c2 against fsdp:d2: Ulysses, each packed row split over the cp axis) in place of tp.
+(fsdp:d1c2 against fsdp:d2: Ulysses, each packed row split over the cp axis) in place of tp; with
+``cp-tp`` (4 ranks, with ``equality-only``), both: fsdp:d1t2c2 against fsdp:d4.
 
 - at start-up both export the same weights, bit for bit (each rank filled its 2-D block by rows);
 - three updates: losses and gradient norms (clipped: the norm spans both meshes, dp x tp and dp)
@@ -60,15 +61,16 @@ port = comm.bcast(int(sys.argv[1]), root=0)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
 N, NAMES = comm.size, ("pp", "dp", "cp", "tp")
 mesh_d = DeviceMesh("cpu", torch.arange(N).reshape(1, N, 1, 1), mesh_dim_names=NAMES)
-CP = "cp" in sys.argv[2:]
-mesh_tp = DeviceMesh("cpu", torch.arange(N).reshape((1, N // 2, 2, 1) if CP else (1, N // 2, 1, 2)), mesh_dim_names=NAMES)
+CP, BOTH = "cp" in sys.argv[2:], "cp-tp" in sys.argv[2:]
+LAYOUT = (1, N // 4, 2, 2) if BOTH else (1, N // 2, 2, 1) if CP else (1, N // 2, 1, 2)
+mesh_tp = DeviceMesh("cpu", torch.arange(N).reshape(LAYOUT), mesh_dim_names=NAMES)
 cfg = compose(["algo.lr=1e-2", "algo.warmup_steps=2", "algo.grad_clip=0.5", "algo.mini_batches=1"])
 tok = load_tokenizer(cfg.model)
 objective = PolicyObjective(cfg.algo)
 SEED = 3
 TMP = Path(comm.bcast(tempfile.mkdtemp(prefix="fsdp-tp-") if comm.rank == 0 else None, root=0))
 ARGS = FSDPArgs(share_prompts=False, max_tokens_per_micro_batch=100)
-D, TP = f"fsdp:d{N}", f"fsdp:d{N // 2}{'c2' if CP else 't2'}"
+D, TP = f"fsdp:d{N}", f"fsdp:d{N // 4}t2c2" if BOTH else f"fsdp:d{N // 2}{'c2' if CP else 't2'}"
 QUICK = "equality-only" in sys.argv[2:]
 
 
