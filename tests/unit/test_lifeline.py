@@ -92,22 +92,20 @@ def test_a_connection_from_another_user_is_not_a_lifeline(monkeypatch: pytest.Mo
     import selectors
     import socket
 
+    def rank_0_lives_and_ends(lines: Lifelines, sel: selectors.BaseSelector) -> None:
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.connect("\0" + lines.address)
+        peer.sendall(b"0\n")
+        lines.drain(sel, quiet_s=0.1)
+        peer.close()
+        lines.drain(sel, quiet_s=0.1)
+
     with Lifelines(1) as lines, selectors.DefaultSelector() as sel:
         lines.register(sel)
         uid = os.getuid()
         monkeypatch.setattr(lifeline.os, "getuid", lambda: uid + 1)  # the launcher: someone else
-        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        peer.connect("\0" + lines.address)
-        peer.sendall(b"0\n")
-        lines.drain(sel, quiet_s=0.1)
-        peer.close()
-        lines.drain(sel, quiet_s=0.1)
+        rank_0_lives_and_ends(lines, sel)
         assert lines.ended == [] and not lines._conns
         monkeypatch.undo()
-        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        peer.connect("\0" + lines.address)
-        peer.sendall(b"0\n")
-        lines.drain(sel, quiet_s=0.1)
-        peer.close()
-        lines.drain(sel, quiet_s=0.1)
+        rank_0_lives_and_ends(lines, sel)
         assert [rank for _, rank in lines.ended] == [0]
