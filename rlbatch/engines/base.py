@@ -83,6 +83,9 @@ class EngineContext:
     """Process groups beyond the mesh axes, created by ``rlbatch.runtime.world`` on every rank:
     'role' (all the role's ranks) and, with pipeline stages, 'model_parallel' and 'pipeline_ends'
     (``rlbatch.placement.subgroups``). Empty for an engine built by hand over a mesh."""
+    comm: Any = None
+    """The world's MPI communicator, for host messages between the ranks of one worker (None for an
+    engine built by hand over a mesh)."""
 
     def group(self, axis: str) -> Any:
         """The process group of one mesh axis (e.g. 'dp') containing this rank."""

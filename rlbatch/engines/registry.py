@@ -348,11 +348,9 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.infer.v
                          "executors; use vllm:dXtY", reserves_device_share=True,
                     loads_adapters=True, cost="rlbatch.plan.vllm:VLLMCost",
                     rules="rlbatch.engines.infer.vllm_rules:vllm_problems"))
-# dims "d": one SGLang engine per rank; the placement language keeps "dt" so plans with
-# tensor-parallel SGLang are still modelled (and refused with the note before start).
-register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.infer.sglang:SGLangEngine", dims="d",
-                    note="tensor-parallel SGLang (t>1) is not built: SGLang runs the t ranks of an engine as "
-                         "scheduler processes it spawns itself, where rlbatch runs one engine per rank; use sglang:dN",
+# dims "dt": data-parallel SGLang workers of t tensor-parallel ranks each, one engine per worker on
+# its first rank (SGLang spawns the t scheduler processes itself).
+register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.infer.sglang:build", dims="dt",
                     reserves_device_share=True, cost="rlbatch.plan.costs.sglang:SGLangCost",
                     rules="rlbatch.engines.infer.sglang_rules:sglang_problems"))
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",

@@ -104,7 +104,7 @@ class RankRuntime:
             ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), model, role_algo(role, cfg.algo),
                                 tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
                                 role in TRAINABLE_ROLES, HEADS.get(role, "lm"),
-                                {"role": world.groups[role], **world.subgroups.get(role, {})})
+                                {"role": world.groups[role], **world.subgroups.get(role, {})}, world.comm)
             self.engines[role] = build_engine(rp.engine, ctx)
             put_away = self.residency.add(role, self.engines[role])
             log.info("built %s engine for %s%s", rp.engine, role,

@@ -20,10 +20,10 @@ TIMEOUT_S = 480
 beside it). Below pytest's own 600 s, so a timeout still shows what the ranks printed."""
 
 
-def mpirun(script: str, n: int, *args: str) -> subprocess.CompletedProcess[str]:
-    """``mpiexec -n n python scripts/<script> <port> <args>``."""
+def mpirun(script: str, n: int, *args: str, path: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n n python scripts/<script> <port> <args>``, with ``path`` on PYTHONPATH before the repository."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, [*path, REPO_ROOT])), OMP_NUM_THREADS="1")
     port = str(random.Random(script + "".join(args)).randrange(30000, 40000) + os.getpid() % 1000)
     try:
         return subprocess.run([str(mpiexec), "-n", str(n), sys.executable, str(SCRIPTS / script), port, *args],

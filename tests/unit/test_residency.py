@@ -96,7 +96,7 @@ def runtime_on(rank: int, roles: dict[str, tuple[list[int], str]]) -> Any:
         role: {"device_mapping": dm, "backend": backend} for role, (dm, backend) in roles.items()}})
     slot = placement.processes[rank]
     world = SimpleNamespace(placement=placement, slot=slot, roles=dict(slot.roles), device=torch.device("cpu"),
-                            meshes={}, groups=dict.fromkeys(roles), subgroups={})
+                            meshes={}, groups=dict.fromkeys(roles), subgroups={}, comm=None)
     DEVICE["free"] = 100
     EVENTS.clear()
     return RankRuntime(world, compose([]))  # type: ignore[arg-type]

@@ -203,13 +203,19 @@ def test_engine_args_of_an_engine_that_is_not_built_are_still_typed(cfg: dict[st
         "'mem_fraction_static']"]
 
 
-def test_tensor_parallel_sglang_is_refused_before_start_with_the_reason(cfg: dict[str, Any]) -> None:
-    c = on_ranks(cfg, 2, "fsdp:d2", "sglang:d1t2")
-    assert [p for p in problems(c) if "sgl_kernel" not in p] == [
-        "roles.actor_infer.backend: engine 'sglang' supports d (data) only in this build; got t=2 in "
-        "'sglang:t2' (tensor-parallel SGLang (t>1) is not built: SGLang runs the t ranks of an engine as scheduler "
-        "processes it spawns itself, where rlbatch runs one engine per rank; use sglang:dN)"]
-    check(c, runnable=False)  # the planner models it
+def test_tensor_parallel_sglang_is_refused_where_its_heads_or_gpus_do_not_split(cfg: dict[str, Any]) -> None:
+    """On GPUs (no sgl_kernel needed): t must split the model's heads as vLLM's rule says, and a
+    worker's engine takes the first rank's GPU and the t - 1 after it on that node."""
+    gpu = set_(cfg, cluster__device="cuda")
+    check(on_ranks(gpu, 2, "fsdp:d2", "sglang:d1t2"))
+    assert [p for p in problems(on_ranks(gpu, 3, "fsdp:d3", "sglang:d1t3")) if "sglang" in p] == [
+        "roles.actor_infer.backend: 'sglang:t3' splits attention over t=3 tensor-parallel ranks, but num_heads=4 is "
+        "not divisible by t=3; SGLang accepts t in [1, 2, 4] for this model (num_heads=4, num_kv_heads=2)"]
+    spread = set_(gpu, roles__actor_infer={"device_mapping": [0, 2], "backend": "sglang:d1t2"})
+    assert [p for p in problems(spread) if "sglang" in p] == [
+        "roles.actor_infer.backend: 'sglang:t2': a worker's engine runs its 2 tensor-parallel ranks on the first "
+        "rank's GPU and the 1 after it on that node, but this worker has node 0 GPU 0, node 0 GPU 2; list each "
+        "worker's GPUs consecutively in roles.actor_infer.device_mapping"]
 
 
 # ---------------------------------------------------------------------------------- algorithm

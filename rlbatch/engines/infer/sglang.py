@@ -30,9 +30,15 @@
   default, a KV cache of ``kv_cache_tokens`` tokens. SGLang's CPU engine imports some CUDA-only
   modules (``sgl_kernel``'s CPU kernels, torchvision) that no CPU wheel provides; tests bring
   stand-ins for them (tests/stand_ins, docs/sglang.md).
-- **tensor parallelism** (``sglang:dXtY``, t > 1) is refused before start
-  (``rlbatch.engines.infer.sglang_rules``): SGLang spawns its own tp scheduler processes from one
-  engine, where rlbatch's ranks each hold one.
+- **tensor parallelism** (``sglang:dXtY``, t > 1): SGLang runs an engine's t tensor-parallel
+  ranks as scheduler processes it spawns itself, so a worker of t rlbatch ranks holds one engine,
+  on its first rank (the leader): ``Engine(tp_size=t)`` on the worker's GPUs (``base_gpu_id`` the
+  leader's, consecutive on its node: the rules refuse other layouts before start). The other
+  ranks (followers, ``SGLangFollower``) hold no model: each generate call receives the leader's
+  generations over MPI (the leader sends them as it returns its own), so every rank of the worker
+  holds the samples, as a vLLM worker's do; weight buckets and offloads are the leader's alone.
+  On CPU each scheduler process is given the rank's cores (``SGLANG_CPU_OMP_THREADS_BIND``; SGLang
+  otherwise wants a NUMA node per tp rank) and reduces over gloo.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.infer.vllm import _rng_kept, hf_parameter_names
+from rlbatch.engines.infer.vllm import _rng_kept, hf_parameter_names, tp_peers
 from rlbatch.engines.infer.vllm_world import PrivateWorld
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
@@ -68,13 +74,15 @@ _NO_SAVER = ("sglang engine on CPU: SGLang's memory saver needs CUDA; its weight
              "(offload reports 0 bytes)")
 
 
-def engine_kwargs(args: Any, path: str, dtype: torch.dtype, seed: int, device: torch.device) -> dict[str, Any]:
-    """``sglang.Engine``'s arguments for a rank's engine (``args``: ``SGLangArgs``)."""
+def engine_kwargs(args: Any, path: str, dtype: torch.dtype, seed: int, device: torch.device,
+                  tp: int = 1) -> dict[str, Any]:
+    """``sglang.Engine``'s arguments for a worker's engine (``args``: ``SGLangArgs``) of ``tp``
+    tensor-parallel ranks, on ``device`` and the tp - 1 GPUs after it."""
     on_cpu = device.type != "cuda"
     kwargs: dict[str, Any] = dict(
         model_path=path, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[dtype], random_seed=seed,
         mem_fraction_static=args.mem_fraction_static, max_running_requests=args.max_num_seqs,
-        chunked_prefill_size=args.max_num_batched_tokens, tp_size=1, log_level="error",
+        chunked_prefill_size=args.max_num_batched_tokens, tp_size=tp, log_level="error",
         # without it an idle scheduler polls its sockets without pause, a CPU core busy through
         # every phase the engine sits out (training, log-probs)
         sleep_on_idle=True,
@@ -89,6 +97,14 @@ def engine_kwargs(args: Any, path: str, dtype: torch.dtype, seed: int, device: t
         kwargs |= {"device": "cuda", "base_gpu_id": device.index or 0, "enable_memory_saver": True,
                    "enable_weights_cpu_backup": True}
     return kwargs
+
+
+def cpu_threads_bind(tp: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for a CPU engine of ``tp`` ranks: each the cores this process
+    may run on. SGLang reads it to pin its own CPU kernels (AMX, Arm); without it, it asks for a
+    NUMA node per tp rank even where those kernels are not used."""
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return "|".join([cores] * tp)
 
 
 CPU_KV_CACHE_TOKENS = 16384
@@ -125,14 +141,29 @@ def _process_kept() -> Iterator[None]:
         multiprocessing.set_start_method(method, force=True)
 
 
+RESULT_TAG = 24
+"""MPI tag of a tensor-parallel worker's generations, leader to followers (the control plane uses
+11-12, the env role 21-22, multi-turn lockstep 23)."""
+
+
+def build(ctx: EngineContext) -> Any:
+    """The worker's engine on its first rank; a follower of it on the others (module doc)."""
+    ranks, index = tp_peers(ctx.mesh)
+    return SGLangEngine(ctx, ranks) if index == 0 else SGLangFollower(ctx, ranks[0])
+
+
 class SGLangEngine:
-    def __init__(self, ctx: EngineContext) -> None:
+    def __init__(self, ctx: EngineContext, ranks: tuple[int, ...] = ()) -> None:
         a = ctx.args
         self.device = ctx.device
         self.on_cpu = ctx.device.type != "cuda"
+        self.comm, self.followers = ctx.comm, list(ranks[1:])
+        tp = max(1, len(ranks))
         dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _ARG_DTYPES[a.dtype]
         if self.on_cpu:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's own switch; without it device 'cpu' is unknown
+            if tp > 1:
+                os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # inherited by SGLang's scheduler (module doc)
         tmp = None
         if ctx.model.path:
@@ -150,12 +181,12 @@ class SGLangEngine:
             import sglang
 
             with _rng_kept(), _process_kept():
-                self.engine: Any = sglang.Engine(**engine_kwargs(a, path, dtype, ctx.seed, ctx.device))
+                self.engine: Any = sglang.Engine(**engine_kwargs(a, path, dtype, ctx.seed, ctx.device, tp))
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-        log.info("SGLang %s engine started in %.1fs (%s, %s)", ctx.role, time.perf_counter() - start,
-                 "CPU" if self.on_cpu else str(ctx.device), dtype)
+        log.info("SGLang %s engine started in %.1fs (%s, %s, t=%d)", ctx.role, time.perf_counter() - start,
+                 "CPU" if self.on_cpu else str(ctx.device), dtype, tp)
         self._received: set[str] = set()
         self._asleep: set[str] = set()
         self._resident = StaysResident(log, _NO_SAVER)
@@ -176,7 +207,13 @@ class SGLangEngine:
                              "(it works on token ids)")
         outputs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=[dict(sampling)] * len(prompts),
                                        return_logprob=True)
-        return [_generation(o) for o in outputs]
+        generations = [_generation(o) for o in outputs]
+        if self.followers:
+            from rlbatch.runtime.control import send_obj  # MPI: not at import (SGLang's processes import this module)
+
+        for rank in self.followers:
+            send_obj(self.comm, generations, rank, RESULT_TAG)
+        return generations
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -244,6 +281,49 @@ class SGLangEngine:
         self.engine.resume_memory_occupation(tags=sorted(_TAGS[k] for k in wake))
         self._asleep -= wake
         return Transfer(max(0, free - free_device_bytes(self.device)), time.perf_counter() - start, 0)
+
+
+class SGLangFollower:
+    """A tensor-parallel worker's rank other than the first: SGLang runs this rank's share of the
+    model in a scheduler process of the leader's engine, so here there is no model, and each
+    generate call returns the generations the leader sends for the same call (module doc)."""
+
+    state_kinds: tuple[str, ...] = ()
+
+    def __init__(self, ctx: EngineContext, leader: int) -> None:
+        if ctx.comm is None:
+            raise ValueError(f"sglang engine, role {ctx.role}: a tensor-parallel worker's follower needs the world's "
+                             f"MPI communicator (EngineContext.comm)")
+        self.comm, self.leader = ctx.comm, leader
+        log.info("SGLang %s: tensor-parallel follower of rank %d's engine", ctx.role, leader)
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        from rlbatch.runtime.control import recv_obj
+
+        generations: list[Generation] = recv_obj(self.comm, self.leader, RESULT_TAG, None,
+                                                 f"the generations of rank {self.leader}'s sglang engine")
+        if len(generations) != len(prompts):
+            raise RuntimeError(f"sglang engine: rank {self.leader} generated for {len(generations)} prompts, this "
+                               f"follower was asked for {len(prompts)}")
+        return generations
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return 0  # the leader's engine loads every tensor-parallel rank's share
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        return Transfer()
+
+    def discard(self, kinds: Iterable[str]) -> Transfer:
+        return Transfer()
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        return Transfer()
 
 
 def _generation(output: dict[str, Any]) -> Generation:

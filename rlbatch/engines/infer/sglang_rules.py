@@ -5,8 +5,10 @@
   library's CPU kernels at start-up and no CPU build of it is published; the test suite brings a
   stand-in (tests/stand_ins, on ``PYTHONPATH``).
 
-Tensor parallelism (t > 1) is refused by the registry's dims with the engine's note. No torch, no
-SGLang import (``importlib.util.find_spec`` only).
+With tensor parallelism (t > 1): a model whose heads t does not split (SGLang splits them as vLLM
+does), and, on GPUs, a worker whose t GPUs are not consecutive on one node (its engine's scheduler
+processes take the leader's GPU and the t - 1 after it). No torch, no SGLang import
+(``importlib.util.find_spec`` only).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.config.plain import section
+from rlbatch.engines.vllm_limits import tp_heads_problem, valid_tp
+from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
 from rlbatch.placement import Placement
 from rlbatch.placement.backend import RoleEngine
@@ -50,4 +55,35 @@ def sglang_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placeme
         return [f"{field}: '{roles[0].backend}' on CPU runs SGLang's CPU engine, which imports sgl_kernel's CPU "
                 f"kernels at start-up; no CPU build of sgl_kernel is published (its wheels link CUDA). Run on a GPU, "
                 f"or with tests/stand_ins on PYTHONPATH as the tests do (docs/sglang.md)"]
-    return []
+    return _tp_problems(plain, [e for e in roles if e.backend.t > 1], placement)
+
+
+def _tp_problems(plain: Mapping[str, Any], roles: list[RoleEngine], placement: Placement | None) -> list[str]:
+    """Tensor-parallel sglang roles: heads t splits, each worker's GPUs consecutive on one node."""
+    if not roles:
+        return []
+    from rlbatch.models.spec import spec_from_config
+
+    problems = []
+    try:
+        spec = spec_from_config(section(plain, "model"))
+    except (ConfigError, OSError, ValueError, TypeError):
+        spec = None  # the model's own checks report it
+    for e in roles:
+        field, t = f"roles.{e.role}.backend", e.backend.t
+        if spec is not None and (why := tp_heads_problem(t, spec.heads, spec.kv_heads)) is not None:
+            problems.append(f"{field}: '{e.backend}' splits attention over t={t} tensor-parallel ranks, but {why}; "
+                            f"SGLang accepts t in {valid_tp(spec.heads, spec.kv_heads, spec.heads)} for this model "
+                            f"(num_heads={spec.heads}, num_kv_heads={spec.kv_heads})")
+        role = placement.roles.get(e.role) if placement is not None else None
+        if placement is None or role is None or on_cpu(plain):
+            continue
+        gpn = placement.gpus_per_node
+        for worker in role.workers:
+            if {r // gpn for r in worker} != {worker[0] // gpn} or list(worker) != list(range(worker[0], worker[0] + t)):
+                gpus = ", ".join(f"node {r // gpn} GPU {r % gpn}" for r in worker)
+                problems.append(f"{field}: '{e.backend}': a worker's engine runs its {t} tensor-parallel ranks on the "
+                                f"first rank's GPU and the {t - 1} after it on that node, but this worker has {gpus}; "
+                                f"list each worker's GPUs consecutively in roles.{e.role}.device_mapping")
+                break
+    return problems
