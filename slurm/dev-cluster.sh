@@ -12,9 +12,10 @@
 #     a private /tmp (bind mount of $DIR/<node>/tmp) and a private /dev/shm
 #     (tmpfs).  Without that both nodes share /tmp and the hostname and MPI's
 #     shared-memory files collide.
-#   * n1 and n2 each claim CPUs=8 and 4 fake GPUs (Gres=gpu:4, backed by
-#     /dev/fakegpu0-7 = char devices 1,3 i.e. copies of /dev/null), so
-#     `--gres=gpu:N` and CUDA_VISIBLE_DEVICES work as on a GPU cluster.
+#   * n1 and n2 each claim CPUs=16 and 8 fake GPUs (Gres=gpu:8, backed by
+#     /dev/fakegpu0-15 = char devices 1,3 i.e. copies of /dev/null), so
+#     `--gres=gpu:N` and CUDA_VISIBLE_DEVICES work as on a GPU cluster, and an
+#     8-GPU-a-node preset (roles=areal_16gpu) places as on real nodes.
 #     Both nodes resolve to 127.0.0.1 ("127.0.0.1 n1 n2" is added to
 #     /etc/hosts), so MASTER_ADDR=n1 works for torch.distributed.
 #
@@ -168,21 +169,21 @@ SlurmdTimeout=60
 UnkillableStepTimeout=60
 CompleteWait=0
 MaxJobCount=10000
-NodeName=n1 NodeHostname=n1 NodeAddr=127.0.0.1 Port=17001 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=$mem_mb Gres=gpu:4 State=UNKNOWN
-NodeName=n2 NodeHostname=n2 NodeAddr=127.0.0.1 Port=17002 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=$mem_mb Gres=gpu:4 State=UNKNOWN
+NodeName=n1 NodeHostname=n1 NodeAddr=127.0.0.1 Port=17001 CPUs=16 Boards=1 SocketsPerBoard=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN
+NodeName=n2 NodeHostname=n2 NodeAddr=127.0.0.1 Port=17002 CPUs=16 Boards=1 SocketsPerBoard=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
     cat >"$DIR/etc/gres.conf" <<EOF
 $MARKER
 AutoDetect=off
-NodeName=n1 Name=gpu File=/dev/fakegpu[0-3]
-NodeName=n2 Name=gpu File=/dev/fakegpu[4-7]
+NodeName=n1 Name=gpu File=/dev/fakegpu[0-7]
+NodeName=n2 Name=gpu File=/dev/fakegpu[8-15]
 EOF
     install -m 0644 "$DIR/etc/slurm.conf" "$CONF"
     install -m 0644 "$DIR/etc/gres.conf" "$ETC/gres.conf"
 
     local i
-    for i in 0 1 2 3 4 5 6 7; do
+    for i in $(seq 0 15); do
         [ -e "/dev/fakegpu$i" ] || mknod "/dev/fakegpu$i" c 1 3
         chmod 0666 "/dev/fakegpu$i"
     done

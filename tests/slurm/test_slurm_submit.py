@@ -107,3 +107,21 @@ def test_the_ppo_preset_places_its_ranks_on_two_nodes(run_root: Path) -> None:
     hosts = {int(r): rep["host"] for r, rep in result["reports"].items()}
     assert {hosts[r] for r in range(4)} == {"n1"} and {hosts[r] for r in range(4, 8)} == {"n2"}
     assert [r[0] for r in result["reports"]["0"]["roles"]] == ["actor_train", "actor_infer", "reference", "critic"]
+
+
+def test_the_areal_flagship_placement_selftests_on_two_8_gpu_nodes(run_root: Path) -> None:
+    """AReaL's full example, roles=areal_16gpu (sglang:d2t4 on node 0, fsdp:d4t2 on node 1), as the
+    seed documents give it, on the test cluster's two 8-GPU nodes (~40 s): 18 real processes, every
+    role group and mesh axis checked by program=selftest (which starts no engine)."""
+    out = selftest_on_slurm(run_root / "run", "roles=areal_16gpu")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((run_root / "run" / "selftest.json").read_text())
+    assert result["ok"], result["problems"]
+    reports = {int(r): rep for r, rep in result["reports"].items()}
+    assert len(reports) == 18  # 16 GPU ranks, the reward worker, the controller
+    assert all(reports[r]["host"] == "n1" and reports[r]["local_gpu"] == r for r in range(8))
+    assert all(reports[r]["host"] == "n2" and reports[r]["local_gpu"] == r - 8 for r in range(8, 16))
+    assert result["groups"]["actor_infer"] == list(range(8)) and result["groups"]["actor_train"] == list(range(8, 16))
+    # the two SGLang workers' tensor-parallel groups are ranks 0-3 and 4-7 (each rank sums its
+    # group's ranks + 1), each on consecutive GPUs of node 0, as their engines' schedulers take them
+    assert [result["sums"][str(r)]["actor_infer/tp"] for r in range(8)] == [10.0] * 4 + [26.0] * 4
