@@ -12,8 +12,8 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("ranks", "args"), [(2, ()), (4, ("equality-only",)), (2, ("cp",)),
-                                             (4, ("equality-only", "cp-tp"))],
-                         ids=["d1t2-vs-d2", "d2t2-vs-d4", "d1c2-vs-d2", "d1t2c2-vs-d4"])
+                                             (4, ("equality-only", "cp-tp")), (2, ("lora",))],
+                         ids=["d1t2-vs-d2", "d2t2-vs-d4", "d1c2-vs-d2", "d1t2c2-vs-d4", "d1t2-vs-d2-lora"])
 def test_fsdp_tensor_parallel_trains_like_data_parallel_shares_checkpoints_and_resumes_bitwise(
         ranks: int, args: tuple[str, ...]) -> None:
     out = mpirun("fsdp_tp.py", ranks, *args)

@@ -72,9 +72,9 @@ class FSDPEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
         self.lora = lora.of(ctx)
-        if self.lora is not None and self.tp > 1:
-            raise NotImplementedError(f"fsdp engine, role {ctx.role}: model.lora with tensor parallel t = {self.tp} is "
-                                      f"not built (PEFT wraps the linear layers that tensor parallelism splits)")
+        if self.lora is not None and self.tp > 1 and float(self.lora.dropout) > 0:
+            raise ValueError(f"fsdp engine, role {ctx.role}: model.lora.dropout {self.lora.dropout} under tensor parallel "
+                             f"t = {self.tp}: the ranks would mask the adapters' whole inputs differently (fsdp_rules)")
         self.dp_group = ctx.group("dp")
         self.cp_group = ctx.group("cp") if self.cp > 1 else None
         held = held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable)

@@ -47,10 +47,12 @@ def fsdp_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
                                 f"routed experts; use t=1, or the megatron engine")
         lora = model.get("lora")
         # only a run this machine is to start: the planner prices such a layout as it would any other
-        if train_run and e.role == "actor_train" and isinstance(lora, Mapping) and int(lora.get("rank") or 0) > 0:
-            problems.append(f"{field}: '{b}' with model.lora.rank={lora.get('rank')}: low-rank adapters under the "
-                            f"fsdp engine's tensor parallelism (t={t}) are not built (PEFT wraps the linear layers "
-                            f"that it splits); use t=1")
+        if (train_run and e.role == "actor_train" and isinstance(lora, Mapping) and int(lora.get("rank") or 0) > 0
+                and float(lora.get("dropout") or 0) > 0):
+            problems.append(f"{field}: '{b}' with model.lora.dropout={lora.get('dropout')}: under tensor parallelism "
+                            f"(t={t}) each rank of a column-split layer feeds the whole input to the adapter's A, "
+                            f"which every rank holds whole; dropout would mask it differently on each rank and the "
+                            f"copies of A would drift apart; use model.lora.dropout=0")
     return problems
 
 

@@ -45,12 +45,26 @@ def require_dp_tp(mesh: Any) -> tuple[int, int]:
 
 def layer_plan(layer: torch.nn.Module) -> dict[str, Any]:
     """The tensor-parallel plan of one decoder layer, by submodule name. A layer without these
-    linear layers (a Mixture-of-Experts block) is refused: its experts are not split here."""
+    linear layers (a Mixture-of-Experts block) is refused: its experts are not split here.
+
+    A linear layer with a low-rank adapter (PEFT's ``base_layer`` + ``lora_A`` + ``lora_B``, the
+    update ``B @ A``) is split with its base: by output features, B splits as the base does and A
+    stays whole (each rank feeds A the whole input, as its base gets it, and adds its own rows of
+    ``B @ A x``); by input features, A splits as the base does (its partial products are summed
+    over tp with the base's) and B stays whole."""
     names = {n for n, _ in layer.named_modules()}
     if missing := [n for n in COLWISE + ROWWISE if n not in names]:
         raise NotImplementedError(f"fsdp engine: tensor parallelism splits {', '.join(COLWISE + ROWWISE)} of each "
                                   f"decoder layer; {type(layer).__name__} has no {', '.join(missing)}")
-    return {n: ColwiseParallel() for n in COLWISE} | {n: RowwiseParallel() for n in ROWWISE}
+    plan: dict[str, Any] = {}
+    for split, style, adapter in ((COLWISE, ColwiseParallel, "lora_B"), (ROWWISE, RowwiseParallel, "lora_A")):
+        for n in split:
+            if f"{n}.base_layer" not in names:
+                plan[n] = style()
+                continue
+            plan[f"{n}.base_layer"] = style()
+            plan |= {m: style() for m in names if m.startswith(f"{n}.{adapter}.") and m.count(".") == n.count(".") + 2}
+    return plan
 
 
 def parallelize(layers: Iterable[torch.nn.Module], tp_mesh: Any, heads: int, kv_heads: int) -> None:

@@ -3,7 +3,9 @@
 engine with tensor parallelism on the tp axis trains like the same engine with data parallelism
 alone, on the same global batch. With the argument ``cp``, the same checks of context parallelism
 (fsdp:d1c2 against fsdp:d2: Ulysses, each packed row split over the cp axis) in place of tp; with
-``cp-tp`` (4 ranks, with ``equality-only``), both: fsdp:d1t2c2 against fsdp:d4.
+``cp-tp`` (4 ranks, with ``equality-only``), both: fsdp:d1t2c2 against fsdp:d4. With ``lora`` (and
+``equality-only``), the policy learns low-rank adapters (model.lora.rank=4) under both layouts: the
+adapters' A whole and B split on column-split layers, A split and B whole on row-split ones.
 
 - at start-up both export the same weights, bit for bit (each rank filled its 2-D block by rows);
 - three updates: losses and gradient norms (clipped: the norm spans both meshes, dp x tp and dp)
@@ -64,7 +66,9 @@ mesh_d = DeviceMesh("cpu", torch.arange(N).reshape(1, N, 1, 1), mesh_dim_names=N
 CP, BOTH = "cp" in sys.argv[2:], "cp-tp" in sys.argv[2:]
 LAYOUT = (1, N // 4, 2, 2) if BOTH else (1, N // 2, 2, 1) if CP else (1, N // 2, 1, 2)
 mesh_tp = DeviceMesh("cpu", torch.arange(N).reshape(LAYOUT), mesh_dim_names=NAMES)
-cfg = compose(["algo.lr=1e-2", "algo.warmup_steps=2", "algo.grad_clip=0.5", "algo.mini_batches=1"])
+LORA = "lora" in sys.argv[2:]
+cfg = compose(["algo.lr=1e-2", "algo.warmup_steps=2", "algo.grad_clip=0.5", "algo.mini_batches=1",
+               *(["model.lora.rank=4", "model.lora.alpha=8"] if LORA else [])])
 tok = load_tokenizer(cfg.model)
 objective = PolicyObjective(cfg.algo)
 SEED = 3
@@ -116,7 +120,7 @@ def world_mean(v, mesh, step):
 def grads(e):
     """The full gradient of every parameter (those of the last update, read before the next)."""
     return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-            for n, p in e.model.named_parameters()}
+            for n, p in e.model.named_parameters() if p.requires_grad}
 
 
 def close(a, b, tol, what):
@@ -143,6 +147,11 @@ d, t = engine(mesh_d), engine(mesh_tp)
 same(weights(t), weights(d), f"{TP} vs {D} weights at start")
 hf = {n: p.detach() for n, p in load_model(cfg.model, tok, SEED).named_parameters()}
 same({n: x for n, x in weights(t).items() if n in hf}, hf, f"{TP} weights at start vs transformers'")
+if LORA:  # the adapters are what trains, and the split layers carry them
+    trained = [n for n, p in t.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained), trained
+    assert any("lora_B" in n and "q_proj" in n and hasattr(p, "full_tensor") and p.to_local().shape != p.shape
+               for n, p in t.model.named_parameters()), "q_proj's lora_B is not split over tp"
 sd, st = train(d, mesh_d, range(1)), train(t, mesh_tp, range(1))
 gd, gt = grads(d), grads(t)
 scale = max(float(g.abs().max()) for g in gd.values())
