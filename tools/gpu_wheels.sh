@@ -13,8 +13,9 @@
 #   antlr4-python3-runtime    their parser; PyPI has its source only: built here, pure Python
 #   mpich                     the MPI library and mpiexec (mpi4py loads the library at run time)
 #   mpi4py                    installed there only if the image's cannot load mpich's library
+#   megatron-core             the megatron engine's GPU test (tests/gpu/test_gpu.py; ~2.4 MiB)
 # Not needed for the check: submitit and hydra-submitit-launcher (cluster=slurm), datasets
-# (data.name=file), deepspeed, megatron-core and vllm (imported by their engines only; vLLM's CUDA
+# (data.name=file), deepspeed and vllm (imported by their engines only; vLLM's CUDA
 # wheel is hundreds of MB and cannot travel, so the check's vllm steps need it installed there).
 # Versions: the ones this checkout's .venv runs its tests with.
 set -euo pipefail
@@ -23,7 +24,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 DEST=${DEST:-$REPO/.gpu-wheels}
 PY_VERSION=${PY_VERSION:-3.12}
-WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 mpich==4.3.2 mpi4py==4.1.2)
+WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 mpich==4.3.2 mpi4py==4.1.2 megatron-core==0.19.2)
 SDIST_ONLY=(antlr4-python3-runtime==4.9.3)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 

@@ -157,10 +157,16 @@ class MegatronArgs:
     prompt + response tokens (a longer sample alone), every dp rank running as many, at any p;
     training's loss is then exact under any split (the whole mini-batch's aggregation;
     algo.grad_accum unused) and the samples are spread over the dp ranks by tokens, as fsdp's.
-    Unlike fsdp's, rows stay right-padded within a micro-batch (its longest sample sets its
-    length): megatron-core packs samples into one row only in its 'thd' format, which needs
-    TransformerEngine's attention, not used here. 0 (the default on every device): grad_accum
-    micro-batches by sample count, micro_batch sequences per forward."""
+    Rows stay right-padded within a micro-batch (its longest sample sets its length) unless
+    ``pack_rows``. 0 (the default on every device): grad_accum micro-batches by sample count,
+    micro_batch sequences per forward."""
+    pack_rows: bool = False
+    """With max_tokens_per_micro_batch > 0 (policy and value heads): each micro-batch's samples back
+    to back in one row, megatron-core's 'thd' format (PackedSeqParams), instead of padded rows: no
+    compute on padding. Attention is confined to each sample by an exact block-diagonal mask
+    through megatron-core's local attention (TransformerEngine's varlen attention, which megatron
+    uses for 'thd', is not used here), so its scores grow with the row's length squared: it pays
+    where samples are ragged and the budget short; the planner models rows padded."""
     sync_bucket_mb: int = 256
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
     distributed_optimizer: bool = False

@@ -251,12 +251,12 @@ def check_config(engine: str, device: str, root: Path) -> str:
 # -- set-up and versions ---------------------------------------------------------------------------
 
 DEPENDENCIES = (("hydra-core", "hydra"), ("omegaconf", "omegaconf"), ("antlr4-python3-runtime", "antlr4"),
-                ("mpi4py", "mpi4py"))
+                ("mpi4py", "mpi4py"), ("megatron-core", "megatron.core"))
 """What rlbatch imports on every local run besides torch, transformers, numpy, safetensors,
-tokenizers, PyYAML, tqdm, matplotlib and tensorboard: (distribution, module). ``mpich`` (the MPI
-library and ``mpiexec``) is judged by ``mpi_problem``. submitit and hydra-submitit-launcher
-(cluster=slurm), datasets (data.name=file), deepspeed, megatron-core and vllm (their engines) are
-imported only when a run uses them."""
+tokenizers, PyYAML, tqdm, matplotlib and tensorboard, and megatron-core for the megatron engine's
+GPU test: (distribution, module). ``mpich`` (the MPI library and ``mpiexec``) is judged by
+``mpi_problem``. submitit and hydra-submitit-launcher (cluster=slurm), datasets (data.name=file),
+deepspeed and vllm (their engines) are imported only when a run uses them."""
 
 
 def mpiexec_path() -> str | None:
@@ -302,7 +302,13 @@ def missing() -> list[str]:
     """Distributions to install, in install order (mpich before mpi4py loads it)."""
     from importlib import util
 
-    names = [dist for dist, module in DEPENDENCIES if util.find_spec(module) is None]
+    def absent(module: str) -> bool:
+        try:
+            return util.find_spec(module) is None
+        except ModuleNotFoundError:  # a dotted name whose parent package is missing
+            return True
+
+    names = [dist for dist, module in DEPENDENCIES if absent(module)]
     for dist in names:
         print(f"{dist}: not importable", file=sys.stderr)
     why = "no mpiexec beside this Python or on PATH" if mpiexec_path() is None else None

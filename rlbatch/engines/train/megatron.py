@@ -64,13 +64,19 @@ from rlbatch import algos
 from rlbatch.algos.objective import LossInput
 from rlbatch.algos.value import ValueInput
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
-from rlbatch.engines.batch import Full, Packed, pack, unpack
+from rlbatch.engines.batch import Flat, Full, Packed, pack, unpack
 from rlbatch.engines.model import load_engine_model, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, optimizer_tensors
 from rlbatch.engines.train import common, megatron_optim
 from rlbatch.engines.train import megatron_convert as convert
 from rlbatch.engines.train.megatron_device import check_device
-from rlbatch.engines.train.megatron_model import build_gpt, engine_groups, freeze_padding_row, process_groups
+from rlbatch.engines.train.megatron_model import (
+    build_gpt,
+    engine_groups,
+    freeze_padding_row,
+    packed_params,
+    process_groups,
+)
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
@@ -106,9 +112,11 @@ class MegatronEngine(StashedState):
         self.device, self.algo, self.tokenizer = ctx.device, ctx.algo, ctx.tokenizer
         self.micro_batch = int(ctx.args.micro_batch)
         self.tp_group, self.dp_group, self.pp_group = ctx.group("tp"), ctx.group("dp"), ctx.group("pp")
-        # Rows stay padded under a token budget: megatron-core packs samples into one row only in its
-        # 'thd' format (PackedSeqParams), which its local attention refuses (TransformerEngine's only).
+        # Under a token budget with pack_rows a micro-batch is one packed row (megatron-core's 'thd'
+        # format, which the engine's attention takes: megatron_model.packed_attention); else rows are
+        # padded. A reward head pools padded rows.
         self.max_tokens = int(ctx.args.max_tokens_per_micro_batch)
+        self.packed = self.max_tokens > 0 and bool(ctx.args.pack_rows) and ctx.head != "reward"
         self.split = common.Split(self.micro_batch, self.max_tokens, self.dp_group, ctx.device)
         self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         self.pp, self.stage = dist.get_world_size(self.pp_group), dist.get_rank(self.pp_group)
@@ -312,27 +320,42 @@ class MegatronEngine(StashedState):
 
     # -- forward ------------------------------------------------------------------------------
     def _pack(self, chunk: list[Sample]) -> Packed:
-        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=False)
+        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=False, flat=self.packed)
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, b: Packed) -> torch.Tensor:
         """[B, L, V] logits (or [B, L, 1] of a scalar head) at every position of right-padded
         sequences: the causal mask alone keeps pads out of every real position (so does the padding
-        to a multiple of t under sequence parallelism). On a pipeline stage before the last: its
+        to a multiple of t under sequence parallelism). A packed row (``Flat``): [1, N, V] over its
+        N tokens, attention confined to each sample. On a pipeline stage before the last: its
         hidden states, for the next stage."""
+        x = b.inputs
+        assert isinstance(x, Full | Flat)  # prompts are not shared here (``_pack``)
+        ids = x.input_ids
         length = ids.shape[1]
         if self.sp and length % self.tp:  # the sequence splits evenly over tp; pads after it change nothing before
             ids = torch.nn.functional.pad(ids, (0, self.tp - length % self.tp), value=self.tokenizer.pad_token_id)
-        pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
-        out = self.net(input_ids=ids, position_ids=pos, attention_mask=None)
+        kwargs: dict[str, Any] = {}
+        if isinstance(x, Flat):
+            kwargs["packed_seq_params"] = packed_params(x.cu_seq_lens, ids.shape[1])
+            pos = torch.nn.functional.pad(x.position_ids, (0, ids.shape[1] - length))
+        else:
+            pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
+        out = self.net(input_ids=ids, position_ids=pos, attention_mask=None, **kwargs)
         if not self.last:
             return out
         return out[:, :length, : self.lay.vocab] if self.head == "lm" else out[:, :length]
 
     @staticmethod
     def _select(b: Packed, out: torch.Tensor) -> torch.Tensor:
-        """[B, R, ...] of the final output at the positions that score each response token."""
-        assert isinstance(b.inputs, Full)
-        return out.gather(1, b.inputs.index[:, :, None].expand(-1, -1, out.shape[-1]))
+        """[B, R, ...] of the final output at the positions that score each response token (a packed
+        row's: zero where a row of B x R holds no response token)."""
+        x = b.inputs
+        if isinstance(x, Flat):
+            kept = out[0, x.keep]
+            rows = torch.zeros(len(b.lengths) * x.width, kept.shape[-1], dtype=kept.dtype, device=kept.device)
+            return rows.index_copy(0, x.where, kept).view(len(b.lengths), x.width, -1)
+        assert isinstance(x, Full)
+        return out.gather(1, x.index[:, :, None].expand(-1, -1, out.shape[-1]))
 
     def _each(self, samples: list[Sample], fn: Callable[[Packed, torch.Tensor], list[Any]]) -> list[Any]:
         """``fn(batch, final output)`` of every micro-batch, concatenated. With pipeline stages: the
@@ -342,7 +365,7 @@ class MegatronEngine(StashedState):
         are dropped here)."""
         packs = [self._pack(c) for c in common.chunks(samples, self.split)]
         if self.pp == 1:
-            out = [x for b in packs for x in fn(b, self._forward(self._ids(b)))]
+            out = [x for b in packs for x in fn(b, self._forward(b))]
         else:
             results = self._pipeline(packs, lambda i, out, non_loss_data=True: fn(packs[i], out), forward_only=True)
             out = [x for r in self._from_last(results) for x in r]
@@ -363,7 +386,7 @@ class MegatronEngine(StashedState):
 
         def step(data: Iterator[int], model: Any) -> tuple[torch.Tensor, Any]:
             i = next(data)
-            return self._forward(self._ids(packs[i])), partial(loss_func, i)
+            return self._forward(packs[i]), partial(loss_func, i)
 
         return forward_backward_pipelining_without_interleaving(
             forward_step_func=step, data_iterator=iter(range(len(packs))), model=self.net, num_microbatches=len(packs),
@@ -422,7 +445,7 @@ class MegatronEngine(StashedState):
         packs = [self._pack(m.samples) for m in micro_batches]
         if self.pp == 1:
             for b, m in zip(packs, micro_batches, strict=True):
-                loss, stats = self._loss(b, self._forward(self._ids(b)), m.objective)
+                loss, stats = self._loss(b, self._forward(b), m.objective)
                 (loss / m.divisor).backward()
                 totals.add(stats, m.weight)
             return

@@ -1,4 +1,5 @@
-"""Build a megatron-core GPTModel (local spec: no TransformerEngine needed) from a transformers
+"""Build a megatron-core GPTModel (local spec: no TransformerEngine needed; its attention also takes
+packed rows, ``packed_attention``) from a transformers
 Qwen2/Llama/Qwen2-MoE config, over explicit process groups (no global ``parallel_state`` world).
 
 The groups come from the role's DeviceMesh (axes pp, dp, cp, tp) that ``rlbatch.runtime.world``
@@ -151,6 +152,50 @@ class ScalarHead(torch.nn.Linear):
         return torch.nn.functional.linear(x, self.weight, self.bias), None
 
 
+def packed_attention() -> type:
+    """megatron-core's local ``DotProductAttention``, which also takes packed rows (the ``thd``
+    format: ``packed_seq_params`` with each sample's boundaries, ``cu_seqlens``), which the local one
+    refuses and only TransformerEngine's attention runs. Given boundaries, attention is confined to
+    each sample (causal within it) by an exact block-diagonal mask through the local attention's own
+    softmax; without them it is the local attention unchanged. The ``thd`` inputs are
+    [tokens, heads, head_dim] (megatron-core squeezes the batch dimension of 1), the output
+    [tokens, 1, heads x head_dim] as the local attention returns it."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Any:
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            cu = packed_seq_params.cu_seqlens_q.long()
+            n = query.shape[0]
+            if int(cu[-1]) != n or not torch.equal(cu, packed_seq_params.cu_seqlens_kv.long()):
+                raise ValueError(f"megatron engine: packed rows of {n} tokens with boundaries {cu.tolist()} (queries) "
+                                 f"and {packed_seq_params.cu_seqlens_kv.tolist()} (keys)")
+            sample = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu.diff())
+            pos = torch.arange(n, device=cu.device)
+            masked = (sample[:, None] != sample[None, :]) | (pos[None, :] > pos[:, None])  # True: not attended
+            return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), masked[None, None],
+                                   attn_mask_type, attention_bias)
+
+    return PackedDotProductAttention
+
+
+def packed_params(cu_seq_lens: torch.Tensor, length: int) -> Any:
+    """megatron-core's ``PackedSeqParams`` (the ``thd`` format) of a packed row of ``length`` tokens
+    whose samples start at ``cu_seq_lens`` (``Flat.cu_seq_lens``: 0, ..., its token count). Pads
+    after the samples (to a multiple of t under sequence parallelism) are a sample of their own, so
+    every position belongs to one and no sample attends to them."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seq_lens.to(torch.int32)
+    if length > int(cu[-1]):
+        cu = torch.cat([cu, cu.new_tensor([length])])
+    longest = int(cu.diff().max()) if len(cu) > 1 else 0
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
 def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
     """transformers' ``nn.Embedding(padding_idx=...)``: a lookup of the padding token passes no
     gradient to its row. megatron-core's embedding has no such index, and a sampled response may
@@ -202,6 +247,7 @@ def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch
     layer = get_gpt_layer_local_spec(num_experts=getattr(hf_config, "num_experts", None) or None,
                                      normalization="RMSNorm")
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    layer.submodules.self_attention.submodules.core_attention = packed_attention()  # packed rows too
     model = GPTModel(
         config=config,
         transformer_layer_spec=TransformerBlockSubmodules(

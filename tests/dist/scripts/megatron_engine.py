@@ -2,7 +2,9 @@
 
 - HF -> GPTModel -> HF is exact (export at TP=1 and TP=2 gives the HF weights bit for bit);
 - TP=2 (with sequence parallelism, the default, and without) and TP=1 log-probs equal the
-  transformers model's within float tolerance;
+  transformers model's within float tolerance; so do TP=2's over packed rows (a token budget: the
+  samples of a micro-batch back to back in one row, megatron-core's ``thd`` format, padded to a
+  multiple of t under sequence parallelism);
 - exact resume at TP=2: 3 steps, checkpoint through the DCP store, 3 more == 6 steps, bitwise;
 - weight sync from the TP=2 trainer into the hf engine: greedy output equals transformers with
   the same weights;
@@ -30,6 +32,7 @@ from rlbatch.engines.batch import pack, response_logits, unpack
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import FSDPArgs, HFArgs, MegatronArgs
+from rlbatch.engines.train import common
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.engines.train.megatron import MegatronEngine
 from rlbatch.launch.compose import compose
@@ -47,9 +50,10 @@ SEED = 3
 TMP = Path(comm.bcast(tempfile.mkdtemp(prefix="mcore-") if comm.rank == 0 else None, root=0))
 
 
-def megatron(mesh, trainable=True, sequence_parallel=True):
-    return MegatronEngine(EngineContext("actor_train", MegatronArgs(sequence_parallel=sequence_parallel), cfg.model,
-                                        cfg.algo, tok, torch.device("cpu"), seed=SEED, mesh=mesh, trainable=trainable))
+def megatron(mesh, trainable=True, sequence_parallel=True, budget=0):
+    args = MegatronArgs(sequence_parallel=sequence_parallel, max_tokens_per_micro_batch=budget, pack_rows=budget > 0)
+    return MegatronEngine(EngineContext("actor_train", args, cfg.model, cfg.algo, tok, torch.device("cpu"), seed=SEED,
+                                        mesh=mesh, trainable=trainable))
 
 
 def fsdp(mesh):
@@ -83,7 +87,10 @@ samples = batch(0)
 b = pack(samples, tok.pad_token_id, torch.device("cpu"))
 with torch.no_grad():
     ref = unpack(algos.token_logprobs(response_logits(hf, b).float(), b.targets), b.lengths)
-for name, e in (("TP=1", tp1), ("TP=2", tp2), ("TP=2 without sequence parallelism", plain_tp2)):
+packed_tp2 = megatron(mesh_tp2, trainable=False, budget=21)
+assert packed_tp2.packed and max(len(c) for c in common.chunks(samples, packed_tp2.split)) > 1, "rows of several samples"
+for name, e in (("TP=1", tp1), ("TP=2", tp2), ("TP=2 without sequence parallelism", plain_tp2),
+                ("TP=2 over packed rows", packed_tp2)):
     err = max(float((x - y).abs().max()) for x, y in zip(e.logprobs(samples), ref, strict=True))
     # fp32 with |logp| ~ 3: summation-order differences are ~1e-6; a wrong mapping is ~0.1 or more
     assert err < 1e-4, f"{name} log-probs differ from transformers by {err}"

@@ -12,7 +12,8 @@ show a sum over dp where a mean is due (AdamW itself is blind to the scale):
 - a Qwen2-MoE at d2p2e2 (expert parallelism inside each stage) against the same model at d4;
 - token budgets (``engine_args.max_tokens_per_micro_batch``): each replica trains its own share of a
   ragged global batch (shares of unequal sizes, the long responses on the first) in micro-batches of at most 24 or 40
-  tokens, at d4 and at d2p2 (torch AdamW; the distributed optimizer: its gradient norm), for the
+  tokens, at d4 and at d2p2 (torch AdamW; the distributed optimizer: its gradient norm), padded
+  rows (d4 at 40) and packed ones (``pack_rows``: the others, through the pipeline too), for the
   token-mean, sequence-mean and sequence-mean-of-token-sums aggregations: the gradient of the whole
   batch in one pass, to float32 rounding, where the same shares without a budget are off for the
   token mean; log-probs under a budget (the long share needing more forwards) equal one pass's.
@@ -56,8 +57,9 @@ AdamW divides by sqrt(v), so rounding differences of the gradient sums grow over
 (~1e-5 here); the bound is 100x below how far they move (~0.1)."""
 
 
-def engine(mesh, distributed=False, model=None, groups=None, budget=0, algo=None):
-    args = MegatronArgs(micro_batch=3, distributed_optimizer=distributed, max_tokens_per_micro_batch=budget)
+def engine(mesh, distributed=False, model=None, groups=None, budget=0, algo=None, packed=False):
+    args = MegatronArgs(micro_batch=3, distributed_optimizer=distributed, max_tokens_per_micro_batch=budget,
+                        pack_rows=packed)
     return MegatronEngine(EngineContext("actor_train", args, model or cfg.model, algo or cfg.algo, tok,
                                         torch.device("cpu"), seed=3, mesh=mesh, trainable=True, groups=groups or {}))
 
@@ -155,9 +157,10 @@ def budget_step(e, samples, agg):
 
 
 ref = engine(mesh_d4, algo=budget_cfg.algo)
-budgeted = {f"d4 budget {b}": (engine(mesh_d4, budget=b, algo=budget_cfg.algo), d4_share) for b in (24, 40)}
-budgeted["d2p2 budget 24"] = (engine(mesh_d2p2, budget=24, algo=budget_cfg.algo), pp_share)
-sliced = engine(mesh_d2p2, distributed=True, budget=40, algo=budget_cfg.algo)
+budgeted = {f"d4 budget {b}": (engine(mesh_d4, budget=b, algo=budget_cfg.algo, packed=b == 24), d4_share) for b in (24, 40)}
+budgeted["d2p2 budget 24"] = (engine(mesh_d2p2, budget=24, algo=budget_cfg.algo, packed=True), pp_share)
+assert all(e.packed == ("24" in name) for name, (e, _) in budgeted.items())
+sliced = engine(mesh_d2p2, distributed=True, budget=40, algo=budget_cfg.algo, packed=True)
 for agg in AGGREGATIONS:
     want_norm = budget_step(ref, every, agg)["grad_norm"]  # every rank the whole batch in one micro-batch
     want = full_grads(ref)
