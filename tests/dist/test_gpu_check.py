@@ -35,7 +35,7 @@ def test_gpu_check_cpu_mode_passes_every_step_a_cpu_can_run(run_root: Path) -> N
     # tests/gpu collects and skips without CUDA; the hf pipeline test is pipeline_hf's own launch,
     # not run twice (the vLLM one is collected: its step did not run).
     gpu_tests = reason["gpu_tests"]
-    assert gpu_tests.startswith("all 4 collected tests skipped (") and "needs CUDA" in gpu_tests, gpu_tests
+    assert gpu_tests.startswith("all 5 collected tests skipped (") and "needs CUDA" in gpu_tests, gpu_tests
     assert gpu_tests.endswith("; 1 deselected (the pipeline steps above ran their launches)"), gpu_tests
     figures = check["figures"]
     assert [s["step"] for s in figures["pipeline_hf"]["steps"]] == [0, 1]
