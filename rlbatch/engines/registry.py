@@ -161,7 +161,7 @@ class MegatronArgs:
     ``pack_rows``. 0 (the default on every device): grad_accum micro-batches by sample count,
     micro_batch sequences per forward."""
     pack_rows: bool = False
-    """With max_tokens_per_micro_batch > 0 (policy and value heads): each micro-batch's samples back
+    """With max_tokens_per_micro_batch > 0: each micro-batch's samples back
     to back in one row, megatron-core's 'thd' format (PackedSeqParams), instead of padded rows: no
     compute on padding. Attention is confined to each sample by an exact block-diagonal mask
     through megatron-core's local attention (TransformerEngine's varlen attention, which megatron

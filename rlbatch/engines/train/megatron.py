@@ -51,6 +51,7 @@ token, ``scores()`` at each sequence's last non-pad token (transformers' pooling
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from functools import partial
@@ -64,7 +65,7 @@ from rlbatch import algos
 from rlbatch.algos.objective import LossInput
 from rlbatch.algos.value import ValueInput
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
-from rlbatch.engines.batch import Flat, Full, Packed, pack, unpack
+from rlbatch.engines.batch import Flat, Full, Packed, flat_sequences, pack, unpack
 from rlbatch.engines.model import load_engine_model, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, optimizer_tensors
 from rlbatch.engines.train import common, megatron_optim
@@ -113,10 +114,9 @@ class MegatronEngine(StashedState):
         self.micro_batch = int(ctx.args.micro_batch)
         self.tp_group, self.dp_group, self.pp_group = ctx.group("tp"), ctx.group("dp"), ctx.group("pp")
         # Under a token budget with pack_rows a micro-batch is one packed row (megatron-core's 'thd'
-        # format, which the engine's attention takes: megatron_model.packed_attention); else rows are
-        # padded. A reward head pools padded rows.
+        # format, which the engine's attention takes: megatron_model.packed_attention); else rows are padded.
         self.max_tokens = int(ctx.args.max_tokens_per_micro_batch)
-        self.packed = self.max_tokens > 0 and bool(ctx.args.pack_rows) and ctx.head != "reward"
+        self.packed = self.max_tokens > 0 and bool(ctx.args.pack_rows)
         self.split = common.Split(self.micro_batch, self.max_tokens, self.dp_group, ctx.device)
         self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         self.pp, self.stage = dist.get_world_size(self.pp_group), dist.get_rank(self.pp_group)
@@ -320,7 +320,11 @@ class MegatronEngine(StashedState):
 
     # -- forward ------------------------------------------------------------------------------
     def _pack(self, chunk: list[Sample]) -> Packed:
-        return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=False, flat=self.packed)
+        b = pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=False, flat=self.packed)
+        if self.packed and self.head == "reward":  # whole sequences, each scored at its last token (``_pool``)
+            b = dataclasses.replace(b, inputs=flat_sequences(chunk, -1 if self.pad_id is None else self.pad_id,
+                                                             self.device))
+        return b
 
     def _forward(self, b: Packed) -> torch.Tensor:
         """[B, L, V] logits (or [B, L, 1] of a scalar head) at every position of right-padded
@@ -417,6 +421,8 @@ class MegatronEngine(StashedState):
         return self._each(samples, self._pool)
 
     def _pool(self, b: Packed, out: torch.Tensor) -> list[float]:
+        if isinstance(b.inputs, Flat):  # a packed row: each sequence's pooling position (``flat_sequences``)
+            return out[0, b.inputs.keep, 0].float().tolist()
         ids = self._ids(b)
         per_token = out[..., 0].float()
         if self.pad_id is None:

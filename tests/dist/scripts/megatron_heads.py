@@ -10,8 +10,10 @@ test-only shim), against transformers and the fsdp engine:
   exporter's token-classification model (``rlbatch.export``), and the fsdp critic's back into TP=2;
 - a reward model (sequence classification) at TP=2: scores within float tolerance of transformers';
 - under a token budget (``engine_args.max_tokens_per_micro_batch``, one or two samples per
-  micro-batch): the critic's values and the reward model's scores as above, and the critic's first
-  updates give the unbudgeted engine's value losses and gradient norms.
+  micro-batch) with packed rows (``pack_rows``; the reward model's whole sequences back to back, each
+  scored at its last token that is not the pad token): the critic's values and the reward model's
+  scores as above, and the critic's first updates give the unbudgeted engine's value losses and
+  gradient norms.
 """
 
 import shutil
@@ -90,7 +92,7 @@ err = gap(mc.values(samples), want)
 assert err < TOL, f"TP=2 values differ from transformers by {err}"
 assert max(float(v.abs().max()) for v in want) > 0.1, "the reference values are trivial"
 print(f"rank {comm.rank}: TP=2 critic values within {err:.1e} of transformers", flush=True)
-BUDGET = MegatronArgs(max_tokens_per_micro_batch=12)
+BUDGET = MegatronArgs(max_tokens_per_micro_batch=12, pack_rows=True)
 budgeted = engine(MegatronEngine, BUDGET, mesh_tp2, "value")
 err = gap(budgeted.values(samples), want)
 assert err < TOL, f"TP=2 values under a token budget differ from transformers by {err}"
