@@ -38,6 +38,17 @@ def tp_heads_problem(t: int, heads: int, kv_heads: int) -> str | None:
     return None
 
 
+def tp_heads_refusal(role: str, backend: object, t: int, heads: int, kv_heads: int, engine: str) -> str | None:
+    """Validation's line for ``roles.<role>.backend`` when t tensor-parallel ranks cannot split the
+    model's attention by ``tp_heads_problem`` (``engine``, vLLM or SGLang, splits heads alike), or None."""
+    why = tp_heads_problem(t, heads, kv_heads)
+    if why is None:
+        return None
+    return (f"roles.{role}.backend: '{backend}' splits attention over t={t} tensor-parallel ranks, but {why}; "
+            f"{engine} accepts t in {valid_tp(heads, kv_heads, heads)} for this model "
+            f"(num_heads={heads}, num_kv_heads={kv_heads})")
+
+
 def valid_tp(heads: int, kv_heads: int, upto: int = 64) -> list[int]:
     """Tensor-parallel sizes up to ``upto`` that vLLM accepts for this head split."""
     return [t for t in range(1, upto + 1) if tp_heads_problem(t, heads, kv_heads) is None]

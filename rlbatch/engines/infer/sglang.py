@@ -211,8 +211,8 @@ class SGLangEngine:
         if self.followers:
             from rlbatch.runtime.control import send_obj  # MPI: not at import (SGLang's processes import this module)
 
-        for rank in self.followers:
-            send_obj(self.comm, generations, rank, RESULT_TAG)
+            for rank in self.followers:
+                send_obj(self.comm, generations, rank, RESULT_TAG)
         return generations
 
     # -- weights ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlbatch.config.plain import section
-from rlbatch.engines.vllm_limits import tp_heads_problem, valid_tp
+from rlbatch.engines.vllm_limits import tp_heads_refusal
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
 from rlbatch.placement import Placement
@@ -71,10 +71,9 @@ def _tp_problems(plain: Mapping[str, Any], roles: list[RoleEngine], placement: P
         spec = None  # the model's own checks report it
     for e in roles:
         field, t = f"roles.{e.role}.backend", e.backend.t
-        if spec is not None and (why := tp_heads_problem(t, spec.heads, spec.kv_heads)) is not None:
-            problems.append(f"{field}: '{e.backend}' splits attention over t={t} tensor-parallel ranks, but {why}; "
-                            f"SGLang accepts t in {valid_tp(spec.heads, spec.kv_heads, spec.heads)} for this model "
-                            f"(num_heads={spec.heads}, num_kv_heads={spec.kv_heads})")
+        if spec is not None and (line := tp_heads_refusal(e.role, e.backend, t, spec.heads, spec.kv_heads,
+                                                           "SGLang")) is not None:
+            problems.append(line)
         role = placement.roles.get(e.role) if placement is not None else None
         if placement is None or role is None or on_cpu(plain):
             continue

@@ -32,8 +32,7 @@ from rlbatch.engines.vllm_limits import (
     CPU_KV_CACHE_MB,
     LORA_RANKS,
     kv_heads_per_rank,
-    tp_heads_problem,
-    valid_tp,
+    tp_heads_refusal,
 )
 from rlbatch.errors import ConfigError
 from rlbatch.models.spec import ModelSpec
@@ -223,11 +222,8 @@ def vllm_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
     roles = section(plain, "roles")
     for e in vllm:
         b = e.backend
-        if b.t > 1 and (why := tp_heads_problem(b.t, spec.heads, spec.kv_heads)) is not None:
-            problems.append(
-                f"roles.{e.role}.backend: '{b}' splits attention over t={b.t} tensor-parallel ranks, but {why}; "
-                f"vLLM accepts t in {valid_tp(spec.heads, spec.kv_heads, spec.heads)} for this model "
-                f"(num_heads={spec.heads}, num_kv_heads={spec.kv_heads})")
+        if b.t > 1 and (line := tp_heads_refusal(e.role, b, b.t, spec.heads, spec.kv_heads, "vLLM")) is not None:
+            problems.append(line)
         if cpu and (p := _head_dim_problem(e.role, spec, bool(model.get("path")))) is not None:
             problems.append(p)
         if (p := _lora_rank_problem(model.get("lora"))) is not None:
