@@ -1,6 +1,6 @@
-"""tools/bench/ end to end on tiny workloads: vs_trl.py runs TRL and rlbatch (1 and 2 ranks, and a
---baseline checkout beside each) and ends with the speedup line; overheads.py prints every ratio;
-async.py runs each staleness and ends with its speedup line."""
+"""tools/bench/ end to end on tiny workloads: vs_trl.py runs TRL and rlbatch (2 ranks and a
+--baseline checkout beside it; 1 rank with vLLM on both sides) and ends with the speedup line;
+overheads.py prints every ratio; async.py runs each staleness and ends with its speedup line."""
 
 from __future__ import annotations
 
@@ -19,14 +19,13 @@ pytestmark = pytest.mark.dist
 
 def test_vs_trl_runs_both_frameworks_on_the_same_workload(run_root: Path) -> None:
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/vs_trl.py"), "--steps", "3", "--prompts", "4",
-                          "--samples", "4", "--out", str(run_root / "bench"), "--baseline", str(REPO_ROOT)],
+                          "--samples", "4", "--ranks", "2", "--out", str(run_root / "bench"), "--baseline", str(REPO_ROOT)],
                          capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("speedup vs TRL: ") and last.endswith("x"), last
     result = json.loads((run_root / "bench" / "results.json").read_text())
-    assert [r["name"] for r in result["results"]] == ["TRL GRPOTrainer", "rlbatch 1 rank", "baseline 1 rank",
-                                                      "rlbatch 2 ranks", "baseline 2 ranks"]
+    assert [r["name"] for r in result["results"]] == ["TRL GRPOTrainer", "rlbatch 2 ranks", "baseline 2 ranks"]
     assert all(r["steps"] == 3 and r["samples_per_s"] > 0 for r in result["results"])
     assert "this checkout vs --baseline: " in out.stdout  # --baseline: here the same checkout, run alongside
     assert result["settings"]["samples_per_prompt"] == 4 and result["settings"]["prompts_per_step"] == 4

@@ -19,7 +19,8 @@ def rows(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_code_experiment_learns(run_root: Path) -> None:
-    out = launch(["experiment=code", f"run_dir={run_root / 'run'}"], run_root, timeout=1200)
+    # the experiment's first 20 steps (seeded: 0.92 at step 17; the 80-step run stays at ~0.9)
+    out = launch(["experiment=code", "steps=20", f"run_dir={run_root / 'run'}"], run_root, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     r = rows(run_root / "run")
     rewards = [x["reward_mean"] for x in r]

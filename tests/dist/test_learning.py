@@ -1,7 +1,8 @@
 """The default experiment learns: GRPO alone takes a random-initialised model from chance to
 the whole addition table (deterministic with the seed, so not flaky); so does the vLLM preset,
-with vLLM generating colocated and disaggregated, with SGLang generating colocated, and on fsdp
-with tensor parallelism (fsdp:t2)."""
+with vLLM generating colocated and disaggregated. Packed micro-batches (with held-out evaluation),
+SGLang generating colocated and fsdp with tensor parallelism (fsdp:t2) run a prefix of that curve:
+the first 30 steps of a seeded run, from chance to well above it (their whole curves: docs/)."""
 
 from __future__ import annotations
 
@@ -20,27 +21,35 @@ def rewards(run_dir: Path) -> list[float]:
     return [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def best_mean(r: list[float], k: int = 3) -> float:
+    """The highest mean reward over ``k`` consecutive steps."""
+    return max(sum(r[i - k : i]) / k for i in range(k, len(r) + 1))
+
+
 LEARNERS = {
-    # the acceptance run: no overrides but the run directory
-    "default": ([], 600),
+    # learner -> (overrides, timeout, the 3-step mean reward it must reach)
+    # the acceptance run: no overrides but the run directory; its last step at >= 0.8 is checked too
+    "default": ([], 600, 0.8),
     # unpadded micro-batches of at most 1024 tokens (a rank's share is ~3.5k): the token-budget
     # split and the flat forward with chunked log-probs (rlbatch.engines.batch.Flat); evaluated
-    # (greedy, the 100 problems) before training and every 10 steps, which leaves training as it is
+    # (greedy, the 100 problems) before training and every 10 steps, which leaves training as it is.
+    # Seeded: eval pass@1 0.00 / 0.21 / 0.49 / 0.85 after 0 / 10 / 20 / 30 updates and the 3-step
+    # mean reward 0.65 by step 30 (the 80-step run: 0.89 by step 40, pass@1 0.94 at the end).
     "packed": (["+roles.actor_train.engine_args.max_tokens_per_micro_batch=1024", "eval.every=10",
-                "eval.at_start=true"], 900),
+                "eval.at_start=true", "steps=30"], 900, 0.5),
     # the policy (and the reference, inheriting it) split over two tensor-parallel ranks: one replica
-    # of fsdp:t2 (DTensor over tp; docs/fsdp.md) in place of fsdp:d2. Seeded: the 80-step run has
-    # 0.83 at step 31 and 0.94 at step 39; 40 steps (~1.5 min on a loaded 2-core machine) keep a margin.
-    "fsdp-t2": (["roles.actor_train.backend=fsdp:t2", "steps=40"], 900),
+    # of fsdp:t2 (DTensor over tp; docs/fsdp.md) in place of fsdp:d2. Seeded: the 3-step mean is 0.77
+    # by step 30 (0.83 at step 31 and 0.94 at step 39 of the 80-step run).
+    "fsdp-t2": (["roles.actor_train.backend=fsdp:t2", "steps=30"], 900, 0.6),
     # vLLM generating (its CPU build here), colocated on both ranks and on a rank of its own. The
     # preset's 80 steps pass 0.8 from about step 35; 50 keep a margin (seeded: not flaky).
-    "vllm-colocated": (["experiment=arithmetic_vllm", "steps=50"], 1500),
+    "vllm-colocated": (["experiment=arithmetic_vllm", "steps=50"], 1500, 0.8),
     "vllm-disaggregated": (["experiment=arithmetic_vllm", "steps=50", "roles=disaggregated",
-                            "roles.actor_infer.backend=vllm:d1"], 1500),
+                            "roles.actor_infer.backend=vllm:d1"], 1500, 0.8),
     # SGLang generating (its CPU engine, with the CUDA-only stand-ins: docs/sglang.md), colocated on
-    # both ranks: 50 steps pass 0.8 from step 31 (seeded; the same rewards in two runs). ~1 min on a
-    # quiet 2-core machine (the engines start in ~20 s), ~7.5 min under a load of 40.
-    "sglang-colocated": (["experiment=arithmetic_sglang", "steps=50"], 1500),
+    # both ranks: the 3-step mean is 0.76 by step 30 and passes 0.8 from step 31 (seeded; the same
+    # rewards in two runs). The engines start in ~20 s; ~7.5 min under a load of 40.
+    "sglang-colocated": (["experiment=arithmetic_sglang", "steps=30"], 1500, 0.6),
 }
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 
@@ -49,38 +58,36 @@ STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("learner", list(LEARNERS))
 def test_experiment_learns_the_task(run_root: Path, learner: str) -> None:
-    args, timeout = LEARNERS[learner]
+    args, timeout, floor = LEARNERS[learner]
     # the sglang learner's processes (and SGLang's own) load the stand-ins at start
     env = {"PYTHONPATH": os.pathsep.join([str(STAND_INS), str(REPO_ROOT)])} if learner.startswith("sglang") else None
     out = launch([*args, f"run_dir={run_root / 'run'}"], run_root, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     r = rewards(run_root / "run")
-    assert r[0] <= 0.2 and r[-1] >= 0.8, r
-    if "eval.at_start=true" in args:  # held-out pass@1 (greedy) from chance to the table
+    assert r[0] <= 0.2 and best_mean(r) >= floor and (floor < 0.8 or r[-1] >= 0.8), r
+    if "eval.at_start=true" in args:  # held-out pass@1 (greedy) from chance to most of the table
         rows = [json.loads(line) for line in (run_root / "run" / "metrics.jsonl").read_text().splitlines()]
         passed = [(r["eval/updates"], r["eval/all/pass@1"]) for r in rows if "eval/all/pass@1" in r]
         assert [u for u, _ in passed] == [0, *range(10, len(rows) + 1, 10)], passed
-        assert passed[0][1] <= 0.2 and passed[-1][1] >= 0.8, passed
+        assert passed[0][1] <= 0.2 and passed[-1][1] >= 0.7, passed
 
 
-STEP_BUDGET = {"dr_grpo": 100, "dapo": 50, "gspo": 76, "rloo": 70, "reinforce_pp": 70,
-               "reinforce_pp_baseline": 60}
-"""Steps each preset gets to reach 0.8 on the default task: about 1.25x the step by which its mean
-reward over 3 consecutive steps did in ``tools/bench/algos.py`` (docs/algorithms.md). Runs are
-deterministic with the seed and the learning rate is constant after warm-up, so a shorter run is a
-prefix of the bench's. grpo is the default experiment (test_experiment_learns_the_task)."""
+ALGO_STEPS = 25
+"""Each preset's first 25 steps, from chance (0.0) to a 3-step mean of at least 0.3: seeded, the
+lowest are 0.36 (gspo) and 0.37 (dr_grpo, reinforce_pp_baseline), the highest 0.66 (dapo). Runs are
+deterministic with the seed and the learning rate is constant after warm-up, so a short run is a
+prefix of a long one; each preset's whole curve to 0.8 is ``tools/bench/algos.py``'s
+(docs/algorithms.md). grpo is the default experiment (test_experiment_learns_the_task)."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", sorted(STEP_BUDGET))
+@pytest.mark.parametrize("algo", ["dapo", "dr_grpo", "gspo", "reinforce_pp", "reinforce_pp_baseline", "rloo"])
 def test_each_algorithm_learns_the_default_task(run_root: Path, algo: str) -> None:
-    """From chance to a mean reward >= 0.8 over 3 consecutive steps within the preset's budget."""
-    out = launch([f"algo={algo}", f"steps={STEP_BUDGET[algo]}", f"run_dir={run_root / 'run'}"], run_root,
-                 timeout=900)
+    """From chance to a mean reward >= 0.3 over 3 consecutive steps within 25 steps."""
+    out = launch([f"algo={algo}", f"steps={ALGO_STEPS}", f"run_dir={run_root / 'run'}"], run_root, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     r = rewards(run_root / "run")
-    best = max(sum(r[k - 3 : k]) / 3 for k in range(3, len(r) + 1))
-    assert r[0] <= 0.2 and best >= 0.8, r
+    assert r[0] <= 0.05 and best_mean(r) >= 0.3, r
 
 
 def test_dynamic_sampling_generates_more_rounds_up_to_the_cap(run_root: Path) -> None:

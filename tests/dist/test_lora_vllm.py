@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from tests.conftest import launch
+from tests.dist.test_learning import best_mean
 
 pytestmark = pytest.mark.dist
 
 MODEL = ["experiment=arithmetic_vllm", "model.lora.rank=16", "model.lora.alpha=64"]
-STEPS = 90
-"""Seeded, so not flaky: this run passes 0.8 from about step 62 and stays above it from step 76."""
+STEPS = 40
+"""Seeded, so not flaky: the 3-step mean reward is 0.68 by step 40 (from 0.00); the 90-step run
+passes 0.8 from about step 62 and stays above it from step 76."""
 
 
 def _rows(run: Path) -> list[dict]:
@@ -52,7 +54,7 @@ def test_the_vllm_preset_learns_with_adapters_synced_alone(run_root: Path) -> No
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows(run)
     r = [row["reward_mean"] for row in rows]
-    assert r[0] <= 0.2 and r[-1] >= 0.8, r
+    assert r[0] <= 0.05 and best_mean(r) >= 0.5, r
     assert [row["sync/bytes"] for row in rows] == [float(adapter_bytes)] * len(rows)
     # the adapters' share of this 64-wide model; Qwen2.5-0.5B's shape: docs/benchmarks.md
     assert whole_bytes / adapter_bytes >= 2.5, (whole_bytes, adapter_bytes)

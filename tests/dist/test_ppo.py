@@ -1,6 +1,7 @@
 """PPO with a critic learns the default task: the critic colocated with the actor (fsdp, the
 ``algo=ppo`` preset as it is), and on a GPU rank of its own with the deepspeed engine while the
-actor trains and generates on two others. Runs are deterministic with the seed (not flaky)."""
+actor trains and generates on two others (the first 30 steps). Runs are deterministic with the seed
+(not flaky)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import launch
+from tests.dist.test_learning import best_mean
 
 pytestmark = pytest.mark.dist
 
-STEPS = 60
-"""About 1.25-1.5x the step by which the 3-step mean reward first reached 0.8 (41 colocated, 48 with
-the critic on its own rank; docs/algorithms.md)."""
-
 PLACEMENTS = {
-    "colocated": [],
-    "critic-own-rank": ["roles=disaggregated", "roles.critic.device_mapping=[2]", "roles.critic.backend=deepspeed:d1"],
+    # placement -> (overrides, steps). Colocated: about 1.5x the step by which the 3-step mean reward
+    # first reached 0.8 (41; docs/algorithms.md). The critic on its own rank: the same run's first 30
+    # steps (seeded: the 3-step mean is 0.59 by then and reaches 0.8 at step 48).
+    "colocated": ([], 60),
+    "critic-own-rank": (["roles=disaggregated", "roles.critic.device_mapping=[2]", "roles.critic.backend=deepspeed:d1"], 30),
 }
 
 
@@ -27,13 +28,17 @@ PLACEMENTS = {
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_ppo_with_a_critic_learns_the_default_task(run_root: Path, placement: str) -> None:
-    out = launch(["algo=ppo", f"steps={STEPS}", *PLACEMENTS[placement], f"run_dir={run_root / 'run'}"], run_root,
-                 timeout=1500)
+    overrides, steps = PLACEMENTS[placement]
+    out = launch(["algo=ppo", f"steps={steps}", *overrides, f"run_dir={run_root / 'run'}"], run_root, timeout=1500)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_root / "run" / "metrics.jsonl").read_text().splitlines()]
     r = [row["reward_mean"] for row in rows]
-    best = max(sum(r[k - 3 : k]) / 3 for k in range(3, len(r) + 1))
-    assert r[0] <= 0.2 and best >= 0.8, r
+    assert all(row["critic/warmup"] == 0.0 for row in rows)
+    ev = [row["critic/explained_variance"] for row in rows]
+    if steps < 60:  # rising, with a critic whose values already explain part of the returns (0.48)
+        assert r[0] <= 0.05 and best_mean(r) >= 0.4 and sum(ev[-10:]) / 10 > 0.3, (r, ev)
+        return
+    assert r[0] <= 0.2 and best_mean(r) >= 0.8, r
     # The critic learns too: its loss falls from its peak (rewards appear) to well below it, and its
     # values explain a good part of the returns' variance by the end. Once nearly every answer is right
     # the returns barely vary and a step's explained variance swings (-0.2 to 0.8 from one step to the
@@ -42,6 +47,4 @@ def test_ppo_with_a_critic_learns_the_default_task(run_root: Path, placement: st
     loss = [row["train/critic/value_loss"] for row in rows]
     window = [sum(loss[k : k + 10]) / 10 for k in range(len(loss) - 9)]
     assert window[-1] < 0.5 * max(window), window
-    assert sum(row["critic/explained_variance"] for row in rows[-20:]) / 20 > 0.4
-    assert all(row["critic/warmup"] == 0.0 for row in rows)
-
+    assert sum(ev[-20:]) / 20 > 0.4, ev

@@ -14,7 +14,7 @@ import pytest
 
 from rlbatch.runtime.env import MPI_ENV
 from tests.conftest import REPO_ROOT, launch, rank_logs
-from tests.dist.test_learning import LEARNERS, rewards
+from tests.dist.test_learning import LEARNERS, best_mean, rewards
 from tests.dist.test_local_runtime import TWO_NODES
 
 pytestmark = pytest.mark.slurm
@@ -159,46 +159,51 @@ VLLM_ENGINES = {"vllm-colocated": 2, "vllm-disaggregated": 1}
 of the two training ranks, or one on a rank of its own."""
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("learner", list(VLLM_ENGINES))
-def test_vllm_experiment_learns_on_slurm(run_root: Path, learner: str) -> None:
-    """The local vLLM learners, submitted to the cluster and run under srun: the same 50 steps
-    from chance to >= 0.8."""
-    args, timeout = LEARNERS[learner]
+def test_vllm_experiment_runs_on_slurm(run_root: Path, learner: str) -> None:
+    """The local vLLM learners' runs, submitted to the cluster and run under srun: their first 4
+    steps, each with a weight sync into the engines (the local tests follow the same seeded runs
+    from chance to >= 0.8)."""
+    args, timeout, _ = LEARNERS[learner]
     run = run_root / "run"
-    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", f"run_dir={run}", *args], run_root,
-                 timeout=timeout)
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", f"run_dir={run}",
+                  *[a for a in args if not a.startswith("steps=")], "steps=4"], run_root, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    r = rewards(run)
-    assert r[0] <= 0.2 and r[-1] >= 0.8, r
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(r["sync/bytes"] > 0 for r in rows), rows
     logs = rank_logs(run)
     assert logs.count("vLLM actor_infer engine started") == VLLM_ENGINES[learner], logs[-3000:]
 
 
-ROLL_PRESETS = {
-    "roll_disaggregated_8gpu": {0: 0, 1: 4},
-    "roll_colocated_8gpu": {0: 4, 1: 4},
-}
-"""ROLL's 8-GPU vLLM examples -> vLLM engines per node on the test cluster's 2 nodes of 4 GPUs.
-Disaggregated: fsdp:d4 on n1, four engines on n2, weights synced across the nodes every step.
-Colocated: fsdp:d8 and vllm:d8 on the same eight ranks, an engine beside each trainer (~80 s in
-make test; ~3.5 min with a benchmark running beside it, most of it eight engines starting)."""
+ROLL_8GPU = ["cluster.gpus_per_node=4", "model.num_heads=2", "model.num_kv_heads=1"]
+"""ROLL's 8-GPU vLLM examples on the test cluster as 2 nodes of 4 GPUs."""
 
 
-@pytest.mark.parametrize("preset", [pytest.param(name, marks=[pytest.mark.slow] if name == "roll_colocated_8gpu" else [])
-                                    for name in ROLL_PRESETS])
-def test_roll_preset_trains_with_vllm_on_two_nodes(run_root: Path, preset: str) -> None:
+def test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes(run_root: Path) -> None:
+    """roles=roll_disaggregated_8gpu: fsdp:d4 on n1, four vLLM engines on n2, weights synced across
+    the nodes every step (~85 s)."""
     run = run_root / "run"
-    overrides = [f"roles={preset}", "cluster.gpus_per_node=4", "model.num_heads=2", "model.num_kv_heads=1"]
-    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=2", f"run_dir={run}", *overrides,
-                  "algo.prompts_per_step=8", "algo.samples_per_prompt=4"], run_root, timeout=900)
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", "steps=2", f"run_dir={run}",
+                  "roles=roll_disaggregated_8gpu", *ROLL_8GPU, "algo.prompts_per_step=8", "algo.samples_per_prompt=4"],
+                 run_root, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     started = [ln for ln in rank_logs(run).splitlines() if "vLLM actor_infer engine started" in ln]
-    per_node = {node: sum(f"node {node})]" in ln for ln in started) for node in (0, 1)}
-    assert per_node == ROLL_PRESETS[preset], started
+    assert {node: sum(f"node {node})]" in ln for ln in started) for node in (0, 1)} == {0: 0, 1: 4}, started
+
+
+def test_roll_colocated_preset_places_an_engine_beside_each_trainer_on_two_nodes(run_root: Path) -> None:
+    """roles=roll_colocated_8gpu: fsdp:d8 and vllm:d8 on the same eight ranks, four on each node,
+    checked by program=selftest on real processes (identity, role groups, weight sync); starting its
+    eight engines is the disaggregated preset's path four times over on one more node (~80 s)."""
+    out = selftest_on_slurm(run_root / "run", "roles=roll_colocated_8gpu", *ROLL_8GPU)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((run_root / "run" / "selftest.json").read_text())
+    assert result["ok"], result["problems"]
+    infer = [rep for rep in result["reports"].values() if any(r[0] == "actor_infer" for r in rep["roles"])]
+    assert all(any(r[0] == "actor_train" for r in rep["roles"]) for rep in infer), infer
+    assert sorted(rep["host"] for rep in infer) == ["n1"] * 4 + ["n2"] * 4, infer
 
 
 ACROSS_NODES = ["cluster.gpus_per_node=2", "roles=disaggregated", "roles.actor_train.device_mapping=[1,2]",
@@ -218,14 +223,15 @@ TRAIN_ENGINES = {
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("engine", list(TRAIN_ENGINES))
 def test_training_engine_across_two_nodes_learns(run_root: Path, engine: str) -> None:
-    """The whole default experiment (80 steps) with the training role split over both nodes: from
-    chance to >= 0.8 (megatron p2 reaches it at step 32 here, ~100 s)."""
+    """The default experiment's first 25 steps with the training role split over both nodes: from
+    chance to a 3-step mean reward >= 0.35 (seeded: 0.54 megatron p2, 0.53 deepspeed ZeRO-3; both
+    pass 0.8 by step 40 of the 80-step run)."""
     run = run_root / "run"
-    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", f"run_dir={run}", *ACROSS_NODES,
+    out = launch(["cluster=slurm", "cluster.cpus_per_task=1", "wait=true", f"run_dir={run}", "steps=25", *ACROSS_NODES,
                   *TRAIN_ENGINES[engine]], run_root, timeout=1100)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = rewards(run)
-    assert r[0] <= 0.2 and max(r[-10:]) >= 0.8 and sum(r[-10:]) / 10 >= 0.8, r
+    assert r[0] <= 0.05 and best_mean(r) >= 0.35, r
     built = [ln for ln in rank_logs(run).splitlines() if "built " in ln and "engine for actor_train" in ln]
     assert {node: sum(f"node {node})]" in ln for ln in built) for node in (0, 1)} == {0: 1, 1: 1}, built
 

@@ -95,8 +95,8 @@ def test_the_ppo_preset_places_its_ranks_on_two_nodes(run_root: Path) -> None:
     (tensor-parallel fsdp, fsdp:d4t2, is built); program=selftest starts no engine and checks
     its placement on real processes (identity, every role group, every mesh axis, weight sync).
     ppo_critic_8gpu is the one run here (~90 s): four GPU roles with tp=2 meshes colocated across
-    both nodes, two reward workers. ROLL's two 8-GPU presets train for real on the cluster
-    (test_slurm_runtime.py::test_roll_preset_trains_with_vllm_on_two_nodes)."""
+    both nodes, two reward workers. ROLL's disaggregated 8-GPU preset trains for real on the cluster
+    (test_slurm_runtime.py::test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes)."""
     preset = ["roles=ppo_critic_8gpu", "algo=ppo"]
     accepted = launch(["dry_run=true", "cluster=slurm", f"run_dir={run_root / 'run'}", *preset], run_root, timeout=120)
     assert accepted.returncode == 0 and "rlbatch placement" in accepted.stdout, accepted.stderr[-3000:]
