@@ -362,11 +362,8 @@ register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.inf
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.train.deepspeed:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward"),
                     packs_rows=True, trains_adapters=True, cost="rlbatch.plan.costs.deepspeed:DeepSpeedCost"))
-# dims "dtpe": tensor, pipeline, data and expert parallel (e over d, for Mixture-of-Experts models);
-# the placement language keeps "dtpce" so plans with context parallelism are still modelled (and
-# refused with the note before submit).
+# dims "dtpce": tensor, pipeline, data, context (Ulysses, padded rows: rlbatch.engines.train.megatron)
+# and expert parallel (e over d, for Mixture-of-Experts models).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.train.megatron:MegatronEngine",
-                    dims="dtpe", data_axes=("dp",), heads=("lm", "value", "reward"),
-                    note="context parallelism (c) needs TransformerEngine's attention (megatron-core's local "
-                         "attention has none), which this build does not use",
+                    dims="dtpce", data_axes=("dp",), heads=("lm", "value", "reward"),
                     cost="rlbatch.plan.costs.megatron:MegatronCost", rules="rlbatch.engines.train.megatron_rules:megatron_problems"))

@@ -58,11 +58,11 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: i
     return torch.cat(received, dim=gather)
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Dim 1 split over the group, what arrives concatenated along dim 2, differentiable. On
-    attention's inputs, [B, H, S/c, D] on each rank -> [B, H/c, S, D] (rank r gets heads
-    r*H/c .. (r+1)*H/c - 1); on its output, the way back: [B, S, H/c, D] -> [B, S/c, H, D]."""
-    return _AllToAll.apply(x, group, 1, 2)
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter: int = 1, gather: int = 2) -> torch.Tensor:
+    """Dim ``scatter`` split over the group, what arrives concatenated along dim ``gather``,
+    differentiable. On attention's inputs, [B, H, S/c, D] on each rank -> [B, H/c, S, D] (rank r gets
+    heads r*H/c .. (r+1)*H/c - 1); on its output, the way back: [B, S, H/c, D] -> [B, S/c, H, D]."""
+    return _AllToAll.apply(x, group, scatter, gather)
 
 
 class _Gather(torch.autograd.Function):

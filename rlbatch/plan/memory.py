@@ -234,6 +234,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         mb = budget_micro_batch(w, pb, math.ceil(w.sequences / (w.mini_batches * d)))
         fmb = budget_micro_batch(w, pb, math.ceil(w.sequences / d))
     s = w.seq_len / c
+    gathered = c if cost.outputs_over_cp(r) else 1  # logit rows: the whole sequence's on each cp rank
     vocab = 1 if r.name in HEADS else shape.vocab  # a value or reward head: a scalar per token
     # Tokens and logit rows per micro-batch: every position of the padded sequences, or with shared
     # prompts each distinct prompt once (logits at its last position) plus the responses.
@@ -248,6 +249,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         notes.append(f"{r.name}: token budget {budget}, log-prob rows of up to {pk.row:.0f} tokens ({pk.scored:.0f} scored)")
     else:
         ftok, frows, _ = pass_tokens(r, w, fmb, s)
+        frows *= gathered
         fwd = {
             "activations": act.forward_working_bytes(shape, ftok / fmb, fmb, e, t),
             "logits": act.logits_bytes(frows, vocab, e, vt),
@@ -265,7 +267,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
         else:
             ttok, trows, _ = pass_tokens(r, w, mb, s)
             st = ttok / mb  # tokens per sequence, prompts shared or not
-            logits = act.logits_bytes(trows, vocab, e, vt, train=True, entropy=w.entropy)
+            logits = act.logits_bytes(trows * gathered, vocab, e, vt, train=True, entropy=w.entropy)
         acts = layers_held * in_flight * act.layer_bytes(shape, st, mb, e, t, sp=sp, recompute=recompute)
         if recompute == "full":  # the layer being recomputed holds its full activations
             acts += act.layer_bytes(shape, st, mb, e, t, sp=sp)

@@ -53,3 +53,9 @@ def test_megatron_hybrid_attn_ffn_layouts_export_exactly_and_train_like_one_mesh
     out = mpirun("megatron_hybrid.py", 4)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.count("megatron hybrid ok") == 4, out.stdout[-2000:]
+
+
+def test_megatron_context_parallelism_matches_data_parallelism_resumes_bitwise_and_shares_checkpoints() -> None:
+    out = mpirun("megatron_cp.py", 4)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.count("megatron context parallelism ok") == 4, out.stdout[-2000:]

@@ -32,12 +32,9 @@ RUN_DIR = "run_dir=/shared/runs/preset"
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and any(p.glob("*.yaml")))
 PRESETS = sorted((group, path.stem) for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
-MEGATRON = "engine 'megatron' supports d (data), t (tensor), p (pipeline), e (expert) only in this build; got {} in '{}'"
-
-
-def train(spec: str, got: str, role: str = "actor_train") -> str:
-    """Megatron with context parallelism: this build runs d, t, p and e."""
-    return f"roles.{role}.backend: " + MEGATRON.format(got, spec)
+CP_HYBRID = ("roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)': context parallelism c=2 is built "
+             "for padded rows of a dense model on one pipeline stage")
+"""Megatron's context parallelism runs on one pipeline stage of a dense model; AReaL's example adds both."""
 
 
 VLLM_T8 = "roles.actor_infer.backend: 'vllm:d4t8' splits attention over t=8 tensor-parallel ranks, but num_heads=4"
@@ -55,7 +52,7 @@ SANDBOX_WITHOUT_CODE = "roles.code_sandbox: runs code against a problem's tests,
 """ROLL's mixed example names 8 code_sandbox workers: a train run needs a code task for them."""
 
 GOLDEN_REFUSED: dict[str, list[str]] = {
-    "areal_moe_hybrid_32gpu": [train("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "c=2"),
+    "areal_moe_hybrid_32gpu": [CP_HYBRID,
                                "roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' lays out routed "
                                "experts in its ffn section (t=4, e=2), but the model has none",
                                VLLM_T8],

@@ -85,9 +85,7 @@ def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]
         f"which needs a training engine; built: {engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"]
 
 
-WHY_NOT_C = ("(context parallelism (c) needs TransformerEngine's attention (megatron-core's local attention has "
-             "none), which this build does not use)")
-SUPPORTED = "engine 'megatron' supports d (data), t (tensor), p (pipeline), e (expert) only in this build"
+CP_BUILT_FOR = "is built for padded rows of a dense model on one pipeline stage with torch AdamW, not with "
 
 
 @pytest.mark.usefixtures("megatron_runs_here")
@@ -119,11 +117,11 @@ def test_the_hybrid_megatron_layout_runs_and_what_its_sections_cannot_split_is_n
     assert problems(on_ranks(moe, 4, "megatron:(attn:t4|ffn:e4)", "hf:d4")) == [
         "roles.actor_train.backend: 'megatron:(attn:t4|ffn:e4)' splits the model's attention over tensor-parallel "
         "ranks t=4, but num_kv_heads=2 is not divisible by 4"]
-    # context parallelism needs TransformerEngine's attention: refused before start, with the reason
+    # context parallelism is built for one pipeline stage of a dense model: refused before start, with the reason
     c = on_ranks(moe, 32, "megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", "hf:d32")
-    assert problems(c) == [f"roles.actor_train.backend: {SUPPORTED}; got c=2 in "
-                           "'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)' " + WHY_NOT_C]
-    check(c, runnable=False)
+    assert problems(c) == [
+        "roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)': context parallelism c=2 " + CP_BUILT_FOR
+        + "pipeline stages (p=2) or a hybrid (attn:...|ffn:...) layout; leave c=1 for those"]
 
 
 @pytest.mark.usefixtures("megatron_runs_here")
@@ -159,14 +157,26 @@ def test_megatron_expert_parallelism_needs_a_mixture_of_experts_model_and_refuse
 
 
 @pytest.mark.usefixtures("megatron_runs_here")
-def test_megatron_runs_tensor_pipeline_and_data_parallel_and_refuses_context_expert(cfg: dict[str, Any]) -> None:
+def test_megatron_runs_tensor_pipeline_data_and_context_parallel_and_names_what_context_parallelism_is_not_built_for(
+        cfg: dict[str, Any]) -> None:
     assert set(check(on_ranks(cfg, 2, "megatron:t2", "hf:d2")).roles) >= {"actor_train", "reference"}
     assert check(on_ranks(cfg, 4, "megatron:d2t2", "hf:d4")).roles["actor_train"].mesh == (
         ("pp", 1), ("dp", 2), ("cp", 1), ("tp", 2))
     assert check(on_ranks(cfg, 4, "megatron:d2p2", "hf:d4")).roles["actor_train"].mesh == (
         ("pp", 2), ("dp", 2), ("cp", 1), ("tp", 1))
-    assert problems(on_ranks(cfg, 2, "megatron:c2", "hf:d2")) == [
-        f"roles.actor_train.backend: {SUPPORTED}; got c=2 in 'megatron:c2' " + WHY_NOT_C]
+    assert check(on_ranks(cfg, 4, "megatron:t2c2", "hf:d4")).roles["actor_train"].mesh == (
+        ("pp", 1), ("dp", 1), ("cp", 2), ("tp", 2))
+    check(on_ranks(cfg, 4, "megatron:c4", "hf:d4"))  # 4 heads over 4 ranks; the 2 key/value heads repeated
+    assert problems(on_ranks(cfg, 8, "megatron:d2p2c2", "hf:d8")) == [
+        "roles.actor_train.backend: 'megatron:d2p2c2': context parallelism c=2 " + CP_BUILT_FOR
+        + "pipeline stages (p=2); leave c=1 for those"]
+    assert problems(set_(on_ranks(cfg, 2, "megatron:c2", "hf:d2"), roles__actor_train__engine_args={
+        "distributed_optimizer": True, "pack_rows": True, "max_tokens_per_micro_batch": 64})) == [
+        "roles.actor_train.backend: 'megatron:c2': context parallelism c=2 " + CP_BUILT_FOR
+        + "packed rows (engine_args.pack_rows) or engine_args.distributed_optimizer; leave c=1 for those"]
+    assert problems(set_(on_ranks(cfg, 8, "megatron:t2c4", "hf:d8"), model__num_heads=6, model__hidden_size=96)) == [
+        "roles.actor_train.backend: 'megatron:t2c4' splits each tensor-parallel rank's 3 attention heads "
+        "(num_heads=6 over t=2) over context-parallel ranks c=4, but 3 is not divisible by 4"]
 
 
 @pytest.mark.usefixtures("megatron_runs_here")

@@ -13,7 +13,13 @@ shard the AdamW state over dp instead: ``megatron_optim``). Parameters in ``mode
 bf16 on GPU, fp32 on CPU, where the engine runs only with the test-only shim, see
 ``megatron_device``); 16-bit parameters train from fp32 main weights with fp32 gradients
 (``megatron_optim.MainWeights``, or the distributed optimizer's), which the checkpoint holds.
-Context parallelism is refused by the registry.
+
+Context parallelism (``megatron:dXtYcZ``, padded rows, one pipeline stage, a dense model) splits each
+row's sequence over the role's cp axis: each rank runs its contiguous slice (its share of the
+padding too), attention all-to-alls around the whole sequence (Ulysses, in the engine's own core
+attention: ``megatron_model.context_parallel``; no TransformerEngine), and the final outputs are
+gathered over cp, so every cp rank computes the same loss on the whole batch while its backward
+reaches only its own tokens: gradients are summed over cp, then averaged over dp.
 
 A Mixture-of-Experts model's routed experts (megatron-core's MoE layer, tokens sent to their
 experts by all-to-all) are split over the 'expert' group: each rank holds experts / e of them. Their
@@ -64,6 +70,7 @@ from torch.utils._pytree import tree_map
 from rlbatch import algos
 from rlbatch.algos.objective import LossInput
 from rlbatch.algos.value import ValueInput
+from rlbatch.engines import ulysses
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
 from rlbatch.engines.batch import Flat, Full, Packed, flat_sequences, pack, unpack
 from rlbatch.engines.model import load_engine_model, model_dtype
@@ -71,6 +78,7 @@ from rlbatch.engines.offload import StashedState, Stashes, TensorStash, optimize
 from rlbatch.engines.train import common, megatron_optim
 from rlbatch.engines.train import megatron_convert as convert
 from rlbatch.engines.train.megatron_device import check_device
+from rlbatch.engines.train.megatron_limits import context_parallel_refusal
 from rlbatch.engines.train.megatron_model import (
     build_gpt,
     engine_groups,
@@ -107,9 +115,6 @@ class MegatronEngine(StashedState):
 
     def __init__(self, ctx: EngineContext) -> None:
         check_device(ctx.device)
-        dims = dict(zip(ctx.mesh.mesh_dim_names, ctx.mesh.mesh.shape, strict=True))
-        if dims.get("cp", 1) > 1:
-            raise NotImplementedError(f"megatron engine: context parallelism is not built, got mesh {dims}")
         self.device, self.algo, self.tokenizer = ctx.device, ctx.algo, ctx.tokenizer
         self.micro_batch = int(ctx.args.micro_batch)
         self.tp_group, self.dp_group, self.pp_group = ctx.group("tp"), ctx.group("dp"), ctx.group("pp")
@@ -120,6 +125,8 @@ class MegatronEngine(StashedState):
         self.split = common.Split(self.micro_batch, self.max_tokens, self.dp_group, ctx.device)
         self.tp, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         self.pp, self.stage = dist.get_world_size(self.pp_group), dist.get_rank(self.pp_group)
+        self.cp_group = ctx.group("cp")
+        self.cp = dist.get_world_size(self.cp_group)
         self.last = self.stage == self.pp - 1
         groups = engine_groups(ctx)
         self.group = groups["role"]
@@ -147,6 +154,9 @@ class MegatronEngine(StashedState):
             raise ValueError(f"megatron engine, role {ctx.role}: a Mixture-of-Experts model trains at tensor "
                              f"parallel t = {self.tp} with sequence parallelism only (megatron-core's rule); leave "
                              f"engine_args.sequence_parallel true")
+        if self.cp > 1 and (why := context_parallel_refusal(self.pp, self.packed, self.lay.experts, self.hybrid,
+                                                            ctx.trainable and bool(ctx.args.distributed_optimizer))):
+            raise ValueError(f"megatron engine, role {ctx.role}: context parallelism c = {self.cp} {why}")
         if (self.ep > 1 or self.hybrid) and ctx.trainable and ctx.args.distributed_optimizer:
             raise ValueError(f"megatron engine, role {ctx.role}: engine_args.distributed_optimizer with expert "
                              f"parallelism (e = {self.ep}) or a hybrid layout is not built; leave it false")
@@ -156,7 +166,7 @@ class MegatronEngine(StashedState):
                              f"loss scaling, which this engine does not build); use bf16 or fp32")
         self.pgc = pgc = process_groups(ctx, groups)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
-                               self.lay.head_bias, self.pp, self.ep, self.sp, self.etp).to(ctx.device)
+                               self.lay.head_bias, self.pp, self.ep, self.sp, self.etp, self.cp_group).to(ctx.device)
         self.p2p: Any = None
         if self.pp > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -336,15 +346,21 @@ class MegatronEngine(StashedState):
         assert isinstance(x, Full | Flat)  # prompts are not shared here (``_pack``)
         ids = x.input_ids
         length = ids.shape[1]
-        if self.sp and length % self.tp:  # the sequence splits evenly over tp; pads after it change nothing before
-            ids = torch.nn.functional.pad(ids, (0, self.tp - length % self.tp), value=self.tokenizer.pad_token_id)
+        # The sequence splits evenly over cp, and each slice over tp; pads after it change nothing before.
+        split = self.cp * (self.tp if self.sp else 1)
+        if length % split:
+            ids = torch.nn.functional.pad(ids, (0, split - length % split), value=self.tokenizer.pad_token_id)
         kwargs: dict[str, Any] = {}
         if isinstance(x, Flat):
             kwargs["packed_seq_params"] = packed_params(x.cu_seq_lens, ids.shape[1])
             pos = torch.nn.functional.pad(x.position_ids, (0, ids.shape[1] - length))
         else:
             pos = torch.arange(ids.shape[1], device=ids.device)[None, :].expand_as(ids)
+        if self.cp > 1:  # this rank's slice in, every rank's out ([B, L, ...]; backward: this slice's part)
+            ids, pos = ulysses.local(ids, self.cp_group), ulysses.local(pos, self.cp_group)
         out = self.net(input_ids=ids, position_ids=pos, attention_mask=None, **kwargs)
+        if self.cp > 1:
+            out = ulysses.gather(out, self.cp_group)
         if not self.last:
             return out
         return out[:, :length, : self.lay.vocab] if self.head == "lm" else out[:, :length]
@@ -512,6 +528,13 @@ class MegatronEngine(StashedState):
         grads = [self._grad(p) for p in self.model.parameters() if getattr(p, "sequence_parallel", False)]
         _sum_over([g for g in grads if g is not None], self.tp_group)
 
+    def _sync_context_parallel(self) -> None:
+        """Under context parallelism each cp rank's gradients are those of its own slice of the tokens
+        (the same loss on every rank, its backward through this rank's slice only): sum them over cp."""
+        if self.cp == 1:
+            return
+        _sum_over([g for p in self.model.parameters() if (g := self._grad(p)) is not None], self.cp_group)
+
     def _clip(self, max_norm: float) -> float:
         """Clip by the global norm: TP-split weights count each shard, replicated ones (norms) once,
         routed experts on the expert groups each expert tp x ep rank's, each pipeline stage its own (the last
@@ -554,6 +577,7 @@ class MegatronEngine(StashedState):
             self._backward(micro_batches, totals)
             self._sync_tied()
             self._sync_sequence_parallel()
+            self._sync_context_parallel()
             if self.dist_opt is not None:
                 self.net.finish_grad_sync()  # reduce-scatter: each dp rank gets its slices' gradients, averaged over dp
                 _, norm, _ = self.dist_opt.step()  # clips by the global norm, steps its slices, all-gathers the weights

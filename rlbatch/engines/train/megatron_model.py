@@ -41,8 +41,9 @@ def engine_groups(ctx: Any) -> dict[str, Any]:
 
 
 def process_groups(ctx: Any, groups: dict[str, Any]) -> Any:
-    """megatron-core's ProcessGroupCollection from the role's mesh (axes pp, dp, cp, tp; cp = 1) and
-    ``engine_groups``.
+    """megatron-core's ProcessGroupCollection from the role's mesh (axes pp, dp, cp, tp) and
+    ``engine_groups``. The cp group is the engine's own (``context_parallel``): megatron-core's local
+    layers take no part in it.
 
     Without pipeline stages the tp group is also the model-parallel group and the pp group (this
     rank alone) the embedding group. With them, the model-parallel group spans this replica's tp x pp
@@ -163,8 +164,15 @@ def packed_attention() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class PackedDotProductAttention(DotProductAttention):
+        cp_group: Any = None
+        """The context-parallel group (``context_parallel``): None, or a group of one rank, for none."""
+
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                     attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Any:
+            if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+                if packed_seq_params is not None or attention_mask is not None or attention_bias is not None:
+                    raise NotImplementedError("megatron engine: context parallelism over padded rows, causal, only")
+                return ulysses_causal(query, key, value, self.cp_group, float(self.softmax_scale))
             if packed_seq_params is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
             cu = packed_seq_params.cu_seqlens_q.long()
@@ -179,6 +187,60 @@ def packed_attention() -> type:
                                    attn_mask_type, attention_bias)
 
     return PackedDotProductAttention
+
+
+def ulysses_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+    """Causal attention over the whole sequence from this rank's contiguous slice of it (Ulysses:
+    ``rlbatch.engines.ulysses``): ``query`` [S/c, B, Hq, D] and ``key``/``value`` [S/c, B, Hkv, D] (this
+    TP rank's heads) become head-split [S, B, H/c, D] by one all-to-all over ``group``, attention runs
+    as megatron-core's local attention computes it (scores and softmax in fp32, the probabilities in the
+    inputs' dtype times the values), and a second all-to-all brings [S/c, B, Hq x D] back. Key/value
+    heads fewer than c are repeated up to it (each query head keeps its own)."""
+    from rlbatch.engines.ulysses import all_to_all
+
+    c = dist.get_world_size(group)
+    hq, hkv = query.shape[2], key.shape[2]
+    if hq % c or (hkv % c and c % hkv):
+        raise ValueError(f"megatron engine: {hq} attention heads and {hkv} key/value heads per tensor-parallel rank "
+                         f"do not split over {c} context-parallel ranks")
+    if hkv % c:
+        key, value = (t.repeat_interleave(c // hkv, dim=2) for t in (key, value))
+    q, k, v = (all_to_all(t, group, 2, 0) for t in (query, key, value))  # [S, B, H/c, D]
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
+        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, H/c, S, D]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    n = scores.shape[-1]
+    future = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(-1).to(v.dtype)
+    out = torch.matmul(probs, v).permute(2, 0, 1, 3).contiguous()  # [S, B, H/c, D]
+    out = all_to_all(out, group, 0, 2)  # [S/c, B, Hq, D]
+    return out.reshape(*out.shape[:2], -1)
+
+
+def context_parallel(model: Any, group: Any) -> None:
+    """Split ``model``'s sequence over ``group`` (context parallelism, Ulysses): each rank runs its
+    contiguous slice of every padded row (the engine slices and gathers, ``MegatronEngine._forward``),
+    attention all-to-alls around the whole sequence (``ulysses_causal``), and the rotary embedding
+    gives a rank the positions of its own slice (megatron-core's, built for its zigzag split with
+    TransformerEngine's attention, gives ranks chunks r and 2c-1-r). Every other layer is per token."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    rank = dist.get_rank(group)
+    for m in model.modules():
+        if isinstance(m, DotProductAttention):
+            m.cp_group = group
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None:  # a pipeline stage without rotary embedding: none here (cp runs at p = 1)
+        return
+
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> torch.Tensor:
+        if packed_seq:
+            raise NotImplementedError("megatron engine: context parallelism over packed rows is not built")
+        return rotary.get_emb(max_seq_len, offset + rank * max_seq_len)  # this slice's positions
+
+    rotary.forward = forward
 
 
 def packed_params(cu_seq_lens: torch.Tensor, length: int) -> Any:
@@ -221,13 +283,14 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
 
 def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
               head_bias: bool = False, pp: int = 1, ep: int = 1, sequence_parallel: bool = False,
-              etp: int | None = None) -> Any:
+              etp: int | None = None, cp_group: Any = None) -> Any:
     """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller): this pipeline
     stage's part of it (``pgc.pp``'s rank of ``pp``: its layers, the embedding on the first stage,
     the final norm and output layer on the last; with ``ep`` > 1, its share of the routed experts;
     each routed expert split over ``etp`` ranks, tp unless a hybrid layout says otherwise).
     Under ``sequence_parallel`` (t > 1) the activations outside the TP regions are split along the
-    sequence over tp (the norms and the MoE router see a slice each). ``head``
+    sequence over tp (the norms and the MoE router see a slice each). With a ``cp_group`` of c > 1
+    ranks each runs its slice of the sequence (``context_parallel``). ``head``
     'value' or 'reward': a ``ScalarHead`` replaces the vocabulary output layer (the policy's, built by
     GPTModel first, is dropped at once: a transient on the host with ``use_cpu_initialization``)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -260,4 +323,6 @@ def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch
     if head != "lm" and stage == pp - 1:
         model.output_layer = ScalarHead(hf_config.hidden_size, head_bias, dtype,
                                         pgc.tp if config.sequence_parallel else None)
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        context_parallel(model, cp_group)
     return model

@@ -16,6 +16,7 @@ from typing import Any
 from rlbatch.config.plain import section
 from rlbatch.config.schema import TRAINABLE_ROLES
 from rlbatch.engines.train.megatron_device import needs_cuda
+from rlbatch.engines.train.megatron_limits import context_parallel_refusal
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
 from rlbatch.placement.backend import ParallelDims, RoleEngine
@@ -59,7 +60,29 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], place
             if by > 1 and n % by:
                 problems.append(f"{field}: '{b}' splits the model's {what} over {axis}={by}, but "
                                 f"{name}={n} is not divisible by {by}")
+        if d.c > 1:
+            problems += _context_problems(field, b, spec, args, e.role in TRAINABLE_ROLES)
     return problems
+
+
+def _context_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:
+    """Context parallelism: each TP rank's attention heads split over c (its key/value heads too, or
+    repeated up to c), and the settings it is built for (``megatron_limits``)."""
+    d, out = b.dims, []
+    heads, kv = spec.heads // max(d.t, 1), spec.kv_heads // max(d.t, 1)
+    if heads % d.c:
+        out.append(f"{field}: '{b}' splits each tensor-parallel rank's {heads} attention heads (num_heads="
+                   f"{spec.heads} over t={d.t}) over context-parallel ranks c={d.c}, but {heads} is not divisible "
+                   f"by {d.c}")
+    elif kv % d.c and d.c % kv:
+        out.append(f"{field}: '{b}' splits each tensor-parallel rank's {kv} key/value heads (num_kv_heads="
+                   f"{spec.kv_heads} over t={d.t}) over context-parallel ranks c={d.c}: neither divides the other")
+    packed = bool(engine_args.get("pack_rows")) and int(engine_args.get("max_tokens_per_micro_batch") or 0) > 0
+    why = context_parallel_refusal(d.p, packed, spec.experts, b.ffn is not None,
+                                   trains and bool(engine_args.get("distributed_optimizer")))
+    if why:
+        out.append(f"{field}: '{b}': context parallelism c={d.c} {why}")
+    return out
 
 
 def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:

@@ -76,6 +76,11 @@ class EngineCost:
         ranks (a vocabulary-parallel head), unless the engine keeps the head whole on each."""
         return r.backend.t if r.backend is not None else 1
 
+    def outputs_over_cp(self, r: RoleLayout) -> bool:
+        """Whether a context-parallel rank holds the final outputs (logits) of the whole sequence, gathered
+        over cp, rather than of its own slice."""
+        return False
+
     def gathers_each_pass(self, r: RoleLayout) -> bool:
         """Whether its weights are sharded and gathered unit by unit for every pass (FSDP, ZeRO-3)."""
         return False

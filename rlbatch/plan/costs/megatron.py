@@ -25,6 +25,10 @@ class MegatronCost(EngineCost):
     def reduces_each_step(self, r: RoleLayout) -> bool:
         return True
 
+    def outputs_over_cp(self, r: RoleLayout) -> bool:
+        """Context parallelism gathers each row's final outputs over cp (every cp rank computes the loss)."""
+        return True
+
     def pipeline_sizes(self, t: int, gpn: int) -> list[int]:
         return [1, 2, 4, 8, 16]
 

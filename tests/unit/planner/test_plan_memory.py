@@ -161,6 +161,20 @@ def test_megatron_activations_follow_its_sequence_parallelism(h100) -> None:  # 
     assert ratio > 1.1 and c == pytest.approx(b * ratio, rel=1e-9)
 
 
+def test_megatron_context_parallelism_splits_activations_and_keeps_the_whole_rows_logits(h100) -> None:  # type: ignore[no-untyped-def]
+    """megatron:d4c2 runs each row's half on each cp rank (half d8's per-sequence activations at twice
+    its micro-batch: the same), but gathers the outputs over cp: each rank holds the whole rows' logits,
+    twice d8's (its micro-batch is twice as many rows)."""
+    mem = {}
+    for spec in ("megatron:d8", "megatron:d4c2"):
+        cfg = make_config(algo=ALGO, roles=roles(spec, "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
+        mem[spec] = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg, 512), 2, h100)
+    for phase in ("logprobs", "train"):
+        a, b = mem["megatron:d8"].transient[phase], mem["megatron:d4c2"].transient[phase]
+        assert b["activations"] == pytest.approx(a["activations"], rel=1e-6)
+        assert b["logits"] == pytest.approx(2 * a["logits"], rel=1e-6)
+
+
 def test_megatron_hybrid_layout_splits_the_routed_experts_by_its_ffn_dims(h100) -> None:  # type: ignore[no-untyped-def]
     # megatron:(attn:d4t2|ffn:t2e4): attention, norms, router and shared expert as at d4t2; each rank
     # holds 1/(t*e) = 1/8 of the routed experts (the ffn section's), where d4t2 holds 1/2 of them.
