@@ -87,6 +87,19 @@ def critic_directory(cfg, tok, seed, path):  # type: ignore[no-untyped-def]
     return model
 
 
+def trains_like(name, e, train, ref_stats, ref_weights, tol, weight_tol):  # type: ignore[no-untyped-def]
+    """``train(e, range(3))`` against a reference's three updates: the same losses and gradient norms
+    (relative ``tol``), every weight within ``weight_tol`` after. Returns (stats, the weights' error)."""
+    got = train(e, range(3))
+    for step, (a, b) in enumerate(zip(got, ref_stats, strict=True)):
+        for key in ("pg_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < tol * max(1.0, abs(b[key])), f"{name} step {step} {key}: {a[key]} vs {b[key]}"
+    w = weights(e)
+    err = max(float((w[n] - ref_weights[n]).abs().max()) for n in ref_weights)
+    assert err < weight_tol, f"{name}: weights {err} from the reference's after 3 updates"
+    return got, err
+
+
 def policy_steps(e, steps, batch, objective):  # type: ignore[no-untyped-def]
     """One update per step on ``batch(step)``, with old log-probs from ``e`` itself and reference
     log-probs 0.05 below them: the stats of each update."""

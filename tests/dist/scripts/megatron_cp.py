@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import critic_directory, policy_steps, restore, resumes_exactly, same, weights
+from engine_state import critic_directory, policy_steps, restore, resumes_exactly, same, trains_like, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -95,13 +95,7 @@ for name in ("d2c2", "t2c2", "c4"):
     rows = [int(max(len(s["prompt"]) + len(s["response"]) for s in batch(9)[i : i + 3])) for i in range(0, 8, 3)]
     split = c * t  # each cp slice splits again over tp (sequence parallelism)
     assert seen == [-(-n // split) * split // c // t for n in rows], f"{name}: embedding saw {seen} for rows {rows}"
-    stats = train(e, range(3))
-    for step, (a, b) in enumerate(zip(stats, ref_stats, strict=True)):
-        for key in ("pg_loss", "grad_norm"):
-            assert abs(a[key] - b[key]) < TOL * max(1.0, abs(b[key])), f"{name} step {step} {key}: {a[key]} vs {b[key]}"
-    w = weights(e)
-    werr = max(float((w[n] - ref[n]).abs().max()) for n in ref)
-    assert werr < WEIGHT_TOL, f"{name}: weights {werr} from d4's after 3 updates"
+    stats, werr = trains_like(name, e, train, ref_stats, ref, TOL, WEIGHT_TOL)
     print(f"rank {comm.rank}: {name} log-probs within {err:.1e}, slices {seen} of rows {rows}, grad norms "
           f"{[round(s['grad_norm'], 5) for s in stats]}, weights within {werr:.1e} of d4's", flush=True)
 

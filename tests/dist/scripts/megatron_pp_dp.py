@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_state import policy_steps, restore, resumes_exactly, same, weights
+from engine_state import policy_steps, restore, resumes_exactly, same, trains_like, weights
 from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
@@ -76,16 +76,9 @@ def train(e, steps):
 
 
 def agree(name, e, ref_stats, ref_weights):
-    got = train(e, range(3))
-    for step, (a, b) in enumerate(zip(got, ref_stats, strict=True)):
-        for key in ("pg_loss", "grad_norm"):
-            assert abs(a[key] - b[key]) < TOL * max(1.0, abs(b[key])), f"{name} step {step} {key}: {a[key]} vs {b[key]}"
-    w = weights(e)
-    err = max(float((w[n] - ref_weights[n]).abs().max()) for n in ref_weights)
-    assert err < WEIGHT_TOL, f"{name}: weights {err} from d4's after 3 updates"
+    got, err = trains_like(name, e, train, ref_stats, ref_weights, TOL, WEIGHT_TOL)
     print(f"rank {comm.rank}: {name} grad norms {[round(s['grad_norm'], 5) for s in got]}, weights within {err:.1e} "
           "of d4's", flush=True)
-    return w
 
 
 d4 = engine(mesh_d4)
