@@ -21,6 +21,16 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+STAND_INS = REPO_ROOT / "tests" / "stand_ins"
+"""Stand-ins for the CUDA-only modules SGLang's CPU engine imports (docs/sglang.md)."""
+
+
+def sglang_env() -> dict[str, str]:
+    """``launch``'s env for a run with an sglang engine on CPU: its processes (and SGLang's own) load
+    the stand-ins at start."""
+    return {"PYTHONPATH": os.pathsep.join([str(STAND_INS), str(REPO_ROOT)])}
+
+
 RUNS_ROOT = REPO_ROOT / ".test-runs"
 """Run directories of tests that start real processes. Not under /tmp: the Slurm test cluster
 gives each node a private /tmp, so job files there would not be shared."""

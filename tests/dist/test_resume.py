@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch
+from tests.conftest import launch, sglang_env
 
 pytestmark = pytest.mark.dist
 # A format reward gives a non-zero learning signal from the first step at this tiny size, so
@@ -65,6 +65,10 @@ CASES = {
     # reference log-probs, taken right after it; 3 + 3 == 6 bitwise.
     "async-reference-rides": (["roles=disaggregated", "roles.reference.device_mapping=[1]", "algo.max_staleness=1",
                                "algo.off_policy=tis"], 300),
+    # SGLang generating (its CPU engine, colocated sglang:d2): each generate call reseeds SGLang's
+    # scheduler with the step's seed (rlbatch's SGLang plugin), so the resumed run samples what the
+    # uninterrupted one did. Each launch starts two engines (~20 s).
+    "sglang": (["experiment=arithmetic_sglang"], 900),
     # LoRA: the checkpoint holds the adapters and their AdamW state; the resumed run rebuilds the
     # frozen base from the seed and loads them (the export merges them either way).
     "lora": (["model.lora.rank=16", "model.lora.alpha=32"], 300),
@@ -77,14 +81,16 @@ KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/exp
 
 @pytest.mark.parametrize("case", [
     pytest.param("hf"), pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)]),
-    pytest.param("ppo"), pytest.param("async-reference-rides"), pytest.param("lora")])
+    pytest.param("ppo"), pytest.param("async-reference-rides"), pytest.param("lora"),
+    pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.timeout(2700)])])
 def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) -> None:
     whole, split, (extra, timeout) = run_root / "whole", run_root / "split", CASES[case]
-    done = run(whole, "steps=6", *extra, timeout=timeout)
+    env = sglang_env() if case == "sglang" else None
+    done = run(whole, "steps=6", *extra, env=env, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    first = run(split, "steps=3", *extra, timeout=timeout)
+    first = run(split, "steps=3", *extra, env=env, timeout=timeout)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run(split, "steps=6", *extra, timeout=timeout)
+    second = run(split, "steps=6", *extra, env=env, timeout=timeout)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from" in second.stdout and "step_000002" in second.stdout
     a, b = rows(whole), rows(split)

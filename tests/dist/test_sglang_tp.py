@@ -5,14 +5,12 @@ AReaL preset that trains with it (roles=areal_4rank) was run by hand: docs/sglan
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from tests.conftest import STAND_INS
 from tests.dist.test_mechanisms import mpirun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
-STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 
 
 def test_tensor_parallel_sglang_worker_matches_transformers() -> None:

@@ -89,6 +89,19 @@ def test_behaviour_logprobs_are_those_of_a_transformers_forward(setup: Any, temp
                                                  [tok.encode(f"{k}+{k}=") for k in range(4)] * 2, temperature)
 
 
+def test_each_call_samples_from_its_seed(setup: Any) -> None:
+    """The scheduler's RNGs are reseeded with each call's seed (rlbatch's SGLang plugin): a call
+    with a seed samples what an earlier call with that seed did, whatever ran between them, so a
+    resumed run's samples are the uninterrupted run's."""
+    tok = setup.tok
+    prompts = [tok.encode(f"{k}+{k}=") for k in range(4)] * 2
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s) for s in (5, 6)]
+    first = [g.tokens for g in setup.engine.generate(prompts, params[0])]
+    other = [g.tokens for g in setup.engine.generate(prompts, params[1])]
+    again = [g.tokens for g in setup.engine.generate(prompts, params[0])]
+    assert again == first and other != first
+
+
 def test_greedy_after_a_bucketed_sync_equals_transformers(setup: Any) -> None:
     """Weight sync's receiving side: buckets broadcast into one staging buffer that the next bucket
     overwrites; SGLang gets each bucket before the next is written."""

@@ -11,8 +11,11 @@
 - **generate**: one request per prompt row (a GRPO group's copies share their prefix through
   SGLang's radix cache, so the prompt's KV is computed once). The behaviour log-prob of each token
   is SGLang's ``output_token_logprobs``: under the temperature-scaled distribution it samples from
-  (greedy: the raw one). Sampling draws from the scheduler process's RNG, seeded at start-up from
-  the run's seed.
+  (greedy: the raw one). Sampling draws from the scheduler process's RNGs, which each call reseeds
+  with its ``SamplingParams.seed`` (the scheduler's ``rlbatch_reseed`` RPC, from rlbatch's SGLang
+  plugin: ``sglang_plugin``), as the vllm engine seeds its own process: a resumed run's samples are
+  the uninterrupted run's. (SGLang's per-request ``sampling_seed`` needs its deterministic
+  inference mode, which it refuses with CPU attention.)
 - **load_weights**: Hugging Face ``(name, tensor)`` pairs through ``update_weights_from_tensor``
   (SGLang's own name mapping, fused layouts included), one call per bucket; the first bucket of a
   sync opens SGLang's ``begin_weight_update`` bracket, the bucket that completes the model's names
@@ -205,6 +208,7 @@ class SGLangEngine:
         if params.stop_strings:
             raise ValueError("sglang engine: stop_strings need SGLang's tokenizer, which this engine does not start "
                              "(it works on token ids)")
+        self._reseed(params.seed)
         outputs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=[dict(sampling)] * len(prompts),
                                        return_logprob=True)
         generations = [_generation(o) for o in outputs]
@@ -214,6 +218,18 @@ class SGLangEngine:
             for rank in self.followers:
                 send_obj(self.comm, generations, rank, RESULT_TAG)
         return generations
+
+    def _reseed(self, seed: int) -> None:
+        """Seed the scheduler's RNGs for the next call (rlbatch's SGLang plugin, ``sglang_plugin``)."""
+        from rlbatch.engines.infer.sglang_plugin import RESEED
+
+        try:
+            self.engine.collective_rpc(RESEED, seed=int(seed))
+        except AssertionError as e:  # SGLang asserts the RPC's success
+            hint = (": rlbatch's SGLang plugin is registered when rlbatch is installed (pip install -e ., the entry "
+                    "point 'sglang.srt.plugins: rlbatch') and must be named in SGLANG_PLUGINS where that is set"
+                    if "attribute" in str(e) else "")
+            raise RuntimeError(f"sglang engine: SGLang's scheduler failed {RESEED}({seed}): {e}{hint}") from e
 
     # -- weights ------------------------------------------------------------------------------
 
