@@ -165,11 +165,11 @@ def packed_attention() -> type:
 
     class PackedDotProductAttention(DotProductAttention):
         cp_group: Any = None
-        """The context-parallel group (``context_parallel``): None, or a group of one rank, for none."""
+        """The context-parallel group of c > 1 ranks (set by ``context_parallel``); None without."""
 
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                     attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Any:
-            if self.cp_group is not None and dist.get_world_size(self.cp_group) > 1:
+            if self.cp_group is not None:
                 if packed_seq_params is not None or attention_mask is not None or attention_bias is not None:
                     raise NotImplementedError("megatron engine: context parallelism over padded rows, causal, only")
                 return ulysses_causal(query, key, value, self.cp_group, float(self.softmax_scale))
