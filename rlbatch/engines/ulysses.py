@@ -138,6 +138,20 @@ def _block_causal(position_ids: torch.Tensor) -> torch.Tensor:
     return causal & (segment[:, None] == segment[None, :])
 
 
+def split_heads(hq: int, key: torch.Tensor, value: torch.Tensor, c: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` with their heads (along ``dim``) ready for ``hq`` query heads split over c
+    ranks: as they are, or (grouped-query, fewer than c or not a multiple of it) each head repeated so
+    that the group splits them evenly, every query head keeping its own. Raises where they cannot split."""
+    hkv = key.shape[dim]
+    if hq % c:
+        raise ValueError(f"{hq} attention heads do not split over {c} context-parallel ranks")
+    if hkv % c:
+        if c % hkv:
+            raise ValueError(f"{hkv} key/value heads cannot be repeated to a multiple of {c} context-parallel ranks")
+        key, value = (t.repeat_interleave(c // hkv, dim=dim) for t in (key, value))
+    return key, value
+
+
 def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -151,14 +165,8 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None:
         raise NotImplementedError(f"sliding-window attention ({sliding_window} tokens) under context parallelism")
     active = _ACTIVE[-1]
-    group, c = active.group, dist.get_world_size(active.group)
-    hq, hkv = query.shape[1], key.shape[1]
-    if hq % c:
-        raise ValueError(f"{hq} attention heads do not split over {c} context-parallel ranks")
-    if hkv % c:  # grouped-query: repeat each KV head so that the group splits them evenly
-        if c % hkv:
-            raise ValueError(f"{hkv} key/value heads cannot be repeated to a multiple of {c} context-parallel ranks")
-        key, value = (t.repeat_interleave(c // hkv, dim=1) for t in (key, value))
+    group = active.group
+    key, value = split_heads(query.shape[1], key, value, dist.get_world_size(group), dim=1)
     q, k, v = (all_to_all(t, group) for t in (query, key, value))  # [1, H/c, S, D]
     if attention.available(q.device, q.dtype):  # the sample boundaries, no mask
         cu = _boundaries(active.position_ids).to(q.device)

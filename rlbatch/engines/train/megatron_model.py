@@ -196,15 +196,9 @@ def ulysses_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     as megatron-core's local attention computes it (scores and softmax in fp32, the probabilities in the
     inputs' dtype times the values), and a second all-to-all brings [S/c, B, Hq x D] back. Key/value
     heads fewer than c are repeated up to it (each query head keeps its own)."""
-    from rlbatch.engines.ulysses import all_to_all
+    from rlbatch.engines.ulysses import all_to_all, split_heads
 
-    c = dist.get_world_size(group)
-    hq, hkv = query.shape[2], key.shape[2]
-    if hq % c or (hkv % c and c % hkv):
-        raise ValueError(f"megatron engine: {hq} attention heads and {hkv} key/value heads per tensor-parallel rank "
-                         f"do not split over {c} context-parallel ranks")
-    if hkv % c:
-        key, value = (t.repeat_interleave(c // hkv, dim=2) for t in (key, value))
+    key, value = split_heads(query.shape[2], key, value, dist.get_world_size(group), dim=2)
     q, k, v = (all_to_all(t, group, 2, 0) for t in (query, key, value))  # [S, B, H/c, D]
     rep = q.shape[2] // k.shape[2]
     if rep > 1:
