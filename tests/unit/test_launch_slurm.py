@@ -27,7 +27,11 @@ def test_a_refused_submission_is_one_stderr_line_exit_2_and_no_debris(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(f"#!/bin/sh\nprintf '{REFUSAL}' >&2\nexit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
+    # submitit looks for srun before it submits: a stand-in, so that the test needs no Slurm install
+    # (the job is refused, so nothing ever runs it)
+    (bin_dir / "srun").write_text("#!/bin/sh\necho 'srun: not expected to run' >&2\nexit 1\n")
+    for tool in ("sbatch", "srun"):
+        (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     run = tmp_path / "run"
     cfg = compose(["cluster=slurm", "cluster.partition=nope", f"run_dir={run}"])

@@ -103,9 +103,13 @@ def test_chunked_logprobs_and_entropy_equal_the_full_formulas() -> None:
     (gc,) = torch.autograd.grad((wl * logp).sum() + (we * ent).sum(), logits)
     ref_lp, ref_ent = algos.token_logprobs(logits, targets), algos.entropy_from_logits(logits)
     (gr,) = torch.autograd.grad((wl * ref_lp).sum() + (we * ref_ent).sum(), logits)
-    _close(logp, ref_lp, 16)
-    _close(ent, ref_ent, 16)
-    _close(gc, gr, 16)
+    # Each value is a reduction over a row of V = 301 logits (logsumexp, the entropy's sum of p·x),
+    # which the two paths run in different shapes: any order of summing n terms lies within
+    # (n - 1)·eps·Σ|terms| of the exact sum, and the vector units of one processor or another
+    # (AVX2, AVX-512) pick different orders. A chunk boundary in the wrong place moves values by O(1).
+    _close(logp, ref_lp, logits.shape[-1])
+    _close(ent, ref_ent, logits.shape[-1])
+    _close(gc, gr, logits.shape[-1])
     lp_only, none = chunked_logprobs(logits, targets)
     assert none is None and torch.equal(lp_only, logp)
 
