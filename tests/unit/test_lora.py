@@ -17,7 +17,7 @@ from rlbatch.engines.registry import FSDPArgs
 from rlbatch.models import lora
 from rlbatch.models.spec import spec_from_config
 from rlbatch.models.tiny import build_tiny_model
-from tests.unit.test_sharded_load import TOK, one_rank_mesh  # noqa: F401 - the fixture
+from tests.unit.test_sharded_load import TOK
 
 RANK = 4
 
@@ -62,7 +62,7 @@ def _export(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_an_fsdp_step_trains_the_adapters_only_and_syncs_merged_weights(one_rank_mesh: Any) -> None:  # noqa: F811
+def test_an_fsdp_step_trains_the_adapters_only_and_syncs_merged_weights(one_rank_mesh: Any) -> None:
     """The adapted engine starts as the base model (same log-probs, same exported weights); a step
     changes the adapters and leaves every base weight bitwise; the export is the merge."""
     engine, plain = _engine(one_rank_mesh, RANK), _engine(one_rank_mesh, 0)
@@ -90,13 +90,13 @@ def test_an_fsdp_step_trains_the_adapters_only_and_syncs_merged_weights(one_rank
 
 
 @pytest.mark.parametrize("trainable", [False])
-def test_a_forward_only_role_never_gets_adapters(one_rank_mesh: Any, trainable: bool) -> None:  # noqa: F811
+def test_a_forward_only_role_never_gets_adapters(one_rank_mesh: Any, trainable: bool) -> None:
     """The reference (and any forward-only role) is the base model: model.lora is the trained role's."""
     ref = _engine(one_rank_mesh, RANK, trainable=trainable)
     assert ref.lora is None and not any(".lora_" in n for n, _ in ref.model.named_parameters())
 
 
-def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_only(one_rank_mesh: Any) -> None:  # noqa: F811
+def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_only(one_rank_mesh: Any) -> None:
     """No base weight is saved; a fresh engine given the state trains on exactly as the saved one."""
     from rlbatch.engines.base import CheckpointState
 
@@ -160,7 +160,7 @@ def test_the_planners_adapter_count_is_pefts(arch: str, targets: list[str]) -> N
         p.numel() for p in adapted.parameters() if p.requires_grad)
 
 
-def test_the_base_models_log_probs_come_from_the_adapted_engine_with_adapters_off(one_rank_mesh: Any) -> None:  # noqa: F811
+def test_the_base_models_log_probs_come_from_the_adapted_engine_with_adapters_off(one_rank_mesh: Any) -> None:
     """After training moved the adapters, ``base_logprobs`` is the base model's (a reference's), and
     the adapters are back on afterwards. It runs first, as a step's reference phase does: FSDP2's
     first gather of the weights happens with the adapters off, and they still train after it."""

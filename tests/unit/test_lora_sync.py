@@ -13,7 +13,6 @@ from rlbatch.config.schema import LoraConfig
 from rlbatch.engines.registry import spec_of
 from rlbatch.models import lora
 from tests.unit.test_lora import _engine
-from tests.unit.test_sharded_load import one_rank_mesh  # noqa: F401 - the fixture
 
 
 def test_the_sync_form_comes_from_the_inference_engines_spec() -> None:
@@ -53,7 +52,7 @@ def test_adapter_sync_is_checked_before_start(cfg: dict[str, Any]) -> None:
     check(set_(vllm, model__lora__rank=600, model__lora__sync="merged"))
 
 
-def test_the_fsdp_engine_streams_its_adapters_alone(one_rank_mesh: Any) -> None:  # noqa: F811
+def test_the_fsdp_engine_streams_its_adapters_alone(one_rank_mesh: Any) -> None:
     engine = _engine(one_rank_mesh, 4)
     with torch.no_grad():  # B starts at zero: give every adapter a value of its own
         for n, p in engine.model.named_parameters():

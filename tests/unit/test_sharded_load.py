@@ -273,16 +273,6 @@ def test_forward_only_engines_hold_the_models_dtype_trainable_ones_fp32_masters(
     assert held_dtype("bf16", cpu, trainable=True) == torch.float32
 
 
-@pytest.fixture
-def one_rank_mesh() -> Iterator[Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            yield DeviceMesh("cpu", torch.arange(1), mesh_dim_names=("dp",))
-        finally:
-            dist.destroy_process_group()
-
-
 def test_a_forward_only_fsdp_engine_holds_bf16_and_computes_the_whole_models_logprobs(one_rank_mesh: Any) -> None:
     """The engine itself on CPU with the model's dtype set to bf16 (what 'auto' is on a GPU): the
     reference holds bf16 shards (half the bytes to keep and to offload), the trainable policy fp32;
