@@ -1,6 +1,8 @@
-# rlbatch: `make run` (set up + the default experiment) and `make test` (set up + the whole suite).
-# Everything installs into .venv; the Slurm test cluster's system packages are installed by
-# slurm/dev-cluster.sh (root, Debian/Ubuntu) when `make test` starts it.
+# rlbatch: `make run` (set up + the default experiment), `make test` (set up + the fast tier: every
+# capability's wiring, what CI runs) and `make test-all` (set up + every test: the learning curves,
+# the matrices, the long Slurm runs). Everything installs into .venv; the Slurm tests start the
+# two-node test cluster themselves (slurm/dev-cluster.sh: root, Debian/Ubuntu; without root they do
+# not run and the summary says why; tests/tiers.py).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -31,7 +33,7 @@ SGLANG_CPU_DEPS ?= fastapi uvicorn pyzmq orjson msgspec uvloop setproctitle pyba
 	einops IPython dill easydict zstandard triton
 PYTEST_ARGS ?=
 
-.PHONY: run test venv vllm-install megatron-install sglang-install lint typecheck cluster-start cluster-stop clean
+.PHONY: run test test-all venv vllm-install megatron-install sglang-install lint typecheck cluster-start cluster-stop clean
 
 venv: $(STAMP)
 
@@ -82,8 +84,10 @@ run: venv
 	$(PY) -m rlbatch.launch $(ARGS)
 
 test: venv lint typecheck
-	bash slurm/dev-cluster.sh start
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --tier=fast $(PYTEST_ARGS)
+
+test-all: venv lint typecheck
+	$(PY) -m pytest --tier=all $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check rlbatch tests tools

@@ -12,6 +12,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+pytest_plugins = ["tests.tiers"]  # the two tiers, the Slurm tests' cluster, per-test time limits
+
 
 @pytest.fixture
 def cli_env() -> dict[str, str]:

@@ -20,7 +20,21 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
+def test_generation_runs_a_step_ahead_within_the_staleness_bound(run_root: Path) -> None:
+    """The fast tier's: four steps of the asynchronous run below. Every step after the first trains
+    on samples exactly one policy version old, weighed by the truncated importance weights, and each
+    step's generation started during the step before it."""
+    run = run_root / "run"
+    out = launch([*ASYNC, "steps=4", f"run_dir={run}"], run_root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = rows(run)
+    assert [x["train/staleness"] for x in r] == [0.0, 1.0, 1.0, 1.0]
+    assert all(0 < x["train/offpolicy/weight_mean"] <= 2.0 for x in r)
+    assert any(x["train/offpolicy/abs_log_ratio_mean"] > 1e-3 for x in r[1:]), "stale samples differ from the trainer"
+    assert all(x["at/generate/start"] < 0 for x in r[1:]), [x["at/generate/start"] for x in r]
+
+
+@pytest.mark.full
 @pytest.mark.timeout(1200)
 def test_the_default_experiment_learns_asynchronously(run_root: Path) -> None:
     """From chance to >= 0.8. The seeded run passes 0.8 at step 32 and swings between 0.75 and
@@ -41,6 +55,7 @@ def test_the_default_experiment_learns_asynchronously(run_root: Path) -> None:
     assert all(t < 0 for t in ahead), ahead
 
 
+@pytest.mark.full
 def test_a_reference_on_the_inference_rank_takes_its_log_probs_right_after_each_generation(run_root: Path) -> None:
     """The frozen reference placed on actor_infer's rank rides along: its log-probs of step s+1
     are taken there right after step s+1's generation, while step s trains, so they start before
@@ -58,6 +73,7 @@ def test_a_reference_on_the_inference_rank_takes_its_log_probs_right_after_each_
     assert all(r["at/ref_logprobs/start"] > 0 for r in a), [r["at/ref_logprobs/start"] for r in a]
 
 
+@pytest.mark.full
 def test_an_inference_rank_killed_while_generating_ahead_ends_the_job_fast_and_is_named(run_root: Path) -> None:
     """Rank 1 (actor_infer) dies as it starts its 3rd generation (step 2's, started while step 1
     trains): the job ends well within the control timeout and the report names the rank."""

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.full]  # the benchmarks run as tests
 
 
 def test_vs_trl_runs_both_frameworks_on_the_same_workload(run_root: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, launch
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = pytest.mark.dist
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT_S = 580
 """For a script that hangs. One stage of deepspeed_engine.py builds 6 engines and trains 19 updates of
@@ -33,7 +33,7 @@ def mpirun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
         pytest.fail(f"deepspeed_engine.py did not finish in {TIMEOUT_S} s:\n{out[-2000:]}{err[-3000:]}")
 
 
-@pytest.mark.parametrize("stages", ["13", "2"])
+@pytest.mark.parametrize("stages", [pytest.param("13", marks=pytest.mark.full), "2"])
 def test_zero_stages_on_ranks_without_rank0_match_fsdp_resume_exactly_and_share_checkpoints(
         stages: str, tmp_path: Path) -> None:
     out = mpirun(3, str(tmp_path), stages)
@@ -55,6 +55,7 @@ def _rewards(run_dir: Path) -> list[float]:
 # Colocated (the first command users try, ZeRO-3): first >= 0.8 at step 34 of the seeded run (0.96 at
 # step 39), so 40 steps reach it. Disaggregated (deepspeed:d1 beside hf:d1): 0.0 -> 0.60 by step 24;
 # 25 steps show the rise.
+@pytest.mark.full
 @pytest.mark.parametrize("roles, backend, steps, want", [("colocated", "deepspeed:d2", 40, 0.8),
                                                           ("disaggregated", "deepspeed:d1", 25, 0.3)])
 def test_default_experiment_learns_with_deepspeed(roles: str, backend: str, steps: int, want: float,

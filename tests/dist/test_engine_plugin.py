@@ -13,7 +13,8 @@ from tests.conftest import launch
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize(("roles", "backend"), [("colocated", "echo:d2"), ("disaggregated", "echo:d1")])
+@pytest.mark.parametrize(("roles", "backend"), [("colocated", "echo:d2"),
+                                                  pytest.param("disaggregated", "echo:d1", marks=pytest.mark.full)])
 def test_echo_inference_engine_runs_the_pipeline(run_root: Path, roles: str, backend: str) -> None:
     run = run_root / "run"
     out = launch([f"roles={roles}", "steps=2", f"run_dir={run}", "algo.prompts_per_step=4", "algo.samples_per_prompt=2", "algo.max_new_tokens=4",

@@ -31,6 +31,7 @@ def training(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(NOT_TRAINING)}
 
 
+@pytest.mark.full
 def test_evaluation_leaves_training_bitwise_alone_and_survives_a_resume(run_root: Path) -> None:
     plain, evaluated = run_root / "plain", run_root / "eval"
     out = launch(["steps=4", f"run_dir={plain}", *QUICK], run_root)

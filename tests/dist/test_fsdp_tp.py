@@ -10,9 +10,11 @@ from tests.dist.test_mechanisms import mpirun
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("ranks", "args"), [(2, ()), (4, ("equality-only",)), (2, ("cp",)),
-                                             (4, ("equality-only", "cp-tp")), (2, ("lora",))],
+@pytest.mark.parametrize(("ranks", "args"), [pytest.param(2, (), marks=pytest.mark.full),
+                                             pytest.param(4, ("equality-only",), marks=pytest.mark.full),
+                                             pytest.param(2, ("cp",), marks=pytest.mark.full),
+                                             (4, ("equality-only", "cp-tp")),  # the fast tier's: t and c at once
+                                             pytest.param(2, ("lora",), marks=pytest.mark.full)],
                          ids=["d1t2-vs-d2", "d2t2-vs-d4", "d1c2-vs-d2", "d1t2c2-vs-d4", "d1t2-vs-d2-lora"])
 def test_fsdp_tensor_parallel_trains_like_data_parallel_shares_checkpoints_and_resumes_bitwise(
         ranks: int, args: tuple[str, ...]) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.full]
 SCRIPT = REPO_ROOT / "tools" / "gpu_check.sh"
 
 

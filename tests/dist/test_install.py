@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = pytest.mark.dist
 
 
 def run(args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:

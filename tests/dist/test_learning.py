@@ -52,9 +52,9 @@ LEARNERS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("learner", list(LEARNERS))
+@pytest.mark.parametrize("learner", [name if name == "default" else pytest.param(name, marks=pytest.mark.full)
+                                     for name in LEARNERS])
 def test_experiment_learns_the_task(run_root: Path, learner: str) -> None:
     args, timeout, floor = LEARNERS[learner]
     # the sglang learner's processes (and SGLang's own) load the stand-ins at start
@@ -78,7 +78,7 @@ prefix of a long one; each preset's whole curve to 0.8 is ``tools/bench/algos.py
 (docs/algorithms.md). grpo is the default experiment (test_experiment_learns_the_task)."""
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("algo", ["dapo", "dr_grpo", "gspo", "reinforce_pp", "reinforce_pp_baseline", "rloo"])
 def test_each_algorithm_learns_the_default_task(run_root: Path, algo: str) -> None:
     """From chance to a mean reward >= 0.3 over 3 consecutive steps within 25 steps."""
@@ -115,6 +115,7 @@ MULTITURN = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(MULTITURN))
 def test_multiturn_learns_running_sum(run_root: Path, case: str) -> None:
@@ -133,6 +134,7 @@ def test_multiturn_learns_running_sum(run_root: Path, case: str) -> None:
         assert row["env/reward_mean"] == pytest.approx(row["reward_mean"], abs=1e-6), row
 
 
+@pytest.mark.full
 def test_tooluse_learns_to_call_the_lookup_tool(run_root: Path) -> None:
     """experiment=tooluse: the tiny model, from chance, learns to call lookup in the compact format
     (``*3``) and to answer after reading the value (``+7=``): within 8 steps the share of

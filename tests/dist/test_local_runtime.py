@@ -26,7 +26,8 @@ def selftest(run_dir: Path, *extra: str, env: dict[str, str] | None = None, time
     return launch(["program=selftest", f"run_dir={run_dir}", *extra], run_dir.parent, env=env, timeout=timeout)
 
 
-@pytest.mark.parametrize("placement", [[], ["roles=disaggregated"], TWO_NODES], ids=["colocated", "disaggregated", "two_nodes"])
+@pytest.mark.parametrize("placement", [[], ["roles=disaggregated"], pytest.param(TWO_NODES, marks=pytest.mark.full)],
+                         ids=["colocated", "disaggregated", "two_nodes"])
 def test_every_rank_is_where_the_placement_says(run_root: Path, placement: list[str]) -> None:
     out = selftest(run_root / "run", *placement)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -42,6 +43,7 @@ def test_every_rank_is_where_the_placement_says(run_root: Path, placement: list[
         assert rep["torch_rank"] == int(rank)
 
 
+@pytest.mark.full
 def test_collective_sums_in_role_groups_mesh_axes_and_sync_group(run_root: Path) -> None:
     out = selftest(run_root / "run", *TWO_NODES)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -56,7 +58,8 @@ def test_collective_sums_in_role_groups_mesh_axes_and_sync_group(run_root: Path)
     assert sums["8"]["reward"] == 9.0 + 10.0
 
 
-@pytest.mark.parametrize(("fault", "rank", "role"), [("kill", 1, "actor_train[1]"), ("raise", 2, "reward[0]"), ("hang", 0, "actor_train[0]")])
+@pytest.mark.parametrize(("fault", "rank", "role"), [("kill", 1, "actor_train[1]"), ("raise", 2, "reward[0]"),
+                                                      pytest.param("hang", 0, "actor_train[0]", marks=pytest.mark.full)])
 def test_a_failing_rank_ends_the_job_fast_and_is_named(run_root: Path, fault: str, rank: int, role: str) -> None:
     start = time.monotonic()
     out = selftest(run_root / "run", "cluster.timeout_s=10", env={"RLBATCH_FAULT": f"{fault}:{rank}"}, timeout=120)
@@ -67,6 +70,7 @@ def test_a_failing_rank_ends_the_job_fast_and_is_named(run_root: Path, fault: st
     assert f"rank {rank} ({role}" in report, report
 
 
+@pytest.mark.full
 def test_two_jobs_on_one_node_both_start(run_root: Path) -> None:
     results: dict[str, object] = {}
 

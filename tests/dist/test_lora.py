@@ -22,7 +22,16 @@ pytestmark = pytest.mark.dist
 LORA = ["model.lora.rank=16"]  # alpha 32 by default
 
 
-@pytest.mark.slow
+def test_adapters_train_sync_and_export_as_one_model(run_root: Path) -> None:
+    """The fast tier's: three steps with adapters, the KL's reference their base on actor_train's
+    ranks, and the checkpoint's merged and PEFT exports giving one model that the adapters moved."""
+    run = run_root / "run"
+    out = launch([*LORA, "steps=3", f"run_dir={run}"], run_root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_reference_and_exports(run, run_root)
+
+
+@pytest.mark.full
 @pytest.mark.timeout(1200)
 def test_the_default_experiment_learns_with_adapters_and_exports_them(run_root: Path) -> None:
     run = run_root / "run"
@@ -32,6 +41,11 @@ def test_the_default_experiment_learns_with_adapters_and_exports_them(run_root: 
     r = [row["reward_mean"] for row in rows]
     # seeded: the 3-step mean is 0.57 by step 45 (from 0.00); the 80-step run ends at 0.80
     assert r[0] <= 0.05 and best_mean(r) >= 0.4, r
+    check_reference_and_exports(run, run_root)
+
+
+def check_reference_and_exports(run: Path, run_root: Path) -> None:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the KL's reference is the policy's base, its adapters off, on actor_train's ranks: no reference role
     placed = json.loads((run / "placement.json").read_text())
     assert "reference" not in placed["roles"] and "time/ref_logprobs" not in rows[-1], sorted(placed["roles"])
@@ -60,7 +74,7 @@ def test_the_default_experiment_learns_with_adapters_and_exports_them(run_root: 
         assert float((untrained(x).logits - m).abs().max()) > 1e-3  # the adapters moved the policy
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_deepspeed_trains_adapters_only_and_resumes_them_exactly_under_every_zero_stage(tmp_path: Path) -> None:
     """tests/dist/scripts/deepspeed_lora.py on 2 ranks, ZeRO-1, -2 and -3: only the adapters are in the
     optimizer and move (the base bitwise), base_logprobs is the base model's, the sync is the merge

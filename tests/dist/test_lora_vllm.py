@@ -40,7 +40,7 @@ def _bytes(overrides: list[str]) -> tuple[int, int]:
     return sum(s.numel() for s in lora.adapter_shapes(model, cfg.model.lora).values()) * 4, whole
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(1800)
 def test_the_vllm_preset_learns_with_adapters_synced_alone(run_root: Path) -> None:
     adapter_bytes, whole_bytes = _bytes(MODEL)

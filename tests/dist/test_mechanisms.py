@@ -47,8 +47,13 @@ SCRIPT_CASES = {
     "ulysses_context_parallelism_gives_the_unsplit_models_logprobs_and_gradients": ("ulysses.py", 4, "ulysses ok", 4),
 }
 
+FULL_TIER = {"world_of_an_8_gpu_node_builds_each_mesh_on_its_own_device",
+             "ulysses_context_parallelism_gives_the_unsplit_models_logprobs_and_gradients"}
+"""The full tier's (make test-all): ten ranks of an 8-GPU node, and Ulysses, which the fast tier's
+fsdp:d1t2c2 run (tests/dist/test_fsdp_tp.py) runs inside the engine."""
 
-@pytest.mark.parametrize("case", sorted(SCRIPT_CASES))
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if c in FULL_TIER else c for c in sorted(SCRIPT_CASES)])
 def test_mechanism(case: str) -> None:
     script, ranks, ok, count = SCRIPT_CASES[case]
     out = mpirun(script, ranks)

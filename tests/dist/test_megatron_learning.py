@@ -33,7 +33,7 @@ CASES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(960)
 @pytest.mark.parametrize("case", list(CASES))
 def test_default_experiment_with_megatron_learns(case: str, run_root: Path) -> None:

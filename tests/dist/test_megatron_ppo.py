@@ -34,7 +34,7 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(900)
 def test_ppo_with_a_megatron_t2_critic_matches_fsdp_and_exports(run_root: Path) -> None:
     import torch

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.full]  # a benchmark run as a test
 
 
 def test_memory_bench_measures_every_phase_within_the_planner(run_root: Path) -> None:

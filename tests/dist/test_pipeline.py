@@ -36,6 +36,7 @@ def test_default_experiment_runs_and_writes_its_outputs(run_root: Path, roles: s
     assert "done: 3 steps" in out.stdout
 
 
+@pytest.mark.full
 def test_same_seed_same_run(run_root: Path) -> None:
     rewards = []
     for name in ("a", "b"):

@@ -24,7 +24,23 @@ PLACEMENTS = {
 }
 
 
-@pytest.mark.slow
+def test_ppo_trains_the_actor_and_its_critic(run_root: Path) -> None:
+    """The fast tier's: three steps of the ``algo=ppo`` preset (the critic colocated with the actor):
+    the critic's values and GAE's advantages every step, the critic regressed on the returns while
+    the actor trains."""
+    # the format reward (a digit, then EOS) is earned at once: returns that vary from the first step
+    out = launch(["algo=ppo", "steps=3", "data.reward_fn=rlbatch.rewards.rules:format_reward",
+                  f"run_dir={run_root / 'run'}"], run_root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["critic/warmup"] == 0.0 and row["train/critic/value_loss"] > 0, row
+        assert -10.0 < row["critic/explained_variance"] <= 1.0 and row["train/pg_loss"] == row["train/pg_loss"], row
+    assert len({row["train/critic/value_loss"] for row in rows}) == 3  # the critic trains
+
+
+@pytest.mark.full
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_ppo_with_a_critic_learns_the_default_task(run_root: Path, placement: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import launch, sglang_env
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.full]  # the fast tier's bitwise resume: tests/slurm/test_slurm_runtime.py's preempted job
 # A format reward gives a non-zero learning signal from the first step at this tiny size, so
 # the weights really move and a bitwise comparison means something.
 RUN = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward"]
@@ -81,9 +81,9 @@ KEYS = {"ppo": ("train/critic/value_loss", "train/critic/grad_norm", "critic/exp
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param("vllm-d1t2", marks=[pytest.mark.slow, pytest.mark.timeout(2700)]),
+    pytest.param("vllm-d1t2", marks=pytest.mark.timeout(2700)),
     pytest.param("ppo"), pytest.param("async-reference-rides"), pytest.param("lora"),
-    pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.timeout(2700)])])
+    pytest.param("sglang", marks=pytest.mark.timeout(2700))])
 def test_three_steps_resume_three_steps_equals_six(run_root: Path, case: str) -> None:
     whole, split, (extra, timeout) = run_root / "whole", run_root / "split", CASES[case]
     env = sglang_env() if case == "sglang" else None

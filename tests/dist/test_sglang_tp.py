@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import STAND_INS
 from tests.dist.test_mechanisms import mpirun
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.full]
 
 
 def test_tensor_parallel_sglang_worker_matches_transformers() -> None:

@@ -21,7 +21,7 @@ from tests.conftest import REPO_ROOT, launch
 from tests.unit.chat_fixtures import save_chat_model
 from tests.unit.wandb_records import offline_runs
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.full]
 
 
 def verl_parquet(path: Path) -> Path:

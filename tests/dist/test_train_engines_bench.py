@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.full]  # a benchmark run as a test
 
 TIMEOUT_S = 400
 """~20-30 s of CPU per rank, most of it importing torch, transformers, DeepSpeed and megatron-core;

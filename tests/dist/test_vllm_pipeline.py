@@ -15,12 +15,13 @@ import pytest
 from tests.conftest import launch, rank_logs
 from tests.dist.test_mechanisms import mpirun
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = pytest.mark.dist
 # vLLM's CPU attention needs head_dim >= 32: the default tiny model (hidden 64) with 2 heads
 MODEL = ["model.num_heads=2", "model.num_kv_heads=1"]
 
 
-@pytest.mark.parametrize(("roles", "backend"), [("colocated", "vllm:d2"), ("disaggregated", "vllm:d1")])
+@pytest.mark.parametrize(("roles", "backend"), [("colocated", "vllm:d2"),
+                                                  pytest.param("disaggregated", "vllm:d1", marks=pytest.mark.full)])
 def test_grpo_with_vllm_generating(run_root: Path, roles: str, backend: str) -> None:
     run = run_root / "run"
     out = launch([f"roles={roles}", f"roles.actor_infer.backend={backend}", *MODEL, "steps=3", f"run_dir={run}"],
@@ -34,6 +35,7 @@ def test_grpo_with_vllm_generating(run_root: Path, roles: str, backend: str) -> 
     assert logs.count("built vllm engine for actor_infer") == (2 if roles == "colocated" else 1)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize(("ranks", "args"), [(2, ["0,1"]), (3, ["1,2"]), (2, ["0,1", "compiled"]), (2, ["0,1", "moe"])],
                          ids=["colocated-d1t2", "subset-t2", "colocated-d1t2-compiled", "colocated-d1t2-moe"])
 def test_tensor_parallel_vllm_worker_matches_transformers(ranks: int, args: list[str]) -> None:

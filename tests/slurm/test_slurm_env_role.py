@@ -14,7 +14,7 @@ from tests.conftest import launch
 from tests.dist.test_resume import assert_trained_on_the_saved_episodes, rows, saved_episodes
 from tests.slurm.test_slurm_runtime import preempt_at_step_2_and_wait
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.full]
 
 
 def test_env_workers_on_both_nodes_host_the_episodes(run_root: Path) -> None:

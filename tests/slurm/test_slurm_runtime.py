@@ -83,6 +83,7 @@ def test_two_nodes_identity_groups_and_sums(run_root: Path) -> None:
     assert result["sums"]["0"]["actor_train/tp"] == 3.0 and result["sums"]["4"]["sync"] == 27.0
 
 
+@pytest.mark.full
 def test_sweep_submits_one_job_per_point(run_root: Path) -> None:
     out = launch(["-m", "program=selftest", "cluster=slurm", "cluster.cpus_per_task=1", f"run_dir={run_root}/sweep",
                   "seed=1,2,3"], run_root, timeout=120)
@@ -97,6 +98,7 @@ def test_sweep_submits_one_job_per_point(run_root: Path) -> None:
     assert seeds == [1, 2, 3]
 
 
+@pytest.mark.full
 def test_kill_9_ends_the_job_fast_and_names_the_rank(run_root: Path) -> None:
     start = time.monotonic()
     out = selftest_on_slurm(run_root / "run", *TWO_NODES, "cluster.timeout_s=20", "+cluster.env.RLBATCH_FAULT=kill:5")
@@ -111,6 +113,7 @@ def test_kill_9_ends_the_job_fast_and_names_the_rank(run_root: Path) -> None:
     assert ended - killed_at < 30, "every rank stopped within 30 s of the kill"
 
 
+@pytest.mark.full
 def test_two_jobs_on_one_node_both_start(run_root: Path) -> None:
     procs = [subprocess.Popen([sys.executable, "-m", "rlbatch.launch", "program=selftest", "cluster=slurm", "cluster.cpus_per_task=1",
                                "wait=true", f"run_dir={run_root}/{n}", "+cluster.sbatch_args.nodelist=n1"],
@@ -140,6 +143,7 @@ ON_SLURM = {"colocated": ["roles=colocated"], "disaggregated": ["roles=disaggreg
 """case -> its overrides (hf generating; vLLM's cases: test_vllm_experiment_learns_on_slurm)."""
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", list(ON_SLURM))
 def test_default_experiment_on_slurm(run_root: Path, case: str) -> None:
     extra = ON_SLURM[case]
@@ -159,6 +163,7 @@ VLLM_ENGINES = {"vllm-colocated": 2, "vllm-disaggregated": 1}
 of the two training ranks, or one on a rank of its own."""
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("learner", list(VLLM_ENGINES))
 def test_vllm_experiment_runs_on_slurm(run_root: Path, learner: str) -> None:
     """The local vLLM learners' runs, submitted to the cluster and run under srun: their first 4
@@ -179,6 +184,7 @@ ROLL_8GPU = ["cluster.gpus_per_node=4", "model.num_heads=2", "model.num_kv_heads
 """ROLL's 8-GPU vLLM examples on the test cluster as 2 nodes of 4 GPUs."""
 
 
+@pytest.mark.full
 def test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes(run_root: Path) -> None:
     """roles=roll_disaggregated_8gpu: fsdp:d4 on n1, four vLLM engines on n2, weights synced across
     the nodes every step (~85 s)."""
@@ -193,6 +199,7 @@ def test_roll_disaggregated_preset_trains_with_vllm_on_two_nodes(run_root: Path)
     assert {node: sum(f"node {node})]" in ln for ln in started) for node in (0, 1)} == {0: 0, 1: 4}, started
 
 
+@pytest.mark.full
 def test_roll_colocated_preset_places_an_engine_beside_each_trainer_on_two_nodes(run_root: Path) -> None:
     """roles=roll_colocated_8gpu: fsdp:d8 and vllm:d8 on the same eight ranks, four on each node,
     checked by program=selftest on real processes (identity, role groups, weight sync); starting its
@@ -219,7 +226,7 @@ TRAIN_ENGINES = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("engine", list(TRAIN_ENGINES))
 def test_training_engine_across_two_nodes_learns(run_root: Path, engine: str) -> None:
@@ -245,7 +252,7 @@ PREEMPTED = {
 }
 
 
-@pytest.mark.parametrize("case", list(PREEMPTED))
+@pytest.mark.parametrize("case", [c if c == "sync" else pytest.param(c, marks=pytest.mark.full) for c in PREEMPTED])
 def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_root: Path, case: str) -> None:
     extra, steps = PREEMPTED[case]
     args = ["algo.prompts_per_step=8", "algo.samples_per_prompt=4", "data.reward_fn=rlbatch.rewards.rules:format_reward",

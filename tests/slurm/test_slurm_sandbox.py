@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import launch
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.full]
 
 
 def test_code_sandbox_workers_on_both_nodes(run_root: Path) -> None:

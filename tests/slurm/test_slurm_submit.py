@@ -90,6 +90,7 @@ def test_ranks_on_a_node_without_the_run_directory_are_named_with_that_node(run_
     assert "never started" not in output
 
 
+@pytest.mark.full
 def test_the_ppo_preset_places_its_ranks_on_two_nodes(run_root: Path) -> None:
     """The 8-GPU presets fit the test cluster as 2 nodes of 4 GPUs. The launcher accepts this one
     (tensor-parallel fsdp, fsdp:d4t2, is built); program=selftest starts no engine and checks
@@ -109,6 +110,7 @@ def test_the_ppo_preset_places_its_ranks_on_two_nodes(run_root: Path) -> None:
     assert [r[0] for r in result["reports"]["0"]["roles"]] == ["actor_train", "actor_infer", "reference", "critic"]
 
 
+@pytest.mark.full
 def test_the_areal_flagship_placement_selftests_on_two_8_gpu_nodes(run_root: Path) -> None:
     """AReaL's full example, roles=areal_16gpu (sglang:d2t4 on node 0, fsdp:d4t2 on node 1), as the
     seed documents give it, on the test cluster's two 8-GPU nodes (~40 s): 18 real processes, every

@@ -34,7 +34,7 @@ from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers
 
 # On a GPU machine SGLang lives in an environment of its own, not beside vLLM (docs/sglang.md): there
 # these tests run in that environment; everywhere else `make venv` installs it and they must run.
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     torch.cuda.is_available() and importlib.util.find_spec("sglang") is None,
     reason="a GPU machine's SGLang is in its own environment (docs/sglang.md)")]
 SEED = 1

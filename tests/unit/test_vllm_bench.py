@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--prompts", "2", "--samples", "2", "--prompt-len", "8", "--new-tokens", "4", "--hidden", "64", "--layers", "1",
         "--heads", "2", "--kv-heads", "1", "--ffn", "128", "--vocab", "256", "--kv-cache-mb", "16", "--threads", "1"]
 
-pytestmark = pytest.mark.slow  # each starts vLLM: ~30 s of CPU, minutes of wall time on a loaded machine
+pytestmark = pytest.mark.full  # benchmarks run as tests; each starts vLLM: ~30 s of CPU, minutes of wall time on a loaded machine
 
 
 def run(script: str, *args: str) -> str:

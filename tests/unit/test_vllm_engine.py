@@ -28,7 +28,6 @@ from rlbatch.engines.registry import HFArgs, VLLMArgs  # noqa: E402
 from rlbatch.launch.compose import compose  # noqa: E402
 from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets  # noqa: E402
 
-pytestmark = pytest.mark.slow
 SEED = 1
 # vLLM's CPU attention needs head_dim >= 32: the default tiny model (hidden 64) with 2 heads
 MODEL = ["model.num_heads=2", "model.num_kv_heads=1"]

@@ -32,7 +32,6 @@ from rlbatch.launch.compose import compose
 from rlbatch.models import lora
 from rlbatch.scheduler.weightsync import AdapterSink, load_in_process
 
-pytestmark = pytest.mark.slow
 SEED = 1
 MODEL = ["model.num_heads=2", "model.num_kv_heads=1", "model.lora.rank=16", "model.lora.alpha=32"]
 PROMPTS = ["1+2=", "3+4=", "7+8=", "9+9="]

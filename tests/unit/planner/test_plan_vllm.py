@@ -101,7 +101,6 @@ def test_search_keeps_to_the_tensor_parallel_sizes_vllm_accepts() -> None:
     assert "vllm:d4t2" not in infer_dims("vllm", 8, 8, odd)
 
 
-@pytest.mark.slow
 def test_search_chooses_tensor_parallel_vllm_when_one_gpu_cannot_hold_the_model() -> None:
     cfg = make_config(model={"path": str(MODELS / "qwen2_5_72b")},
                       algo={"max_new_tokens": 512, "prompts_per_step": 64, "grad_accum": 8},
