@@ -98,3 +98,17 @@ def test_deepspeed_gets_the_host_model_to_cast_and_place_itself(handed: list[dic
     want = {"devices": {torch.device("cpu")}, "dtypes": {torch.float32}, "bf16": True}
     assert handed == [want] * 4, handed  # trainable at stages 1-3, forward-only at stage 3
     assert placed == [gpu, gpu]  # forward-only at stages 1 and 2: the bare module, through plain_module
+
+
+def test_deepspeed_is_imported_without_the_trackers_its_autotuner_would_import() -> None:
+    """In a fresh interpreter: DeepSpeed's autotuner goes without MLflow (installed here by the trackers
+    extra), which imports as usual afterwards; the shared-memory op is marked unavailable."""
+    import subprocess
+
+    code = ("import sys\nfrom rlbatch.engines.train.ds_world import import_deepspeed\nds = import_deepspeed()\n"
+            "from deepspeed.autotuning import autotuner\n"
+            "assert 'mlflow' not in sys.modules and autotuner.has_mlflow is False\n"
+            "assert ds.ops.__compatible_ops__['deepspeed_shm_comm'] is False\n"
+            "import mlflow\nprint('ok', mlflow.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok mlflow", out.stdout + out.stderr[-2000:]

@@ -44,7 +44,7 @@ from rlbatch.engines.defaults import max_tokens_per_micro_batch, share_prompts
 from rlbatch.engines.model import engine_skeleton, load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train import common
-from rlbatch.engines.train.ds_world import role_world
+from rlbatch.engines.train.ds_world import import_deepspeed, role_world
 from rlbatch.engines.train.state import param_groups_meta
 from rlbatch.models import lora
 
@@ -130,14 +130,6 @@ def export_units(names: list[str]) -> list[list[str]]:
     return [[inner[n] for n in unit] for unit in layer_units(list(inner))]
 
 
-def _skip_shm_build() -> None:
-    """Mark DeepSpeed's shared-memory all-reduce op unavailable before its comm backend starts, so it is
-    not JIT-compiled (see the module docstring)."""
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 class DeepSpeedEngine(StashedState):
     """A role's model under DeepSpeed ZeRO on the role's ranks (see the module docstring)."""
 
@@ -146,9 +138,7 @@ class DeepSpeedEngine(StashedState):
         common.require_data_parallel(mesh, "deepspeed")
         if int(args.zero_stage) not in (1, 2, 3):
             raise ValueError(f"deepspeed engine: engine_args.zero_stage must be 1, 2 or 3, got {args.zero_stage}")
-        import deepspeed
-
-        _skip_shm_build()
+        deepspeed = import_deepspeed()
         # DeepSpeed takes its device from LOCAL_RANK (and reads it in its ZeRO checks): the rank's own
         # GPU, whatever the launcher or the job's environment exported.
         os.environ["LOCAL_RANK"] = str(ctx.device.index or 0)

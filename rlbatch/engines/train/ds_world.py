@@ -17,13 +17,39 @@ so two DeepSpeed engines on different role groups in one process each see their 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 import torch.distributed as dist
 
 _RANKED = {"src", "dst"}
+
+UNUSED_IMPORTS = ("mlflow",)
+"""What ``import deepspeed`` would import for a part rlbatch never runs: its autotuner imports MLflow
+when it is installed (about 1.1 CPU-s on every rank that builds the engine; tools/bench/launch.py)."""
+
+
+def import_deepspeed() -> ModuleType:
+    """``import deepspeed``, the first time without ``UNUSED_IMPORTS`` (DeepSpeed guards each with a
+    try/except and goes on without it); a package this process imported already stays as it is, and
+    every one of them imports normally afterwards. Then DeepSpeed's shared-memory all-reduce op is
+    marked unavailable, so that it is not JIT-compiled (``rlbatch.engines.train.deepspeed``)."""
+    if "deepspeed" not in sys.modules:
+        hidden = [name for name in UNUSED_IMPORTS if name not in sys.modules]
+        for name in hidden:
+            sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
+        try:
+            import deepspeed  # noqa: F401
+        finally:
+            for name in hidden:
+                if sys.modules.get(name, 0) is None:
+                    del sys.modules[name]
+    module = sys.modules["deepspeed"]
+    module.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return module
 
 
 class RoleBackend:
@@ -142,8 +168,7 @@ class RoleBackend:
 @contextmanager
 def role_world(group: Any) -> Iterator[None]:
     """Inside the block, DeepSpeed's world is ``group`` (see the module docstring)."""
-    from deepspeed import comm
-
+    comm = import_deepspeed().comm
     inner = comm.comm.cdb
     if inner is None:
         comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
