@@ -1,10 +1,29 @@
-"""The one error type for bad configuration, and how every entry point reports it."""
+"""The one error type for bad configuration, how every entry point reports it, and the exit codes
+of ``python -m rlbatch.launch`` (at the bottom of the layers: every entry point returns them)."""
 
 from __future__ import annotations
 
 import sys
+from enum import IntEnum
 
-from rlbatch.launch.exit_codes import ExitCode
+
+class ExitCode(IntEnum):
+    FINISHED = 0
+    """Every step ran (or nothing was to run: a dry run, a submitted job)."""
+    FAILED = 1
+    """The run failed after it started; the console names the ranks that caused it."""
+    BAD_CONFIG = 2
+    """The configuration cannot run (every problem printed), or sbatch refused the job: nothing started."""
+    PREEMPTED = 3
+    """Stopped by the preemption signal (cluster.preempt_signal) or before the walltime, after saving a
+    checkpoint; launching again with the same run_dir resumes (resume=auto)."""
+    INTERRUPTED = 4
+    """Stopped on request after the step in progress, with a checkpoint of it (Ctrl-C or SIGTERM to
+    the launcher; ``scancel --signal=INT`` under Slurm); launching again with the same run_dir resumes."""
+    STOPPED_NOW = 130
+    """Stopped by Ctrl-C without saving: a second Ctrl-C (or SIGTERM) ended every rank of a local run,
+    or Ctrl-C came before anything started, or while following a Slurm job (which keeps running).
+    130 = 128 + SIGINT, what shells report for a program ended by Ctrl-C."""
 
 
 class ConfigError(ValueError):

@@ -25,6 +25,7 @@ from torch import Tensor
 from rlbatch.algos.advantages import TurnRewards, token_rewards, whiten_tokens
 from rlbatch.algos.core import masked_mean
 from rlbatch.algos.registry import AGGREGATIONS
+from rlbatch.algos.split import loss_stat_factor, split_objective
 
 
 def gae(rewards: list[Tensor], values: list[Tensor], gamma: float, lam: float) -> tuple[list[Tensor], list[Tensor]]:
@@ -123,9 +124,7 @@ class ValueObjective:
 
     def split(self, denominator: float) -> ValueObjective:
         """This objective with the loss the micro-batch's total divided by ``denominator``
-        (``rlbatch.algos.objective.split_objective``)."""
-        from rlbatch.algos.objective import split_objective
-
+        (``rlbatch.algos.split.split_objective``)."""
         return split_objective(self, denominator)
 
     def __call__(self, x: ValueInput) -> tuple[Tensor, dict[str, float]]:
@@ -134,7 +133,5 @@ class ValueObjective:
         mask = x.mask * x.fields["loss_mask"] if "loss_mask" in x.fields else x.mask
         per_token, clipped = value_loss(x.values, x.fields.get("values"), x.fields["returns"], mask, self.clip)
         loss = self.agg(per_token, mask)
-        from rlbatch.algos.objective import loss_stat_factor
-
         return loss, {"value_loss": loss.item() * loss_stat_factor(self, mask), "value_clip_frac": masked_mean(clipped, mask).item(),
                       "value_mean": masked_mean(x.values.detach(), mask).item()}

@@ -82,8 +82,8 @@ def estimate_bytes(cfg: Any, trainable_roles: list[str]) -> int:
     model (the policy's; a critic's own ``critic_model.path`` where set)."""
     from collections.abc import Mapping
 
+    from rlbatch.models.shape import ModelShape
     from rlbatch.models.spec import spec_from_config
-    from rlbatch.plan.model import ModelShape
 
     total = 0
     critic_path = getattr(getattr(cfg, "critic_model", None), "path", None)

@@ -3,7 +3,7 @@
 Evaluation is scored by the run's own scoring roles, which were built with ``data.reward_fn`` and
 ``data.reward_fns``: the held-out data must be of the training data's kind, and it cannot bring
 reward functions of its own. Its data section is checked as the training one is
-(``rlbatch.data.checks``), each problem naming ``eval.data.<field>``. No torch.
+(``rlbatch.checks.data_rules``), each problem naming ``eval.data.<field>``. No torch.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
 
         if (problem := _data_file_problem(str(path))) is not None:
             return [_renamed(problem)]
-    from rlbatch.data.checks import data_problems
+    from rlbatch.checks.data_rules import data_problems
 
     return [_renamed(p) for p in data_problems({"data": eval_data, "model": section(plain, "model")}, reward_role=False)]
 

@@ -279,7 +279,7 @@ def _step_of(name: str) -> int | None:
 
 def files_problems(plain: Mapping[str, Any]) -> list[str]:
     """The model, dataset, reward function and checkpoint the config names are there; then the data
-    section's own rules (``rlbatch.data.checks``: records, chat template, reward routes)."""
+    section's own rules (``rlbatch.checks.data_rules``: records, chat template, reward routes)."""
     model, data = section(plain, "model"), section(plain, "data")
     checks: list[tuple[str, Any]] = []
     if model.get("path") and model.get("check_path", True) is not False:
@@ -305,7 +305,7 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
             problem = f"{field}: {e}"
         if problem:
             problems.append(problem[:800])
-    from rlbatch.data.checks import data_problems
+    from rlbatch.checks.data_rules import data_problems
 
     problems += data_problems(plain, reward_role=_enabled(section(plain, "roles").get("reward")))
     return problems
@@ -332,7 +332,7 @@ def run_dir_problems(plain: Mapping[str, Any]) -> list[str]:
 
 
 def _run_dir_writable_problem(run_dir: str) -> str | None:
-    """Why ``prepare_run_dir`` could not make ``run_dir`` and write into it, judged on the path as it
+    """Why ``rlbatch.launch.rundir.prepare_run_dir`` could not make ``run_dir`` and write into it, judged on the path as it
     resolves there and on its nearest existing ancestor."""
     try:
         given = Path(run_dir).expanduser().resolve()

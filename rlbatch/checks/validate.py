@@ -27,6 +27,7 @@ from rlbatch.algos.registry import (
 )
 from rlbatch.checks.cluster_rules import cluster_problems
 from rlbatch.checks.eval_rules import eval_problems
+from rlbatch.checks.lora_rules import lora_problems
 from rlbatch.checks.runnable import (
     engine_args_problems,
     engine_rule_problems,
@@ -53,7 +54,6 @@ from rlbatch.config.schema import (
 )
 from rlbatch.envs.checks import env_problems
 from rlbatch.errors import ConfigError
-from rlbatch.models.lora import lora_problems
 from rlbatch.phases import reference_is_actor_base
 from rlbatch.placement import Placement, place
 from rlbatch.plugins import import_plugins

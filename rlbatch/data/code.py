@@ -21,6 +21,7 @@ import json
 import re
 from typing import Any
 
+from rlbatch.data.records import load_records
 from rlbatch.data.synthetic import Sample
 from rlbatch.errors import ConfigError
 
@@ -84,8 +85,6 @@ def _record_problem(r: dict[str, Any], template: str) -> Sample:
 
 
 def code_file_problems(data_cfg: Any) -> tuple[Sample, ...]:
-    from rlbatch.data.source import load_records
-
     rows = load_records(str(data_cfg.path))
     if not rows:
         raise ConfigError(f"data.path: {data_cfg.path} has no records")

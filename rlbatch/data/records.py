@@ -127,6 +127,17 @@ class _Unreadable:
 _MISSING = object()
 
 
+def load_records(path: str) -> list[dict[str, Any]]:
+    """Rows of a local jsonl/json/parquet file (``records.read_rows``); a ConfigError naming the rows
+    that are not JSON objects."""
+    rows = read_rows(path)
+    bad = [n for n, r in rows if not isinstance(r, dict)]
+    if bad:
+        raise ConfigError(f"data.path: {path}: {len(bad)} of its {len(rows)} records are not JSON objects "
+                          f"(rows {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
+    return [r for _, r in rows]
+
+
 def _get(record: Mapping[str, Any], path: str) -> Any:
     return dotted(record, path, _MISSING)
 

@@ -11,22 +11,11 @@ import logging
 from typing import Any
 
 from rlbatch.data.chat import ChatPrompts, chat_prompts
-from rlbatch.data.records import fill_template, read_records, read_rows
+from rlbatch.data.records import fill_template, read_records
 from rlbatch.data.synthetic import PromptStream, Sample, arithmetic_problems
 from rlbatch.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def load_records(path: str) -> list[dict[str, Any]]:
-    """Rows of a local jsonl/json/parquet file (``records.read_rows``); a ConfigError naming the rows
-    that are not JSON objects."""
-    rows = read_rows(path)
-    bad = [n for n, r in rows if not isinstance(r, dict)]
-    if bad:
-        raise ConfigError(f"data.path: {path}: {len(bad)} of its {len(rows)} records are not JSON objects "
-                          f"(rows {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
-    return [r for _, r in rows]
 
 
 def file_problems(data_cfg: Any, chat: ChatPrompts | None = None) -> tuple[Sample, ...]:

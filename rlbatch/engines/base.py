@@ -35,6 +35,7 @@ import torch
 from rlbatch.config.schema import AlgoConfig, ModelConfig
 from rlbatch.engines.offload import Transfer
 from rlbatch.engines.registry import spec_of
+from rlbatch.models import lora
 
 Sample = dict[str, torch.Tensor]
 """One sample as engines see it: 1-D tensors by field (prompt, response, per-token fields)."""
@@ -146,6 +147,14 @@ class WeightStream:
                 yield [(name, t if dtype is None else t.to(dtype))]
 
         return cls([(n, t.shape) for n, t in held], produce)
+
+    def merged(self, adapters: Any) -> WeightStream:
+        """This stream of a PEFT-wrapped model (``model.lora``: ``adapters``; each unit holding an adapted
+        weight with its adapters) as the base model's: every unit merged (``rlbatch.models.lora.merged``),
+        under the base names."""
+        scale = lora.scaling(adapters)
+        return WeightStream(lora.base_shapes(self.manifest),
+                            lambda dtype: (lora.merged(u, scale) for u in self._produce(dtype)))
 
     def units(self, dtype: torch.dtype | None = None) -> Iterator[Unit]:
         """The tensors unit by unit (see the class docstring); checked against the manifest."""

@@ -299,8 +299,9 @@ def engine_skeleton(ctx: Any, dtype: torch.dtype = torch.float32) -> Skeleton:
         log.warning("%s: %s; every rank reads the whole model before it takes its shard", ctx.role, e)
         full = load_engine_model(ctx)
         sk = Skeleton(full, Tensors(params_to_meta(full)), f"{e}: read whole")
-    if (adapters := lora.of(ctx)) is not None:
-        sk = lora.lora_skeleton(sk, adapters, ctx.seed)  # the trained policy learns adapters only
+    if (adapters := lora.of(ctx)) is not None:  # the trained policy learns adapters only: adapted on meta,
+        # its base weights the skeleton's, its adapters drawn from the seed by name (lora.AdapterInit)
+        sk = Skeleton(lora.adapt(sk.model, adapters), lora.AdapterInit(sk.weights, ctx.seed), sk.whole)
     cast_params(sk.model, dtype)
     return sk
 

@@ -5,7 +5,7 @@
     python -m rlbatch.launch cluster=slurm cluster.partition=gpu roles=areal_16gpu
     python -m rlbatch.launch -m cluster=slurm algo.lr=1e-6,3e-6   # one Slurm job per point
 
-Exit codes (``rlbatch.launch.exit_codes``; the README's "Exit codes" table): 0 finished, 1 failed,
+Exit codes (``rlbatch.errors.ExitCode``; the README's "Exit codes" table): 0 finished, 1 failed,
 2 bad configuration (problems printed, nothing started), 3 preempted and 4 interrupted (stopped
 after saving a checkpoint: launch again to resume), 130 stopped at once by a second Ctrl-C.
 Ctrl-C stops a local run after the step in progress, with a checkpoint; a second Ctrl-C at once.
@@ -17,8 +17,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from rlbatch.errors import ConfigError, report_config_error
-from rlbatch.launch.exit_codes import ExitCode
+from rlbatch.errors import ConfigError, ExitCode, report_config_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(argv: list[str]) -> int:
-    from rlbatch.launch.compose import compose, needs_hydra_cli
+    from rlbatch.config.compose import compose, needs_hydra_cli
 
     if needs_hydra_cli(argv):
         from rlbatch.launch.sweep import hydra_cli

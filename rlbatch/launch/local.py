@@ -4,7 +4,7 @@ The console shows the controller's output and any rank's fatal error (with its r
 each rank's full log is in <run_dir>/logs/. When the run fails, the ranks that caused it are
 named from their status files. Ctrl-C stops the run after the step in progress with a
 checkpoint, a second one at once (``rlbatch.launch.interrupt``); the exit code says how the run
-ended (``rlbatch.launch.exit_codes``).
+ended (``rlbatch.errors.ExitCode``).
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.checks.runnable import locate_mpiexec
-from rlbatch.launch.exit_codes import ExitCode, run_exit_code
+from rlbatch.errors import ExitCode
+from rlbatch.launch.exit_codes import run_exit_code
 from rlbatch.launch.interrupt import StopRequests
+from rlbatch.launch.rundir import prepare_run_dir
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import MPI_ENV, cpu_device_env, network_env
 from rlbatch.runtime.lifeline import ENV as LIFELINE_ENV
 from rlbatch.runtime.lifeline import Lifelines
 from rlbatch.runtime.postmortem import culprits
-from rlbatch.runtime.rundir import prepare_run_dir
 
 
 def find_mpiexec(configured: str) -> str:

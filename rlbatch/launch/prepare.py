@@ -37,10 +37,10 @@ def main(argv: list[str]) -> int:
     import os
 
     from rlbatch.checks.validate import check
-    from rlbatch.launch.compose import compose
+    from rlbatch.config.compose import compose
+    from rlbatch.launch.rundir import prepare_run_dir
     from rlbatch.launch.slurm import export_lines, rank_env
     from rlbatch.runtime.env import read_env
-    from rlbatch.runtime.rundir import prepare_run_dir
 
     try:
         cfg = compose(argv)

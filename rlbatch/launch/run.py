@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.errors import ConfigError, report_config_error
-from rlbatch.launch.dry_run import placement_table
 from rlbatch.placement import Placement
+from rlbatch.placement.table import placement_table
 
 
 def launch(cfg: Any, placement: Placement) -> int:

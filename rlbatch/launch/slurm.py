@@ -18,12 +18,13 @@ from typing import Any
 
 from rlbatch.checks.cluster_rules import bad_char, parameter_problems
 from rlbatch.checks.validate import ENV_NAME
-from rlbatch.errors import ConfigError, report_config_error
-from rlbatch.launch.exit_codes import ExitCode, run_exit_code
+from rlbatch.errors import ConfigError, ExitCode, report_config_error
+from rlbatch.launch.exit_codes import run_exit_code
+from rlbatch.launch.rundir import prepare_run_dir
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import CPU_DEVICE_ENV, MPI_ENV, network_env
 from rlbatch.runtime.postmortem import culprits
-from rlbatch.runtime.rundir import RunDir, prepare_run_dir
+from rlbatch.runtime.rundir import RunDir
 
 SUBMITIT_DIR = "slurm"
 """Sub-directory of the run directory for submitit's pickles and the per-task Slurm logs."""

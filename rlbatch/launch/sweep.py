@@ -37,8 +37,8 @@ def _task(cfg: Any) -> None:
 def hydra_cli(argv: list[str]) -> int:
     import hydra
 
+    from rlbatch.config.compose import CONF_DIR, CONFIG_NAME
     from rlbatch.config.register import register
-    from rlbatch.launch.compose import CONF_DIR, CONFIG_NAME
 
     register()
     sys.argv = [sys.argv[0], *argv]

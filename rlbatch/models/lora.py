@@ -3,8 +3,8 @@ receives, through PEFT. Engines, checkpoints and the optimizer see an ordinary m
 weights do not require grad; what leaves it (weight sync, export) is merged back under the base
 model's Hugging Face names (``merged``).
 
-    skeleton = lora_skeleton(engine_skeleton(...), cfg.model.lora, seed)   # on meta, then sharded
-    skeleton.materialise(device)           # base weights from the model's source, adapters seeded
+    adapted = adapt(model, cfg.model.lora)           # on meta (rlbatch.engines.model.engine_skeleton)
+    weights = AdapterInit(base_weights, seed)        # base weights from the model's source, adapters seeded
 
 The adapters start as PEFT starts them (``lora_A`` Kaiming-uniform, ``lora_B`` zero: the adapted
 model is the base model at step 0), drawn from the run's seed by name, so every rank and every run
@@ -17,14 +17,12 @@ import contextlib
 import hashlib
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
-    from rlbatch.engines.base import Unit, WeightStream
 
 ALL_LINEAR = "all-linear"
 _LORA = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
@@ -132,14 +130,6 @@ class AdapterInit:
         return (torch.rand(shape, generator=g) * 2 - 1).mul_(bound)[start:end]
 
 
-def lora_skeleton(sk: Any, lora: Any, seed: int) -> Any:
-    """A ``rlbatch.engines.model.Skeleton`` with adapters: the model adapted on meta, its weights
-    the skeleton's for the base parameters and ``AdapterInit`` for the adapters."""
-    from rlbatch.engines.model import Skeleton
-
-    return Skeleton(adapt(sk.model, lora), AdapterInit(sk.weights, seed), sk.whole)
-
-
 def scaling(lora: Any) -> float:
     """PEFT's scale of an adapter's update: alpha / rank."""
     return float(lora.alpha) / int(lora.rank)
@@ -168,82 +158,10 @@ def base_shapes(named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return [(b, shape) for n, shape in named if (b := base_name(n)) is not None]
 
 
-def merged_stream(manifest: list[tuple[str, Any]], produce: Callable[[torch.dtype | None], Iterable[Unit]],
-                  lora: Any) -> WeightStream:
-    """A PEFT-wrapped model's ``WeightStream`` (``manifest`` and ``produce`` as the engine would stream
-    the wrapped model, each unit holding an adapted weight with its adapters) as the base model's:
-    every unit ``merged``, under the base names."""
-    from rlbatch.engines.base import WeightStream
-
-    scale = scaling(lora)
-    return WeightStream(base_shapes(manifest), lambda dtype: (merged(u, scale) for u in produce(dtype)))
-
-
 def unwrapped(name: str) -> str:
     """A parameter's name inside PEFT's wrapper (``base_model.model.`` dropped; an adapter's keeps its
     ``lora_A``/``lora_B`` part): the Hugging Face layout, for grouping by decoder layer."""
     return name.removeprefix(_PREFIX)
-
-
-def lora_problems(plain: Any, engines: Sequence[Any]) -> list[str]:
-    """What validation refuses about ``model.lora`` (``plain``: the config as plain mappings;
-    ``engines``: the roles' parsed backends, ``rlbatch.placement.backend.RoleEngine``): a trained
-    policy on an engine that does not train adapters, target modules the model does not have."""
-    from rlbatch.config.plain import section
-    from rlbatch.engines.registry import REGISTRY, spec_of
-
-    cfg = section(plain, "model", "lora")
-    rank = cfg.get("rank", 0)
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        return []  # off (its range is the schema's)
-    problems = sync_problems(cfg, engines)
-    trains = [name for name, spec in REGISTRY.items() if spec.trains_adapters]
-    for e in engines:
-        if e.role == "actor_train" and not spec_of(e.backend.engine).trains_adapters:
-            problems.append(f"model.lora.rank: {rank}: the {e.backend.engine} engine of roles.actor_train does not "
-                            f"train adapters in this build ({', '.join(trains)} do); use {' or '.join(trains)}, "
-                            f"or model.lora.rank=0")
-    targets = cfg.get("target_modules", [ALL_LINEAR])
-    if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
-        return [*problems, f"model.lora.target_modules: {targets!r}: expected a non-empty list of module names "
-                           f"or [{ALL_LINEAR}]"]
-    if list(targets) == [ALL_LINEAR]:
-        return problems
-    if ALL_LINEAR in targets:
-        return [*problems, f"model.lora.target_modules: {list(targets)}: {ALL_LINEAR!r} stands alone"]
-    linear = _linear_names(section(plain, "model"))
-    if linear is not None and (absent := [t for t in targets if t not in linear]):
-        problems.append(f"model.lora.target_modules: {absent} name no linear layer of the model; its linear layers: "
-                        f"{sorted(linear)}")
-    return problems
-
-
-def _linear_names(model_cfg: Any) -> set[str] | None:
-    """The last names of the model's linear layers (built on meta: no memory), or None when the
-    model cannot be built here (its own checks say why)."""
-    import torch
-
-    from rlbatch.config.plain import as_section
-    from rlbatch.config.schema import ModelConfig
-
-    try:
-        from rlbatch.models.spec import char_vocab_size
-
-        cfg = as_section(ModelConfig, model_cfg)
-        if cfg.path:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.path))
-        else:
-            from rlbatch.models.spec import spec_from_model_config
-            from rlbatch.models.tiny import tiny_skeleton
-
-            with torch.device("meta"):
-                model = tiny_skeleton(spec_from_model_config(cfg, vocab=char_vocab_size()))
-    except Exception:  # noqa: BLE001 - the model's own checks report a model that does not build
-        return None
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 SYNC_FORMS = ("auto", "merged", "adapter")
@@ -281,20 +199,3 @@ def adapter_config(lora: Any) -> dict[str, Any]:
     if isinstance(targets, (set, frozenset)):
         cfg["target_modules"] = sorted(targets)
     return cfg
-
-
-def sync_problems(cfg: Any, engines: Sequence[Any]) -> list[str]:
-    """What validation refuses about ``model.lora.sync`` (``cfg``: the model.lora section, plain;
-    ``engines``: the roles' parsed backends): a value not in ``SYNC_FORMS``, and 'adapter' into an
-    inference engine that does not load adapters."""
-    from rlbatch.engines.registry import REGISTRY, spec_of
-
-    want = cfg.get("sync", "auto")
-    if want not in SYNC_FORMS:
-        return [f"model.lora.sync: {want!r} is not one of {list(SYNC_FORMS)}"]
-    if want != "adapter":
-        return []
-    loaders = sorted(name for name, spec in REGISTRY.items() if spec.loads_adapters and spec.built)
-    return [f"model.lora.sync: adapter: the {e.backend.engine} engine of roles.{e.role} does not load adapters "
-            f"({', '.join(loaders)} does); use model.lora.sync=merged (or auto: adapters where the engine loads them)"
-            for e in engines if e.role == "actor_infer" and not spec_of(e.backend.engine).loads_adapters]

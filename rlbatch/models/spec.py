@@ -4,7 +4,7 @@ the planner (no torch, no transformers).
 A ``ModelSpec`` comes from the run's ``model`` config: from ``model.path``'s Hugging Face
 ``config.json`` (read as JSON) when a path is set, else from the random-init fields of
 ``ModelConfig`` with the vocabulary of the built-in character tokenizer. ``rlbatch.models.tiny``
-builds the transformers model from a spec, and ``rlbatch.plan.model.ModelShape`` counts its
+builds the transformers model from a spec, and ``rlbatch.models.shape.ModelShape`` counts its
 parameters, FLOPs and KV cache from the same spec, so the model that runs and the model that is
 planned for cannot drift apart.
 """

@@ -4,9 +4,9 @@ Pure Python and numpy, no torch: ``python -m rlbatch.plan`` answers on a login n
 anything is submitted. See docs/planner.md.
 """
 
-from rlbatch.plan.hardware import Hardware, load_hardware
+from rlbatch.config.hardware import Hardware, load_hardware
+from rlbatch.models.shape import ModelShape, shape_from_config, shape_from_hf_config
 from rlbatch.plan.layout import Layout, RoleLayout, from_placement
-from rlbatch.plan.model import ModelShape, shape_from_config, shape_from_hf_config
 from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import Workload, workload_from_config
 

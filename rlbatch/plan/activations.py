@@ -11,7 +11,7 @@ check that, and ``formulas.korthikanti_layer_bytes`` keeps the paper's closed fo
 
 from __future__ import annotations
 
-from rlbatch.plan.model import ModelShape
+from rlbatch.models.shape import ModelShape
 
 
 def layer_bytes(

@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from rlbatch.config.hardware import Hardware, available, load_hardware
 from rlbatch.errors import ConfigError
 from rlbatch.plan.coefficients import Coefficients, load_coefficients
-from rlbatch.plan.hardware import Hardware, available, load_hardware
 
 SUBCOMMANDS = ("predict", "search", "calibrate", "report")
 DEFAULT_GPU_PROFILE = "h100_sxm"
@@ -106,8 +106,8 @@ def episodes(args: Args) -> dict[str, float | None]:
 
 def _context(args: Args) -> tuple[Any, Any, dict[str, Any]]:
     from rlbatch.checks.validate import check
+    from rlbatch.config.compose import compose
     from rlbatch.config.plain import to_plain
-    from rlbatch.launch.compose import compose
 
     cfg = compose(args.rest)
     placement = check(cfg, runnable=False)  # the planner models engines and programs this build does not run
@@ -127,8 +127,8 @@ def cmd_predict(args: Args) -> int:
 
 
 def cmd_search(args: Args) -> int:
+    from rlbatch.models.shape import shape_from_config
     from rlbatch.plan.fit import mem_limit
-    from rlbatch.plan.model import shape_from_config
     from rlbatch.plan.render import secs, size, table
     from rlbatch.plan.search import search
     from rlbatch.plan.workload import workload_from_config

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlbatch.plan.hardware import Hardware
+from rlbatch.config.hardware import Hardware
 
 
 @dataclass(frozen=True)

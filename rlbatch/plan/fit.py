@@ -12,11 +12,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.config.hardware import FIELDS, Hardware, available, hardware_from_dict, load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.placement import Placement
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.hardware import FIELDS, Hardware, available, hardware_from_dict, load_hardware
 from rlbatch.plan.layout import from_placement
-from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import workload_from_config
 

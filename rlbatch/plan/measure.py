@@ -163,7 +163,7 @@ def gloo_allreduce() -> tuple[float, float]:
 def main() -> None:
     import torch
 
-    from rlbatch.plan.hardware import load_hardware
+    from rlbatch.config.hardware import load_hardware
 
     mm1, mm2 = matmul_flops(1), matmul_flops(2)
     ovh = op_overhead()

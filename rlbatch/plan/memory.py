@@ -17,18 +17,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlbatch.config.hardware import Hardware
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES
 from rlbatch.engines.defaults import (
     hf_max_batch,
     max_tokens_per_micro_batch,
 )
 from rlbatch.engines.registry import spec_of
+from rlbatch.models.shape import ModelShape
 from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
 from rlbatch.plan.costs import cost_of
-from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import RoleLayout
-from rlbatch.plan.model import ModelShape
 from rlbatch.plan.workload import Workload
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.9

@@ -27,17 +27,17 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+from rlbatch.config.hardware import Hardware
 from rlbatch.engines.registry import spec_of
 from rlbatch.models.lora import sync_form
+from rlbatch.models.shape import ModelShape
 from rlbatch.phases import PHASES
 from rlbatch.placement import EngineKind
 from rlbatch.plan import timing
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.costs import cost_of
-from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import RoleMemory, compute_bytes, role_memory
-from rlbatch.plan.model import ModelShape
 from rlbatch.plan.schedule import GpuKind, Phase, simulate, step_phases
 from rlbatch.plan.workload import Workload
 

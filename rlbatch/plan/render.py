@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlbatch.launch.dry_run import compress
+from rlbatch.placement.table import compress
 from rlbatch.plan.predict import Prediction
 
 

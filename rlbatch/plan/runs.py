@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config.hardware import Hardware
 from rlbatch.errors import ConfigError
+from rlbatch.models.shape import ModelShape, shape_from_config
 from rlbatch.placement import Placement
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, from_placement
-from rlbatch.plan.model import ModelShape, shape_from_config
 from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import Workload, workload_from_config
 

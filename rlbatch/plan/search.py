@@ -25,15 +25,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlbatch.config.hardware import Hardware
 from rlbatch.engines.registry import spec_of
 from rlbatch.errors import ConfigError
+from rlbatch.models.shape import ModelShape
 from rlbatch.placement import parse_backend
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.costs import cost_of
-from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import token_budget
-from rlbatch.plan.model import ModelShape
 from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import Workload
 

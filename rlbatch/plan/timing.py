@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlbatch.config.hardware import Hardware
 from rlbatch.config.schema import HEADS
+from rlbatch.models.shape import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.placement import BackendSpec
 from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
 from rlbatch.plan.costs import EngineCost, cost_of
-from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import (
     RoleMemory,
@@ -41,7 +42,6 @@ from rlbatch.plan.memory import (
     varlen_rows,
     weight_units,
 )
-from rlbatch.plan.model import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.workload import Workload
 
 Features = dict[str, float]

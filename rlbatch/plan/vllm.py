@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from rlbatch.config.hardware import Hardware
 from rlbatch.engines.vllm_limits import (
     BLOCK_TOKENS_CPU,
     BLOCK_TOKENS_GPU,
@@ -40,16 +41,15 @@ from rlbatch.engines.vllm_limits import (
     kv_heads_per_rank,
     tp_heads_problem,
 )
+from rlbatch.models.shape import OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan import activations as act
 from rlbatch.plan import comm
 from rlbatch.plan.costs import EngineCost
-from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import VLLM_GPU_MEMORY_UTILIZATION as GPU_MEMORY_UTILIZATION
 from rlbatch.plan.memory import VLLM_MAX_NUM_BATCHED_TOKENS as MAX_NUM_BATCHED_TOKENS
 from rlbatch.plan.memory import VLLM_MAX_NUM_SEQS as MAX_NUM_SEQS
 from rlbatch.plan.memory import RoleMemory, largest_tensor
-from rlbatch.plan.model import OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan.timing import VLLM_STEP_S, _tp_link, rates
 from rlbatch.plan.workload import Workload
 

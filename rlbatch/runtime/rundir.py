@@ -1,5 +1,5 @@
-"""The run directory: its layout, shared by the launcher (writes) and the ranks (read), and the
-launcher's ``prepare_run_dir``, which writes what every rank reads first.
+"""The run directory: its layout, shared by the launcher (writes: ``rlbatch.launch.rundir``) and the
+ranks (read), and its lock.
 
     <run_dir>/config.yaml        the resolved config the run was started with
     <run_dir>/placement.json     the Placement, computed once by the launcher
@@ -9,8 +9,8 @@ launcher's ``prepare_run_dir``, which writes what every rank reads first.
                                  the run directory (their ranks could not start)
     <run_dir>/rlbatch.lock       the run directory's lock: who holds it (host, pid, Slurm job id)
 
-One run per run directory: ``prepare_run_dir`` takes the lock (``lock_run_dir``, below) before
-it writes anything, so a second launch into a directory in use is refused, naming the
+One run per run directory: the launcher's ``prepare_run_dir`` takes the lock (``lock_run_dir``,
+below) before it writes anything, so a second launch into a directory in use is refused, naming the
 holder, before it touches the first run's files.
 
 Writes that record a rank's state must not fail the error path that makes them: on a full disk
@@ -27,13 +27,10 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import process_cmdline
-
-if TYPE_CHECKING:
-    from rlbatch.placement import Placement
 
 CONFIG = "config.yaml"
 PLACEMENT = "placement.json"
@@ -127,32 +124,6 @@ def _rewrite_in_place(path: Path, data: bytes) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def prepare_run_dir(cfg: Any, placement: Placement) -> RunDir:
-    """Make run_dir absolute, create it, take its lock, check that it has room for a checkpoint,
-    write config.yaml and placement.json (launcher side).
-
-    Raises ConfigError (nothing written) when another run holds the directory (``RunDirBusy``,
-    naming the holder) or its filesystem cannot hold one checkpoint. The lock is this process's
-    until it exits, or until ``RunDirLock.hand_over`` passes it to a Slurm job."""
-    from omegaconf import OmegaConf, open_dict
-
-    from rlbatch.checkpoint.space import check_room_at_start
-    from rlbatch.placement.io import save_placement
-    from rlbatch.runtime.env import read_env
-
-    path = Path(str(cfg.run_dir)).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    lock = lock_run_dir(path, read_env().job_id)  # inside an allocation: that Slurm job's id
-    check_room_at_start(cfg, placement, path)
-    with open_dict(cfg):
-        cfg.run_dir = str(path)
-    run = RunDir(path, lock)
-    run.logs.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run.config, resolve=True)
-    save_placement(placement, run.placement)
-    return run
 
 
 # -- the lock -------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ SIGINT is a stop request too: the local launcher forwards Ctrl-C or SIGTERM to t
 SIGINT (``rlbatch.launch.interrupt``), and ``scancel --signal=INT`` does the same under Slurm. The
 loop saves and stops the same way, but a job that someone asked to stop is not requeued. How
 the run stopped ("preempted" or "interrupted") goes into the controller's status file, from
-which the launcher takes its exit code (``rlbatch.launch.exit_codes``).
+which the launcher takes its exit code (``rlbatch.errors.ExitCode``).
 """
 
 from __future__ import annotations

@@ -27,13 +27,14 @@ from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args, spec_of
 from rlbatch.phases import PHASES, PhaseSpec
-from rlbatch.rewards import RewardError, build_scorer
+from rlbatch.rewards import RewardError
 from rlbatch.rewards.model import ModelScorer
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 from rlbatch.scheduler.residency import Residency
+from rlbatch.scheduler.scorers import build_scorer
 from rlbatch.scheduler.weightsync import AdapterSink, WeightBroadcast, load_in_process
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: Any) -> tuple[An
 
 def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
     """This rank's CPU roles that score responses (phases whose op is ``score``), each with the
-    scorer ``rlbatch.rewards.SCORERS`` names for it."""
+    scorer ``rlbatch.scheduler.scorers.SCORERS`` names for it."""
     return {spec.role: build_scorer(spec.role, cfg) for spec in PHASES.values()
             if spec.op == "score" and spec.role in world.roles and not world.placement.roles[spec.role].is_gpu}
 

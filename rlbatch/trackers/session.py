@@ -53,8 +53,8 @@ def run_params(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def placement_params(placement: Mapping[str, Any]) -> dict[str, Any]:
     """``placement.json`` as a run's parameters: the job's shape and each role's engine and GPUs."""
-    from rlbatch.launch.dry_run import compress
     from rlbatch.placement.io import placement_from_dict
+    from rlbatch.placement.table import compress
 
     p = placement_from_dict(dict(placement))
     return {"num_gpus": p.num_gpus, "num_nodes": p.num_nodes, "gpus_per_node": p.gpus_per_node,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.launch.exit_codes import ExitCode
+from rlbatch.errors import ExitCode
 from rlbatch.launch.interrupt import processes_naming as processes_of
 from tests.dist.test_resume import RUN, rows, run
 

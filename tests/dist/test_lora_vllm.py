@@ -28,7 +28,7 @@ def _rows(run: Path) -> list[dict]:
 
 def _bytes(overrides: list[str]) -> tuple[int, int]:
     """fp32 bytes of the preset's adapters and of its whole model (counted on meta: no memory)."""
-    from rlbatch.launch.compose import compose
+    from rlbatch.config.compose import compose
     from rlbatch.models import lora
     from rlbatch.models.spec import char_vocab_size, spec_from_model_config
     from rlbatch.models.tiny import tiny_skeleton

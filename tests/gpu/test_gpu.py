@@ -165,12 +165,12 @@ def test_megatron_engine_on_cuda_matches_transformers_padded_and_packed_and_trai
 
     from rlbatch import algos
     from rlbatch.algos.objective import PolicyObjective
+    from rlbatch.config.compose import compose
     from rlbatch.engines.base import EngineContext
     from rlbatch.engines.batch import pack, response_logits, unpack
     from rlbatch.engines.model import load_model, load_tokenizer
     from rlbatch.engines.registry import MegatronArgs
     from rlbatch.engines.train.megatron import MegatronEngine
-    from rlbatch.launch.compose import compose
 
     cuda = torch.device("cuda", 0)
     torch.cuda.set_device(cuda)

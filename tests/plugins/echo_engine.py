@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
+from rlbatch.config.hardware import Hardware
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
 from rlbatch.engines.offload import Transfer
 from rlbatch.engines.registry import EngineSpec, register
+from rlbatch.models.shape import ModelShape
 from rlbatch.placement.backend import EngineKind
 from rlbatch.plan.costs import EngineCost
-from rlbatch.plan.hardware import Hardware
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import RoleMemory
-from rlbatch.plan.model import ModelShape
 from rlbatch.plan.workload import Workload
 
 

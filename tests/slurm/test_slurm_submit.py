@@ -40,7 +40,7 @@ def test_a_run_directory_missing_on_the_first_node_is_named_by_the_submitter(run
     run = Path("/tmp") / f"rlbatch-test-{uuid.uuid4().hex[:8]}"  # this machine's /tmp: no node sees it
     code = (
         "from rlbatch.checks.validate import check\n"
-        "from rlbatch.launch.compose import compose\n"
+        "from rlbatch.config.compose import compose\n"
         "from rlbatch.launch.slurm import submit\n"
         f"cfg = compose(['program=selftest', 'cluster=slurm', 'cluster.cpus_per_task=1', 'wait=true', 'run_dir={run}'])\n"
         "raise SystemExit(submit(cfg, check(cfg, runnable=False)))  # the launcher itself refuses /tmp\n"

@@ -25,10 +25,10 @@ import pytest
 
 from rlbatch.checks.validate import check
 from rlbatch.config.bounds import FLOAT_MAX, INT_MAX, Range, numeric_fields
+from rlbatch.config.compose import compose
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import RLBatchConfig, RoleConfig
 from rlbatch.errors import ConfigError
-from rlbatch.launch.compose import compose
 
 NUMERIC = numeric_fields(RLBatchConfig)
 """(dotted name, int or float, declared range) of every numeric field, nested ones included."""
@@ -255,7 +255,7 @@ def test_every_numeric_engine_arg_refuses_non_finite_negative_and_huge(engine: s
 
 
 def test_hardware_profile_numbers_are_finite_and_in_range() -> None:
-    from rlbatch.plan.hardware import FIELDS, load_hardware
+    from rlbatch.config.hardware import FIELDS, load_hardware
 
     numbers = [n for n, f in FIELDS.items() if f.type in ("int", "float", int, float)]
     assert len(numbers) > 15

@@ -16,8 +16,8 @@ import rlbatch.checkpoint.engine_state as engine_state
 import rlbatch.checkpoint.space as space
 import rlbatch.scheduler.checkpointing as checkpointing
 from rlbatch.checkpoint.space import DiskFull
+from rlbatch.config.compose import compose
 from rlbatch.errors import ConfigError
-from rlbatch.launch.compose import compose
 from rlbatch.runtime.rundir import RunDir
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -140,7 +140,7 @@ def test_a_status_write_on_a_full_disk_rewrites_in_place_and_never_raises(tmp_pa
 def test_a_launch_onto_a_filesystem_without_room_is_refused_before_it_writes(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from rlbatch.checks.validate import check
-    from rlbatch.runtime.rundir import prepare_run_dir
+    from rlbatch.launch.rundir import prepare_run_dir
 
     free(monkeypatch, 100_000)
     cfg = compose([f"run_dir={tmp_path / 'run'}"])

@@ -13,7 +13,7 @@ import yaml
 
 from rlbatch import ConfigError
 from rlbatch.checks.validate import check
-from rlbatch.launch.compose import CONF_DIR, compose
+from rlbatch.config.compose import CONF_DIR, compose
 
 
 def _default_groups() -> list[str]:

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import DeepSpeedArgs
 from rlbatch.engines.train import deepspeed as engine_module
 from rlbatch.engines.train.deepspeed import DeepSpeedEngine, compute_dtype, ds_config, plain_module
-from rlbatch.launch.compose import compose
 
 
 class _Recorder(torch.nn.Module):

@@ -45,11 +45,11 @@ def echo() -> Iterator[str]:
 
 
 def test_a_plugin_engine_brings_its_checks_and_its_cost_model(echo: str, cfg: dict[str, Any]) -> None:
+    from rlbatch.config.hardware import load_hardware
+    from rlbatch.models.shape import ModelShape
     from rlbatch.models.spec import spec_from_config
-    from rlbatch.plan.hardware import load_hardware
     from rlbatch.plan.layout import from_placement
     from rlbatch.plan.memory import role_memory
-    from rlbatch.plan.model import ModelShape
     from rlbatch.plan.predict import predict
     from rlbatch.plan.workload import workload_from_config
 

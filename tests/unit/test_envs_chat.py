@@ -129,6 +129,7 @@ def test_a_run_with_a_chat_model_plays_running_sum_as_a_conversation(tmp_path: A
     end of the assistant's message (what its EOS left), a user message and the generation prompt."""
     import torch
 
+    from rlbatch.config.compose import compose
     from rlbatch.config.plain import to_plain
     from rlbatch.data.source import problems_of
     from rlbatch.engines.base import EngineContext, turns_of
@@ -136,7 +137,6 @@ def test_a_run_with_a_chat_model_plays_running_sum_as_a_conversation(tmp_path: A
     from rlbatch.engines.model import load_tokenizer
     from rlbatch.engines.registry import HFArgs
     from rlbatch.envs.trajectories import MultiTurn, episode_seed
-    from rlbatch.launch.compose import compose
     from tests.unit.chat_fixtures import save_chat_model
 
     cfg = compose(["experiment=multiturn", f"model.path={save_chat_model(tmp_path / 'chat')}", "data.chat_template=true",

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import BatchedTurns, EngineContext, Generation, SamplingParams, TurnRequest
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.envs.chat import PlainText
 from rlbatch.envs.episode import Episode, EpisodeLimits
 from rlbatch.envs.rollout import Rollout, Start
 from rlbatch.envs.running_sum import RunningSum
-from rlbatch.launch.compose import compose
 
 TOK = load_tokenizer(compose([]).model)
 EOS = TOK.eos_token_id

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from rlbatch.checks.validate import check
+from rlbatch.config.compose import compose
 from rlbatch.config.plain import to_plain
 from rlbatch.data.tokenizer import EOS, char_vocab
 from rlbatch.envs.lookup import Lookup
 from rlbatch.envs.setup import EnvSetup
 from rlbatch.envs.tools import Malformed, ToolCall, ToolCallFormat, run_call
 from rlbatch.envs.trajectories import trajectory_stats
-from rlbatch.launch.compose import compose
 from tests.unit.configs import problems, set_
 
 AT = ToolCallFormat("@", ";", "<r>", "</r>", "compact")

@@ -12,15 +12,16 @@ from typing import Any
 import pytest
 import torch
 
-from rlbatch.algos.objective import LossInput, PolicyObjective, aggregation_count
+from rlbatch.algos.objective import LossInput, PolicyObjective
+from rlbatch.algos.split import aggregation_count
 from rlbatch.algos.value import ValueInput, ValueObjective
+from rlbatch.config.compose import compose
 from rlbatch.config.plain import to_plain
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams, TurnRequest, turns_of
 from rlbatch.engines.batch import pack, response_logprobs
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.envs.scoring import env_scorer
 from rlbatch.envs.trajectories import MultiTurn, episode_seed, sample_fields, summary, trajectory_stats
-from rlbatch.launch.compose import compose
 
 
 class Recorded:

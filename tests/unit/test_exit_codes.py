@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from rlbatch.errors import ExitCode
 from rlbatch.launch import interrupt
-from rlbatch.launch.exit_codes import ExitCode, run_exit_code
+from rlbatch.launch.exit_codes import run_exit_code
 from rlbatch.launch.interrupt import StopRequests
 from rlbatch.runtime.rundir import RunDir
 from tests.conftest import REPO_ROOT

@@ -42,7 +42,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 def test_gpu_bench_models_have_the_published_parameter_counts(size: str, params: int, non_embedding: float) -> None:
     torch = pytest.importorskip("torch")
     from rlbatch.engines.model import load_model
-    from rlbatch.plan.model import shape_from_config, shape_from_hf_config
+    from rlbatch.models.shape import shape_from_config, shape_from_hf_config
 
     cfg, vocab = _bench().model_config(size)
     with torch.device("meta"):  # the engines' own build path, without allocating the weights
@@ -58,7 +58,7 @@ def test_gpu_bench_models_have_the_published_parameter_counts(size: str, params:
 
 
 def test_gpu_bench_flops_of_the_default_train_step() -> None:
-    from rlbatch.plan.model import shape_from_config
+    from rlbatch.models.shape import shape_from_config
 
     cfg, vocab = _bench().model_config("0.5b")
     shape = shape_from_config(vars(cfg), vocab=len(vocab))

@@ -12,8 +12,8 @@ import pytest
 from omegaconf import open_dict
 
 from rlbatch.checks.validate import check
+from rlbatch.config.compose import compose
 from rlbatch.errors import ConfigError
-from rlbatch.launch.compose import compose
 from rlbatch.launch.local import local_env
 from rlbatch.launch.prepare import RANK_ENV
 from rlbatch.launch.prepare import main as prepare

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlbatch.checks.validate import check
-from rlbatch.launch.compose import compose
+from rlbatch.config.compose import compose
 from rlbatch.launch.slurm import sbatch_refusal, submit
 
 REFUSAL = ("sbatch: error: invalid partition specified: nope\n"

@@ -152,7 +152,7 @@ def test_lora_settings_are_checked_before_start(cfg: dict[str, Any]) -> None:
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2_moe"])
 @pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"], ["down_proj"]])
 def test_the_planners_adapter_count_is_pefts(arch: str, targets: list[str]) -> None:
-    from rlbatch.plan.model import ModelShape
+    from rlbatch.models.shape import ModelShape
 
     spec = spec_from_config({"arch": arch})
     adapted = lora.adapt(build_tiny_model(spec, seed=0), LoraConfig(rank=RANK, target_modules=targets))

@@ -17,9 +17,9 @@ from rlbatch.config.schema import ModelConfig
 from rlbatch.data.tokenizer import build_char_tokenizer
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.errors import ConfigError
+from rlbatch.models.shape import ModelShape, shape_from_config
 from rlbatch.models.spec import ModelSpec, spec_from_config, spec_from_hf_config
 from rlbatch.models.tiny import build_tiny_model
-from rlbatch.plan.model import ModelShape, shape_from_config
 
 # Random-init configs: the default, both archs, tied and untied, MHA, GQA and MQA.
 CONFIGS: dict[str, dict[str, Any]] = {

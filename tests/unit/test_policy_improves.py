@@ -19,12 +19,12 @@ import torch
 
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.algos.registry import ADVANTAGES
+from rlbatch.config.compose import compose
 from rlbatch.data.source import make_stream
 from rlbatch.engines.base import EngineContext, SamplingParams
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import FSDPArgs, HFArgs
-from rlbatch.launch.compose import compose
 from rlbatch.rewards.rules import rule_scorer
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlbatch.checks.validate import check
-from rlbatch.launch.compose import compose
+from rlbatch.config.compose import compose
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import read_env
 from rlbatch.runtime.postmortem import culprits, missing_run_dir

@@ -113,10 +113,10 @@ def test_explained_variance() -> None:
 
 
 def test_value_model_starts_from_the_policy_with_a_zero_head() -> None:
+    from rlbatch.config.compose import compose
     from rlbatch.engines.batch import pack
     from rlbatch.engines.model import load_model, load_tokenizer, value_model
     from rlbatch.engines.train import common
-    from rlbatch.launch.compose import compose
 
     cfg = compose([])
     tok = load_tokenizer(cfg.model)
@@ -161,10 +161,10 @@ def test_critic_learning_rate_is_its_own() -> None:
 
 
 def test_reward_model_scores_each_sequence_at_its_last_token_like_transformers() -> None:
+    from rlbatch.config.compose import compose
     from rlbatch.engines.batch import pack
     from rlbatch.engines.model import load_model, load_tokenizer, reward_model
     from rlbatch.engines.train import common
-    from rlbatch.launch.compose import compose
 
     cfg = compose([])
     tok = load_tokenizer(cfg.model)
@@ -182,7 +182,7 @@ def test_reward_model_scores_each_sequence_at_its_last_token_like_transformers()
 
 
 def test_model_scorer_weighs_the_model_and_the_rule() -> None:
-    from rlbatch.launch.compose import compose
+    from rlbatch.config.compose import compose
     from rlbatch.rewards.model import ModelScorer
 
     class Engine:
@@ -198,9 +198,9 @@ def test_model_scorer_weighs_the_model_and_the_rule() -> None:
 
 
 def test_a_critic_starts_from_its_own_directory(tmp_path: Path) -> None:
+    from rlbatch.config.compose import compose
     from rlbatch.config.schema import ModelConfig
     from rlbatch.engines.model import load_engine_model, load_model, load_tokenizer, value_model
-    from rlbatch.launch.compose import compose
     from rlbatch.models.spec import spec_from_config
     from rlbatch.models.tiny import build_tiny_model
 

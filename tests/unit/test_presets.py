@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from rlbatch.checks.validate import check
+from rlbatch.config.compose import CONF_DIR, compose
 from rlbatch.launch.__main__ import main
-from rlbatch.launch.compose import CONF_DIR, compose
 from rlbatch.osinfo import on_cpu
 from tests.unit.test_sbatch_golden import CASES, GOLDEN
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from rlbatch.checks.validate import check
+from rlbatch.config.compose import compose
 from rlbatch.launch.__main__ import main as launch
-from rlbatch.launch.compose import compose
 from rlbatch.plan.__main__ import main as plan
 from tests.unit.chat_fixtures import save_chat_tokenizer
 

@@ -89,7 +89,7 @@ def stub_engines(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def runtime_on(rank: int, roles: dict[str, tuple[list[int], str]]) -> Any:
     """A RankRuntime for ``rank`` of a placement of ``roles`` (role -> device_mapping, backend)."""
-    from rlbatch.launch.compose import compose
+    from rlbatch.config.compose import compose
     from rlbatch.scheduler.rank_runtime import RankRuntime
 
     placement = place({"cluster": {"gpus_per_node": 8}, "roles": {
@@ -309,7 +309,7 @@ class FakeLoop:
 ])
 def test_a_loop_announces_the_sync_only_in_a_step_that_syncs(monkeypatch: pytest.MonkeyPatch, algo: list[str],
                                                              expected: list[str]) -> None:
-    from rlbatch.launch.compose import compose
+    from rlbatch.config.compose import compose
     from rlbatch.scheduler import program
 
     monkeypatch.setattr(program, "Loop", FakeLoop)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from rlbatch.checks.validate import check
-from rlbatch.launch.compose import compose
+from rlbatch.config.compose import compose
 from rlbatch.launch.slurm import rank_env, sbatch_script
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "sbatch"

@@ -18,10 +18,10 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from rlbatch.checks.validate import check
+from rlbatch.config.compose import compose
 from rlbatch.errors import ConfigError
 from rlbatch.launch import prepare
 from rlbatch.launch.__main__ import main as launch_main
-from rlbatch.launch.compose import compose
 from rlbatch.launch.slurm import export_lines, sbatch_script, submit
 
 RUN_DIR = "/shared/runs/example"

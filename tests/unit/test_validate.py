@@ -546,8 +546,8 @@ def test_every_problem_is_reported_at_once(cfg: dict[str, Any]) -> None:
 
 def test_a_head_split_the_model_builder_cannot_make_is_refused_before_launch() -> None:
     from rlbatch.checks.validate import check
+    from rlbatch.config.compose import compose
     from rlbatch.errors import ConfigError
-    from rlbatch.launch.compose import compose
 
     with pytest.raises(ConfigError) as e:
         check(compose(["model.num_heads=3"]))

@@ -9,9 +9,9 @@ import re
 import pytest
 
 from rlbatch.checks.validate import check
+from rlbatch.config.compose import compose
+from rlbatch.config.hardware import load_hardware
 from rlbatch.errors import ConfigError
-from rlbatch.launch.compose import compose
-from rlbatch.plan.hardware import load_hardware
 from tests.unit.test_presets import refusal
 
 GiB = float(1 << 30)

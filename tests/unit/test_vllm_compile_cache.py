@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.infer.vllm import VLLMEngine, compile_cache_root
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import VLLMArgs
-from rlbatch.launch.compose import compose
 
 
 class StartedLLM:

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 import vllm  # noqa: F401  (installed by make venv: its absence is a broken install, not a skip)
 
+from rlbatch.config.compose import compose  # noqa: E402
 from rlbatch.engines.base import EngineContext, SamplingParams  # noqa: E402
 from rlbatch.engines.infer.hf import HFInferenceEngine  # noqa: E402
 from rlbatch.engines.infer.vllm import VLLMEngine, _launcher_env, one_rank_executor  # noqa: E402
 from rlbatch.engines.model import load_model, load_tokenizer  # noqa: E402
 from rlbatch.engines.registry import HFArgs, VLLMArgs  # noqa: E402
-from rlbatch.launch.compose import compose  # noqa: E402
 from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets  # noqa: E402
 
 SEED = 1

@@ -24,11 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams, WeightStream
 from rlbatch.engines.infer.vllm import VLLMEngine
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import VLLMArgs
-from rlbatch.launch.compose import compose
 from rlbatch.models import lora
 from rlbatch.scheduler.weightsync import AdapterSink, load_in_process
 

@@ -337,9 +337,9 @@ def test_on_cpu_offload_moves_nothing_and_says_so_once(engine: VLLMEngine, caplo
 
 def test_expected_names_of_a_model_directory_are_what_a_trainer_exports(tmp_path: Any) -> None:
     """A model.path run knows when a sync is complete from the directory's config alone."""
+    from rlbatch.config.compose import compose
     from rlbatch.engines.infer.vllm import hf_parameter_names
     from rlbatch.engines.model import load_model, load_tokenizer
-    from rlbatch.launch.compose import compose
 
     cfg = compose([])
     model = load_model(cfg.model, load_tokenizer(cfg.model), seed=0)

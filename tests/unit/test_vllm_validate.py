@@ -120,7 +120,7 @@ def test_kv_cache_larger_than_the_gpu_minus_the_weights_is_refused(cfg: dict[str
     # bf16 weights (model.dtype auto on a GPU): 2 bytes a parameter.
     c = set_(vllm(cfg, 2, "vllm:d2", hidden_size=1024, num_heads=8, num_kv_heads=8, num_layers=4,
                   intermediate_size=2816), cluster__device="cuda", hardware={"hbm_bytes": 2**30})
-    from rlbatch.plan.model import shape_from_config
+    from rlbatch.models.shape import shape_from_config
 
     params = shape_from_config(c["model"]).params
     weights = 2 * params / 2**20

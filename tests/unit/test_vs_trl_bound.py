@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbatch.plan.model import shape_from_hf_config
+from rlbatch.models.shape import shape_from_hf_config
 from tools.bench import vs_trl
 
 CONFIG = {"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,

@@ -121,13 +121,13 @@ def main() -> None:
 
     import torch
 
+    from rlbatch.config.compose import compose
     from rlbatch.config.plain import to_plain
     from rlbatch.engines.base import EngineContext, SamplingParams, build_engine, turns_of
     from rlbatch.engines.model import load_tokenizer
     from rlbatch.engines.registry import HFArgs, VLLMArgs
     from rlbatch.envs.registry import register_env
     from rlbatch.envs.trajectories import MultiTurn, episode_seed
-    from rlbatch.launch.compose import compose
 
     register_env("bench_slow_sum", SlowSum)
     cfg = compose(["experiment=multiturn", *(["model.num_heads=2", "model.num_kv_heads=1"] if args.engine == "vllm" else [])])

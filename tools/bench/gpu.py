@@ -257,9 +257,9 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from rlbatch.config.hardware import DEVICE_PROFILES, load_hardware, profile_for_device
     from rlbatch.errors import ConfigError
-    from rlbatch.plan.hardware import DEVICE_PROFILES, load_hardware, profile_for_device
-    from rlbatch.plan.model import shape_from_config
+    from rlbatch.models.shape import shape_from_config
 
     cuda = not args.cpu_smoke
     if cuda and not torch.cuda.is_available():

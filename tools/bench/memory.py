@@ -105,10 +105,10 @@ def overrides(path: Path, steps: int, offload: bool, malloc: bool = True) -> lis
 def planned(over: list[str]) -> dict[str, Any]:
     """The planner's per-rank host bytes by phase on the cpu profile, and its node total."""
     from rlbatch.checks.validate import check
+    from rlbatch.config.compose import compose
+    from rlbatch.config.hardware import load_hardware
     from rlbatch.config.plain import to_plain
-    from rlbatch.launch.compose import compose
     from rlbatch.plan.fit import predict_config
-    from rlbatch.plan.hardware import load_hardware
     from rlbatch.plan.predict import rank_host_bytes
 
     cfg = compose(over)

@@ -309,7 +309,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from rlbatch.algos.objective import PolicyObjective
     from rlbatch.config.schema import AlgoConfig
-    from rlbatch.plan.model import shape_from_config
+    from rlbatch.models.shape import shape_from_config
     from rlbatch.plugins import import_plugins
     from rlbatch.runtime.world import teardown
 
@@ -341,7 +341,7 @@ def worker(args: argparse.Namespace) -> int:
                            "objective": PolicyObjective(algo), "samples": batch(args, len(vocab)), "say": say,
                            "sync": (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)}
     if cuda:
-        from rlbatch.plan.hardware import load_hardware, profile_for_device
+        from rlbatch.config.hardware import load_hardware, profile_for_device
 
         name = torch.cuda.get_device_name(device)
         profile = args.hardware or profile_for_device(name)

@@ -75,7 +75,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def model_config(path: Path) -> Any:
-    from rlbatch.launch.compose import compose
+    from rlbatch.config.compose import compose
 
     return compose([f"model.path={path}", "model.dtype=fp32"])
 

@@ -133,9 +133,9 @@ def warm_start(args: argparse.Namespace, out: Path) -> Path | None:
 def prepare(args: argparse.Namespace, out: Path, start: Path | None) -> tuple[dict[str, Any], Path, Path]:
     """Compose the config, save the initial weights and tokenizer (random-initialised, or ``start``'s),
     and write the prompt order."""
+    from rlbatch.config.compose import compose
     from rlbatch.data.source import make_stream
     from rlbatch.engines.model import load_model, load_tokenizer
-    from rlbatch.launch.compose import compose
 
     cfg = compose(workload_overrides(args))
     s = settings(cfg)
@@ -380,8 +380,8 @@ def arithmetic(s: dict[str, Any], model_dir: Path, results: list[dict[str, Any]]
     ``threads``: data parallelism at no cost), and the most any framework running that arithmetic
     could beat TRL by here, generating as fast as the fastest generate phase measured. Token counts
     are each run's own (TRL's prompts are rlbatch's: the same prompts in the same order)."""
+    from rlbatch.models.shape import shape_from_hf_config
     from rlbatch.plan.measure import matmul_flops
-    from rlbatch.plan.model import shape_from_hf_config
 
     shape = shape_from_hf_config(json.loads((model_dir / "config.json").read_text()))
     batch = s["prompts_per_step"] * s["samples_per_prompt"]

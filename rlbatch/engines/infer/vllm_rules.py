@@ -51,7 +51,7 @@ def _hardware(plain: Mapping[str, Any]) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     if isinstance(hw.get("name"), str):
-        from rlbatch.plan.hardware import load_hardware
+        from rlbatch.config.hardware import load_hardware
 
         try:
             prof = load_hardware(hw["name"])
@@ -143,7 +143,7 @@ def _memory_problems(plain: Mapping[str, Any], e: RoleEngine, spec: ModelSpec, a
     if not 0 < util <= 1:
         problems.append(f"{where}.gpu_memory_utilization: must be in (0, 1], got {util}")
     e_bytes = _dtype_bytes(plain, args.dtype, cpu is not False)
-    from rlbatch.plan.model import ModelShape
+    from rlbatch.models.shape import ModelShape
 
     weights = e_bytes * ModelShape.of(spec).params / (b.t * b.p)
     kv_bytes: float | None = None

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from rlbatch.algos.objective import LossInput, aggregation_count
+from rlbatch.algos.objective import LossInput
+from rlbatch.algos.split import aggregation_count
 from rlbatch.engines.base import Sample
 from rlbatch.engines.batch import (
     Flat,

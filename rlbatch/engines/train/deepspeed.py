@@ -23,7 +23,7 @@ With ``model.lora`` the trained policy is the model adapted as the fsdp engine a
 (``rlbatch.engines.model.engine_skeleton``, the same adapters from the same seed): only the
 adapters require grad, so only they are in the optimizer (and in ZeRO's fp32 master partitions);
 the frozen base stays in the compute dtype (bf16 on GPU, partitioned under ZeRO-3). The weight sync
-is merged (``rlbatch.models.lora.merged_stream``), the checkpoint holds the adapters and their
+is merged (``WeightStream.merged``), the checkpoint holds the adapters and their
 AdamW state only, and ``base_logprobs`` is the base model's (the adapters switched off).
 """
 
@@ -267,8 +267,9 @@ class DeepSpeedEngine(StashedState):
         so they leave as they are (a cast copies one layer at a time). With ``model.lora``: each layer's
         adapted weights merged, under the base model's names."""
         manifest, produce = self._source([[(n, n) for n in unit] for unit in export_units(self.names)])
-        stream = (WeightStream(manifest, produce) if self.lora is None
-                  else lora.merged_stream(manifest, produce, self.lora))
+        stream = WeightStream(manifest, produce)
+        if self.lora is not None:
+            stream = stream.merged(self.lora)
         with closing(stream):  # the stream's gathers end with the sync, or with its error
             yield stream
 

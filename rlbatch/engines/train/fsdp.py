@@ -204,10 +204,9 @@ class FSDPEngine(StashedState):
         self.model.reshard()
         units = self._export_units()
         names = [(n, p.shape) for _, params in units for n, p in params]
+        stream = WeightStream(names, lambda dtype: self._export(units, dtype))
         if self.lora is not None:  # adapters merged into their base weights, under the base names
-            stream = lora.merged_stream(names, lambda dtype: self._export(units, dtype), self.lora)
-        else:
-            stream = WeightStream(names, lambda dtype: self._export(units, dtype))
+            stream = stream.merged(self.lora)
         with closing(stream):  # the stream's gathers end with the sync, or with its error
             yield stream
 

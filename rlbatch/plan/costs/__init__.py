@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 from rlbatch.engines.registry import spec_of
 
 if TYPE_CHECKING:
-    from rlbatch.plan.hardware import Hardware
+    from rlbatch.config.hardware import Hardware
+    from rlbatch.models.shape import ModelShape
     from rlbatch.plan.layout import Layout, RoleLayout
     from rlbatch.plan.memory import RoleMemory
-    from rlbatch.plan.model import ModelShape
     from rlbatch.plan.workload import Workload
 
 

@@ -8,8 +8,8 @@ from rlbatch.plan.costs import EngineCost, Held
 from rlbatch.plan.memory import adapted
 
 if TYPE_CHECKING:
+    from rlbatch.models.shape import ModelShape
     from rlbatch.plan.layout import RoleLayout
-    from rlbatch.plan.model import ModelShape
     from rlbatch.plan.workload import Workload
 
 

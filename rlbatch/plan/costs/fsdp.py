@@ -11,9 +11,9 @@ from rlbatch.plan.costs import EngineCost, Held
 from rlbatch.plan.memory import RANDOM_INIT_BLOCK, adapted, largest_tensor
 
 if TYPE_CHECKING:
-    from rlbatch.plan.hardware import Hardware
+    from rlbatch.config.hardware import Hardware
+    from rlbatch.models.shape import ModelShape
     from rlbatch.plan.layout import RoleLayout
-    from rlbatch.plan.model import ModelShape
     from rlbatch.plan.workload import Workload
 
 

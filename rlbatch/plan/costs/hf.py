@@ -9,10 +9,10 @@ from rlbatch.plan.costs import EngineCost
 from rlbatch.plan.memory import generic_infer_memory, largest_tensor
 
 if TYPE_CHECKING:
-    from rlbatch.plan.hardware import Hardware
+    from rlbatch.config.hardware import Hardware
+    from rlbatch.models.shape import ModelShape
     from rlbatch.plan.layout import RoleLayout
     from rlbatch.plan.memory import RoleMemory
-    from rlbatch.plan.model import ModelShape
     from rlbatch.plan.workload import Workload
 
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 from rlbatch.plan.costs import EngineCost, Held
 
 if TYPE_CHECKING:
+    from rlbatch.models.shape import ModelShape
     from rlbatch.plan.layout import RoleLayout
-    from rlbatch.plan.model import ModelShape
     from rlbatch.plan.workload import Workload
 
 

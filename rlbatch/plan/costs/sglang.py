@@ -8,10 +8,10 @@ from rlbatch.plan.costs import EngineCost
 from rlbatch.plan.memory import SGLANG_MEM_FRACTION, generic_infer_memory
 
 if TYPE_CHECKING:
-    from rlbatch.plan.hardware import Hardware
+    from rlbatch.config.hardware import Hardware
+    from rlbatch.models.shape import ModelShape
     from rlbatch.plan.layout import RoleLayout
     from rlbatch.plan.memory import RoleMemory
-    from rlbatch.plan.model import ModelShape
     from rlbatch.plan.workload import Workload
 
 

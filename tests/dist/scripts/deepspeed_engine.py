@@ -21,12 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.checkpoint.dcp import load_state, save_state
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import DeepSpeedArgs, FSDPArgs
 from rlbatch.engines.train.deepspeed import DeepSpeedEngine
 from rlbatch.engines.train.fsdp import FSDPEngine
-from rlbatch.launch.compose import compose
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

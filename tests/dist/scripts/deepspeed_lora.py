@@ -21,13 +21,13 @@ from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.algos.objective import PolicyObjective
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import DeepSpeedArgs, FSDPArgs
 from rlbatch.engines.train.deepspeed import DeepSpeedEngine
 from rlbatch.engines.train.ds_world import role_world
 from rlbatch.engines.train.fsdp import FSDPEngine
-from rlbatch.launch.compose import compose
 from rlbatch.models import lora
 
 comm = MPI.COMM_WORLD

@@ -23,11 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
 from rlbatch.algos.objective import PolicyObjective
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import MegatronArgs
 from rlbatch.engines.train.megatron import MegatronEngine
-from rlbatch.launch.compose import compose
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
 from rlbatch import algos
 from rlbatch.algos.objective import PolicyObjective
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams
 from rlbatch.engines.batch import pack, response_logits, unpack
 from rlbatch.engines.infer.hf import HFInferenceEngine
@@ -35,7 +36,6 @@ from rlbatch.engines.registry import FSDPArgs, HFArgs, MegatronArgs
 from rlbatch.engines.train import common
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.engines.train.megatron import MegatronEngine
-from rlbatch.launch.compose import compose
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
 from rlbatch.algos.value import ValueObjective
 from rlbatch.checkpoint.hf_export import load_weights
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack
 from rlbatch.engines.model import load_model, load_tokenizer, value_model
@@ -38,7 +39,6 @@ from rlbatch.engines.registry import FSDPArgs, MegatronArgs
 from rlbatch.engines.train import common
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.engines.train.megatron import MegatronEngine
-from rlbatch.launch.compose import compose
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

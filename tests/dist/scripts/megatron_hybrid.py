@@ -29,12 +29,12 @@ from torch.distributed.device_mesh import DeviceMesh
 import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs itself)
 from rlbatch import algos
 from rlbatch.algos.objective import PolicyObjective
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack, response_logits, unpack
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import MegatronArgs
 from rlbatch.engines.train.megatron import MegatronEngine
-from rlbatch.launch.compose import compose
 from rlbatch.placement import subgroups
 from rlbatch.placement.backend import parse_backend
 

@@ -40,13 +40,13 @@ import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs i
 from rlbatch import algos
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.algos.value import ValueObjective
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack, response_logits, unpack
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import FSDPArgs, MegatronArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.engines.train.megatron import MegatronEngine
-from rlbatch.launch.compose import compose
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

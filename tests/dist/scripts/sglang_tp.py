@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import HFArgs, SGLangArgs
-from rlbatch.launch.compose import compose
 from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets
 
 SEED = 1

@@ -12,12 +12,12 @@ from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.algos.objective import PolicyObjective
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import Shared, pack
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import FSDPArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
-from rlbatch.launch.compose import compose
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

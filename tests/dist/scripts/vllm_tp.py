@@ -25,12 +25,12 @@ from mpi4py import MPI
 from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams, WeightStream
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.infer.vllm import VLLMEngine
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import HFArgs, VLLMArgs
-from rlbatch.launch.compose import compose
 from rlbatch.runtime.world import SYNC
 from rlbatch.scheduler.weightsync import WeightBroadcast
 

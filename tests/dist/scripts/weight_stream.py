@@ -34,12 +34,12 @@ from mpi_exit import end_script
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import FSDPArgs, HFArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
-from rlbatch.launch.compose import compose
 from rlbatch.phases import PHASES
 from rlbatch.runtime.world import SYNC
 from rlbatch.scheduler.rank_runtime import RankRuntime

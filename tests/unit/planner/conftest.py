@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from rlbatch.config.hardware import Hardware, load_hardware
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.placement import place
-from rlbatch.plan.hardware import Hardware, load_hardware
 from rlbatch.plan.layout import Layout, from_placement
 
 MODELS = Path(__file__).parent / "models"

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import yaml
 
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.placement import place
 from rlbatch.placement.io import save_placement
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.hardware import load_hardware
 from rlbatch.plan.layout import from_placement
-from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.predict import predict
 from rlbatch.plan.workload import workload_from_config
 

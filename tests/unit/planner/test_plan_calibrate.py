@@ -8,9 +8,9 @@ import pytest
 from conftest import make_config, roles
 from synthetic_runs import TRUTH, write_run
 
+from rlbatch.config.hardware import load_hardware
 from rlbatch.errors import ConfigError
 from rlbatch.plan.calibrate import calibrate, fit_kind
-from rlbatch.plan.hardware import load_hardware
 from rlbatch.plan.report import compare, overall_step_mape
 from rlbatch.plan.runs import RunModel, load_run
 

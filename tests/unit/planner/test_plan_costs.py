@@ -10,14 +10,14 @@ from collections.abc import Iterator
 import pytest
 from conftest import make_config, make_layout, roles
 
+from rlbatch.config.hardware import load_hardware
 from rlbatch.engines import registry
+from rlbatch.models.shape import ModelShape
 from rlbatch.placement import EngineKind
 from rlbatch.placement.backend import ENGINES
 from rlbatch.plan.costs import EngineCost, Held
-from rlbatch.plan.hardware import load_hardware
 from rlbatch.plan.layout import RoleLayout
 from rlbatch.plan.memory import role_memory
-from rlbatch.plan.model import ModelShape
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import train_dims
 from rlbatch.plan.workload import Workload, workload_from_config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import MODELS, make_config, make_layout, roles
 
+from rlbatch.models.shape import ModelShape, shape_from_config
 from rlbatch.plan import activations as act
 from rlbatch.plan.formulas import (
     deepspeed_zero3_estimate,
@@ -13,7 +14,6 @@ from rlbatch.plan.formulas import (
     zero_model_states_bytes,
 )
 from rlbatch.plan.memory import role_memory
-from rlbatch.plan.model import ModelShape, shape_from_config
 from rlbatch.plan.workload import workload_from_config
 
 GiB = 2**30

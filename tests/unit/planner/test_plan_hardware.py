@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from rlbatch.config.hardware import DEVICE_PROFILES, HARDWARE_DIR, available, load_hardware, profile_for_device
 from rlbatch.errors import ConfigError
-from rlbatch.plan.hardware import DEVICE_PROFILES, HARDWARE_DIR, available, load_hardware, profile_for_device
 
 
 @pytest.mark.parametrize("name", available())

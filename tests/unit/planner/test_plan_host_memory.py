@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from conftest import make_config, make_layout, roles
 
-from rlbatch.plan.hardware import load_hardware
-from rlbatch.plan.model import shape_from_config
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.predict import predict, rank_host_bytes
 from rlbatch.plan.workload import workload_from_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_config, make_layout, roles
 
-from rlbatch.plan.hardware import load_hardware
+from rlbatch.config.hardware import load_hardware
 from rlbatch.plan.memory import role_memory
 from rlbatch.plan.workload import workload_from_config
 from tests.unit.planner.test_plan_packing import Q7B

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import MODELS, make_config, make_layout, roles
 
-from rlbatch.plan.hardware import load_hardware
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.memory import VLLM_GPU_MEMORY_UTILIZATION, role_memory
-from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.predict import predict
 from rlbatch.plan.workload import workload_from_config
 

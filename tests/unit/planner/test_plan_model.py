@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import MODELS
 
-from rlbatch.plan.model import shape_from_config, shape_from_hf_config
+from rlbatch.models.shape import shape_from_config, shape_from_hf_config
 
 
 def test_llama2_7b_has_its_published_parameter_count() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import make_config, make_layout
 
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import ModelShape
 from rlbatch.models.spec import spec_from_config
-from rlbatch.plan.hardware import load_hardware
-from rlbatch.plan.model import ModelShape
 from rlbatch.plan.predict import predict
 from rlbatch.plan.workload import workload_from_config
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from conftest import MODELS, make_config, make_layout, roles
 
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.hardware import load_hardware
 from rlbatch.plan.memory import CHUNK_BYTES, role_memory, token_budget
-from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import budgets, packing_roles, search, with_budget
 from rlbatch.plan.workload import workload_from_config
@@ -153,9 +153,9 @@ def test_the_log_prob_estimate_matches_a_cpu_measurement() -> None:
     rows of at most 961 tokens, the one with the most scored positions 886 tokens with 765 scored,
     on a qwen2 of hidden 64, 2 layers, 4 heads (2 KV), SwiGLU 256, vocab 151936. The planner's terms
     on that row come within 1 %."""
+    from rlbatch.models.shape import ModelShape
     from rlbatch.plan import activations as act
     from rlbatch.plan.memory import mask_bytes, packed_logits_bytes
-    from rlbatch.plan.model import ModelShape
 
     shape = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=256, vocab=151936)
     T, K, e = 886.0, 765.0, 4

@@ -10,9 +10,9 @@ import time
 
 from conftest import MODELS, make_config, make_layout, roles
 
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.hardware import load_hardware
-from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import search
 from rlbatch.plan.workload import workload_from_config

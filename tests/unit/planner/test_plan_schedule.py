@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from conftest import make_config, make_layout, roles
 
-from rlbatch.plan.hardware import load_hardware
-from rlbatch.plan.model import shape_from_config
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.predict import predict
 from rlbatch.plan.workload import workload_from_config
 

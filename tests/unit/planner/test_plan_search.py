@@ -9,10 +9,10 @@ import pytest
 from conftest import MODELS, make_config, roles
 
 from rlbatch.checks.validate import check
-from rlbatch.launch.compose import compose
+from rlbatch.config.compose import compose
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.hardware import load_hardware
-from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.search import candidates, search, splits
 from rlbatch.plan.workload import workload_from_config
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import MODELS, make_config, make_layout, roles
 
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.hardware import load_hardware
 from rlbatch.plan.memory import role_memory
-from rlbatch.plan.model import shape_from_config
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import infer_dims, search
 from rlbatch.plan.vllm import decode_batches, tokens_per_sequence

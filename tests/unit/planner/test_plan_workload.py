@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import make_config, make_layout
 
-from rlbatch.plan.hardware import load_hardware
-from rlbatch.plan.model import shape_from_config
+from rlbatch.config.hardware import load_hardware
+from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.predict import predict
 from rlbatch.plan.workload import SYNTHETIC_PROMPT_LEN, expected_rounds, workload_from_config
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlbatch.config.hardware import load_hardware
 from rlbatch.plan.calibrate import calibrate
-from rlbatch.plan.hardware import load_hardware
 from rlbatch.plan.report import compare
 from rlbatch.plan.runs import RunModel, load_run
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlbatch.placement import Placement
+from rlbatch.placement.placement import Placement
 
 
 def compress(ranks: tuple[int, ...] | list[int]) -> str:

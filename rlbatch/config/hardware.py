@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.config.bounds import Range, value_problem
+from rlbatch.config.compose import CONF_DIR
 from rlbatch.errors import ConfigError
-from rlbatch.launch.compose import CONF_DIR
 
 HARDWARE_DIR = CONF_DIR / "hardware"
 """rlbatch/conf/hardware/, shipped inside the package like the rest of rlbatch/conf/."""
