@@ -97,8 +97,8 @@ is placed, ``reference_is_actor_base``). ``rollout_buffer``
 reads (into a checkpoint) or restores generated samples not yet trained on (asynchronous
 training, ``algo.max_staleness``)."""
 
-TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns",
-                "loss_mask")
+PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns",
+                    "loss_mask")
 """Sample fields with one value per response token."""
 
 TRAJECTORY_FIELDS = ("loss_mask",)

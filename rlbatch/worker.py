@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 PROGRAMS = {
-    "train": "rlbatch.scheduler.program",
+    "train": "rlbatch.loop.program",
     "selftest": "rlbatch.runtime.selftest",
 }
 """cfg.program -> module with controller(world, cfg, run) and handlers(world, cfg, run)."""
@@ -68,7 +68,7 @@ def main(run_dir: str) -> int:
 
     placement = load_placement(run.placement)
     cfg = load_config(run.config)
-    from rlbatch.scheduler.preemption import install_handlers
+    from rlbatch.loop.preemption import install_handlers
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Before this rank reports itself running: the launcher forwards a stop request (SIGINT) only

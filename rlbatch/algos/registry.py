@@ -18,7 +18,7 @@ differs, a program; no engine changes.
                     split (``engine_args.max_tokens_per_micro_batch``) with the unsplit batch's loss
     OFF_POLICY      (ratio [B,T], mask, algo cfg) -> (weight [B,T], keep [B,T]): the correction for
                     tokens sampled by another policy (ratio: old policy / behaviour policy)
-    PROGRAMS        the controller loop for algo.name
+    LOOPS           the controller loop (the program) for algo.name
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ OFF_POLICY = Registry("off-policy correction", "algo.off_policy", {
     "tis": "rlbatch.algos.offpolicy:truncated_is",
     "mask": "rlbatch.algos.offpolicy:ratio_mask",
 })
-PROGRAMS = Registry("algorithm (program)", "algo.name", {
-    **{name: "rlbatch.scheduler.program:policy_gradient"
+LOOPS = Registry("algorithm (program)", "algo.name", {
+    **{name: "rlbatch.loop.program:policy_gradient"
        for name in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")},
-    "ppo": "rlbatch.scheduler.program:ppo",
+    "ppo": "rlbatch.loop.program:ppo",
 })
 """algo.name -> the controller loop. The critic-free family shares one policy-gradient loop
 (generate, score, reference/old log-probs, advantages from rewards, train, sync; DAPO's dynamic
@@ -102,7 +102,7 @@ GROUP_ADVANTAGES: set[str] = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"
 """Advantage estimators that compare the samples of one prompt's group: they need
 samples_per_prompt >= 2. A plugin adds the name of such an estimator it registers."""
 
-ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, OFF_POLICY, PROGRAMS)
+ALL = (ADVANTAGES, POLICY_LOSSES, KL_ESTIMATORS, AGGREGATIONS, OFF_POLICY, LOOPS)
 
 USES_CRITIC: set[str] = {"ppo"}
 """Programs that run the critic role (values, critic training); they need it enabled, and the

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from rlbatch.algos.registry import PROGRAMS, USES_CRITIC, Registry
+from rlbatch.algos.registry import LOOPS, USES_CRITIC, Registry
 from rlbatch.config.plain import section
 from rlbatch.config.schema import GPU_ROLES, HEADS, INHERIT_BACKEND
 from rlbatch.engines.registry import REGISTRY, built_engines, parse_args
@@ -67,11 +67,11 @@ def registry_problem(registry: Registry, value: Any) -> str | None:
 
 def program_name_problem(name: Any, strict: bool) -> str | None:
     """algo.name: a registered program; with ``strict=False`` also one the planner models."""
-    problem = registry_problem(PROGRAMS, name)
+    problem = registry_problem(LOOPS, name)
     if problem is None or not isinstance(name, str):
         return problem
     if name in PLANNED_PROGRAMS:
-        return (f"algo.name: {name!r} is not built: {PLANNED_PROGRAMS[name]}; registered programs: {PROGRAMS.names()}"
+        return (f"algo.name: {name!r} is not built: {PLANNED_PROGRAMS[name]}; registered programs: {LOOPS.names()}"
                 if strict else None)
     if strict or not PLANNED_PROGRAMS:
         return problem
@@ -184,7 +184,7 @@ def program_problems(plain: Mapping[str, Any]) -> list[str]:
     problems = []
     name = section(plain, "algo").get("name")
     roles = section(plain, "roles")
-    if isinstance(name, str) and name in PROGRAMS and _enabled(roles.get("critic")) and name not in USES_CRITIC:
+    if isinstance(name, str) and name in LOOPS and _enabled(roles.get("critic")) and name not in USES_CRITIC:
         problems.append(f"roles.critic: enabled, but algo.name={name} does not use a critic (programs that do: "
                         f"{sorted(USES_CRITIC)}); set roles.critic.enabled=false or algo=ppo")
     reward = roles.get("reward")

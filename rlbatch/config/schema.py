@@ -222,7 +222,7 @@ class AlgoConfig:
     """The RL algorithm: GRPO by default (group-normalised advantages, PPO-clip, KL to reference)."""
 
     name: str = "grpo"
-    """The program (controller loop) from ``rlbatch.algos.registry.PROGRAMS``: 'grpo', 'dr_grpo',
+    """The program (controller loop) from ``rlbatch.algos.registry.LOOPS``: 'grpo', 'dr_grpo',
     'dapo', 'gspo', 'rloo' and 'reinforce_pp' all run the critic-free policy-gradient loop (the
     presets in conf/algo/ set the parts below); 'ppo' runs PPO with the critic role (values,
     GAE advantages, critic training; preset conf/algo/ppo.yaml)."""

@@ -1,4 +1,4 @@
-"""The engine contract: small Protocols the scheduler drives without knowing the implementation.
+"""The engine contract: small Protocols the RL loop drives without knowing the implementation.
 
 An engine is one role's model on one rank. It is built from an ``EngineContext`` (its role, its
 typed engine_args, the model and algorithm configs, the device and the DeviceMesh ``world``

@@ -1,7 +1,7 @@
 """Pack variable-length samples for a forward pass, and read back per-response-token values.
 
 A sample is a dict of 1-D tensors: ``prompt`` and ``response`` token ids, and optionally
-per-response-token fields (``rlbatch.phases.TOKEN_FIELDS``: ``old_logprobs``, ``ref_logprobs``,
+per-response-token fields (``rlbatch.phases.PER_TOKEN_FIELDS``: ``old_logprobs``, ``ref_logprobs``,
 per-token ``advantages``, ...) and a per-sequence scalar ``advantage``.
 Everything a loss reads is response-aligned: ``[B, R]``, R the longest response, column j
 the sample's response token j, right-padded and masked.
@@ -38,7 +38,7 @@ import torch
 
 from rlbatch.algos.core import chunked_logprobs, token_logprobs
 from rlbatch.engines.defaults import worth_sharing
-from rlbatch.phases import TOKEN_FIELDS
+from rlbatch.phases import PER_TOKEN_FIELDS
 
 
 @dataclass
@@ -154,7 +154,7 @@ def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.devi
     targets = fill_rows(responses, rlen, zeros, R, pad_id, torch.long)
     mask = (torch.arange(R)[None, :] < rlen[:, None]).float()
     fields = {f: fill_rows([s[f] for s in samples], rlen, zeros, R, 0.0, torch.float32)
-              for f in TOKEN_FIELDS if all(f in s for s in samples)}
+              for f in PER_TOKEN_FIELDS if all(f in s for s in samples)}
     adv = (torch.stack([s["advantage"].float().reshape(()) for s in samples])
            if samples and all("advantage" in s for s in samples) else None)
 

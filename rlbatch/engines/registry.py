@@ -3,7 +3,7 @@
 Torch-free, so validation, the launcher and the planner read it without importing an engine.
 The placement language (``rlbatch.placement.backend.ENGINES``) names every engine a backend
 string may mention; this registry says which of them are *built*: the dims each supports here,
-its typed ``engine_args`` and how the scheduler dispatches samples to its ranks. An engine is
+its typed ``engine_args`` and how the loop dispatches samples to its ranks. An engine is
 added by one ``register(EngineSpec(...))`` call next to its implementation (or in a plugin module
 listed in the config's ``plugins``); nothing else changes.
 

@@ -5,7 +5,7 @@ mpiexec and the ranks run in a session of their own, so a terminal's Ctrl-C (SIG
 foreground process group) reaches the launcher alone, and the launcher decides:
 
 - first Ctrl-C or SIGTERM: SIGINT to the controller rank, which records it like the preemption
-  signal, finishes its step, saves a checkpoint and ends the run (``rlbatch.scheduler.preemption``;
+  signal, finishes its step, saves a checkpoint and ends the run (``rlbatch.loop.preemption``;
   exit code 4, ``rlbatch.errors.ExitCode``);
 - second: SIGTERM to every process of the run, SIGKILL to whatever is left STOP_GRACE_S later
   (exit code 130), with one line saying so;

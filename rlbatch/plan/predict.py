@@ -38,7 +38,7 @@ from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import RoleMemory, compute_bytes, role_memory
-from rlbatch.plan.schedule import GpuKind, Phase, simulate, step_phases
+from rlbatch.plan.schedule import GpuKind, Phase, planned_phases, simulate
 from rlbatch.plan.workload import Workload
 
 GiB = float(1 << 30)
@@ -229,7 +229,7 @@ def _transitions(layout: Layout, gpus: list[GpuKind], mems: dict[str, RoleMemory
 def _reference_rides(layout: Layout) -> bool:
     """The reference's GPUs are actor_infer's and each of its shards fits inside an inference
     worker: asynchronously, its log-probs are taken there right after each generation
-    (``rlbatch.scheduler.ahead.rider_for``, which checks the exact rank groups)."""
+    (``rlbatch.loop.ahead.rider_for``, which checks the exact rank groups)."""
     ref, infer = layout.roles.get("reference"), layout.roles.get("actor_infer")
     if ref is None or infer is None or ref.backend is None or infer.backend is None or set(ref.ranks) != set(infer.ranks):
         return False
@@ -303,7 +303,7 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     coef = coef or Coefficients()
     e = compute_bytes(model_dtype, hw)
     mems = {r.name: role_memory(r, shape, w, e, hw) for r in layout.gpu_roles()}
-    phases = step_phases(layout, w)
+    phases = planned_phases(layout, w)
     gpus = simulate(layout, mems, phases, host_is_device=hw.is_cpu)
     totals, per_phase = _transitions(layout, gpus, mems, hw, coef, phases)
     times: list[PhaseTime] = []

@@ -1,6 +1,6 @@
 """The phases of one step, and what each GPU holds during each of them.
 
-The scheduler (rlbatch/scheduler/residency.py) switches residency at the start of every phase a
+The scheduler (rlbatch/loop/residency.py) switches residency at the start of every phase a
 rank works in: it offloads every other offloadable role on that rank (all its state kinds) and the
 acting roles' kinds the phase does not need (a sync leaves the trainer's gradients and optimizer
 state off the device), and reloads the kinds the acting roles need; a rank with a single GPU role
@@ -32,7 +32,7 @@ class Phase:
     """Phases of the same step whose outputs it needs (what an overlapping controller must wait for)."""
 
 
-def step_phases(layout: Layout, w: Workload) -> list[Phase]:
+def planned_phases(layout: Layout, w: Workload) -> list[Phase]:
     """The phases of one step, in the controller's order, from the phase table (``rlbatch.phases``):
     each phase's working GPU roles and the state kinds they need; it comes after the phases that
     wrote the fields it reads (a collective phase, after every phase before it)."""
@@ -98,7 +98,7 @@ def startup_host(sig: tuple[str, ...], layout: Layout, mems: dict[str, RoleMemor
     """Host bytes of a rank at the peak of start-up, beyond the process: its engines are built one
     after another, each needing ``RoleMemory.load`` beyond its state while it is built, and on a
     shared rank each one's weights leave the device as soon as it is built
-    (``rlbatch.scheduler.residency``), into a host copy. Where the device is the host (a CPU
+    (``rlbatch.loop.residency``), into a host copy. Where the device is the host (a CPU
     profile) every role's weights stay in host memory either way, and while one is offloaded they
     are there twice, the copy beside the storage it frees. Bounded over any build order: all the
     roles' weights plus the largest one-role transient."""

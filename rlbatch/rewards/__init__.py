@@ -2,7 +2,7 @@
 ``data.reward_fn=rlbatch.rewards:exact_match``) and the code sandbox (``code``).
 
 A scorer is a callable ``(completions, answers) -> (rewards, counts)`` (``Scorer``), where ``counts``
-are per-step metrics; which one each CPU scoring role runs: ``rlbatch.scheduler.scorers``.
+are per-step metrics; which one each CPU scoring role runs: ``rlbatch.loop.scorers``.
 """
 
 from __future__ import annotations

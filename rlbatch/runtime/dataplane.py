@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-TOKEN_FIELDS = ("prompt", "response")
-INT_FIELDS = frozenset(TOKEN_FIELDS)
+INT_FIELDS = frozenset(("prompt", "response"))
+"""Sample fields of token ids (moved as integers); every other field is a float tensor."""
 CPU = torch.device("cpu")
 
 

@@ -1,5 +1,5 @@
 """The trackers of one run, on the controller: ``Trackers``, fed each step's metrics row by
-``rlbatch.scheduler.metrics.Metrics`` (the only process that logs).
+``rlbatch.loop.metrics.Metrics`` (the only process that logs).
 
 One run is one tracker run. ``<run_dir>/trackers.json`` keeps, per tracker, the id of its run and
 the last step it has: the first job creates the run, every later job of the run directory (a

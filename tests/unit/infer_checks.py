@@ -33,10 +33,10 @@ def assert_behaviour_logprobs_match_transformers(engine: Any, cfg: Any, tok: Any
 
 
 def sync_in_buckets(engine: Any, named: list[tuple[str, torch.Tensor]], bucket_elements: int = 8192) -> None:
-    """The receiving rank's side of ``rlbatch.scheduler.weightsync``: ``named`` in buckets of
+    """The receiving rank's side of ``rlbatch.loop.weightsync``: ``named`` in buckets of
     ``bucket_elements`` (8192: q/k/v and weight/bias of one layer fall in different ones), each
     broadcast into one reused staging buffer and loaded as views into it."""
-    from rlbatch.scheduler.weightsync import buckets
+    from rlbatch.loop.weightsync import buckets
 
     spans = buckets([t.numel() for _, t in named], bucket_elements)
     assert len(spans) > 10, "a sync of one or a few buckets would not test the staging buffer's reuse"

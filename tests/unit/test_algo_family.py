@@ -14,8 +14,8 @@ from rlbatch.algos import core
 from rlbatch.algos.objective import LossInput, PolicyObjective
 from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
 from rlbatch.config.schema import AlgoConfig
-from rlbatch.scheduler.controller import Rollouts
-from rlbatch.scheduler.sampling import GroupPicker, select
+from rlbatch.loop.controller import Rollouts
+from rlbatch.loop.sampling import GroupPicker, select
 
 
 def close(actual: torch.Tensor, expected: object, tol: float = 1e-5) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from rlbatch.algos import core
 from rlbatch.algos.objective import LossInput, PolicyObjective
-from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, PROGRAMS, Registry
+from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, LOOPS, POLICY_LOSSES, Registry
 from rlbatch.config.schema import AlgoConfig
 from rlbatch.engines.batch import pack
 
@@ -20,7 +20,7 @@ def test_registries_name_their_field_and_entries() -> None:
     assert ADVANTAGES.problem("grpo") is None
     msg = KL_ESTIMATORS.problem("k9")
     assert msg is not None and "algo.kl_estimator" in msg and "k3" in msg
-    assert PROGRAMS.problem("ppo") is None and PROGRAMS.problem("dpo") is not None
+    assert LOOPS.problem("ppo") is None and LOOPS.problem("dpo") is not None
     with pytest.raises(KeyError, match="registered"):
         AGGREGATIONS.get("mean")
 

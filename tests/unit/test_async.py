@@ -18,9 +18,9 @@ from rlbatch.algos.offpolicy import importance_ratio, ratio_mask, truncated_is
 from rlbatch.algos.registry import OFF_POLICY
 from rlbatch.checks.validate import check
 from rlbatch.config.schema import AlgoConfig, RLBatchConfig
-from rlbatch.scheduler.ahead import GenerationQueue
-from rlbatch.scheduler.controller import Rollouts
-from rlbatch.scheduler.metrics import idle_and_overlap
+from rlbatch.loop.ahead import GenerationQueue
+from rlbatch.loop.controller import Rollouts
+from rlbatch.loop.metrics import idle_and_overlap
 from tests.unit.configs import problems
 
 # ------------------------------------------------------------------ the schedule
@@ -200,8 +200,8 @@ def test_async_settings_are_validated(tmp_path: Path) -> None:
 def roles_on(backends: dict[str, tuple[list[int], str]]) -> dict[str, Any]:
     """Controller role handles for a placement of ``backends`` (role -> device_mapping, backend),
     a reward on a CPU worker beside them; world ranks are the GPU indices."""
+    from rlbatch.loop.controller import Role
     from rlbatch.placement import place
-    from rlbatch.scheduler.controller import Role
 
     placement = place({"cluster": {"gpus_per_node": 8}, "roles": {
         role: {"device_mapping": dm, "backend": backend} for role, (dm, backend) in backends.items()}})
@@ -211,7 +211,7 @@ def roles_on(backends: dict[str, tuple[list[int], str]]) -> dict[str, Any]:
 
 
 def test_a_placement_where_inference_shares_ranks_runs_synchronously_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    from rlbatch.scheduler.ahead import async_plan
+    from rlbatch.loop.ahead import async_plan
 
     def plan(infer: list[int], reference: list[int], k: int = 2) -> tuple[int, Any]:
         r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": (infer, f"hf:d{len(infer)}"),
@@ -244,7 +244,7 @@ def test_the_reference_rides_on_the_inference_ranks_when_each_shard_lies_inside_
         infer: tuple[list[int], str], reference: tuple[list[int], str], on: Any) -> None:
     """Every rank of an inference worker holds what it generated, so a reference shard inside a
     worker can take its log-probs there with no data moved; each worker needs a shard."""
-    from rlbatch.scheduler.ahead import rider_for
+    from rlbatch.loop.ahead import rider_for
 
     r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": infer, "reference": reference})
     rider = rider_for(r["actor_infer"], r["reference"])
@@ -254,7 +254,7 @@ def test_the_reference_rides_on_the_inference_ranks_when_each_shard_lies_inside_
 def test_a_riding_reference_splits_each_workers_samples_over_its_shards_with_nothing_moved() -> None:
     """Queued behind the generation on the same ranks: no data moves (the start carries none), and
     once both are done the reference's log-probs are recorded as held by each shard's first rank."""
-    from rlbatch.scheduler.ahead import Ahead, rider_for
+    from rlbatch.loop.ahead import Ahead, rider_for
 
     r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": ([1, 2], "vllm:d1t2"),
                   "reference": ([1, 2], "fsdp:d2")})
@@ -282,8 +282,8 @@ def test_the_trainer_takes_off_the_inference_ranks_every_field_it_will_read(corr
     behaviour log-probs of a correction): otherwise its training phase would fetch them from an
     inference rank busy with the next generation. (``loss_mask`` is asked for too: a multi-turn
     rollout writes it; a sample without one has nothing to move, ``Pipeline._moves``.)"""
+    from rlbatch.loop.controller import Role
     from rlbatch.placement import place
-    from rlbatch.scheduler.controller import Role
 
     placement = place({"cluster": {"gpus_per_node": 8}, "roles": {
         "actor_train": {"device_mapping": [0], "backend": "fsdp:d1"},
@@ -301,7 +301,7 @@ def test_a_checkpoint_keeps_every_buffered_generation_whether_or_not_the_referen
     """The generated fields are read from the rank that holds them, the rider's log-probs from
     theirs where taken: a step restored from a checkpoint saved without them (not yet trained, as
     with max_staleness=2) is written again with its samples, and loads as still lacking them."""
-    from rlbatch.scheduler.ahead import ROLLOUTS_FILE, Rider
+    from rlbatch.loop.ahead import ROLLOUTS_FILE, Rider
 
     generated = ("prompt", "response", "behaviour_logprobs")
     where = {(sid, f): 1 for sid in range(4) for f in generated} | {(sid, "ref_logprobs"): 2 for sid in (0, 1)}

@@ -14,7 +14,7 @@ import pytest
 
 import rlbatch.checkpoint.engine_state as engine_state
 import rlbatch.checkpoint.space as space
-import rlbatch.scheduler.checkpointing as checkpointing
+import rlbatch.loop.checkpointing as checkpointing
 from rlbatch.checkpoint.space import DiskFull
 from rlbatch.config.compose import compose
 from rlbatch.errors import ConfigError

@@ -20,8 +20,8 @@ from rlbatch.data.code import (
 )
 from rlbatch.data.tokenizer import DEFAULT_ALPHABET
 from rlbatch.errors import ConfigError
+from rlbatch.loop.scoring import weights
 from rlbatch.rewards.code import CodeScorer
-from rlbatch.scheduler.scoring import weights
 
 
 def test_synthetic_problems_are_distinct_and_solvable() -> None:

@@ -28,7 +28,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def rank_ids(tok: Any, text: str) -> list[int]:
-    """How the ranks encode a prompt's text (rlbatch/scheduler/rank_runtime.py: tokenizer(texts))."""
+    """How the ranks encode a prompt's text (rlbatch/loop/rank_runtime.py: tokenizer(texts))."""
     return list(tok([text])["input_ids"][0])
 
 

@@ -52,7 +52,7 @@ def test_both_ends_of_a_move_post_cpu_buffers_whatever_their_devices(monkeypatch
     runtimes of a GPU rank (device cuda:0, no CUDA touched here) and of a CPU worker exchange the
     samples of a GPU -> CPU and a GPU -> GPU move over an in-memory wire that records the device of
     every buffer posted."""
-    from rlbatch.scheduler.rank_runtime import RankRuntime
+    from rlbatch.loop.rank_runtime import RankRuntime
 
     wire: dict[tuple[int, int], list[torch.Tensor]] = {}
     posted: list[tuple[str, int, int, torch.device]] = []

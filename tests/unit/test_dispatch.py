@@ -4,8 +4,8 @@ one replica share one."""
 
 from __future__ import annotations
 
+from rlbatch.loop.controller import shards
 from rlbatch.placement import place
-from rlbatch.scheduler.controller import shards
 
 
 def _role(backend: str, ranks: list[int], name: str = "actor_train"):  # type: ignore[no-untyped-def]
@@ -56,14 +56,14 @@ def test_every_rank_of_an_inference_worker_holds_what_it_generated_and_drops_it_
     from collections import defaultdict
     from types import SimpleNamespace
 
+    from rlbatch.loop.controller import PendingRollouts, Pipeline, Rollouts
     from rlbatch.phases import phase_for
-    from rlbatch.scheduler.controller import Generation, Pipeline, Rollouts
 
     pipe = Pipeline.__new__(Pipeline)
     pipe.where, pipe.length, pipe.pending_drop = {}, {}, defaultdict(list)
     ro = Rollouts([0, 1], ["a", "a"], 2, {}, {})
     pending = SimpleNamespace(result=lambda: {2: {0: (3, 5), 1: (3, 4)}})
-    Generation(pipe, phase_for("actor_infer", "generate"), pending, {(2, 3): [0, 1]}, ro).result()  # type: ignore[arg-type]
+    PendingRollouts(pipe, phase_for("actor_infer", "generate"), pending, {(2, 3): [0, 1]}, ro).result()  # type: ignore[arg-type]
     assert ro.prompt_len == {0: 3, 1: 3} and ro.response_len == {0: 5, 1: 4}
     assert pipe.where[(0, "response")] == {2, 3} and pipe.holder([0, 1]) == {0: 2, 1: 2}
     assert pipe.length[(1, "behaviour_logprobs")] == 4 and pipe.length[(1, "prompt")] == 3
@@ -77,7 +77,7 @@ def test_a_roles_phases_on_one_batch_see_one_assignment_though_the_data_moves_be
     order (it once put the moved half first and found no old log-probs for its second mini-batch)."""
     from types import SimpleNamespace
 
-    from rlbatch.scheduler.controller import Role, Rollouts
+    from rlbatch.loop.controller import Role, Rollouts
 
     cfg = {"cluster": {"gpus_per_node": 8}, "roles": {
         "actor_train": {"device_mapping": [0], "backend": "fsdp:d1"},

@@ -1,5 +1,5 @@
 """Held-out evaluation's arithmetic and configuration: the unbiased pass@k, the per-source metrics,
-the schedule, and the eval section's refusals (rlbatch.scheduler.evaluation, rlbatch.checks.eval_rules)."""
+the schedule, and the eval section's refusals (rlbatch.loop.evaluation, rlbatch.checks.eval_rules)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from rlbatch.checks.validate import check
-from rlbatch.scheduler.evaluation import due, eval_metrics, eval_seed, ks_of, pass_at_k
+from rlbatch.loop.evaluation import due, eval_metrics, eval_seed, ks_of, pass_at_k
 from tests.unit.configs import problems, set_
 
 

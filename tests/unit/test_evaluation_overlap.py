@@ -1,4 +1,4 @@
-"""Evaluation alongside training (rlbatch.scheduler.evaluation): which placements allow it, the
+"""Evaluation alongside training (rlbatch.loop.evaluation): which placements allow it, the
 seconds it ran beside training phases, and its schedule as the loop drives it: every row written
 once, in step order, never after its step's checkpoint, and every evaluation generated with the
 weights it reports."""
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.scheduler.evaluation import Evaluation, Pending, alongside_others, overlap_seconds, spans
+from rlbatch.loop.evaluation import Evaluation, Pending, alongside_others, overlap_seconds, spans
 
 OWN = ("actor_infer", "reward")
 
@@ -166,7 +166,7 @@ class Replies:
 
 
 def test_phases_started_apart_keep_their_records_out_of_every_step_wherever_they_finish() -> None:
-    from rlbatch.scheduler.controller import Ledger, Pipeline
+    from rlbatch.loop.controller import Ledger, Pipeline
 
     world = SimpleNamespace(placement=SimpleNamespace(world_size=3), comm=None, timeout_s=1.0, rank=0,
                             members={"actor_infer": (1,), "actor_train": (2,)})

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trackers",),
     ("plan",),
     ("checks",),
-    ("scheduler",),
+    ("loop",),
     ("launch", "worker", "export", "plan.cli", "plan.search", "plan.__main__"),
 ]
 """Bottom to top: rlbatch's packages (and top-level modules) by layer. A module named on its own
@@ -170,6 +170,6 @@ def test_the_reader_finds_what_it_must() -> None:
     graph = import_graph()
     assert "rlbatch.config.schema" in graph["rlbatch.checks.validate"]
     assert "rlbatch.engines.registry" in graph["rlbatch.checks.lora_rules"]
-    assert "rlbatch.envs.scoring" in graph["rlbatch.scheduler.scorers"]  # imported inside a function
+    assert "rlbatch.envs.scoring" in graph["rlbatch.loop.scorers"]  # imported inside a function
     assert "rlbatch.plan.memory" not in graph["rlbatch.plan.costs"]  # only under TYPE_CHECKING there
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

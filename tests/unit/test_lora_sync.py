@@ -101,7 +101,7 @@ def test_vllm_keeps_its_base_weights_when_adapters_are_synced_alone() -> None:
 def test_a_steps_sync_bytes_are_the_sum_of_its_syncs() -> None:
     """``sync/bytes``: what each sync moved rides on its sender's record of the phase; a step's row
     sums its syncs and has none without one."""
-    from rlbatch.scheduler.metrics import reduce_records
+    from rlbatch.loop.metrics import reduce_records
 
     def rec(rank: int, phase: str, **extra: float) -> dict[str, Any]:
         moved = {"bytes": 0, "seconds": 0.0}

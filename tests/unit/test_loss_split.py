@@ -293,7 +293,7 @@ def test_balance_tokens_keeps_mini_batches_and_counts_and_evens_tokens() -> None
     """Each global mini-batch (a consecutive slice of the rollouts) reaches the shards in equal
     counts, its tokens spread within one sample's length, and a shard's m-th slice is its part of
     global mini-batch m, in rollout order."""
-    from rlbatch.scheduler.controller import balance_tokens, split_even
+    from rlbatch.loop.controller import balance_tokens, split_even
 
     g = torch.Generator().manual_seed(11)
     for trial in range(30):
@@ -326,7 +326,7 @@ def _pipe(backend: str, engine_args: dict[str, Any], held: dict[int, int], mini_
 
 
 def test_a_token_budget_spreads_the_trainers_samples_by_tokens_and_reports_the_imbalance() -> None:
-    from rlbatch.scheduler.controller import Role, Rollouts, Training, assign_local_first, token_imbalance
+    from rlbatch.loop.controller import Role, Rollouts, Training, assign_local_first, token_imbalance
 
     ids = list(range(16))
     plen = dict.fromkeys(ids, 4)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlbatch.loop import preemption
+from rlbatch.loop.preemption import Preemption, install_handler, install_handlers
 from rlbatch.runtime.env import read_env
-from rlbatch.scheduler import preemption
-from rlbatch.scheduler.preemption import Preemption, install_handler, install_handlers
 
 CLUSTER = SimpleNamespace(deadline_margin_s=60.0, preempt_signal="USR2")
 SLURM = {"SLURM_JOB_ID": "42", "SLURM_PROCID": "3", "SLURM_NODEID": "0", "SLURM_JOB_END_TIME": str(int(time.time()) + 86400)}

@@ -147,9 +147,9 @@ def test_a_reward_that_is_not_a_finite_number_ends_the_run_naming_the_sample(rew
 
 
 def test_the_rank_runtime_names_the_sample_id_of_the_failing_response(rewards_module: str) -> None:
+    from rlbatch.loop.rank_runtime import RankRuntime
     from rlbatch.phases import PHASES
     from rlbatch.runtime.dataplane import SampleStore
-    from rlbatch.scheduler.rank_runtime import RankRuntime
 
     class Decode:
         def decode(self, ids: list[int], skip_special_tokens: bool) -> str:

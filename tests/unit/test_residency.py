@@ -23,9 +23,9 @@ from rlbatch.engines import registry
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.offload import Transfer
 from rlbatch.engines.registry import EngineSpec
+from rlbatch.loop.residency import Residency
 from rlbatch.placement import place
 from rlbatch.placement.backend import ENGINES, EngineInfo, EngineKind
-from rlbatch.scheduler.residency import Residency
 
 # -- start-up order ------------------------------------------------------------------------------
 
@@ -90,7 +90,7 @@ def stub_engines(monkeypatch: pytest.MonkeyPatch) -> None:
 def runtime_on(rank: int, roles: dict[str, tuple[list[int], str]]) -> Any:
     """A RankRuntime for ``rank`` of a placement of ``roles`` (role -> device_mapping, backend)."""
     from rlbatch.config.compose import compose
-    from rlbatch.scheduler.rank_runtime import RankRuntime
+    from rlbatch.loop.rank_runtime import RankRuntime
 
     placement = place({"cluster": {"gpus_per_node": 8}, "roles": {
         role: {"device_mapping": dm, "backend": backend} for role, (dm, backend) in roles.items()}})
@@ -216,7 +216,7 @@ class Sent:
 
 @pytest.fixture
 def pipe() -> Any:
-    from rlbatch.scheduler.controller import Pipeline
+    from rlbatch.loop.controller import Pipeline
 
     p = object.__new__(Pipeline)
     p.ctl, p.where, p.length, p.started = Sent(), {}, {}, 0
@@ -310,19 +310,19 @@ class FakeLoop:
 def test_a_loop_announces_the_sync_only_in_a_step_that_syncs(monkeypatch: pytest.MonkeyPatch, algo: list[str],
                                                              expected: list[str]) -> None:
     from rlbatch.config.compose import compose
-    from rlbatch.scheduler import program
+    from rlbatch.loop import program
 
     monkeypatch.setattr(program, "Loop", FakeLoop)
     cfg = compose(algo)
-    program.PROGRAMS.get(str(cfg.algo.name))(None, cfg, None)
+    program.LOOPS.get(str(cfg.algo.name))(None, cfg, None)
     assert FakeLoop.events == expected
 
 
 @pytest.mark.parametrize(("k", "announced"), [(0, {"actor_infer": {"params"}}), (2, {})])
 def test_with_generation_ahead_nothing_is_announced(k: int, announced: dict[str, set[str]]) -> None:
     """max_staleness > 0: the next generation may read the weights before the sync does."""
-    from rlbatch.scheduler.controller import Pipeline
-    from rlbatch.scheduler.program import Loop
+    from rlbatch.loop.controller import Pipeline
+    from rlbatch.loop.program import Loop
 
     loop = object.__new__(Loop)
     loop.pipe = object.__new__(Pipeline)

@@ -20,9 +20,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlbatch.checks.validate import check
+from rlbatch.loop.metrics import Metrics
 from rlbatch.placement.io import save_placement
 from rlbatch.runtime.rundir import RunDir
-from rlbatch.scheduler.metrics import Metrics
 from rlbatch.trackers.base import TrackerSpec
 from rlbatch.trackers.registry import TRACKERS
 from rlbatch.trackers.session import STATE

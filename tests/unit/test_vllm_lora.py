@@ -29,8 +29,8 @@ from rlbatch.engines.base import EngineContext, SamplingParams, WeightStream
 from rlbatch.engines.infer.vllm import VLLMEngine
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import VLLMArgs
+from rlbatch.loop.weightsync import AdapterSink, load_in_process
 from rlbatch.models import lora
-from rlbatch.scheduler.weightsync import AdapterSink, load_in_process
 
 SEED = 1
 MODEL = ["model.num_heads=2", "model.num_kv_heads=1", "model.lora.rank=16", "model.lora.alpha=32"]

@@ -10,7 +10,7 @@ import torch
 
 from rlbatch.engines.base import Unit, WeightStream, layer_units
 from rlbatch.engines.flat import flatten_parameters, span
-from rlbatch.scheduler.weightsync import buckets, load_in_process
+from rlbatch.loop.weightsync import buckets, load_in_process
 from tests.alive import Alive
 
 

@@ -133,8 +133,8 @@ def worker(args: argparse.Namespace) -> None:
     from rlbatch.engines.base import WeightStream
     from rlbatch.engines.flat import flatten_parameters
     from rlbatch.engines.infer.hf import HFInferenceEngine
+    from rlbatch.loop.weightsync import WeightBroadcast
     from rlbatch.runtime.world import SYNC
-    from rlbatch.scheduler.weightsync import WeightBroadcast
 
     class Infer:
         load_weights, weight_views = HFInferenceEngine.load_weights, HFInferenceEngine.weight_views

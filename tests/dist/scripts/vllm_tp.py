@@ -2,7 +2,7 @@
 in a private world of its two peers beside the program's world.
 
 - ``1,2`` of 3 ranks (disaggregated): rank 0, holding the program store's server and no engine,
-  sends new weights in 8 KiB buckets over the program's world (rlbatch.scheduler.weightsync)
+  sends new weights in 8 KiB buckets over the program's world (rlbatch.loop.weightsync)
   to both peers, which receive them through one reused staging buffer;
 - ``0,1`` of 2 ranks (colocated): every rank loads the full weights in process.
 
@@ -31,8 +31,8 @@ from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.infer.vllm import VLLMEngine
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.registry import HFArgs, VLLMArgs
+from rlbatch.loop.weightsync import WeightBroadcast
 from rlbatch.runtime.world import SYNC
-from rlbatch.scheduler.weightsync import WeightBroadcast
 
 SEED = 1
 comm = MPI.COMM_WORLD

@@ -40,10 +40,10 @@ from rlbatch.engines.infer.hf import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
 from rlbatch.engines.registry import FSDPArgs, HFArgs
 from rlbatch.engines.train.fsdp import FSDPEngine
+from rlbatch.loop.rank_runtime import RankRuntime
+from rlbatch.loop.weightsync import WeightBroadcast
 from rlbatch.phases import PHASES
 from rlbatch.runtime.world import SYNC
-from rlbatch.scheduler.rank_runtime import RankRuntime
-from rlbatch.scheduler.weightsync import WeightBroadcast
 from tests.alive import Alive
 
 comm = MPI.COMM_WORLD

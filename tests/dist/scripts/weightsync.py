@@ -17,8 +17,8 @@ from mpi_exit import end_script
 from rlbatch.engines.base import WeightStream
 from rlbatch.engines.flat import flatten_parameters
 from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.loop.weightsync import WeightBroadcast
 from rlbatch.runtime.world import SYNC
-from rlbatch.scheduler.weightsync import WeightBroadcast
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

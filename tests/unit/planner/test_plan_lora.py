@@ -96,13 +96,13 @@ def test_with_lora_the_reference_phase_runs_on_the_policys_base() -> None:
     """No reference role: its log-probs are a forward of actor_train with the adapters off, timed
     as a log-prob pass of actor_train; a configured reference role adds nothing (it is not placed)."""
     from rlbatch.plan.predict import predict
-    from rlbatch.plan.schedule import step_phases
+    from rlbatch.plan.schedule import planned_phases
 
     cfg = make_config(roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"),
                       model={"lora": {"rank": 16}})
     lay, w = make_layout(cfg), workload_from_config(cfg, 512, 0.5)
     assert "reference" in cfg["roles"] and "reference" not in lay.roles and w.kl
-    by_name = {p.name: p for p in step_phases(lay, w)}
+    by_name = {p.name: p for p in planned_phases(lay, w)}
     assert "ref_logprobs" not in by_name and by_name["base_logprobs"].active == {"actor_train": ("params",)}
     pred = predict(lay, Q7B, w, load_hardware("h100_sxm"))
     base, old = pred.phase("base_logprobs"), pred.phase("old_logprobs")

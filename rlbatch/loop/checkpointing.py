@@ -32,9 +32,9 @@ from rlbatch.checkpoint.space import (
 from rlbatch.checkpoint.store import CheckpointError, CheckpointStore
 from rlbatch.config.schema import TRAINABLE_ROLES, RLBatchConfig
 from rlbatch.data.synthetic import PromptStream
+from rlbatch.loop.controller import Pipeline
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.rundir import RunDir
-from rlbatch.scheduler.controller import Pipeline
 
 log = logging.getLogger(__name__)
 

@@ -269,7 +269,7 @@ class PendingPhase:
         return {r: rep["out"] for r, rep in replies.items() if "out" in rep}
 
 
-class Generation:
+class PendingRollouts:
     """A round of generation under way; ``result()`` waits and returns its Rollouts, with every
     sample's fields recorded as held by each rank of its worker (every rank of a worker keeps
     what the worker generated; its first rank answers and is the one read from)."""
@@ -370,7 +370,7 @@ class Role:
         return self.start_generate(prompts, n, first_id, seed, version).result()
 
     def start_generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0,
-                       override: dict[str, Any] | None = None) -> Generation:
+                       override: dict[str, Any] | None = None) -> PendingRollouts:
         """Start generating ``n`` samples of each prompt (ids from ``first_id``, in group order)
         on the role's workers; ``result()`` waits for the Rollouts. ``version``: the policy version
         of the weights the engine holds, recorded on the rollouts. ``override``: sampling settings
@@ -392,7 +392,7 @@ class Role:
         total = range(len(prompts) * n)
         sources = [str(getattr(prompts[i // n], "data_source", "")) for i in total]
         ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version, sources)
-        return Generation(self.pipe, spec, pending, ids_of, ro)
+        return PendingRollouts(self.pipe, spec, pending, ids_of, ro)
 
     def _episodes(self, prompts: list[Any], prompt_idx: list[int], n: int, first_id: int) -> dict[str, Any]:
         """With an environment, what each sample's episode starts from: its prompt's task record and

@@ -11,7 +11,7 @@ from typing import Any
 from rlbatch.rewards import Scorer
 
 SCORERS: dict[str, str] = {
-    "reward": "rlbatch.scheduler.scorers:reward_role_scorer",
+    "reward": "rlbatch.loop.scorers:reward_role_scorer",
     "code_sandbox": "rlbatch.rewards.code:code_scorer",
 }
 """CPU role -> ``module:factory``; ``factory(cfg) -> Scorer``."""

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from rlbatch.algos.advantages import zero_variance_groups
-from rlbatch.scheduler.controller import Role, Rollouts
-from rlbatch.scheduler.scoring import Scoring
+from rlbatch.loop.controller import Role, Rollouts
+from rlbatch.loop.scoring import Scoring
 
 
 @dataclass

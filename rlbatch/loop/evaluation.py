@@ -36,8 +36,8 @@ from typing import Any
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import problems_of, split_holdout
 from rlbatch.data.synthetic import Sample
-from rlbatch.scheduler.controller import Generation, Ledger, Pipeline, Role
-from rlbatch.scheduler.scoring import Scoring
+from rlbatch.loop.controller import Ledger, PendingRollouts, Pipeline, Role
+from rlbatch.loop.scoring import Scoring
 
 ALL = "all"
 """The key of the metrics over every data source."""
@@ -140,7 +140,7 @@ class Pending:
     updates: int
     row: dict[str, Any] | None = None
     """The metrics row it goes into, held until it is done (None: the row of the step under way)."""
-    gen: Generation | None = None
+    gen: PendingRollouts | None = None
     scored: bool = False
     overlapped: bool = False
     """Its generation was queued behind a step's training generation, alongside the training."""

@@ -6,7 +6,7 @@
 
 The scheduler behind the role handles knows from the Placement which roles share a GPU and
 offloads/reloads at each phase boundary by itself. ``algo.name`` picks the loop from
-``rlbatch.algos.registry.PROGRAMS``; the advantage estimator and the loss come from the other
+``rlbatch.algos.registry.LOOPS``; the advantage estimator and the loss come from the other
 registries, so a new algorithm whose loop is this one is registry entries only.
 Checkpoints are taken at step boundaries (save_every, the end, preemption or walltime), and a
 run resumes from the newest complete one in its run_dir (resume=auto).
@@ -21,24 +21,24 @@ from typing import Any
 import torch
 
 from rlbatch.algos.advantages import Actions, overlong_penalty, zero_variance_groups
-from rlbatch.algos.registry import ADVANTAGES, PROGRAMS
+from rlbatch.algos.registry import ADVANTAGES, LOOPS
 from rlbatch.algos.value import explained_variance
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import make_stream
+from rlbatch.loop.ahead import GenerationQueue, async_plan
+from rlbatch.loop.checkpointing import Checkpointer
+from rlbatch.loop.controller import Pipeline, Role, Rollouts
+from rlbatch.loop.evaluation import Evaluation
+from rlbatch.loop.metrics import Metrics, step_row
+from rlbatch.loop.preemption import Preemption
+from rlbatch.loop.rank_runtime import RankRuntime
+from rlbatch.loop.sampling import dynamic_batch
+from rlbatch.loop.scoring import Scoring
 from rlbatch.phases import phase_for, reference_is_actor_base
 from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.runtime.world import World
-from rlbatch.scheduler.ahead import GenerationQueue, async_plan
-from rlbatch.scheduler.checkpointing import Checkpointer
-from rlbatch.scheduler.controller import Pipeline, Role, Rollouts
-from rlbatch.scheduler.evaluation import Evaluation
-from rlbatch.scheduler.metrics import Metrics, step_row
-from rlbatch.scheduler.preemption import Preemption
-from rlbatch.scheduler.rank_runtime import RankRuntime
-from rlbatch.scheduler.sampling import dynamic_batch
-from rlbatch.scheduler.scoring import Scoring
 from rlbatch.trackers.checks import TENSORBOARD
 
 
@@ -62,7 +62,7 @@ def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
 
 def controller(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, str]:
     """Run the loop of ``algo.name``; returns how it ended for the status file (``Loop.finish``)."""
-    return PROGRAMS.get(str(cfg.algo.name))(world, cfg, run)
+    return LOOPS.get(str(cfg.algo.name))(world, cfg, run)
 
 
 class Loop:
@@ -116,7 +116,7 @@ class Loop:
 
     def generate(self, step: int) -> Rollouts:
         """The step's rollouts, scoring started alongside (``scoring.result()`` waits): generated
-        now, or ahead of time with ``algo.max_staleness`` (``rlbatch.scheduler.ahead``). A held-out
+        now, or ahead of time with ``algo.max_staleness`` (``rlbatch.loop.ahead``). A held-out
         evaluation waiting to run alongside the training is queued behind it on the inference ranks."""
         return self.queue.take(step, behind=self.evaluation.behind())
 
@@ -182,7 +182,7 @@ class Loop:
                  extra: dict[str, float]) -> None:
         """Drop the step's samples, log its row (reward_mean: over every sample generated this
         step), checkpoint when due, and decide whether to stop. The held-out evaluation of the
-        weights just synced, when due, goes into the row (``rlbatch.scheduler.evaluation``): run
+        weights just synced, when due, goes into the row (``rlbatch.loop.evaluation``): run
         now, or where the placement allows alongside the next step, the row then written at the
         next step's end, before that step's (a step whose checkpoint is saved is evaluated now)."""
         self.pipe.forget(rollouts.ids)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlbatch.scheduler.controller import Pipeline, Role, Scores
+from rlbatch.loop.controller import Pipeline, Role, Scores
 
 
 def weights(roles: Any, sandbox: Any) -> dict[str, float]:

@@ -26,6 +26,9 @@ from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, RLBatchConfig, role_al
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args, spec_of
+from rlbatch.loop.residency import Residency
+from rlbatch.loop.scorers import build_scorer
+from rlbatch.loop.weightsync import AdapterSink, WeightBroadcast, load_in_process
 from rlbatch.phases import PHASES, PhaseSpec
 from rlbatch.rewards import RewardError
 from rlbatch.rewards.model import ModelScorer
@@ -33,9 +36,6 @@ from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
-from rlbatch.scheduler.residency import Residency
-from rlbatch.scheduler.scorers import build_scorer
-from rlbatch.scheduler.weightsync import AdapterSink, WeightBroadcast, load_in_process
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: Any) -> tuple[An
 
 def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
     """This rank's CPU roles that score responses (phases whose op is ``score``), each with the
-    scorer ``rlbatch.scheduler.scorers.SCORERS`` names for it."""
+    scorer ``rlbatch.loop.scorers.SCORERS`` names for it."""
     return {spec.role: build_scorer(spec.role, cfg) for spec in PHASES.values()
             if spec.op == "score" and spec.role in world.roles and not world.placement.roles[spec.role].is_gpu}
 
@@ -288,7 +288,7 @@ class RankRuntime:
 
     def _sync(self, spec: PhaseSpec, src: int, local: bool, bucket_bytes: int, form: str = "merged") -> dict[str, float]:
         """Trainer -> inference engine, streamed one gathered unit at a time in the inference engine's
-        dtype (``rlbatch.scheduler.weightsync``). Colocated: each unit loaded in process; otherwise a
+        dtype (``rlbatch.loop.weightsync``). Colocated: each unit loaded in process; otherwise a
         bucketed broadcast over the sync group. Every trainer rank iterates its export to the end, in
         the same dtype: the gathers are collective over the trainer's ranks. ``form`` 'adapter': the
         trainer's adapters alone (``export_adapters``) into the engine's ``load_adapters``

@@ -37,7 +37,7 @@ def reduce_records(records: list[dict[str, Any]]) -> dict[str, float]:
         for role in rec["roles"]:
             key = f"mem/{role}/peak_allocated"
             out[key] = max(out.get(key, 0.0), float(rec["peak_allocated"]))
-        if "sync_bytes" in rec:  # the step's weight syncs: bytes moved (rlbatch.scheduler.controller.Role.sync_weights)
+        if "sync_bytes" in rec:  # the step's weight syncs: bytes moved (rlbatch.loop.controller.Role.sync_weights)
             out["sync/bytes"] = out.get("sync/bytes", 0.0) + float(rec["sync_bytes"])
         out["mem/reserved"] = max(out.get("mem/reserved", 0.0), float(rec["mem_reserved_after"]))
         out["host/rss"] = max(out.get("host/rss", 0.0), float(rec["rss_after"]))
@@ -126,7 +126,7 @@ def plot_reward(history: list[dict[str, Any]], path: Any) -> None:
 
 
 def plot_eval(history: list[dict[str, Any]], path: Any) -> None:
-    """pass@1 and mean reward of the held-out evaluations (``rlbatch.scheduler.evaluation``) over the
+    """pass@1 and mean reward of the held-out evaluations (``rlbatch.loop.evaluation``) over the
     policy updates each evaluated (0: the initial weights)."""
     import matplotlib
 

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from rlbatch.checkpoint.store import CheckpointError
+from rlbatch.loop.controller import PendingPhase, PendingRollouts, Pipeline, Role, Rollouts, split_even
+from rlbatch.loop.scoring import Scoring
 from rlbatch.phases import TRAJECTORY_FIELDS, phase_for
-from rlbatch.scheduler.controller import Generation, PendingPhase, Pipeline, Role, Rollouts, split_even
-from rlbatch.scheduler.scoring import Scoring
 
 ROLLOUTS_FILE = "rollouts.pt"
 
@@ -58,7 +58,7 @@ class Rider:
     def field(self) -> str:
         return phase_for(self.role.name, "logprobs").writes[0]
 
-    def start(self, gen: Generation) -> tuple[PendingPhase, dict[tuple[int, ...], list[int]]]:
+    def start(self, gen: PendingRollouts) -> tuple[PendingPhase, dict[tuple[int, ...], list[int]]]:
         """Queue the log-probs of ``gen``'s samples behind it on its ranks: each worker's samples
         split evenly over the shards on the worker (every rank of a worker holds its samples)."""
         assign = {sh: part for worker, ids in gen.ids_of.items()
@@ -106,7 +106,7 @@ def async_plan(pipe: Pipeline, infer: Role, reference: Role | None, k: int) -> t
 class Ahead:
     """A step's generation under way, and the rider's log-probs queued behind it."""
 
-    def __init__(self, gen: Generation, rider: Rider | None) -> None:
+    def __init__(self, gen: PendingRollouts, rider: Rider | None) -> None:
         self.gen = gen
         self.riding = (rider, *rider.start(gen)) if rider is not None else None
 
