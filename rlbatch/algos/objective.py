@@ -119,7 +119,7 @@ class PolicyObjective:
                 raise ValueError(f"train: algo.off_policy={self.algo.off_policy!r} keeps tokens by their old log-probs, "
                                  f"which a sample of the first mini-batch lacks, so the loss's denominator is unknown "
                                  f"before the forward (the engine computes them first where it can: "
-                                 f"rlbatch.engines.train.common.weighted_updates)")
+                                 f"rlbatch.engines.training.weighted_updates)")
             ratio = importance_ratio(sample["old_logprobs"], sample["behaviour_logprobs"])[None]
             mask = mask * self.correction(ratio, mask[None], self.algo)[1][0]
         return mask

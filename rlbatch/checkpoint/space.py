@@ -28,7 +28,7 @@ from rlbatch.osinfo import mount_of, nearest_existing
 
 BYTES_PER_TRAINED_PARAM = 12
 """fp32 master weight + AdamW exp_avg + exp_avg_sq, as every training engine saves them
-(``rlbatch/engines/train/state.py``). DCP's per-tensor headers and the metadata file come on top."""
+(``rlbatch/engines/train_state.py``). DCP's per-tensor headers and the metadata file come on top."""
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -51,8 +51,8 @@ class RoleConfig:
     offload: bool = True
     """Move this role's device state to pinned host memory while a colocated role has the GPU."""
     engine_args: dict[str, Any] = field(default_factory=dict)
-    """Settings of the role's engine, typed and documented per engine in
-    ``rlbatch/engines/registry.py`` (e.g. fsdp: micro_batch, share_prompts, single_unit_max_mb,
+    """Settings of the role's engine, typed and documented per engine in its package
+    (``rlbatch/engines/<name>/__init__.py``; e.g. fsdp: micro_batch, share_prompts, single_unit_max_mb,
     sync_bucket_mb; hf: max_batch, share_prompts). Unknown keys are refused before anything starts;
     ``python -c "from rlbatch.engines.registry import describe; print(describe())"`` lists them."""
 

@@ -144,7 +144,7 @@ def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.devi
     """One batch built with a few vectorised writes (no per-sample tensor ops). With ``flat`` the
     inputs are one ``Flat`` row of all the samples: one model call, as for the padded forms, so
     every dp rank of a sharded model makes as many calls as the others (how many tokens a
-    micro-batch holds is decided before, ``rlbatch.engines.train.common``). Else, with
+    micro-batch holds is decided before, ``rlbatch.engines.training``). Else, with
     ``share_prompts``, ``Shared`` when prompts repeat enough to pay (``worth_sharing``), else ``Full``."""
     prompts, responses = [s["prompt"] for s in samples], [s["response"] for s in samples]
     plen = torch.tensor([t.shape[0] for t in prompts])

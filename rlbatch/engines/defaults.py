@@ -1,7 +1,7 @@
 """Engine settings that the planner must model exactly as the engines apply them.
 
 Kept free of torch so the planner (which never imports torch) and the engines read one
-definition. The defaults are those of the engines' typed engine_args (``rlbatch/engines/registry.py``);
+definition. The defaults are those of the engines' typed engine_args (``rlbatch/engines/<name>/__init__.py``);
 each function takes a role's engine_args as the raw mapping (planner) or the typed dataclass (engines).
 """
 
@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.engines.registry import FSDPArgs, HFArgs
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.hf import HFArgs
 
 HF_MAX_BATCH = HFArgs.max_batch
 """The hf engine generates at most this many sequences per call (engine_args.max_batch)."""

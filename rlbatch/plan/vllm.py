@@ -34,12 +34,11 @@ import math
 import numpy as np
 
 from rlbatch.config.hardware import Hardware
-from rlbatch.engines.vllm_limits import (
+from rlbatch.engines.tp_split import kv_heads_per_rank, tp_heads_problem
+from rlbatch.engines.vllm.limits import (
     BLOCK_TOKENS_CPU,
     BLOCK_TOKENS_GPU,
     CPU_KV_CACHE_MB,
-    kv_heads_per_rank,
-    tp_heads_problem,
 )
 from rlbatch.models.shape import OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan import activations as act

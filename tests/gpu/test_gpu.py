@@ -70,7 +70,7 @@ def test_packed_rows_score_as_padded_rows_on_cuda() -> None:
     rounding (fp32 models, ragged samples, an empty response included)."""
     from rlbatch.engines.batch import pack
     from rlbatch.engines.model import reward_model, value_model
-    from rlbatch.engines.train.common import Split, logprobs, scores, values
+    from rlbatch.engines.training import Split, logprobs, scores, values
     from rlbatch.models.spec import spec_from_config
     from rlbatch.models.tiny import build_tiny_model
     from tests.unit.test_batch import make_samples
@@ -108,7 +108,7 @@ def test_varlen_attention_runs_packed_rows_on_cuda() -> None:
     inputs) to bf16 rounding, and a packed bf16 LM's log-probs through it equal the padded rows'."""
     from rlbatch.engines import attention
     from rlbatch.engines.batch import pack
-    from rlbatch.engines.train.common import Split, logprobs
+    from rlbatch.engines.training import Split, logprobs
     from rlbatch.models.spec import spec_from_config
     from rlbatch.models.tiny import build_tiny_model
     from tests.unit.test_batch import make_samples
@@ -168,9 +168,9 @@ def test_megatron_engine_on_cuda_matches_transformers_padded_and_packed_and_trai
     from rlbatch.config.compose import compose
     from rlbatch.engines.base import EngineContext
     from rlbatch.engines.batch import pack, response_logits, unpack
+    from rlbatch.engines.megatron import MegatronArgs
+    from rlbatch.engines.megatron.engine import MegatronEngine
     from rlbatch.engines.model import load_model, load_tokenizer
-    from rlbatch.engines.registry import MegatronArgs
-    from rlbatch.engines.train.megatron import MegatronEngine
 
     cuda = torch.device("cuda", 0)
     torch.cuda.set_device(cuda)

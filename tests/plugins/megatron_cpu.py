@@ -19,7 +19,7 @@ in a run, or a plain import in a test script) installs, for the whole process:
   all-reduce of the whole, of which each rank keeps its piece (the same sums). Patched on the
   module, not in the mode: backward() runs them too, outside the mode;
 - the marker the engine checks before it agrees to run on CPU
-  (``rlbatch.engines.train.megatron_device.CPU_SHIM``).
+  (``rlbatch.engines.megatron.device.CPU_SHIM``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rlbatch.engines.train import megatron_device
+from rlbatch.engines.megatron import device as megatron_device
 
 
 def _cpu(device: Any) -> Any:

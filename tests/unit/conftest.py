@@ -22,7 +22,7 @@ def cfg(tmp_path: Path) -> dict[str, Any]:
 def megatron_runs_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """Validation as on a machine where the megatron engine runs (a GPU, or its CPU shim installed):
     its layout rules alone, without the refusal of CPU ranks (``megatron_device.needs_cuda``)."""
-    from rlbatch.engines.train import megatron_device
+    from rlbatch.engines.megatron import device as megatron_device
 
     monkeypatch.setattr(megatron_device, "CPU_SHIM", "megatron_runs_here")
 

@@ -20,10 +20,10 @@ import torch
 
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.deepspeed import DeepSpeedArgs
+from rlbatch.engines.deepspeed import engine as engine_module
+from rlbatch.engines.deepspeed.engine import DeepSpeedEngine, compute_dtype, ds_config, plain_module
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.registry import DeepSpeedArgs
-from rlbatch.engines.train import deepspeed as engine_module
-from rlbatch.engines.train.deepspeed import DeepSpeedEngine, compute_dtype, ds_config, plain_module
 
 
 class _Recorder(torch.nn.Module):
@@ -105,7 +105,7 @@ def test_deepspeed_is_imported_without_the_trackers_its_autotuner_would_import()
     extra), which imports as usual afterwards; the shared-memory op is marked unavailable."""
     import subprocess
 
-    code = ("import sys\nfrom rlbatch.engines.train.ds_world import import_deepspeed\nds = import_deepspeed()\n"
+    code = ("import sys\nfrom rlbatch.engines.deepspeed.world import import_deepspeed\nds = import_deepspeed()\n"
             "from deepspeed.autotuning import autotuner\n"
             "assert 'mlflow' not in sys.modules and autotuner.has_mlflow is False\n"
             "assert ds.ops.__compatible_ops__['deepspeed_shm_comm'] is False\n"

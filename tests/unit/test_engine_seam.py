@@ -33,7 +33,7 @@ def test_validation_and_the_planner_name_no_engine(package: str) -> None:
 @pytest.fixture
 def echo() -> Iterator[str]:
     """The echo engine plugged in from its file, and taken out again after the test."""
-    name = "tests.plugins.echo_engine"
+    name = "tests.plugins.echo"
     before = set(registry.REGISTRY), set(ENGINES)
     importlib.import_module(name) if name not in sys.modules else importlib.reload(sys.modules[name])
     yield name

@@ -133,9 +133,9 @@ def test_a_run_with_a_chat_model_plays_running_sum_as_a_conversation(tmp_path: A
     from rlbatch.config.plain import to_plain
     from rlbatch.data.source import problems_of
     from rlbatch.engines.base import EngineContext, turns_of
-    from rlbatch.engines.infer.hf import HFInferenceEngine
+    from rlbatch.engines.hf import HFArgs
+    from rlbatch.engines.hf.engine import HFInferenceEngine
     from rlbatch.engines.model import load_tokenizer
-    from rlbatch.engines.registry import HFArgs
     from rlbatch.envs.trajectories import MultiTurn, episode_seed
     from tests.unit.chat_fixtures import save_chat_model
 

@@ -146,8 +146,8 @@ def test_limits_and_a_failing_env_end_only_their_trajectory() -> None:
 
 
 def test_the_hf_engine_rolls_out_running_sum_with_batched_turns() -> None:
-    from rlbatch.engines.infer.hf import HFInferenceEngine
-    from rlbatch.engines.registry import HFArgs
+    from rlbatch.engines.hf import HFArgs
+    from rlbatch.engines.hf.engine import HFInferenceEngine
 
     cfg = compose([])
     engine = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, TOK, torch.device("cpu"), seed=1))

@@ -47,8 +47,8 @@ class Recorded:
 def played() -> tuple[Any, list[Any], dict[int, list[list[int]]], Any]:
     """Six running_sum trajectories (two groups of three: one episode start each) by the hf engine,
     and the engine's model (the policy that generated them)."""
-    from rlbatch.engines.infer.hf import HFInferenceEngine
-    from rlbatch.engines.registry import HFArgs
+    from rlbatch.engines.hf import HFArgs
+    from rlbatch.engines.hf.engine import HFInferenceEngine
 
     cfg = compose(["experiment=multiturn"])
     tok = load_tokenizer(cfg.model)

@@ -1,4 +1,4 @@
-"""The fsdp engine's tensor-parallel rules (``rlbatch.engines.train.fsdp_rules``), refused before start
+"""The fsdp engine's tensor-parallel rules (``rlbatch.engines.fsdp.rules``), refused before start
 with the field and the numbers: heads and KV heads that t does not divide, a Mixture-of-Experts
 model, low-rank adapters."""
 
@@ -60,7 +60,7 @@ def test_the_engine_splits_each_dense_layers_seven_linear_layers_and_refuses_an_
     import pytest
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from rlbatch.engines.train.fsdp_tp import layer_plan
+    from rlbatch.engines.fsdp.tp import layer_plan
     from rlbatch.models.spec import spec_from_config
     from rlbatch.models.tiny import tiny_skeleton
 

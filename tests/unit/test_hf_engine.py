@@ -11,9 +11,9 @@ from rlbatch import algos
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams
 from rlbatch.engines.batch import left_padded, pack, response_logits
-from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.engines.hf import HFArgs
+from rlbatch.engines.hf.engine import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import HFArgs
 
 
 def _engine(cfg, tok, **args) -> HFInferenceEngine:  # type: ignore[no-untyped-def]

@@ -12,8 +12,8 @@ import torch
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.schema import AlgoConfig, LoraConfig, ModelConfig
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.fsdp import FSDPArgs
 from rlbatch.engines.model import load_model
-from rlbatch.engines.registry import FSDPArgs
 from rlbatch.models import lora
 from rlbatch.models.spec import spec_from_config
 from rlbatch.models.tiny import build_tiny_model
@@ -48,7 +48,7 @@ def test_merged_weights_are_pefts_merge_under_the_base_names() -> None:
 
 
 def _engine(mesh: Any, rank: int, trainable: bool = True) -> Any:
-    from rlbatch.engines.train.fsdp import FSDPEngine
+    from rlbatch.engines.fsdp.engine import FSDPEngine
 
     cfg = ModelConfig(lora=LoraConfig(rank=rank, alpha=2.0 * rank or 16.0))
     algo = AlgoConfig(lr=1e-2, kl_coef=0.0, mini_batches=1, epochs=1, grad_accum=1)

@@ -72,7 +72,7 @@ def test_the_fsdp_engine_streams_its_adapters_alone(one_rank_mesh: Any) -> None:
 
 
 def test_an_adapter_sync_of_another_model_is_refused() -> None:
-    from rlbatch.engines.infer.vllm import VLLMEngine
+    from rlbatch.engines.vllm.engine import VLLMEngine
 
     engine = object.__new__(VLLMEngine)
     engine.lora = LoraConfig(rank=4)
@@ -87,7 +87,7 @@ def test_an_adapter_sync_of_another_model_is_refused() -> None:
 def test_vllm_keeps_its_base_weights_when_adapters_are_synced_alone() -> None:
     """A discard before a sync drops vLLM's weights (level-2 sleep) only when the sync brings them
     back: an adapter sync brings none, so they are kept (level 1, to host memory)."""
-    from rlbatch.engines.infer.vllm import VLLMEngine
+    from rlbatch.engines.vllm.engine import VLLMEngine
 
     levels = []
     engine = object.__new__(VLLMEngine)

@@ -23,7 +23,7 @@ import torch
 
 from rlbatch.algos.objective import LossInput, PolicyObjective
 from rlbatch.algos.value import ValueInput, ValueObjective
-from rlbatch.engines.train import common
+from rlbatch.engines import training as common
 
 EPS32 = torch.finfo(torch.float32).eps
 V, H = 7, 5

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlbatch.engines.train import megatron_convert as convert
-from rlbatch.engines.train.megatron_convert import Layout
+from rlbatch.engines.megatron import convert
+from rlbatch.engines.megatron.convert import Layout
 
 
 def hf_weights(lay: Layout, seed: int = 0) -> dict[str, torch.Tensor]:

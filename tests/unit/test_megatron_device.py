@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlbatch.engines.train import megatron_device
+from rlbatch.engines.megatron import device as megatron_device
 
 
 def test_cpu_without_the_shim_is_refused_naming_the_alternatives(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ import torch
 from rlbatch import ConfigError
 from rlbatch.checks.validate import check
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.engines.train.megatron_optim import MainWeights
+from rlbatch.engines.megatron.optim import MainWeights
 
 LR, WD, STEPS = 1e-6, 0.01, 3
 

@@ -13,7 +13,7 @@ from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.schema import AlgoConfig
 from rlbatch.engines.batch import Flat, Full, Shared, pack, response_logprobs
 from rlbatch.engines.model import value_model
-from rlbatch.engines.train.common import chunk_loss, value_outputs
+from rlbatch.engines.training import chunk_loss, value_outputs
 from rlbatch.models.spec import spec_from_config
 from rlbatch.models.tiny import build_tiny_model
 from tests.unit.test_batch import make_samples
@@ -198,7 +198,7 @@ def test_reward_scores_are_the_same_flat_and_the_row_is_one_call() -> None:
     read at each sample's last token; the same scores as padded rows to float32 rounding."""
     from rlbatch.engines.batch import flat_sequences
     from rlbatch.engines.model import reward_model
-    from rlbatch.engines.train.common import Split, scores
+    from rlbatch.engines.training import Split, scores
 
     rm = reward_model(_model("qwen2"), seed=5)
     rm.config.pad_token_id = PAD

@@ -22,9 +22,10 @@ from rlbatch.algos.registry import ADVANTAGES
 from rlbatch.config.compose import compose
 from rlbatch.data.source import make_stream
 from rlbatch.engines.base import EngineContext, SamplingParams
-from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.hf import HFArgs
+from rlbatch.engines.hf.engine import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import FSDPArgs, HFArgs
 from rlbatch.rewards.rules import rule_scorer
 
 CPU = torch.device("cpu")
@@ -41,7 +42,7 @@ def answer_probability(engine: Any, tok: Any, prompts: list[list[int]], answers:
 
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo", "gspo", "reinforce_pp", "reinforce_pp_baseline", "rloo"])
 def test_a_few_steps_raise_the_expected_reward(one_rank_mesh: Any, algo: str) -> None:
-    from rlbatch.engines.train.fsdp import FSDPEngine
+    from rlbatch.engines.fsdp.engine import FSDPEngine
 
     cfg = compose([f"algo={algo}"])
     a, n = cfg.algo, int(cfg.algo.samples_per_prompt)

@@ -114,9 +114,9 @@ def test_explained_variance() -> None:
 
 def test_value_model_starts_from_the_policy_with_a_zero_head() -> None:
     from rlbatch.config.compose import compose
+    from rlbatch.engines import training as common
     from rlbatch.engines.batch import pack
     from rlbatch.engines.model import load_model, load_tokenizer, value_model
-    from rlbatch.engines.train import common
 
     cfg = compose([])
     tok = load_tokenizer(cfg.model)
@@ -162,9 +162,9 @@ def test_critic_learning_rate_is_its_own() -> None:
 
 def test_reward_model_scores_each_sequence_at_its_last_token_like_transformers() -> None:
     from rlbatch.config.compose import compose
+    from rlbatch.engines import training as common
     from rlbatch.engines.batch import pack
     from rlbatch.engines.model import load_model, load_tokenizer, reward_model
-    from rlbatch.engines.train import common
 
     cfg = compose([])
     tok = load_tokenizer(cfg.model)

@@ -25,11 +25,12 @@ import torch
 
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams
-from rlbatch.engines.infer import sglang_rules
-from rlbatch.engines.infer.hf import HFInferenceEngine
-from rlbatch.engines.infer.sglang import SGLangEngine
+from rlbatch.engines.hf import HFArgs
+from rlbatch.engines.hf.engine import HFInferenceEngine
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.registry import HFArgs, SGLangArgs
+from rlbatch.engines.sglang import SGLangArgs
+from rlbatch.engines.sglang import rules as sglang_rules
+from rlbatch.engines.sglang.engine import SGLangEngine
 from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets
 
 # On a GPU machine SGLang lives in an environment of its own, not beside vLLM (docs/sglang.md): there

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from rlbatch.config.schema import AlgoConfig, ModelConfig
 from rlbatch.data.tokenizer import build_char_tokenizer
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.fsdp import FSDPArgs
 from rlbatch.engines.model import engine_skeleton, load_engine_model, load_model, model_skeleton
-from rlbatch.engines.registry import FSDPArgs
 from rlbatch.models import weights
 from rlbatch.models.spec import spec_from_config
 from rlbatch.models.tiny import build_tiny_model
@@ -168,7 +168,7 @@ def fake_world(rank: int, size: int) -> Iterator[Any]:
 
 
 def _engine(cfg: ModelConfig, head: str, trainable: bool, mesh: Any, args: FSDPArgs | None = None) -> Any:
-    from rlbatch.engines.train.fsdp import FSDPEngine
+    from rlbatch.engines.fsdp.engine import FSDPEngine
 
     return FSDPEngine(EngineContext("x", args or FSDPArgs(), cfg, AlgoConfig(), TOK19, torch.device("cpu"), 5, mesh, trainable, head))
 
@@ -263,7 +263,7 @@ def test_building_a_shard_never_holds_the_whole_model() -> None:
 def test_forward_only_engines_hold_the_models_dtype_trainable_ones_fp32_masters() -> None:
     """On a GPU ('auto' is bf16 there) a forward-only fsdp engine holds bf16 parameters, a trainable
     one fp32 master weights; on a CPU both fp32. The decision, for a device that need not exist."""
-    from rlbatch.engines.train.fsdp import held_dtype
+    from rlbatch.engines.fsdp.engine import held_dtype
 
     cuda, cpu = torch.device("cuda", 3), torch.device("cpu")
     assert held_dtype("auto", cuda, trainable=False) == torch.bfloat16
@@ -277,7 +277,7 @@ def test_a_forward_only_fsdp_engine_holds_bf16_and_computes_the_whole_models_log
     """The engine itself on CPU with the model's dtype set to bf16 (what 'auto' is on a GPU): the
     reference holds bf16 shards (half the bytes to keep and to offload), the trainable policy fp32;
     the reference's log-probs are the bf16 model's, and after them it holds only its shards."""
-    from rlbatch.engines.train.fsdp import FSDPEngine
+    from rlbatch.engines.fsdp.engine import FSDPEngine
 
     cfg = ModelConfig(dtype="bf16")
     ref = FSDPEngine(_ctx(cfg, "lm", trainable=False, mesh=one_rank_mesh))

@@ -18,9 +18,9 @@ import torch
 
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
-from rlbatch.engines.infer.vllm import VLLMEngine, compile_cache_root
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import VLLMArgs
+from rlbatch.engines.vllm import VLLMArgs
+from rlbatch.engines.vllm.engine import VLLMEngine, compile_cache_root
 
 
 class StartedLLM:

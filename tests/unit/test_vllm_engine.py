@@ -22,10 +22,11 @@ import vllm  # noqa: F401  (installed by make venv: its absence is a broken inst
 
 from rlbatch.config.compose import compose  # noqa: E402
 from rlbatch.engines.base import EngineContext, SamplingParams  # noqa: E402
-from rlbatch.engines.infer.hf import HFInferenceEngine  # noqa: E402
-from rlbatch.engines.infer.vllm import VLLMEngine, _launcher_env, one_rank_executor  # noqa: E402
+from rlbatch.engines.hf import HFArgs  # noqa: E402
+from rlbatch.engines.hf.engine import HFInferenceEngine  # noqa: E402
 from rlbatch.engines.model import load_model, load_tokenizer  # noqa: E402
-from rlbatch.engines.registry import HFArgs, VLLMArgs  # noqa: E402
+from rlbatch.engines.vllm import VLLMArgs  # noqa: E402
+from rlbatch.engines.vllm.engine import VLLMEngine, _launcher_env, one_rank_executor  # noqa: E402
 from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets  # noqa: E402
 
 SEED = 1
@@ -195,7 +196,7 @@ def test_registry_builds_vllm_data_and_tensor_parallel() -> None:
 
 
 def test_a_tensor_parallel_split_the_model_cannot_take_is_refused_naming_the_numbers() -> None:
-    from rlbatch.engines.infer.vllm import check_tp
+    from rlbatch.engines.vllm.engine import check_tp
 
     shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256}
     for t in (1, 2, 4):  # kv heads split (t=2) or replicated (t=4)

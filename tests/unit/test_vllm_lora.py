@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams, WeightStream
-from rlbatch.engines.infer.vllm import VLLMEngine
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.registry import VLLMArgs
+from rlbatch.engines.vllm import VLLMArgs
+from rlbatch.engines.vllm.engine import VLLMEngine
 from rlbatch.loop.weightsync import AdapterSink, load_in_process
 from rlbatch.models import lora
 
@@ -61,7 +61,7 @@ def main() -> None:
         generating_during_an_incomplete_adapter_sync_is_refused(s)
         engine.close()
         print("adapter sync checks passed", flush=True)
-    os._exit(0)  # vLLM's one-rank world is left to process exit (rlbatch.engines.infer.vllm.VLLMEngine.close)
+    os._exit(0)  # vLLM's one-rank world is left to process exit (rlbatch.engines.vllm.engine.VLLMEngine.close)
 
 
 def _adapted(s: Any, seed: int) -> Any:

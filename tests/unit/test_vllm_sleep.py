@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from rlbatch.engines.base import SamplingParams
-from rlbatch.engines.infer.vllm import _NO_SLEEP, VLLMEngine, log
-from rlbatch.engines.infer.vllm_world import PrivateWorld
 from rlbatch.engines.offload import StaysResident
+from rlbatch.engines.vllm.engine import _NO_SLEEP, VLLMEngine, log
+from rlbatch.engines.vllm.world import PrivateWorld
 
 SIZES = {"weights": 300, "kv_cache": 500}
 """Device bytes of each of vLLM's tags."""
@@ -338,7 +338,7 @@ def test_on_cpu_offload_moves_nothing_and_says_so_once(engine: VLLMEngine, caplo
 def test_expected_names_of_a_model_directory_are_what_a_trainer_exports(tmp_path: Any) -> None:
     """A model.path run knows when a sync is complete from the directory's config alone."""
     from rlbatch.config.compose import compose
-    from rlbatch.engines.infer.vllm import hf_parameter_names
+    from rlbatch.engines.inference import hf_parameter_names
     from rlbatch.engines.model import load_model, load_tokenizer
 
     cfg = compose([])

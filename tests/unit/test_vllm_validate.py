@@ -1,5 +1,5 @@
 """What vLLM would refuse once the ranks are up is refused by ``check(cfg)`` before anything
-starts, naming the field and the numbers (``rlbatch/engines/infer/vllm_rules.py``)."""
+starts, naming the field and the numbers (``rlbatch/engines/vllm/rules.py``)."""
 
 from __future__ import annotations
 

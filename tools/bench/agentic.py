@@ -124,8 +124,9 @@ def main() -> None:
     from rlbatch.config.compose import compose
     from rlbatch.config.plain import to_plain
     from rlbatch.engines.base import EngineContext, SamplingParams, build_engine, turns_of
+    from rlbatch.engines.hf import HFArgs
     from rlbatch.engines.model import load_tokenizer
-    from rlbatch.engines.registry import HFArgs, VLLMArgs
+    from rlbatch.engines.vllm import VLLMArgs
     from rlbatch.envs.registry import register_env
     from rlbatch.envs.trajectories import MultiTurn, episode_seed
 

@@ -88,8 +88,8 @@ def bench_train(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, device: 
     from rlbatch.algos.objective import PolicyObjective
     from rlbatch.config.schema import AlgoConfig
     from rlbatch.engines.base import EngineContext
-    from rlbatch.engines.registry import FSDPArgs
-    from rlbatch.engines.train.fsdp import FSDPEngine
+    from rlbatch.engines.fsdp import FSDPArgs
+    from rlbatch.engines.fsdp.engine import FSDPEngine
 
     progress(f"train: building FSDPEngine ({shape.params / 1e6:.1f}M parameters, fp32 master weights)")
     algo = AlgoConfig(mini_batches=1, epochs=1, grad_accum=1, kl_coef=0.0, lr=1e-6,
@@ -195,8 +195,8 @@ def bench_generate(args: argparse.Namespace, model_cfg: Any, vocab: Vocab, devic
 
     from rlbatch.config.schema import AlgoConfig
     from rlbatch.engines.base import EngineContext, SamplingParams
-    from rlbatch.engines.infer.hf import HFInferenceEngine
-    from rlbatch.engines.registry import HFArgs
+    from rlbatch.engines.hf import HFArgs
+    from rlbatch.engines.hf.engine import HFInferenceEngine
 
     progress("generate: building HFInferenceEngine (bf16)")
     engine = HFInferenceEngine(EngineContext("actor_infer", HFArgs(max_batch=args.gen_batch),

@@ -132,7 +132,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from rlbatch.engines.base import WeightStream
     from rlbatch.engines.flat import flatten_parameters
-    from rlbatch.engines.infer.hf import HFInferenceEngine
+    from rlbatch.engines.hf.engine import HFInferenceEngine
     from rlbatch.loop.weightsync import WeightBroadcast
     from rlbatch.runtime.world import SYNC
 

@@ -13,7 +13,7 @@ tests/unit/test_packing_forward.py builds its large-vocabulary model), in ``--dt
 told) on ``--device`` (the CPU unless told), sdpa attention (packed rows: varlen, as the engines run
 them, where ``rlbatch.engines.attention.available``: bf16/fp16 on CUDA).
 
-Two paths of ``rlbatch.engines.train.common``, each called as the fsdp engine calls it on one rank
+Two paths of ``rlbatch.engines.training``, each called as the fsdp engine calls it on one rank
 (a plain transformers model, no process group):
 
 - padded (``max_tokens_per_micro_batch`` 0): ``--micro-batch`` samples per forward, right-padded to
@@ -126,9 +126,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     from rlbatch.algos.objective import PolicyObjective
     from rlbatch.config.schema import AlgoConfig
+    from rlbatch.engines import training as common
     from rlbatch.engines.attention import prefer_varlen
     from rlbatch.engines.batch import Flat, Shared, pack
-    from rlbatch.engines.train import common
     from rlbatch.models.spec import spec_from_model_config
     from rlbatch.models.tiny import build_tiny_model
 

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rlbatch.engines.base import SamplingParams
-    from rlbatch.engines.infer.sglang import engine_kwargs
-    from rlbatch.engines.registry import SGLangArgs, VLLMArgs
+    from rlbatch.engines.sglang import SGLangArgs
+    from rlbatch.engines.sglang.engine import engine_kwargs
+    from rlbatch.engines.vllm import VLLMArgs
 
     engines: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:

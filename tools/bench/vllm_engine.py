@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     from rlbatch.engines.base import SamplingParams
-    from rlbatch.engines.infer.vllm_world import PrivateWorld
-    from rlbatch.engines.registry import VLLMArgs
+    from rlbatch.engines.vllm import VLLMArgs
+    from rlbatch.engines.vllm.world import PrivateWorld
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         params = common.make_model_dir(Path(tmp), a)

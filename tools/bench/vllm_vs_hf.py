@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     common.set_threads(a.threads)
 
     from rlbatch.engines.base import SamplingParams
-    from rlbatch.engines.registry import HFArgs, VLLMArgs
+    from rlbatch.engines.hf import HFArgs
+    from rlbatch.engines.vllm import VLLMArgs
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-hf-") as tmp:
         params = common.make_model_dir(Path(tmp), a)

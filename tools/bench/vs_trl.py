@@ -307,7 +307,7 @@ def layerwise_sync(generation: Any) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    from rlbatch.engines.infer.vllm import finish_layerwise_reload
+    from rlbatch.engines.vllm.engine import finish_layerwise_reload
 
     sync = generation.sync_weights
 

@@ -1,6 +1,6 @@
 """The planner's model of rlbatch's fsdp engine (FSDP2 over dp x cp, DTensor over tp: each decoder
 layer's attention and MLP weights split over t, the embedding, the norms and the LM head whole on
-every tp rank; ``rlbatch.engines.train.fsdp_tp``)."""
+every tp rank; ``rlbatch.engines.fsdp.tp``)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 from rlbatch.config.schema import ModelConfig
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.train.state import load_module_state, module_state
+from rlbatch.engines.train_state import load_module_state, module_state
 
 comm = MPI.COMM_WORLD
 CONFIG = {"seed": 3, "model": OmegaConf.structured(ModelConfig(hidden_size=32, intermediate_size=64, max_position_embeddings=32))}

@@ -23,10 +23,11 @@ from rlbatch.algos.objective import PolicyObjective
 from rlbatch.checkpoint.dcp import load_state, save_state
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.deepspeed import DeepSpeedArgs
+from rlbatch.engines.deepspeed.engine import DeepSpeedEngine
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.fsdp.engine import FSDPEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import DeepSpeedArgs, FSDPArgs
-from rlbatch.engines.train.deepspeed import DeepSpeedEngine
-from rlbatch.engines.train.fsdp import FSDPEngine
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

@@ -23,11 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.deepspeed import DeepSpeedArgs
+from rlbatch.engines.deepspeed.engine import DeepSpeedEngine
+from rlbatch.engines.deepspeed.world import role_world
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.fsdp.engine import FSDPEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import DeepSpeedArgs, FSDPArgs
-from rlbatch.engines.train.deepspeed import DeepSpeedEngine
-from rlbatch.engines.train.ds_world import role_world
-from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.models import lora
 
 comm = MPI.COMM_WORLD

@@ -116,9 +116,9 @@ def scores_like_transformers(rm, cfg, tok, seed, samples, tol, what):  # type: i
     """A reward engine's scores against transformers' sequence classification of the same
     random-init reward model (``reward_model`` from ``seed``): within ``tol``, and the reference
     not trivial. Returns the engine's scores."""
+    from rlbatch.engines import training as common
     from rlbatch.engines.batch import pack
     from rlbatch.engines.model import load_model, reward_model
-    from rlbatch.engines.train import common
 
     ref = reward_model(load_model(cfg.model, tok, seed), seed).eval()
     want = common.scores(ref, samples, 0, lambda c: pack(c, tok.pad_token_id, torch.device("cpu"), share_prompts=False))

@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.fsdp.engine import FSDPEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import FSDPArgs
-from rlbatch.engines.train.fsdp import FSDPEngine
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

@@ -28,14 +28,16 @@ import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs i
 from rlbatch import algos
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.compose import compose
+from rlbatch.engines import training as common
 from rlbatch.engines.base import EngineContext, SamplingParams
 from rlbatch.engines.batch import pack, response_logits, unpack
-from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.fsdp.engine import FSDPEngine
+from rlbatch.engines.hf import HFArgs
+from rlbatch.engines.hf.engine import HFInferenceEngine
+from rlbatch.engines.megatron import MegatronArgs
+from rlbatch.engines.megatron.engine import MegatronEngine
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.registry import FSDPArgs, HFArgs, MegatronArgs
-from rlbatch.engines.train import common
-from rlbatch.engines.train.fsdp import FSDPEngine
-from rlbatch.engines.train.megatron import MegatronEngine
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

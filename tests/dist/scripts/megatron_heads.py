@@ -32,13 +32,14 @@ import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs i
 from rlbatch.algos.value import ValueObjective
 from rlbatch.checkpoint.hf_export import load_weights
 from rlbatch.config.compose import compose
+from rlbatch.engines import training as common
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.fsdp.engine import FSDPEngine
+from rlbatch.engines.megatron import MegatronArgs
+from rlbatch.engines.megatron.engine import MegatronEngine
 from rlbatch.engines.model import load_model, load_tokenizer, value_model
-from rlbatch.engines.registry import FSDPArgs, MegatronArgs
-from rlbatch.engines.train import common
-from rlbatch.engines.train.fsdp import FSDPEngine
-from rlbatch.engines.train.megatron import MegatronEngine
 
 comm = MPI.COMM_WORLD
 port = comm.bcast(int(sys.argv[1]), root=0)

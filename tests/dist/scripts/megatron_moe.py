@@ -34,10 +34,11 @@ from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.batch import pack, response_logits, unpack
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.fsdp.engine import FSDPEngine
+from rlbatch.engines.megatron import MegatronArgs
+from rlbatch.engines.megatron.engine import MegatronEngine
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.registry import FSDPArgs, MegatronArgs
-from rlbatch.engines.train.fsdp import FSDPEngine
-from rlbatch.engines.train.megatron import MegatronEngine
 from rlbatch.placement import subgroups
 
 comm = MPI.COMM_WORLD

@@ -35,10 +35,10 @@ import tests.plugins.megatron_cpu  # noqa: F401  (test-only CPU shim, installs i
 from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
+from rlbatch.engines.megatron import MegatronArgs
+from rlbatch.engines.megatron import optim as megatron_optim
+from rlbatch.engines.megatron.engine import MegatronEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import MegatronArgs
-from rlbatch.engines.train import megatron_optim
-from rlbatch.engines.train.megatron import MegatronEngine
 from rlbatch.placement import subgroups
 
 comm = MPI.COMM_WORLD

@@ -1,5 +1,5 @@
 """Under mpiexec, 2 ranks with tests/stand_ins on PYTHONPATH: one tensor-parallel SGLang worker
-(sglang:d1t2) built as the engine registry builds it (``rlbatch.engines.infer.sglang.build``): rank 0
+(sglang:d1t2) built as the engine registry builds it (``rlbatch.engines.sglang.engine.build``): rank 0
 holds ``sglang.Engine(tp_size=2)`` (two scheduler processes that reduce over gloo), rank 1 its
 follower.
 
@@ -21,9 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams
-from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.engines.hf import HFArgs
+from rlbatch.engines.hf.engine import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import HFArgs, SGLangArgs
+from rlbatch.engines.sglang import SGLangArgs
 from tests.unit.infer_checks import assert_behaviour_logprobs_match_transformers, sync_in_buckets
 
 SEED = 1
@@ -39,7 +40,7 @@ def main() -> None:
     from mpi4py import MPI
     from mpi_exit import end_script
 
-    from rlbatch.engines.infer.sglang import SGLangEngine, SGLangFollower, build
+    from rlbatch.engines.sglang.engine import SGLangEngine, SGLangFollower, build
 
     comm = MPI.COMM_WORLD
     port = comm.bcast(int(sys.argv[1]), root=0)

@@ -27,10 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, SamplingParams, WeightStream
-from rlbatch.engines.infer.hf import HFInferenceEngine
-from rlbatch.engines.infer.vllm import VLLMEngine
+from rlbatch.engines.hf import HFArgs
+from rlbatch.engines.hf.engine import HFInferenceEngine
 from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.registry import HFArgs, VLLMArgs
+from rlbatch.engines.vllm import VLLMArgs
+from rlbatch.engines.vllm.engine import VLLMEngine
 from rlbatch.loop.weightsync import WeightBroadcast
 from rlbatch.runtime.world import SYNC
 

@@ -36,10 +36,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext
-from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.fsdp.engine import FSDPEngine
+from rlbatch.engines.hf import HFArgs
+from rlbatch.engines.hf.engine import HFInferenceEngine
 from rlbatch.engines.model import load_tokenizer
-from rlbatch.engines.registry import FSDPArgs, HFArgs
-from rlbatch.engines.train.fsdp import FSDPEngine
 from rlbatch.loop.rank_runtime import RankRuntime
 from rlbatch.loop.weightsync import WeightBroadcast
 from rlbatch.phases import PHASES

@@ -16,7 +16,7 @@ from mpi_exit import end_script
 
 from rlbatch.engines.base import WeightStream
 from rlbatch.engines.flat import flatten_parameters
-from rlbatch.engines.infer.hf import HFInferenceEngine
+from rlbatch.engines.hf.engine import HFInferenceEngine
 from rlbatch.loop.weightsync import WeightBroadcast
 from rlbatch.runtime.world import SYNC
 

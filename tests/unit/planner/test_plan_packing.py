@@ -1,6 +1,6 @@
 """Token-budget micro-batches in the planner: memory by the packed row, time on real tokens, and the
 budget ``plan search`` chooses. The expected numbers are worked out here from the engines' code
-(``rlbatch.engines.train.common``, ``rlbatch.engines.batch``, ``rlbatch.algos.core.chunked_logprobs``),
+(``rlbatch.engines.training``, ``rlbatch.engines.batch``, ``rlbatch.algos.core.chunked_logprobs``),
 not taken from the planner."""
 
 from __future__ import annotations

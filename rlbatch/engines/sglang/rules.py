@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlbatch.config.plain import section
-from rlbatch.engines.vllm_limits import tp_heads_refusal
+from rlbatch.engines.tp_split import tp_heads_refusal
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
 from rlbatch.placement import Placement

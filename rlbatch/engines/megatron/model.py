@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlbatch.engines.train.megatron_convert import qkv_bias
+from rlbatch.engines.megatron.convert import qkv_bias
 from rlbatch.placement import subgroups
 
 _BY_HAND: dict[tuple[Any, ...], dict[str, Any]] = {}

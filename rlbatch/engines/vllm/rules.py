@@ -24,15 +24,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlbatch.config.plain import section
-from rlbatch.engines.registry import VLLMArgs, parse_args
-from rlbatch.engines.vllm_limits import (
+from rlbatch.engines.registry import parse_args
+from rlbatch.engines.tp_split import kv_heads_per_rank, tp_heads_refusal
+from rlbatch.engines.vllm import VLLMArgs
+from rlbatch.engines.vllm.limits import (
     BLOCK_TOKENS_CPU,
     BLOCK_TOKENS_GPU,
     CPU_HEAD_SIZES,
     CPU_KV_CACHE_MB,
     LORA_RANKS,
-    kv_heads_per_rank,
-    tp_heads_refusal,
 )
 from rlbatch.errors import ConfigError
 from rlbatch.models.spec import ModelSpec

@@ -16,7 +16,7 @@ Built over the role's own groups, without ``get_megatron_optimizer`` (whose para
 runs an ``all_gather_object`` over the whole job, which ranks outside the role never join):
 the torch AdamW and the ``DistributedOptimizer`` are constructed here directly.
 
-Checkpoints stay plain full tensors (``rlbatch.engines.train.state``'s names): ``gather`` rebuilds
+Checkpoints stay plain full tensors (``rlbatch.engines.train_state``'s names): ``gather`` rebuilds
 each parameter's main weight and moments from the dp slices (an all-gather of each bucket, exact),
 ``scatter`` writes a full tensor back into this rank's slice.
 """

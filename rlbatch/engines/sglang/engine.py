@@ -62,10 +62,10 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.infer.vllm import _rng_kept, hf_parameter_names, tp_peers
-from rlbatch.engines.infer.vllm_world import PrivateWorld
+from rlbatch.engines.inference import hf_parameter_names, rng_kept, tp_peers
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
+from rlbatch.engines.vllm.world import PrivateWorld
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class SGLangEngine:
         try:
             import sglang
 
-            with _rng_kept(), _process_kept():
+            with rng_kept(), _process_kept():
                 self.engine: Any = sglang.Engine(**engine_kwargs(a, path, dtype, ctx.seed, ctx.device, tp))
         finally:
             if tmp is not None:
@@ -221,7 +221,7 @@ class SGLangEngine:
 
     def _reseed(self, seed: int) -> None:
         """Seed the scheduler's RNGs for the next call (rlbatch's SGLang plugin, ``sglang_plugin``)."""
-        from rlbatch.engines.infer.sglang_plugin import RESEED
+        from rlbatch.engines.sglang.plugin import RESEED
 
         try:
             self.engine.collective_rpc(RESEED, seed=int(seed))

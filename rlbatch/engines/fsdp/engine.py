@@ -1,5 +1,5 @@
 """``fsdp`` training engine: FSDP2 (``fully_shard``) over the role's DeviceMesh, with DTensor tensor
-parallelism on its tp axis at t > 1 (``rlbatch.engines.train.fsdp_tp``), or Ulysses context
+parallelism on its tp axis at t > 1 (``rlbatch.engines.fsdp.tp``), or Ulysses context
 parallelism on its cp axis at c > 1 (``rlbatch.engines.ulysses``: each packed row split over the c
 ranks, FSDP sharding over dp x cp, the samples shared by the c ranks of a replica).
 
@@ -27,6 +27,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rlbatch.engines import training as common
 from rlbatch.engines import ulysses
 from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream
@@ -37,10 +38,10 @@ from rlbatch.engines.defaults import (
     max_tokens_per_micro_batch,
     share_prompts,
 )
+from rlbatch.engines.fsdp import tp as fsdp_tp
 from rlbatch.engines.model import engine_skeleton, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
-from rlbatch.engines.train import common, fsdp_tp
-from rlbatch.engines.train.state import load_module_state, module_state
+from rlbatch.engines.train_state import load_module_state, module_state
 from rlbatch.models import lora
 from rlbatch.models.weights import allocate
 
@@ -167,7 +168,7 @@ class FSDPEngine(StashedState):
 
     def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch
-        (``rlbatch.engines.train.common.updates``)."""
+        (``rlbatch.engines.training.updates``)."""
         assert self.optimizer is not None, "train() on a forward-only engine"
         a = self.algo
         totals = common.Totals(a.grad_accum)
@@ -255,7 +256,7 @@ class FSDPEngine(StashedState):
                 yield [(n, _gathered(p, want)) for n, p in params]
 
     def checkpoint_state(self) -> CheckpointState | None:
-        """Model and AdamW state as named tensors (see ``rlbatch.engines.train.state``); None
+        """Model and AdamW state as named tensors (see ``rlbatch.engines.train_state``); None
         when forward-only."""
         if self.optimizer is None:
             return None

@@ -15,8 +15,8 @@ from typing import Any
 
 from rlbatch.config.plain import section
 from rlbatch.config.schema import TRAINABLE_ROLES
-from rlbatch.engines.train.megatron_device import needs_cuda
-from rlbatch.engines.train.megatron_limits import context_parallel_refusal
+from rlbatch.engines.megatron.device import needs_cuda
+from rlbatch.engines.megatron.limits import context_parallel_refusal
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
 from rlbatch.placement.backend import ParallelDims, RoleEngine

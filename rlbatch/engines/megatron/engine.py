@@ -70,22 +70,23 @@ from torch.utils._pytree import tree_map
 from rlbatch import algos
 from rlbatch.algos.objective import LossInput
 from rlbatch.algos.value import ValueInput
+from rlbatch.engines import training as common
 from rlbatch.engines import ulysses
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
 from rlbatch.engines.batch import Flat, Full, Packed, flat_sequences, pack, unpack
-from rlbatch.engines.model import load_engine_model, model_dtype
-from rlbatch.engines.offload import StashedState, Stashes, TensorStash, optimizer_tensors
-from rlbatch.engines.train import common, megatron_optim
-from rlbatch.engines.train import megatron_convert as convert
-from rlbatch.engines.train.megatron_device import check_device
-from rlbatch.engines.train.megatron_limits import context_parallel_refusal
-from rlbatch.engines.train.megatron_model import (
+from rlbatch.engines.megatron import convert
+from rlbatch.engines.megatron import optim as megatron_optim
+from rlbatch.engines.megatron.device import check_device
+from rlbatch.engines.megatron.limits import context_parallel_refusal
+from rlbatch.engines.megatron.model import (
     build_gpt,
     engine_groups,
     freeze_padding_row,
     packed_params,
     process_groups,
 )
+from rlbatch.engines.model import load_engine_model, model_dtype
+from rlbatch.engines.offload import StashedState, Stashes, TensorStash, optimizer_tensors
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -52,10 +51,11 @@ from typing import Any
 import torch
 
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams, TurnRequest
-from rlbatch.engines.infer.vllm_world import PrivateWorld, private_shm_names
+from rlbatch.engines.inference import hf_parameter_names, meta_model, rng_kept, tp_peers
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
-from rlbatch.engines.vllm_limits import CPU_KV_CACHE_MB, LORA_RANKS
+from rlbatch.engines.vllm.limits import CPU_KV_CACHE_MB, LORA_RANKS
+from rlbatch.engines.vllm.world import PrivateWorld, private_shm_names
 from rlbatch.models import lora
 
 log = logging.getLogger(__name__)
@@ -69,47 +69,12 @@ _NO_SLEEP = ("vllm engine on CPU: vLLM's CPU build has no sleep mode; its weight
              "(offload reports 0 bytes)")
 
 
-@contextmanager
-def _rng_kept() -> Any:
-    """vLLM reseeds Python's, NumPy's and torch's RNGs when it starts: keep the caller's streams."""
-    import numpy as np
-
-    py, npy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(py)
-    np.random.set_state(npy)
-
-
-def hf_parameter_names(model_cfg: Any) -> set[str]:
-    """The names a trainer exports (its transformers model's ``named_parameters``), for a model
-    directory, without allocating it."""
-    return {n for n, _ in _meta_model(model_cfg).named_parameters()}
-
-
-def _meta_model(model_cfg: Any) -> Any:
-    """A model directory's transformers model on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
-
-
 def max_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM takes that holds adapters of ``rank``."""
     fits = [r for r in LORA_RANKS if r >= rank]
     if not fits:
         raise ValueError(f"vllm engine: model.lora.rank {rank} is above vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
     return fits[0]
-
-
-def tp_peers(mesh: Any) -> tuple[tuple[int, ...], int]:
-    """World ranks of this worker's tensor-parallel peers (the role mesh's ``tp`` axis through this
-    rank) and this rank's index among them; ``((rank,), 0)`` without a tp axis."""
-    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-        return (mesh.get_rank() if mesh is not None else 0,), 0
-    sub = mesh["tp"]
-    return tuple(int(r) for r in sub.mesh.flatten().tolist()), int(sub.get_local_rank())
 
 
 def check_tp(shape: dict[str, int], t: int) -> None:
@@ -213,7 +178,7 @@ class VLLMEngine:
             check_tp(_model_shape(AutoConfig.from_pretrained(path)), t)
             self.expected = hf_parameter_names(ctx.model)
             if self.lora is not None:
-                self.expected_adapters = lora.adapter_shapes(_meta_model(ctx.model), self.lora)
+                self.expected_adapters = lora.adapter_shapes(meta_model(ctx.model), self.lora)
         else:  # random init: the same weights as every other role's (same seed), in a directory for vLLM
             model = load_model(ctx.model, ctx.tokenizer, ctx.seed, torch.float32)
             check_tp(_model_shape(model.config), t)
@@ -251,7 +216,7 @@ class VLLMEngine:
             from vllm import LLM
 
             cache_root = compile_cache_root(self.tp_ranks[self.tp_rank])
-            with (_rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device, cache_root),
+            with (rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device, cache_root),
                   private_shm_names(t > 1 and self.on_cpu)):
                 self.llm: Any = LLM(**kwargs)
         finally:

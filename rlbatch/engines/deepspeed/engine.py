@@ -4,7 +4,7 @@
 
 DeepSpeed runs on the role's ranks only, whatever the rest of the job does: its data-parallel
 group is the role's (an ``mpu`` object hands it over) and every collective it would issue on
-the global world runs on the role's group instead (``rlbatch.engines.train.ds_world``).
+the global world runs on the role's group instead (``rlbatch.engines.deepspeed.world``).
 
 The optimizer is torch's AdamW given to DeepSpeed as a client optimizer, so no DeepSpeed op is
 compiled: DeepSpeed's fused/CPU Adam and its shared-memory all-reduce are JIT-built C++ (g++,
@@ -14,7 +14,7 @@ tensor-parallel all-reduce, which training never calls, so it is not built. ZeRO
 in host memory and steps them there with the same torch AdamW.
 
 Update schedule, loss, LR warm-up and gradient clipping are those of the fsdp engine
-(``rlbatch.engines.train.common``); bf16 compute with fp32 master weights on GPU, fp32 on CPU.
+(``rlbatch.engines.training``); bf16 compute with fp32 master weights on GPU, fp32 on CPU.
 Checkpoint state is full (gathered) fp32 tensors under the fsdp engine's names, so either
 engine resumes from the other's checkpoint. Forward-only roles (reference) are the plain model
 in the same compute dtype, bf16 on GPU (ZeRO-3: partitioned, gathered layer by layer on forward).
@@ -37,15 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlbatch.engines import training as common
 from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
 from rlbatch.engines.batch import Packed, pack
+from rlbatch.engines.deepspeed.world import import_deepspeed, role_world
 from rlbatch.engines.defaults import max_tokens_per_micro_batch, share_prompts
 from rlbatch.engines.model import engine_skeleton, load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
-from rlbatch.engines.train import common
-from rlbatch.engines.train.ds_world import import_deepspeed, role_world
-from rlbatch.engines.train.state import param_groups_meta
+from rlbatch.engines.train_state import param_groups_meta
 from rlbatch.models import lora
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")

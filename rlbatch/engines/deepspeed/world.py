@@ -36,7 +36,7 @@ def import_deepspeed() -> ModuleType:
     """``import deepspeed``, the first time without ``UNUSED_IMPORTS`` (DeepSpeed guards each with a
     try/except and goes on without it); a package this process imported already stays as it is, and
     every one of them imports normally afterwards. Then DeepSpeed's shared-memory all-reduce op is
-    marked unavailable, so that it is not JIT-compiled (``rlbatch.engines.train.deepspeed``)."""
+    marked unavailable, so that it is not JIT-compiled (``rlbatch.engines.deepspeed.engine``)."""
     if "deepspeed" not in sys.modules:
         hidden = [name for name in UNUSED_IMPORTS if name not in sys.modules]
         for name in hidden:

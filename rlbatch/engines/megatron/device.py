@@ -6,7 +6,7 @@ shim has registered itself here. The one this repository has is test-only
 (``tests/plugins/megatron_cpu.py``, loaded with ``plugins=[tests.plugins.megatron_cpu]``); it
 exists so the engine's numerics are tested on CPU with gloo. See docs/megatron.md.
 
-Torch-free: validation asks it before anything starts (``rlbatch.engines.train.megatron_rules``), with the
+Torch-free: validation asks it before anything starts (``rlbatch.engines.megatron.rules``), with the
 config's plugins imported, so a run that would fail on its ranks is refused with the same words.
 """
 

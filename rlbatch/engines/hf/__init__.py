@@ -1,0 +1,23 @@
+"""The ``hf`` inference engine: transformers' ``generate`` on the role's ranks. Its spec and typed
+engine_args are here; the engine is ``engine``, its cost model ``rlbatch.plan.costs.hf``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlbatch.engines.registry import EngineSpec, register
+from rlbatch.placement.backend import EngineKind
+
+
+@dataclass(frozen=True)
+class HFArgs:
+    """engine_args of the ``hf`` inference engine (transformers ``generate``)."""
+
+    max_batch: int = 1024
+    """Sequences per ``generate`` call."""
+    share_prompts: bool = True
+    """Prefill each distinct prompt of a call once and decode its samples on the selected cache."""
+
+
+register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.hf.engine:HFInferenceEngine", dims="d",
+                    cost="rlbatch.plan.costs.hf:HFCost"))

@@ -1,0 +1,47 @@
+"""What the inference engines that run inside a rank's process share (vLLM, SGLang): the caller's
+random streams kept across an engine's start, the names a trainer exports, a worker's
+tensor-parallel peers."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+@contextmanager
+def rng_kept() -> Iterator[None]:
+    """vLLM reseeds Python's, NumPy's and torch's RNGs when it starts: keep the caller's streams."""
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def hf_parameter_names(model_cfg: Any) -> set[str]:
+    """The names a trainer exports (its transformers model's ``named_parameters``), for a model
+    directory, without allocating it."""
+    return {n for n, _ in meta_model(model_cfg).named_parameters()}
+
+
+def meta_model(model_cfg: Any) -> Any:
+    """A model directory's transformers model on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
+
+
+def tp_peers(mesh: Any) -> tuple[tuple[int, ...], int]:
+    """World ranks of this worker's tensor-parallel peers (the role mesh's ``tp`` axis through this
+    rank) and this rank's index among them; ``((rank,), 0)`` without a tp axis."""
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return (mesh.get_rank() if mesh is not None else 0,), 0
+    sub = mesh["tp"]
+    return tuple(int(r) for r in sub.mesh.flatten().tolist()), int(sub.get_local_rank())

@@ -1,0 +1,44 @@
+"""The ``sglang`` inference engine: an in-rank ``sglang.Engine`` per worker (SGLang's CPU engine on a
+machine without a GPU; docs/sglang.md). Its spec and typed engine_args are here; the engine is
+``engine``, the SGLang plugin it loads ``plugin``, its checks before start ``rules``, its cost model
+``rlbatch.plan.costs.sglang``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlbatch.config.bounds import bounded
+from rlbatch.engines.registry import EngineSpec, register
+from rlbatch.placement.backend import EngineKind
+
+
+@dataclass(frozen=True)
+class SGLangArgs:
+    """engine_args of the ``sglang`` inference engine (an in-rank ``sglang.Engine`` per rank; on a
+    machine without a GPU, SGLang's CPU engine). See docs/sglang.md."""
+
+    mem_fraction_static: float = bounded(0.88, gt=0, le=1)
+    """GPU: share of the GPU SGLang reserves for weights and KV cache (ignored on CPU)."""
+    max_num_batched_tokens: int = 8192
+    """Tokens per prefill chunk (SGLang's chunked_prefill_size)."""
+    max_num_seqs: int = 256
+    """Requests decoded together (SGLang's max_running_requests)."""
+    kv_cache_tokens: int = 0
+    """Tokens the KV cache holds (SGLang's max_total_tokens). 0: on a GPU, what mem_fraction_static
+    leaves; on CPU, 16384 (SGLang would otherwise size it from the node's memory)."""
+    max_model_len: int = 0
+    """Longest prompt + response (0: the model's max_position_embeddings)."""
+    dtype: str = "auto"
+    """Weights and activations: 'auto' (the run's model.dtype: bf16 on GPU, fp32 on CPU), 'bf16',
+    'fp16' or 'fp32'."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype: must be 'auto', 'bf16', 'fp16' or 'fp32', got {self.dtype!r}")
+
+
+# dims "dt": data-parallel SGLang workers of t tensor-parallel ranks each, one engine per worker on
+# its first rank (SGLang spawns the t scheduler processes itself).
+register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.sglang.engine:build", dims="dt",
+                    reserves_device_share=True, cost="rlbatch.plan.costs.sglang:SGLangCost",
+                    rules="rlbatch.engines.sglang.rules:sglang_problems"))
