@@ -1,8 +1,9 @@
 """Engine settings that the planner must model exactly as the engines apply them.
 
 Kept free of torch so the planner (which never imports torch) and the engines read one
-definition. The defaults are those of the engines' typed engine_args (``rlbatch/engines/<name>/__init__.py``);
-each function takes a role's engine_args as the raw mapping (planner) or the typed dataclass (engines).
+definition: the engines' typed engine_args (``rlbatch/engines/<name>/__init__.py``) take their
+defaults from here, below every engine; each function takes a role's engine_args as the raw
+mapping (planner) or the typed dataclass (engines).
 """
 
 from __future__ import annotations
@@ -11,13 +12,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.engines.fsdp import FSDPArgs
-from rlbatch.engines.hf import HFArgs
-
-HF_MAX_BATCH = HFArgs.max_batch
+HF_MAX_BATCH = 1024
 """The hf engine generates at most this many sequences per call (engine_args.max_batch)."""
 
-FSDP_SINGLE_UNIT_MAX_MB = FSDPArgs.single_unit_max_mb
+FSDP_SINGLE_UNIT_MAX_MB = 64
 """The fsdp engine makes a model of up to this many MB of fp32 parameters one FSDP unit (one
 all-gather forward, one reduce-scatter backward per micro-batch); a larger one gets a unit per
 decoder layer, so only one layer is ever unsharded. Small models gain nothing from per-layer

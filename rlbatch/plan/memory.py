@@ -31,14 +31,6 @@ from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import RoleLayout
 from rlbatch.plan.workload import Workload
 
-VLLM_GPU_MEMORY_UTILIZATION = 0.9
-"""vLLM's default gpu_memory_utilization (EngineArgs)."""
-VLLM_MAX_NUM_BATCHED_TOKENS = 8192
-"""Tokens vLLM profiles activations for when sizing the KV cache (its chunked-prefill default)."""
-VLLM_MAX_NUM_SEQS = 256
-"""vLLM's default cap on sequences decoded together."""
-SGLANG_MEM_FRACTION = 0.88
-"""Assumed share of the GPU SGLang reserves (mem_fraction_static) when engine_args omits it."""
 COPIED = ("params", "grads", "optimizer")
 """Kinds an offload copies to host memory (rlbatch's fsdp engine zeroes gradients without freeing
 them, so they persist and move); a KV cache is freed and re-allocated instead."""
@@ -284,12 +276,27 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
     return RoleMemory(r.name, state, transient, notes, tensors=tensors)
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """How an inference engine reserves a share of the GPU when it starts (SGLang's
+    mem_fraction_static), for weights, activations and KV cache; each default is the engine's own,
+    for engine_args that omit the key."""
+
+    fraction_key: str
+    """The engine_args key of the share."""
+    fraction: float
+    batched_tokens: int
+    """Tokens of the forward it profiles activations for (engine_args.max_num_batched_tokens)."""
+    seqs: int
+    """Sequences decoded together at most (engine_args.max_num_seqs): their fp32 logits are kept free too."""
+
+
 def generic_infer_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware,
-                         reserve: tuple[str, float] | None) -> RoleMemory:
-    """An inference engine that reserves a share of the GPU (``reserve``: its engine_args key and
-    default, SGLang's mem_fraction_static) for weights, activations and KV cache, or (None) one that
-    allocates what the batch needs (hf: up to max_batch sequences per generate call, the KV cache
-    growing with them). vLLM has a model of its own (``rlbatch.plan.vllm``)."""
+                         reserve: Reservation | None) -> RoleMemory:
+    """An inference engine that reserves a share of the GPU (``reserve``) for weights, activations
+    and KV cache, or (None) one that allocates what the batch needs (hf: up to max_batch sequences
+    per generate call, the KV cache growing with them). vLLM has a model of its own
+    (``rlbatch.engines.vllm.cost``)."""
     assert r.backend is not None
     b = r.backend
     tp, pp, engines = b.t, b.p, max(1, b.d)
@@ -300,10 +307,10 @@ def generic_infer_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, 
     kv_needed = seqs * w.seq_len * kv_tok
     notes: list[str] = []
     if reserve is not None:
-        key, default = reserve
-        frac = float(r.engine_args.get(key, default))
-        tokens = int(r.engine_args.get("max_num_batched_tokens", VLLM_MAX_NUM_BATCHED_TOKENS))
-        max_seqs = int(r.engine_args.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
+        key = reserve.fraction_key
+        frac = float(r.engine_args.get(key, reserve.fraction))
+        tokens = int(r.engine_args.get("max_num_batched_tokens", reserve.batched_tokens))
+        max_seqs = int(r.engine_args.get("max_num_seqs", reserve.seqs))
         activ = act.forward_working_bytes(shape, tokens, 1, e, tp) + max_seqs * shape.vocab * 4.0
         budget = frac * hw.hbm_bytes - weights - activ
         state = {"params": weights, "kv_cache": max(0.0, budget)}

@@ -52,8 +52,9 @@ multinomial, stopping criteria, bookkeeping (a decode step costs 2.05 ms + 1.2 m
 the cpu profile; the model's share is OPS_PER_MODEL_FWD + OPS_PER_LAYER_DECODE per layer)."""
 GENERATE_SETUP_OPS = 170
 """Op-equivalents of one HF generate call's setup (generation config, processors, cache)."""
-VLLM_STEP_S = 0.5e-3
-"""Assumed CPU-side cost of one vLLM engine step (scheduler, CUDA-graph replay, sampler launch)."""
+CONTINUOUS_STEP_S = 0.5e-3
+"""Assumed CPU-side cost of one step of a continuous-batching engine on a GPU (vLLM's: scheduler,
+CUDA-graph replay, sampler launch)."""
 LOSS_OPS = 60
 """Ops of the loss per micro-batch (log-probs, ratio, clip, KL, aggregation) and its backward."""
 OPT_OPS_PER_TENSOR = 12
@@ -135,7 +136,7 @@ def _dp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> tuple[int, comm.Lin
     return n, comm.link(hw, layout.group_spans_nodes(r.name, b.t, n))
 
 
-def _tp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> comm.Link:
+def tp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> comm.Link:
     assert r.backend is not None
     return comm.link(hw, layout.group_spans_nodes(r.name, 1, r.backend.t))
 
@@ -144,7 +145,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
              layout: Layout, cost: EngineCost) -> Features:
     """Prefill, then decode step by step; the busiest engine sets the phase time; ``cost``, the
     engine's model, says how it batches and whether it shares prompts (``EngineCost.generate``
-    calls this; vLLM has a model of its own, ``rlbatch.plan.vllm``: continuous batching, prefix
+    calls this; vLLM has a model of its own, ``rlbatch.engines.vllm.cost``: continuous batching, prefix
     caching, its host costs)."""
     b = r.backend
     assert b is not None
@@ -164,7 +165,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     traffic = traffic_per_token(shape, e, tp) / pp
     roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
                (weights + tokens * traffic) / rt.bw)
-    lk = _tp_link(layout, r, hw)
+    lk = tp_link(layout, r, hw)
     comm_s = 2 * shape.layers / pp * comm.all_reduce(tokens * shape.hidden * e, tp, lk)
     # Decode: the batch shrinks as sequences finish (vLLM) or stays whole until the last one
     # finishes (HF generate keeps finished rows in the batch).
@@ -183,7 +184,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     roof += waves * float(step_s.sum())
     steps = waves * len(surv)
     if cost.continuous_batching:
-        overhead = (steps + waves) * VLLM_STEP_S
+        overhead = (steps + waves) * CONTINUOUS_STEP_S
     else:
         layers = math.ceil(shape.layers / pp)
         per_step = OPS_PER_MODEL_FWD + layers * OPS_PER_LAYER_DECODE + SAMPLING_OPS
@@ -229,7 +230,7 @@ def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout:
             overlapped += units * comm.reduce_scatter(4 * P / b.t / units, n, dl)
     if b.t > 1:
         per = (4 if train else 2) * math.ceil(shape.layers / b.p)
-        exposed += per * comm.all_reduce(mb * s * shape.hidden * e, b.t, _tp_link(layout, r, hw))
+        exposed += per * comm.all_reduce(mb * s * shape.hidden * e, b.t, tp_link(layout, r, hw))
     ep = b.ffn.e if b.ffn is not None else b.e
     if shape.experts and ep > 1:
         per = (4 if train else 2) * math.ceil(shape.layers / b.p)
@@ -406,7 +407,7 @@ def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Ha
     # otherwise full tensors are gathered one parameter at a time: a collective latency per tensor.
     one = hw.is_cpu and weight_units(train, shape) == 1
     per = 1 if one else max(1, tensors)
-    comm_s = per * (comm.all_gather(size / bt.t / per, n, dl) + comm.all_gather(size / per, bt.t * bt.p, _tp_link(layout, train, hw)))
+    comm_s = per * (comm.all_gather(size / bt.t / per, n, dl) + comm.all_gather(size / per, bt.t * bt.p, tp_link(layout, train, hw)))
     load = size / (bi.t * bi.p)
     if layout.colocated(train.name, infer.name):
         transfer = 2 * load / rt.bw  # read the gathered tensor, write the engine's copy

@@ -18,20 +18,22 @@ ROOT = Path(__file__).resolve().parents[2] / "rlbatch"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "osinfo"),
     ("config",),
-    ("phases", "placement", "algos", "data", "models", "sandbox", "plugins"),
+    ("phases", "placement", "algos", "data", "models", "sandbox", "plugins", "engines.registry", "engines.defaults"),
     ("rewards",),
+    ("plan",),
     ("runtime",),
     ("engines",),
     ("checkpoint", "envs"),
     ("trackers",),
-    ("plan",),
     ("checks",),
     ("loop",),
-    ("launch", "worker", "export", "plan.cli", "plan.search", "plan.__main__"),
+    ("launch", "worker", "export", "plan.cli", "plan.search", "plan.measure", "plan.__main__"),
 ]
 """Bottom to top: rlbatch's packages (and top-level modules) by layer. A module named on its own
-stands apart from its package: the planner's command line and its placement search sit with the
-other entry points, above the checks they run on the configs they print."""
+stands apart from its package: the engine registry and the engines' defaults are the vocabulary
+placement and the planner read, below every engine (each engine's cost model, in its package,
+builds on the planner's formulas); the planner's command line, its placement search and its
+hardware measurement sit with the other entry points, above the checks and engines they run."""
 
 ALLOWED: dict[tuple[str, str], str] = {
     ("rlbatch.plan.costs", "rlbatch.plan.timing"):

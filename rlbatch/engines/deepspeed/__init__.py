@@ -1,6 +1,6 @@
 """The ``deepspeed`` training engine: DeepSpeed ZeRO 1, 2 or 3 over the role's data-parallel ranks
 (docs/deepspeed.md). Its spec and typed engine_args are here; the engine is ``engine``, DeepSpeed's
-world on the role's ranks ``world``, its cost model ``rlbatch.plan.costs.deepspeed``."""
+world on the role's ranks ``world``, its cost model ``rlbatch.engines.deepspeed.cost``."""
 
 from __future__ import annotations
 
@@ -42,4 +42,4 @@ class DeepSpeedArgs:
 
 register(EngineSpec("deepspeed", EngineKind.TRAIN, DeepSpeedArgs, "rlbatch.engines.deepspeed.engine:DeepSpeedEngine",
                     dims="d", note="only data parallelism (deepspeed:dN) is built", heads=("lm", "value", "reward"),
-                    packs_rows=True, trains_adapters=True, cost="rlbatch.plan.costs.deepspeed:DeepSpeedCost"))
+                    packs_rows=True, trains_adapters=True, cost="rlbatch.engines.deepspeed.cost:DeepSpeedCost"))

@@ -1,12 +1,13 @@
 """The ``fsdp`` training engine: FSDP2 over the role's data-parallel ranks, DTensor tensor parallelism
 (``tp``) and Ulysses context parallelism (``rlbatch.engines.ulysses``), alone or together. Its spec and
 typed engine_args are here; the engine is ``engine``, its checks before start ``rules``, its cost
-model ``rlbatch.plan.costs.fsdp``."""
+model ``rlbatch.engines.fsdp.cost``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlbatch.engines.defaults import FSDP_SINGLE_UNIT_MAX_MB
 from rlbatch.engines.registry import EngineSpec, register
 from rlbatch.placement.backend import EngineKind
 
@@ -31,7 +32,7 @@ class FSDPArgs:
     by tokens (docs/algorithms.md). 0: padded rows, grad_accum micro-batches by sample count.
     Unset: the device's default (``rlbatch.engines.defaults.max_tokens_per_micro_batch``): packed
     with a budget of 4096 tokens on a GPU, padded on the CPU."""
-    single_unit_max_mb: int = 64
+    single_unit_max_mb: int = FSDP_SINGLE_UNIT_MAX_MB
     """A model of up to this many MB of fp32 parameters is one FSDP unit (one all-gather per
     pass); a larger one gets a unit per decoder layer."""
     sync_bucket_mb: int = 256
@@ -42,4 +43,4 @@ class FSDPArgs:
 # Ulysses context parallelism over cp (rlbatch.engines.ulysses), alone or together (c splits each tp rank's heads).
 register(EngineSpec("fsdp", EngineKind.TRAIN, FSDPArgs, "rlbatch.engines.fsdp.engine:FSDPEngine", dims="dtc",
                     heads=("lm", "value", "reward"), packs_rows=True, trains_adapters=True,
-                    cost="rlbatch.plan.costs.fsdp:FSDPCost", rules="rlbatch.engines.fsdp.rules:fsdp_problems"))
+                    cost="rlbatch.engines.fsdp.cost:FSDPCost", rules="rlbatch.engines.fsdp.rules:fsdp_problems"))

@@ -1,10 +1,11 @@
 """The ``hf`` inference engine: transformers' ``generate`` on the role's ranks. Its spec and typed
-engine_args are here; the engine is ``engine``, its cost model ``rlbatch.plan.costs.hf``."""
+engine_args are here; the engine is ``engine``, its cost model ``rlbatch.engines.hf.cost``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlbatch.engines.defaults import HF_MAX_BATCH
 from rlbatch.engines.registry import EngineSpec, register
 from rlbatch.placement.backend import EngineKind
 
@@ -13,11 +14,11 @@ from rlbatch.placement.backend import EngineKind
 class HFArgs:
     """engine_args of the ``hf`` inference engine (transformers ``generate``)."""
 
-    max_batch: int = 1024
+    max_batch: int = HF_MAX_BATCH
     """Sequences per ``generate`` call."""
     share_prompts: bool = True
     """Prefill each distinct prompt of a call once and decode its samples on the selected cache."""
 
 
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.hf.engine:HFInferenceEngine", dims="d",
-                    cost="rlbatch.plan.costs.hf:HFCost"))
+                    cost="rlbatch.engines.hf.cost:HFCost"))

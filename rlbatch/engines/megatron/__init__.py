@@ -1,7 +1,7 @@
 """The ``megatron`` training engine: megatron-core's GPTModel with tensor, pipeline, data, context and
 expert parallelism (docs/megatron.md). Its spec and typed engine_args are here; the engine is
 ``engine`` (``model``, ``convert``, ``optim``, ``device``, ``limits`` beside it), its checks before
-start ``rules``, its cost model ``rlbatch.plan.costs.megatron``."""
+start ``rules``, its cost model ``rlbatch.engines.megatron.cost``."""
 
 from __future__ import annotations
 
@@ -50,4 +50,4 @@ class MegatronArgs:
 # and expert parallel (e over d, for Mixture-of-Experts models).
 register(EngineSpec("megatron", EngineKind.TRAIN, MegatronArgs, "rlbatch.engines.megatron.engine:MegatronEngine",
                     dims="dtpce", data_axes=("dp",), heads=("lm", "value", "reward"),
-                    cost="rlbatch.plan.costs.megatron:MegatronCost", rules="rlbatch.engines.megatron.rules:megatron_problems"))
+                    cost="rlbatch.engines.megatron.cost:MegatronCost", rules="rlbatch.engines.megatron.rules:megatron_problems"))

@@ -1,7 +1,7 @@
 """The ``sglang`` inference engine: an in-rank ``sglang.Engine`` per worker (SGLang's CPU engine on a
 machine without a GPU; docs/sglang.md). Its spec and typed engine_args are here; the engine is
 ``engine``, the SGLang plugin it loads ``plugin``, its checks before start ``rules``, its cost model
-``rlbatch.plan.costs.sglang``."""
+``rlbatch.engines.sglang.cost``."""
 
 from __future__ import annotations
 
@@ -40,5 +40,5 @@ class SGLangArgs:
 # dims "dt": data-parallel SGLang workers of t tensor-parallel ranks each, one engine per worker on
 # its first rank (SGLang spawns the t scheduler processes itself).
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.sglang.engine:build", dims="dt",
-                    reserves_device_share=True, cost="rlbatch.plan.costs.sglang:SGLangCost",
+                    reserves_device_share=True, cost="rlbatch.engines.sglang.cost:SGLangCost",
                     rules="rlbatch.engines.sglang.rules:sglang_problems"))

@@ -1,7 +1,7 @@
 """The ``vllm`` inference engine: an in-process ``vllm.LLM`` per rank (vLLM's CPU build on a machine
 without a GPU; docs/vllm.md). Its spec and typed engine_args are here; the engine is ``engine``, its
 private world ``world``, what vLLM accepts ``limits``, its checks before start ``rules``, its cost
-model ``rlbatch.plan.vllm``."""
+model ``rlbatch.engines.vllm.cost``."""
 
 from __future__ import annotations
 
@@ -48,5 +48,5 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.vllm.en
                          "external launcher, which vLLM builds for tensor parallelism (every rank one engine over "
                          "the same requests); its pipeline stages run under vLLM's own multiprocessing or Ray "
                          "executors; use vllm:dXtY", reserves_device_share=True,
-                    loads_adapters=True, cost="rlbatch.plan.vllm:VLLMCost",
+                    loads_adapters=True, cost="rlbatch.engines.vllm.cost:VLLMCost",
                     rules="rlbatch.engines.vllm.rules:vllm_problems"))

@@ -6,8 +6,9 @@ import pytest
 from conftest import MODELS, make_config, make_layout, roles
 
 from rlbatch.config.hardware import load_hardware
+from rlbatch.engines.vllm import VLLMArgs
 from rlbatch.models.shape import shape_from_config
-from rlbatch.plan.memory import VLLM_GPU_MEMORY_UTILIZATION, role_memory
+from rlbatch.plan.memory import role_memory
 from rlbatch.plan.predict import predict
 from rlbatch.plan.workload import workload_from_config
 
@@ -69,7 +70,7 @@ def test_vllm_reserves_its_share_of_the_gpu(h100) -> None:  # type: ignore[no-un
     cfg = make_config(roles=COLOCATED_8)
     m = role_memory(make_layout(cfg).roles["actor_infer"], Q7B, workload_from_config(cfg), 2, h100)
     reserved = m.state["params"] + m.state["kv_cache"] + m.transient["generate"]["activations"]
-    assert reserved == pytest.approx(VLLM_GPU_MEMORY_UTILIZATION * h100.hbm_bytes)
+    assert reserved == pytest.approx(VLLMArgs.gpu_memory_utilization * h100.hbm_bytes)
     assert m.state["params"] == pytest.approx(2 * Q7B.params)
 
 

@@ -1,4 +1,4 @@
-"""vLLM's memory and generation model (rlbatch/plan/vllm.py), by hand."""
+"""vLLM's memory and generation model (rlbatch/engines/vllm/cost.py), by hand."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 from conftest import MODELS, make_config, make_layout, roles
 
 from rlbatch.config.hardware import load_hardware
+from rlbatch.engines.vllm.cost import decode_batches, tokens_per_sequence
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.memory import role_memory
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import infer_dims, search
-from rlbatch.plan.vllm import decode_batches, tokens_per_sequence
 from rlbatch.plan.workload import workload_from_config
 
 TINY = {"num_heads": 2, "num_kv_heads": 1}  # head_dim 32, as vLLM's CPU attention needs

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlbatch.engines.sglang import SGLangArgs
 from rlbatch.plan.costs import EngineCost
-from rlbatch.plan.memory import SGLANG_MEM_FRACTION, generic_infer_memory
+from rlbatch.plan.memory import Reservation, generic_infer_memory
 
 if TYPE_CHECKING:
     from rlbatch.config.hardware import Hardware
@@ -14,9 +15,13 @@ if TYPE_CHECKING:
     from rlbatch.plan.memory import RoleMemory
     from rlbatch.plan.workload import Workload
 
+RESERVATION = Reservation("mem_fraction_static", SGLangArgs.mem_fraction_static, SGLangArgs.max_num_batched_tokens,
+                          SGLangArgs.max_num_seqs)
+"""What SGLang reserves at start, its engine_args' defaults where a run sets none."""
+
 
 class SGLangCost(EngineCost):
     continuous_batching = True
 
     def infer_memory(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) -> RoleMemory:
-        return generic_infer_memory(r, shape, w, e, hw, reserve=("mem_fraction_static", SGLANG_MEM_FRACTION))
+        return generic_infer_memory(r, shape, w, e, hw, reserve=RESERVATION)

@@ -21,7 +21,7 @@
   then drains along the responses' length distribution. A step reads the weights once for the
   whole batch plus each sequence's KV cache: batched decode is bandwidth-bound until the batch
   is large enough to be compute-bound (``max`` of the two, step by step);
-- host work: ``VLLM_STEP_S`` per engine step on a GPU (CUDA graphs); on CPU profiles vLLM runs
+- host work: ``CONTINUOUS_STEP_S`` per engine step on a GPU (CUDA graphs); on CPU profiles vLLM runs
   eagerly, so a step costs the model's ops (``OPS_PER_MODEL_FWD`` + layers x
   ``VLLM_CPU_OPS_PER_LAYER``) and each generated token ``VLLM_TOKEN_OPS`` (scheduler, sampler,
   output processing), times ``op_overhead_s``.
@@ -35,6 +35,7 @@ import numpy as np
 
 from rlbatch.config.hardware import Hardware
 from rlbatch.engines.tp_split import kv_heads_per_rank, tp_heads_problem
+from rlbatch.engines.vllm import VLLMArgs
 from rlbatch.engines.vllm.limits import (
     BLOCK_TOKENS_CPU,
     BLOCK_TOKENS_GPU,
@@ -45,11 +46,8 @@ from rlbatch.plan import activations as act
 from rlbatch.plan import comm
 from rlbatch.plan.costs import EngineCost
 from rlbatch.plan.layout import Layout, RoleLayout
-from rlbatch.plan.memory import VLLM_GPU_MEMORY_UTILIZATION as GPU_MEMORY_UTILIZATION
-from rlbatch.plan.memory import VLLM_MAX_NUM_BATCHED_TOKENS as MAX_NUM_BATCHED_TOKENS
-from rlbatch.plan.memory import VLLM_MAX_NUM_SEQS as MAX_NUM_SEQS
 from rlbatch.plan.memory import RoleMemory, largest_tensor
-from rlbatch.plan.timing import VLLM_STEP_S, _tp_link, rates
+from rlbatch.plan.timing import CONTINUOUS_STEP_S, rates, tp_link
 from rlbatch.plan.workload import Workload
 
 VLLM_CPU_OPS_PER_LAYER = 60
@@ -91,8 +89,8 @@ def memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) 
     ea, e = r.engine_args, dtype_bytes(r, e)
     tp, pp = b.t, b.p
     weights = e * shape.params / (tp * pp)
-    tokens = int(ea.get("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS))
-    max_seqs = int(ea.get("max_num_seqs", MAX_NUM_SEQS))
+    tokens = int(ea.get("max_num_batched_tokens", VLLMArgs.max_num_batched_tokens))
+    max_seqs = int(ea.get("max_num_seqs", VLLMArgs.max_num_seqs))
     activ = act.forward_working_bytes(shape, tokens, 1, e, tp) + max_seqs * shape.vocab * 4.0
     notes: list[str] = []
     kv_mb = int(ea.get("kv_cache_mb", 0) or 0)
@@ -100,7 +98,7 @@ def memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) 
         kv = float((kv_mb or CPU_KV_CACHE_MB) << 20)
         source = f"kv_cache_mb={kv_mb}" if kv_mb else f"{CPU_KV_CACHE_MB} MiB (CPU default)"
     else:
-        frac = float(ea.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION))
+        frac = float(ea.get("gpu_memory_utilization", VLLMArgs.gpu_memory_utilization))
         kv = frac * hw.hbm_bytes - weights - activ
         source = f"gpu_memory_utilization={frac}"
         if kv <= 0:
@@ -143,10 +141,10 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     traffic = act.traffic_per_token(shape, e, tp) / pp
     # Prefill: each distinct prompt once, in chunks of max_num_batched_tokens; a chunk reads the weights.
     tokens = w.distinct_prompts(seqs) * w.prompt_len
-    chunks = max(1, math.ceil(tokens / int(r.engine_args.get("max_num_batched_tokens", MAX_NUM_BATCHED_TOKENS))))
+    chunks = max(1, math.ceil(tokens / int(r.engine_args.get("max_num_batched_tokens", VLLMArgs.max_num_batched_tokens))))
     roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
                (chunks * weights + tokens * traffic) / rt.bw)
-    lk = _tp_link(layout, r, hw)
+    lk = tp_link(layout, r, hw)
     comm_s = 2 * shape.layers / pp * comm.all_reduce(tokens * shape.hidden * e, tp, lk) if tp > 1 else 0.0
     # Decode: continuous batching; the context grows with the step (the drain's steps are the tail's).
     batch = decode_batches(seqs, mem.concurrency or seqs, w.survival())
@@ -170,7 +168,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
         ops = steps * (OPS_PER_MODEL_FWD + layers * VLLM_CPU_OPS_PER_LAYER) + generated * VLLM_TOKEN_OPS
         overhead = ops * hw.op_overhead_s * rt.slow
     else:
-        overhead = steps * VLLM_STEP_S
+        overhead = steps * CONTINUOUS_STEP_S
     return {"roofline": roof, "overhead": overhead, "comm": comm_s, "samples": 0.0, "fixed": 1.0}
 
 

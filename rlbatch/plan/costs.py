@@ -9,7 +9,8 @@ and never an engine's name, so an engine added by a plugin is planned by the cos
                         cost="mypkg.plan:MyCost"))
 
 ``EngineCost`` holds the defaults (a training engine that gathers nothing, shares no prompts and
-builds its model on the host); the built-in engines' models are the modules beside this one.
+builds its model on the host); each built-in engine's model is its package's ``cost`` module
+(``rlbatch/engines/<name>/cost.py``).
 Torch-free, as the whole planner.
 """
 
