@@ -31,11 +31,11 @@ from typing import Any, TypeGuard
 from rlbatch.algos.registry import LOOPS, USES_CRITIC, Registry
 from rlbatch.config.plain import section
 from rlbatch.config.schema import GPU_ROLES, HEADS, INHERIT_BACKEND
-from rlbatch.engines.registry import REGISTRY, built_engines, parse_args
+from rlbatch.engines.registry import REGISTRY, EngineKind, built_engines, parse_args
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import mount_of, nearest_existing
 from rlbatch.phases import PHASES
-from rlbatch.placement.backend import DIM_NAMES, EngineKind, RoleEngine, parse_backend
+from rlbatch.placement.backend import DIM_NAMES, RoleEngine, parse_backend
 
 PLANNED_PROGRAMS: dict[str, str] = {}
 """Programs the planner models (``runnable=False`` accepts them) that this build cannot run."""

@@ -8,7 +8,7 @@ Importing ``rlbatch.engines`` (any module of it) registers the built-ins, in thi
 
 import importlib
 
-BUILT_IN = ("fsdp", "hf", "vllm", "sglang", "deepspeed", "megatron")
+BUILT_IN = ("fsdp", "megatron", "deepspeed", "vllm", "sglang", "hf")
 """The engines that ship with rlbatch (torch-free to register: validation reads their specs)."""
 
 for _name in BUILT_IN:

@@ -1,11 +1,11 @@
-"""Which engines this build runs, what each accepts, and where its implementation lives.
+"""Which engines there are, what each accepts, and where its implementation lives: the one table of
+engines. A backend string may name any engine registered here (``rlbatch.placement.backend``);
+its spec says the dims it supports, its typed ``engine_args``, how the loop dispatches samples to
+its ranks, its rules and its cost model. An engine is added by one ``register(EngineSpec(...))``
+call in its package (``rlbatch/engines/<name>/__init__.py``, or a plugin module listed in the
+config's ``plugins``); nothing else changes.
 
 Torch-free, so validation, the launcher and the planner read it without importing an engine.
-The placement language (``rlbatch.placement.backend.ENGINES``) names every engine a backend
-string may mention; this registry says which of them are *built*: the dims each supports here,
-its typed ``engine_args`` and how the loop dispatches samples to its ranks. An engine is
-added by one ``register(EngineSpec(...))`` call next to its implementation (or in a plugin module
-listed in the config's ``plugins``); nothing else changes.
 
     python -c "from rlbatch.engines.registry import describe; print(describe())"
 """
@@ -15,10 +15,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from rlbatch.config.bounds import RANGE, Range, value_problem
-from rlbatch.placement.backend import ENGINES, EngineInfo, EngineKind
+
+
+class EngineKind(str, Enum):
+    TRAIN = "train"
+    INFER = "infer"
+
 
 AT_LEAST_ZERO = Range(ge=0)
 """The range of a numeric engine arg that declares none (``bounded`` declares one): sizes, counts
@@ -37,6 +43,9 @@ class EngineSpec:
     """'module:Class' implementing the engine Protocol; None when this build does not run it."""
     dims: str = "d"
     """Dims (letters of 'dtpce') this implementation supports with a size above 1."""
+    planned_dims: str | None = None
+    """Dims a backend string may name beyond ``dims``, for plans the planner models though this build
+    does not run them (validation refuses them with ``note``); None: ``dims``."""
     data_axes: tuple[str, ...] = ("dp",)
     """Mesh axes over which samples are split: ranks that differ only in other axes (tp, pp, cp
     peers of one replica) receive the same samples."""
@@ -80,16 +89,13 @@ class EngineSpec:
 REGISTRY: dict[str, EngineSpec] = {}
 
 
-def register(spec: EngineSpec, language_dims: str | None = None) -> EngineSpec:
-    """Add (or replace) an engine. A name the placement language does not know yet is added to it
-    with ``language_dims`` (default: the spec's dims), so backend strings may name it."""
+def register(spec: EngineSpec) -> EngineSpec:
+    """Add (or replace) an engine; backend strings may name it from then on."""
     if not dataclasses.is_dataclass(spec.args):
         raise TypeError(f"engine {spec.name!r}: args must be a dataclass type, got {spec.args!r}")
-    if spec.name not in ENGINES:
-        ENGINES[spec.name] = EngineInfo(spec.kind, language_dims or spec.dims)
-    elif ENGINES[spec.name].kind is not spec.kind:
-        raise ValueError(f"engine {spec.name!r} is a {ENGINES[spec.name].kind.value} engine in the placement "
-                         f"language, but registered as {spec.kind.value}")
+    if spec.name in REGISTRY and REGISTRY[spec.name].kind is not spec.kind:
+        raise ValueError(f"engine {spec.name!r} is a {REGISTRY[spec.name].kind.value} engine, registered again as "
+                         f"{spec.kind.value}")
     REGISTRY[spec.name] = spec
     return spec
 

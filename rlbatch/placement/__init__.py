@@ -1,11 +1,11 @@
 """Placement: the device_mapping and backend languages, and ``place()``. Pure Python, no torch."""
 
-from rlbatch.placement.backend import ENGINES, BackendSpec, EngineKind, ParallelDims, parse_backend
+from rlbatch.placement.backend import BackendSpec, ParallelDims, parse_backend
 from rlbatch.placement.device_mapping import parse_device_mapping
 from rlbatch.placement.place import place
 from rlbatch.placement.placement import Placement, ProcessKind, ProcessSlot, RolePlacement, SlurmRequest
 
 __all__ = [
-    "ENGINES", "BackendSpec", "EngineKind", "ParallelDims", "Placement", "ProcessKind", "ProcessSlot",
+    "BackendSpec", "ParallelDims", "Placement", "ProcessKind", "ProcessSlot",
     "RolePlacement", "SlurmRequest", "parse_backend", "parse_device_mapping", "place",
 ]

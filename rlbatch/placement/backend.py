@@ -16,36 +16,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from rlbatch.engines.registry import REGISTRY, EngineKind
 from rlbatch.errors import ConfigError
 
 MAX_BACKEND_CHARS = 256
 MAX_DIM = 1 << 20
 
-
-class EngineKind(str, Enum):
-    TRAIN = "train"
-    INFER = "infer"
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    kind: EngineKind
-    dims: str
-    """The dims this engine accepts, as letters."""
-
-
-ENGINES: dict[str, EngineInfo] = {
-    "fsdp": EngineInfo(EngineKind.TRAIN, "dtc"),
-    "megatron": EngineInfo(EngineKind.TRAIN, "dtpce"),
-    "deepspeed": EngineInfo(EngineKind.TRAIN, "d"),
-    "vllm": EngineInfo(EngineKind.INFER, "dtp"),
-    "sglang": EngineInfo(EngineKind.INFER, "dt"),
-    "hf": EngineInfo(EngineKind.INFER, "d"),
-}
-"""Every engine a backend string may name. Adding an engine starts here."""
 
 DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 
@@ -87,7 +65,7 @@ class BackendSpec:
 
     @property
     def kind(self) -> EngineKind:
-        return ENGINES[self.engine].kind
+        return REGISTRY[self.engine].kind
 
     @property
     def is_hybrid(self) -> bool:
@@ -182,16 +160,16 @@ def parse_backend(spec: object, field: str = "backend") -> BackendSpec:
     if len(spec) > MAX_BACKEND_CHARS:
         raise ConfigError(f"{field}: backend string has {len(spec)} characters; the limit is {MAX_BACKEND_CHARS}")
     text = spec.strip()
-    known = ", ".join(ENGINES)
+    known = ", ".join(REGISTRY)
     if ":" not in text:
         if _DIMS_RE.fullmatch(text):
             raise ConfigError(f"{field}: bare dims {text!r} need an engine prefix, e.g. 'fsdp:{text}' (engines: {known})")
         raise ConfigError(f"{field}: expected '<engine>:<dims>' such as 'fsdp:d4t2', got {spec!r} (engines: {known})")
     engine, _, rest = text.partition(":")
     engine = engine.strip()
-    if engine not in ENGINES:
+    if engine not in REGISTRY:
         raise ConfigError(f"{field}: unknown engine {engine!r} in {spec!r}; known engines: {known}")
-    allowed = ENGINES[engine].dims
+    allowed = REGISTRY[engine].planned_dims or REGISTRY[engine].dims
     rest = rest.strip()
     if rest.startswith("("):
         return _parse_hybrid(engine, rest, field, spec)

@@ -15,9 +15,10 @@ from typing import Any
 
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND, INHERIT_DEVICE_MAPPING, ClusterConfig, RoleConfig
+from rlbatch.engines.registry import EngineKind
 from rlbatch.errors import ConfigError
 from rlbatch.phases import reference_is_actor_base
-from rlbatch.placement.backend import BackendSpec, EngineKind, parse_backend
+from rlbatch.placement.backend import BackendSpec, parse_backend
 from rlbatch.placement.device_mapping import MAX_GPUS, parse_device_mapping
 from rlbatch.placement.placement import (
     Placement,

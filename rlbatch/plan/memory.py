@@ -23,9 +23,8 @@ from rlbatch.engines.defaults import (
     hf_max_batch,
     max_tokens_per_micro_batch,
 )
-from rlbatch.engines.registry import spec_of
+from rlbatch.engines.registry import EngineKind, spec_of
 from rlbatch.models.shape import ModelShape
-from rlbatch.placement import EngineKind
 from rlbatch.plan import activations as act
 from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import RoleLayout

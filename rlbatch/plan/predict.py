@@ -28,11 +28,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from rlbatch.config.hardware import Hardware
-from rlbatch.engines.registry import spec_of
+from rlbatch.engines.registry import EngineKind, spec_of
 from rlbatch.models.lora import sync_form
 from rlbatch.models.shape import ModelShape
 from rlbatch.phases import PHASES
-from rlbatch.placement import EngineKind
 from rlbatch.plan import timing
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.costs import cost_of

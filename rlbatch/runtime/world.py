@@ -20,8 +20,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.distributed.device_mesh import DeviceMesh
 
+from rlbatch.engines.registry import EngineKind
 from rlbatch.placement import Placement, ProcessKind, ProcessSlot, RolePlacement, subgroups
-from rlbatch.placement.backend import EngineKind
 from rlbatch.runtime.control import timed_barrier, timed_bcast
 from rlbatch.runtime.env import SchedulerEnv
 from rlbatch.runtime.rendezvous import choose_port

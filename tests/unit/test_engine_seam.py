@@ -16,7 +16,6 @@ import pytest
 
 from rlbatch.checks.validate import check
 from rlbatch.engines import registry
-from rlbatch.placement.backend import ENGINES
 from tests.unit.configs import problems, set_
 
 ROOT = Path(__file__).resolve().parents[2] / "rlbatch"
@@ -34,13 +33,11 @@ def test_validation_and_the_planner_name_no_engine(package: str) -> None:
 def echo() -> Iterator[str]:
     """The echo engine plugged in from its file, and taken out again after the test."""
     name = "tests.plugins.echo"
-    before = set(registry.REGISTRY), set(ENGINES)
+    before = set(registry.REGISTRY)
     importlib.import_module(name) if name not in sys.modules else importlib.reload(sys.modules[name])
     yield name
-    for k in set(registry.REGISTRY) - before[0]:
+    for k in set(registry.REGISTRY) - before:
         del registry.REGISTRY[k]
-    for k in set(ENGINES) - before[1]:
-        del ENGINES[k]
     sys.modules.pop(name, None)
 
 

@@ -22,10 +22,9 @@ import torch
 from rlbatch.engines import registry
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.offload import Transfer
-from rlbatch.engines.registry import EngineSpec
+from rlbatch.engines.registry import EngineKind, EngineSpec
 from rlbatch.loop.residency import Residency
 from rlbatch.placement import place
-from rlbatch.placement.backend import ENGINES, EngineInfo, EngineKind
 
 # -- start-up order ------------------------------------------------------------------------------
 
@@ -84,7 +83,6 @@ def stub_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-ins registered for one test, then gone: other tests list the built engines."""
     for spec in STUBS:
         monkeypatch.setitem(registry.REGISTRY, spec.name, spec)
-        monkeypatch.setitem(ENGINES, spec.name, EngineInfo(spec.kind, spec.dims))
 
 
 def runtime_on(rank: int, roles: dict[str, tuple[list[int], str]]) -> Any:

@@ -82,7 +82,7 @@ def test_a_role_given_an_engine_of_the_wrong_kind_is_refused(cfg: dict[str, Any]
         "an inference engine; built: ['hf', 'sglang', 'vllm']"]
     assert problems(on_ranks(cfg, 2, "hf:d2", "hf:d2")) == [
         "roles.actor_train.backend: 'hf:d2' names an inference engine, but actor_train runs logprobs and train, "
-        f"which needs a training engine; built: {engines_registry.built_engines(placement_backend.EngineKind.TRAIN)}"]
+        f"which needs a training engine; built: {engines_registry.built_engines(engines_registry.EngineKind.TRAIN)}"]
 
 
 CP_BUILT_FOR = "is built for padded rows of a dense model on one pipeline stage with torch AdamW, not with "
@@ -374,15 +374,12 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     path = tmp_path / "plugins"
     path.mkdir()
     monkeypatch.syspath_prepend(str(path))
-    saved = (dict(engines_registry.REGISTRY), dict(placement_backend.ENGINES),
-             {r: dict(r._entries) for r in algos_registry.ALL})
+    saved = (dict(engines_registry.REGISTRY), {r: dict(r._entries) for r in algos_registry.ALL})
     before = set(sys.modules)
     yield path
     engines_registry.REGISTRY.clear()
     engines_registry.REGISTRY.update(saved[0])
-    placement_backend.ENGINES.clear()
-    placement_backend.ENGINES.update(saved[1])
-    for r, entries in saved[2].items():
+    for r, entries in saved[1].items():
         r._entries = entries
     for name in set(sys.modules) - before:
         if name.startswith("rlbatch_test_"):
@@ -413,7 +410,7 @@ def test_a_plugin_registers_an_engine_and_an_algorithm_part_before_validation(cf
         "from dataclasses import dataclass\n"
         "from rlbatch.algos.registry import ADVANTAGES\n"
         "from rlbatch.engines.registry import EngineSpec, register\n"
-        "from rlbatch.placement.backend import EngineKind\n"
+        "from rlbatch.engines.registry import EngineKind\n"
         "@dataclass(frozen=True)\n"
         "class ToyArgs:\n"
         "    beams: int = 1\n"

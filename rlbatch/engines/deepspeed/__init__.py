@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlbatch.engines.registry import EngineSpec, register
-from rlbatch.placement.backend import EngineKind
+from rlbatch.engines.registry import EngineKind, EngineSpec, register
 
 
 @dataclass(frozen=True)

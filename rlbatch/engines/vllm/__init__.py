@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlbatch.config.bounds import bounded
-from rlbatch.engines.registry import EngineSpec, register
-from rlbatch.placement.backend import EngineKind
+from rlbatch.engines.registry import EngineKind, EngineSpec, register
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,10 @@ class VLLMArgs:
     'fp16' or 'fp32'."""
 
 
-# dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; the placement language
-# keeps "dtp" so plans with pipeline-parallel vLLM are still modelled.
+# dims "dt": data-parallel vLLM workers of t tensor-parallel ranks each; backend strings may name p
+# too ("dtp"), so plans with pipeline-parallel vLLM are still modelled.
 register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.vllm.engine:VLLMEngine", dims="dt",
+                    planned_dims="dtp",
                     note="pipeline-parallel vLLM (p>1) is not built: rlbatch runs vLLM inside its ranks through vLLM's "
                          "external launcher, which vLLM builds for tensor parallelism (every rank one engine over "
                          "the same requests); its pipeline stages run under vLLM's own multiprocessing or Ray "

@@ -12,9 +12,8 @@ from conftest import make_config, make_layout, roles
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.engines import registry
+from rlbatch.engines.registry import EngineKind
 from rlbatch.models.shape import ModelShape
-from rlbatch.placement import EngineKind
-from rlbatch.placement.backend import ENGINES
 from rlbatch.plan.costs import EngineCost, Held
 from rlbatch.plan.layout import RoleLayout
 from rlbatch.plan.memory import role_memory
@@ -38,7 +37,6 @@ class ToyCost(EngineCost):
 def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     spec = dataclasses.replace(registry.REGISTRY["fsdp"], name="toytrain", implementation=None,
                                cost=f"{__name__}:ToyCost")
-    monkeypatch.setitem(ENGINES, "toytrain", ENGINES["fsdp"])
     monkeypatch.setitem(registry.REGISTRY, "toytrain", spec)
     yield "toytrain"
 
