@@ -12,7 +12,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,6 +21,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from rlbatch.checkpoint.files import CONFIG, role_dir
 from rlbatch.checkpoint.store import Checkpoint, CheckpointError, open_checkpoint
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 """Module-wrapper prefixes (torch.compile, activation checkpointing, FSDP1) that are not HF names."""
@@ -100,6 +104,7 @@ def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp3
     into its weights) or 'adapter' (a PEFT adapter directory, for the base model)."""
     from omegaconf import DictConfig, OmegaConf
 
+    from rlbatch.config.parse import parse
     from rlbatch.config.schema import HEADS
     from rlbatch.engines.model import DTYPES, load_model, load_tokenizer, value_model
     from rlbatch.models import lora
@@ -111,22 +116,27 @@ def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp3
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: output directory is not empty")
-    cfg = OmegaConf.load(find_config(ckpt))
-    if not isinstance(cfg, DictConfig) or "model" not in cfg:
-        raise CheckpointError(f"{find_config(ckpt)}: not an rlbatch config (no 'model' section)")
+    path = find_config(ckpt)
+    raw = OmegaConf.load(path)
+    if not isinstance(raw, DictConfig) or "model" not in raw:
+        raise CheckpointError(f"{path}: not an rlbatch config (no 'model' section)")
+    cfg = parse(OmegaConf.to_container(raw, resolve=True)).config  # its model and seed: the run checked the rest
     tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, tokenizer, int(cfg.get("seed", 0)), torch.float32)
+    base = load_model(cfg.model, tokenizer, cfg.seed, torch.float32)
     if HEADS.get(role) == "value":  # the critic: a token-classification model with one label
-        model = value_model(model)
-    adapters = role == "actor_train" and lora.enabled(cfg.model.get("lora"))
-    if adapters:  # the checkpoint holds the adapters; the base is rebuilt from the model's source
-        model = lora.adapt(model, cfg.model.lora)
-    load_weights(d, model, only_trained=adapters)
-    if adapters and lora_as == "merged":
-        model = model.merge_and_unload()
-    model.to(DTYPES[dtype])
+        base = value_model(base)
+    adapters = role == "actor_train" and lora.enabled(cfg.model.lora)
+    if adapters:
+        # the checkpoint holds the adapters; the base is rebuilt from the model's source
+        peft = lora.adapt(base, cfg.model.lora)
+        load_weights(d, peft, only_trained=True)
+        model: PreTrainedModel | PeftModel = peft.merge_and_unload() if lora_as == "merged" else peft
+    else:
+        load_weights(d, base)
+        model = base
+    torch.nn.Module.to(model, DTYPES[dtype])  # the module cast as it is (no quantized weights here)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(str(out))
     tokenizer.save_pretrained(out)
     (out / "rlbatch_export.json").write_text(json.dumps(
         {"checkpoint": str(ckpt.path.resolve()), "step": ckpt.step, "role": role, "dtype": dtype}

@@ -30,6 +30,8 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.config.schema import RLBatchConfig
+
 NAME = "A-Za-z0-9_.+-"  # a character class; '-' last, so extra characters go in front of it
 SLURM_NAMES: dict[str, tuple[re.Pattern[str], str, str]] = {
     "partition": (re.compile(rf"[{NAME}]+(,[{NAME}]+)*"), "," + NAME,
@@ -164,33 +166,28 @@ def run_dir_problem(run_dir: Any) -> str | None:
     return _text_problem("run_dir", str(run_dir), also="\\%")
 
 
-def cluster_problems(cfg: Mapping[str, Any]) -> list[str]:
+def cluster_problems(cfg: RLBatchConfig) -> list[str]:
     """Every problem with what a ``cluster=slurm`` config writes into the sbatch script, the
-    srun command line and ``rank_env.sh``, each naming its field and the character."""
-    cluster = cfg.get("cluster")
-    if not isinstance(cluster, Mapping) or cluster.get("name") != "slurm":
+    srun command line and ``rank_env.sh``, each naming its field and the character (types: the
+    parse's)."""
+    cluster = cfg.cluster
+    if cluster.name != "slurm":
         return []
-    problems = [p for key in SLURM_NAMES if cluster.get(key) is not None
-                and (p := _name_problem(key, cluster[key])) is not None]
-    if (p := _text_problem("cluster.job_name", cluster.get("job_name"), also="\\")) is not None:
+    names = {"partition": cluster.partition, "account": cluster.account, "qos": cluster.qos,
+             "constraint": cluster.constraint, "mpi": cluster.mpi}
+    problems = [p for key, value in names.items() if value is not None and (p := _name_problem(key, value)) is not None]
+    if (p := _text_problem("cluster.job_name", cluster.job_name, also="\\")) is not None:
         problems.append(p)
-    if (run_dir := cfg.get("run_dir")) is not None and (p := run_dir_problem(run_dir)) is not None:
+    if (p := run_dir_problem(cfg.run_dir)) is not None:
         problems.append(p)
-    sbatch_args = cluster.get("sbatch_args") or {}
-    if isinstance(sbatch_args, Mapping):
-        problems.extend(option_problems("cluster.sbatch_args", sbatch_args))
-    else:
-        problems.append(f"cluster.sbatch_args: expected a mapping of sbatch options, got {sbatch_args!r}"[:300])
-    for key in ("container_image", "container_mounts"):
-        if cluster.get(key) is not None and (p := _text_problem(f"cluster.{key}", cluster[key])) is not None:
+    problems.extend(option_problems("cluster.sbatch_args", cluster.sbatch_args))
+    for key, value in (("container_image", cluster.container_image), ("container_mounts", cluster.container_mounts)):
+        if value is not None and (p := _text_problem(f"cluster.{key}", value)) is not None:
             problems.append(p)
-    srun_args = cluster.get("srun_args") or []
-    problems.extend(p for i, a in enumerate(srun_args if isinstance(srun_args, list) else [srun_args])
+    problems.extend(p for i, a in enumerate(cluster.srun_args)
                     if (p := _text_problem(f"cluster.srun_args[{i}]", str(a))) is not None)
-    env = cluster.get("env") or {}
-    problems.extend(p for k, v in (env.items() if isinstance(env, Mapping) else [])
-                    if (p := _text_problem(f"cluster.env.{k}", str(v))) is not None)
-    problems.extend(setup_problems(cluster.get("setup") or []))
+    problems.extend(p for k, v in cluster.env.items() if (p := _text_problem(f"cluster.env.{k}", str(v))) is not None)
+    problems.extend(setup_problems(cluster.setup))
     return problems
 
 

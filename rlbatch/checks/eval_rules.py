@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
-from typing import Any
 
-from rlbatch.config.plain import as_section, section
-from rlbatch.config.schema import DataConfig, ModelConfig
+from rlbatch.config.schema import DataConfig, RLBatchConfig
 
 _FIELDS = "|".join(f.name for f in dataclasses.fields(DataConfig))
 _DATA_FIELD = re.compile(rf"(?<![\w./\\-])data\.(?=(?:{_FIELDS})\b)")
@@ -26,73 +23,61 @@ def _renamed(problem: str) -> str:
     return _DATA_FIELD.sub("eval.data.", problem)
 
 
-def _number(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def enabled(plain: Mapping[str, Any]) -> bool:
+def enabled(cfg: RLBatchConfig) -> bool:
     """Whether the config evaluates at all (eval.every > 0 or eval.at_start)."""
-    ev = section(plain, "eval")
-    every = _number(ev.get("every"))
-    return bool(every and every > 0) or ev.get("at_start") is True
+    return cfg.eval.every > 0 or cfg.eval.at_start
 
 
-def eval_problems(plain: Mapping[str, Any], runnable: bool) -> list[str]:
+def eval_problems(cfg: RLBatchConfig, runnable: bool) -> list[str]:
     """One line per problem of the eval section; with ``runnable``, its file is read as the run
-    would read it. Nothing is checked while evaluation is off. Types and ranges: the schema's
-    (``field_problems``)."""
-    if not enabled(plain):
+    would read it. Nothing is checked while evaluation is off. Types and ranges: the parse's."""
+    if not enabled(cfg):
         return []
-    ev, data, eval_data = section(plain, "eval"), section(plain, "data"), section(plain, "eval", "data")
+    ev, data, eval_data = cfg.eval, cfg.data, cfg.eval.data
     problems = []
-    k, temperature = _number(ev.get("samples_per_prompt", 1)), _number(ev.get("temperature", 0.0))
-    if k is not None and temperature is not None and k > 1 and temperature == 0:
-        problems.append(f"eval.samples_per_prompt: {ev.get('samples_per_prompt')} samples per prompt at "
-                        f"eval.temperature=0 are one greedy response repeated, so pass@{ev.get('samples_per_prompt')} "
+    if ev.samples_per_prompt > 1 and ev.temperature == 0:
+        problems.append(f"eval.samples_per_prompt: {ev.samples_per_prompt} samples per prompt at "
+                        f"eval.temperature=0 are one greedy response repeated, so pass@{ev.samples_per_prompt} "
                         f"would equal pass@1; set eval.temperature > 0 (e.g. 0.6) or eval.samples_per_prompt=1")
-    name, train_name = eval_data.get("name", DataConfig.name), data.get("name", DataConfig.name)
+    name, train_name = eval_data.name, data.name
     if name != train_name:
         problems.append(f"eval.data.name: {name!r} differs from data.name={train_name!r}: evaluation is scored by the "
                         f"run's scoring roles, which score data.name's kind of task; give eval.data.name={train_name}"
                         + (" and eval.data.path=<the held-out file>" if train_name in ("file", "code_file") else ""))
-    for key in ("reward_fn", "reward_fns"):
-        default = DataConfig.reward_fn if key == "reward_fn" else {}
-        own, train = eval_data.get(key, default), data.get(key, default)
+    for key, default, own, train in (("reward_fn", DataConfig.reward_fn, eval_data.reward_fn, data.reward_fn),
+                                     ("reward_fns", {}, eval_data.reward_fns, data.reward_fns)):
         if own not in (default, train):
             problems.append(f"eval.data.{key}: {own!r} differs from data.{key}={train!r}: evaluation is scored with the "
                             f"training data's reward functions (data.reward_fn, routed by data source through "
                             f"data.reward_fns); set them there and leave eval.data.{key} unset"[:600])
-    holdout = _number(ev.get("holdout", 0))
-    if holdout:
-        if eval_data.get("path"):
-            problems.append(f"eval.holdout: {ev.get('holdout')} held-out training problems and eval.data.path="
-                            f"{eval_data.get('path')!r} are two held-out sets; set one")
+    if ev.holdout:
+        if eval_data.path:
+            problems.append(f"eval.holdout: {ev.holdout} held-out training problems and eval.data.path="
+                            f"{eval_data.path!r} are two held-out sets; set one")
         if problems or not runnable:
             return problems  # the held-out problems are the training data's, checked as data
-        return _holdout_problem(plain, int(holdout))
-    if name in ("file", "code_file") and not eval_data.get("path"):
+        return _holdout_problem(cfg, ev.holdout)
+    if name in ("file", "code_file") and not eval_data.path:
         problems.append(f"eval.data.path: eval.data.name={name} needs the held-out jsonl or parquet file")
     if problems or not runnable:
         return problems
-    path, check_path = eval_data.get("path"), eval_data.get("check_path", True) is not False
-    if name == "file" and path and check_path:
+    if name == "file" and eval_data.path and eval_data.check_path:
         from rlbatch.checks.runnable import _data_file_problem
 
-        if (problem := _data_file_problem(str(path))) is not None:
+        if (problem := _data_file_problem(eval_data.path)) is not None:
             return [_renamed(problem)]
     from rlbatch.checks.data_rules import data_problems
 
-    return [_renamed(p) for p in data_problems({"data": eval_data, "model": section(plain, "model")}, reward_role=False)]
+    return [_renamed(p) for p in data_problems(eval_data, cfg.model, reward_role=False)]
 
 
-def _holdout_problem(plain: Mapping[str, Any], n: int) -> list[str]:
+def _holdout_problem(cfg: RLBatchConfig, n: int) -> list[str]:
     """eval.holdout against the size of the training data, read as the run reads it."""
     from rlbatch.data.source import problems_of, split_holdout
     from rlbatch.errors import ConfigError
 
-    data, model = as_section(DataConfig, section(plain, "data")), as_section(ModelConfig, section(plain, "model"))
     try:
-        problems = problems_of(data, model)
+        problems = problems_of(cfg.data, cfg.model)
     except ConfigError:
         return []  # the data section's own checks report it
     try:

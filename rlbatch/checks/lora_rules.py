@@ -5,76 +5,69 @@ engine that does not load adapters. The adapters themselves: ``rlbatch.models.lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from rlbatch.config.plain import section
+from rlbatch.config.schema import LoraConfig, ModelConfig, RLBatchConfig
 from rlbatch.engines.registry import REGISTRY, spec_of
 from rlbatch.models.lora import ALL_LINEAR, SYNC_FORMS
+from rlbatch.placement.backend import RoleEngine
 
 
-def lora_problems(plain: Any, engines: Sequence[Any]) -> list[str]:
-    """What validation refuses about ``model.lora`` (``plain``: the config as plain mappings;
-    ``engines``: the roles' parsed backends, ``rlbatch.placement.backend.RoleEngine``): a trained
-    policy on an engine that does not train adapters, target modules the model does not have."""
-    cfg = section(plain, "model", "lora")
-    rank = cfg.get("rank", 0)
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+def lora_problems(cfg: RLBatchConfig, engines: Sequence[RoleEngine]) -> list[str]:
+    """What validation refuses about ``model.lora`` (``engines``: the roles' parsed backends): a
+    trained policy on an engine that does not train adapters, target modules the model does not have."""
+    lora = cfg.model.lora
+    if lora.rank <= 0:
         return []  # off (its range is the schema's)
-    problems = sync_problems(cfg, engines)
+    problems = sync_problems(lora, engines)
     trains = [name for name, spec in REGISTRY.items() if spec.trains_adapters]
     for e in engines:
         if e.role == "actor_train" and not spec_of(e.backend.engine).trains_adapters:
-            problems.append(f"model.lora.rank: {rank}: the {e.backend.engine} engine of roles.actor_train does not "
+            problems.append(f"model.lora.rank: {lora.rank}: the {e.backend.engine} engine of roles.actor_train does not "
                             f"train adapters in this build ({', '.join(trains)} do); use {' or '.join(trains)}, "
                             f"or model.lora.rank=0")
-    targets = cfg.get("target_modules", [ALL_LINEAR])
-    if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+    targets = lora.target_modules
+    if not targets or not all(isinstance(t, str) and t for t in targets):
         return [*problems, f"model.lora.target_modules: {targets!r}: expected a non-empty list of module names "
                            f"or [{ALL_LINEAR}]"]
-    if list(targets) == [ALL_LINEAR]:
+    if targets == [ALL_LINEAR]:
         return problems
     if ALL_LINEAR in targets:
-        return [*problems, f"model.lora.target_modules: {list(targets)}: {ALL_LINEAR!r} stands alone"]
-    linear = _linear_names(section(plain, "model"))
+        return [*problems, f"model.lora.target_modules: {targets}: {ALL_LINEAR!r} stands alone"]
+    linear = _linear_names(cfg.model)
     if linear is not None and (absent := [t for t in targets if t not in linear]):
         problems.append(f"model.lora.target_modules: {absent} name no linear layer of the model; its linear layers: "
                         f"{sorted(linear)}")
     return problems
 
 
-def _linear_names(model_cfg: Any) -> set[str] | None:
+def _linear_names(model_cfg: ModelConfig) -> set[str] | None:
     """The last names of the model's linear layers (built on meta: no memory), or None when the
     model cannot be built here (its own checks say why)."""
     import torch
 
-    from rlbatch.config.plain import as_section
-    from rlbatch.config.schema import ModelConfig
-
     try:
         from rlbatch.models.spec import char_vocab_size
 
-        cfg = as_section(ModelConfig, model_cfg)
-        if cfg.path:
+        if model_cfg.path:
             from transformers import AutoConfig, AutoModelForCausalLM
 
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.path))
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
         else:
             from rlbatch.models.spec import spec_from_model_config
             from rlbatch.models.tiny import tiny_skeleton
 
             with torch.device("meta"):
-                model = tiny_skeleton(spec_from_model_config(cfg, vocab=char_vocab_size()))
+                model = tiny_skeleton(spec_from_model_config(model_cfg, vocab=char_vocab_size()))
     except Exception:  # noqa: BLE001 - the model's own checks report a model that does not build
         return None
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def sync_problems(cfg: Any, engines: Sequence[Any]) -> list[str]:
-    """What validation refuses about ``model.lora.sync`` (``cfg``: the model.lora section, plain;
-    ``engines``: the roles' parsed backends): a value not in ``SYNC_FORMS``, and 'adapter' into an
-    inference engine that does not load adapters."""
-    want = cfg.get("sync", "auto")
+def sync_problems(lora: LoraConfig, engines: Sequence[RoleEngine]) -> list[str]:
+    """What validation refuses about ``model.lora.sync`` (``engines``: the roles' parsed backends): a
+    value not in ``SYNC_FORMS``, and 'adapter' into an inference engine that does not load adapters."""
+    want = lora.sync
     if want not in SYNC_FORMS:
         return [f"model.lora.sync: {want!r} is not one of {list(SYNC_FORMS)}"]
     if want != "adapter":

@@ -20,17 +20,17 @@ No torch: the only imports are the modules the config names (``plugins``, ``data
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 from rlbatch.algos.registry import LOOPS, USES_CRITIC, Registry
-from rlbatch.config.plain import section
-from rlbatch.config.schema import GPU_ROLES, HEADS, INHERIT_BACKEND
+from rlbatch.config.schema import GPU_ROLES, HEADS, INHERIT_BACKEND, RLBatchConfig
 from rlbatch.engines.registry import REGISTRY, EngineKind, built_engines, parse_args
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import mount_of, nearest_existing
@@ -55,10 +55,6 @@ _OP_KIND = {"generate": EngineKind.INFER, "logprobs": EngineKind.TRAIN, "values"
             "train": EngineKind.TRAIN, "score": EngineKind.TRAIN}
 
 
-def _enabled(rc: Any) -> TypeGuard[Mapping[str, Any]]:
-    return isinstance(rc, Mapping) and rc.get("enabled", True) is not False
-
-
 def registry_problem(registry: Registry, value: Any) -> str | None:
     if not isinstance(value, str):
         return f"{registry.field}: expected the name of a {registry.what}, got {type(value).__name__} {value!r}"[:200]
@@ -80,20 +76,16 @@ def program_name_problem(name: Any, strict: bool) -> str | None:
 
 
 
-def role_engines(plain: Mapping[str, Any]) -> list[RoleEngine]:
+def role_engines(cfg: RLBatchConfig) -> list[RoleEngine]:
     """Every enabled GPU role whose backend parses (place() reports the ones that do not)."""
-    roles = section(plain, "roles")
-    train = roles.get("actor_train")
-    train_backend = train.get("backend") if _enabled(train) else None
+    train_backend = cfg.roles["actor_train"].backend if cfg.enabled("actor_train") else ""
     out = []
-    for name, rc in roles.items():
-        if name not in (*GPU_ROLES, "reward") or not _enabled(rc):
+    for name, rc in cfg.roles.items():
+        if name not in (*GPU_ROLES, "reward") or not rc.enabled:
             continue
-        backend = rc.get("backend")
-        inherited = name in INHERIT_BACKEND and backend in (None, "")
-        if inherited:
-            backend = train_backend
-        if not isinstance(backend, str) or not backend.strip():
+        inherited = name in INHERIT_BACKEND and not rc.backend
+        backend = train_backend if inherited else rc.backend
+        if not backend.strip():
             continue
         try:
             out.append(RoleEngine(name, parse_backend(backend), inherited))
@@ -102,14 +94,11 @@ def role_engines(plain: Mapping[str, Any]) -> list[RoleEngine]:
     return out
 
 
-def engine_args_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> list[str]:
+def engine_args_problems(cfg: RLBatchConfig, engines: list[RoleEngine]) -> list[str]:
     """Each role's engine_args against its engine's typed arguments (unknown keys, wrong types)."""
-    roles = section(plain, "roles")
     problems = []
     for e in engines:
-        raw = roles[e.role].get("engine_args")
-        if raw is None or isinstance(raw, Mapping):  # any other type: place() reports it
-            problems += parse_args(e.backend.engine, raw, f"roles.{e.role}.engine_args").problems
+        problems += parse_args(e.backend.engine, cfg.roles[e.role].engine_args, f"roles.{e.role}.engine_args").problems
     return problems
 
 
@@ -178,18 +167,15 @@ def engine_problems(engines: list[RoleEngine]) -> list[str]:
     return problems
 
 
-def program_problems(plain: Mapping[str, Any]) -> list[str]:
+def program_problems(cfg: RLBatchConfig) -> list[str]:
     """program=train: the critic is used by the program, the reward role scores on CPUs. (algo.name
     itself is checked by ``check``, with ``program_name_problem``.)"""
     problems = []
-    name = section(plain, "algo").get("name")
-    roles = section(plain, "roles")
-    if isinstance(name, str) and name in LOOPS and _enabled(roles.get("critic")) and name not in USES_CRITIC:
+    name = cfg.algo.name
+    if name in LOOPS and cfg.enabled("critic") and name not in USES_CRITIC:
         problems.append(f"roles.critic: enabled, but algo.name={name} does not use a critic (programs that do: "
                         f"{sorted(USES_CRITIC)}); set roles.critic.enabled=false or algo=ppo")
-    reward = roles.get("reward")
-    sandbox_scores = _enabled(roles.get("code_sandbox"))
-    if not _enabled(reward) and not sandbox_scores:
+    if not cfg.enabled("reward") and not cfg.enabled("code_sandbox"):
         problems.append("roles.reward: program=train scores every response with data.reward_fn on the reward "
                         "role's CPU workers; enable it, e.g. roles.reward.world_size=1")
     return problems
@@ -277,26 +263,25 @@ def _step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def files_problems(plain: Mapping[str, Any]) -> list[str]:
+def files_problems(cfg: RLBatchConfig) -> list[str]:
     """The model, dataset, reward function and checkpoint the config names are there; then the data
     section's own rules (``rlbatch.checks.data_rules``: records, chat template, reward routes)."""
-    model, data = section(plain, "model"), section(plain, "data")
-    checks: list[tuple[str, Any]] = []
-    if model.get("path") and model.get("check_path", True) is not False:
-        checks.append(("model.path", lambda: _model_dir_problem(str(model["path"]))))
-    for name in ("reward_model", "critic_model"):
-        own = section(plain, name)
-        if own.get("path") and own.get("check_path", True) is not False:
-            checks.append((f"{name}.path", lambda p=str(own["path"]), f=name: _model_dir_problem(p, f)))
-    if data.get("name") == "file" and data.get("path") and data.get("check_path", True) is not False:
-        checks.append(("data.path", lambda: _data_file_problem(str(data["path"]))))
-    if data.get("reward_fn") is not None and _enabled(section(plain, "roles").get("reward")):
+    model, data = cfg.model, cfg.data
+    checks: list[tuple[str, Callable[[], str | None]]] = []
+    if model.path and model.check_path:
+        checks.append(("model.path", lambda: _model_dir_problem(str(model.path))))
+    for name, own in (("reward_model", cfg.reward_model), ("critic_model", cfg.critic_model)):
+        if own.path and own.check_path:
+            checks.append((f"{name}.path", functools.partial(_model_dir_problem, own.path, name)))
+    if data.name == "file" and data.path and data.check_path:
+        checks.append(("data.path", lambda: _data_file_problem(str(data.path))))
+    if cfg.enabled("reward"):
         from rlbatch.rewards.rules import reward_fn_problem
 
-        checks.append(("data.reward_fn", lambda: reward_fn_problem(data["reward_fn"], "data.reward_fn")))
-    resume = plain.get("resume")
-    if isinstance(resume, str) and resume not in ("", "auto", "never"):
-        checks.append(("resume", lambda: _resume_problem(resume, plain.get("run_dir"))))
+        checks.append(("data.reward_fn", lambda: reward_fn_problem(data.reward_fn, "data.reward_fn")))
+    resume = cfg.resume
+    if resume not in ("", "auto", "never"):
+        checks.append(("resume", lambda: _resume_problem(resume, cfg.run_dir)))
     problems = []
     for field, run in checks:
         try:
@@ -307,19 +292,18 @@ def files_problems(plain: Mapping[str, Any]) -> list[str]:
             problems.append(problem[:800])
     from rlbatch.checks.data_rules import data_problems
 
-    problems += data_problems(plain, reward_role=_enabled(section(plain, "roles").get("reward")))
+    problems += data_problems(cfg.data, cfg.model, reward_role=cfg.enabled("reward"))
     return problems
 
 
-def run_dir_problems(plain: Mapping[str, Any]) -> list[str]:
+def run_dir_problems(cfg: RLBatchConfig, given: bool = True) -> list[str]:
     """The run directory can be made here (not empty, not a file or under one, not on a filesystem
     the kernel provides, writable), and with cluster=slurm is not node-local. Reads only: nothing
-    is created until the run starts."""
-    run_dir = plain.get("run_dir")
-    if run_dir is None:  # the schema's type refuses null: only a plain dict without the key gets here
+    is created until the run starts. ``given``: the config names one (a plain mapping of a test or
+    the planner may leave the schema's default out)."""
+    run_dir = cfg.run_dir
+    if not given:
         return []
-    if not isinstance(run_dir, str):
-        return [f"run_dir: expected the path of a directory, got {type(run_dir).__name__} {run_dir!r}"[:200]]
     if not run_dir.strip():
         try:
             here = f" ({Path.cwd()})"
@@ -327,7 +311,7 @@ def run_dir_problems(plain: Mapping[str, Any]) -> list[str]:
             here = ""
         return [f"run_dir: {run_dir!r} is empty: the run would write its config, logs and checkpoints into the "
                 f"current directory{here}; give it a directory of its own, e.g. run_dir=runs/first"]
-    problems = [p for p in (_run_dir_writable_problem(run_dir), _node_local_problem(plain, run_dir)) if p]
+    problems = [p for p in (_run_dir_writable_problem(run_dir), _node_local_problem(cfg, run_dir)) if p]
     return problems[:1]  # a directory that cannot be made at all: where it is does not matter
 
 
@@ -363,9 +347,9 @@ def _not_a_directory(path: Path) -> str | None:
     return "a regular file" if path.is_file() else "a special file"
 
 
-def _node_local_problem(plain: Mapping[str, Any], run_dir: str) -> str | None:
+def _node_local_problem(cfg: RLBatchConfig, run_dir: str) -> str | None:
     """cluster=slurm: a run directory under a node-local directory is invisible to the job's nodes."""
-    if section(plain, "cluster").get("name") != "slurm":
+    if cfg.cluster.name != "slurm":
         return None
     try:
         given = Path(run_dir).expanduser().absolute()
@@ -405,16 +389,13 @@ def locate_mpiexec(configured: str) -> str:
     return found
 
 
-def mpiexec_problem(plain: Mapping[str, Any]) -> str | None:
+def mpiexec_problem(cfg: RLBatchConfig) -> str | None:
     """cluster=local (dry runs too: they print the command): the mpiexec that would start the ranks."""
-    cluster = section(plain, "cluster")
-    if cluster.get("name", "local") != "local":
+    if cfg.cluster.name != "local":
         return None
-    configured = cluster.get("mpiexec")
-    if configured is not None and not isinstance(configured, str):
-        return f"cluster.mpiexec: expected the path of mpiexec, got {type(configured).__name__} {configured!r}"[:200]
+    configured = cfg.cluster.mpiexec
     try:
-        locate_mpiexec(configured or "")
+        locate_mpiexec(configured)
     except ConfigError as e:
         return e.problems[0]
     except (OSError, ValueError) as e:  # a path with a NUL byte, an unreadable directory
@@ -428,13 +409,12 @@ Slurm's pmi2 server in lines it rejects, and MPI_Init under ``srun --mpi=pmi2`` 
 (README, "MPI"); pyproject keeps the mpich wheel below it."""
 
 
-def mpich_problem(plain: Mapping[str, Any]) -> str | None:
+def mpich_problem(cfg: RLBatchConfig) -> str | None:
     """cluster=slurm with cluster.mpi=pmi2: an mpich wheel of a version whose MPI_Init hangs under
     Slurm's pmi2 (installed by hand past pyproject's pin), refused before the job is submitted."""
     from importlib import metadata
 
-    cluster = section(plain, "cluster")
-    if cluster.get("name", "local") != "slurm" or cluster.get("mpi", "pmi2") != "pmi2":
+    if cfg.cluster.name != "slurm" or cfg.cluster.mpi != "pmi2":
         return None
     try:
         version = metadata.version("mpich")
@@ -448,13 +428,13 @@ def mpich_problem(plain: Mapping[str, Any]) -> str | None:
             f"pip install 'mpich<{MPICH_PMI2_BROKEN}', or use your site's MPI (README, \"MPI\")")
 
 
-def runnable_problems(plain: Mapping[str, Any], engines: list[RoleEngine]) -> list[str]:
+def runnable_problems(plain: Mapping[str, Any], cfg: RLBatchConfig, engines: list[RoleEngine]) -> list[str]:
     """Everything this build or this machine cannot run, one line each."""
     problems = []
-    if plain.get("program", "train") == "train":
-        problems += engine_problems(engines) + program_problems(plain) + files_problems(plain)
-    problems += run_dir_problems(plain)
-    problems += [p for p in (mpiexec_problem(plain), mpich_problem(plain)) if p is not None]
+    if cfg.program == "train":
+        problems += engine_problems(engines) + program_problems(cfg) + files_problems(cfg)
+    problems += run_dir_problems(cfg, given="run_dir" in plain)
+    problems += [p for p in (mpiexec_problem(cfg), mpich_problem(cfg)) if p is not None]
     return problems
 
 

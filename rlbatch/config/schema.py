@@ -9,7 +9,7 @@ the wrong type, a non-finite one, and one out of its range, naming the field.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlbatch.config.bounds import TIMEOUT_MAX_S, bounded
@@ -57,21 +57,20 @@ class RoleConfig:
     ``python -c "from rlbatch.engines.registry import describe; print(describe())"`` lists them."""
 
 
-def default_roles() -> dict[str, Any]:
+def default_roles() -> dict[str, RoleConfig]:
     """The default placement: actor_train, actor_infer and reference colocated on 2 GPU ranks.
 
-    Roles are plain mappings in the Hydra config (each with RoleConfig's fields), so a CPU role
-    can be added from the command line (``+roles.code_sandbox.world_size=8``); ``place()``
-    checks every role's fields and types.
+    Roles are a mapping of any role name (a CPU role can be added from the command line:
+    ``+roles.code_sandbox.world_size=8``); Hydra composes them as plain mappings
+    (``rlbatch.config.register``), ``rlbatch.config.parse`` types them and ``place()`` places them.
     """
-    roles = {
+    return {
         "actor_train": RoleConfig(device_mapping=[0, 1], backend="fsdp:d2"),
         "actor_infer": RoleConfig(device_mapping=[0, 1], backend="hf:d2"),
         "reference": RoleConfig(device_mapping=[0, 1]),
         "critic": RoleConfig(enabled=False),
         "reward": RoleConfig(world_size=1),
     }
-    return {name: asdict(rc) for name, rc in roles.items()}
 
 
 @dataclass
@@ -574,8 +573,8 @@ class RLBatchConfig:
     hardware: dict[str, Any] | None = None
     """Hardware profile for the planner (rlbatch/conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    roles: dict[str, Any] = field(default_factory=default_roles)
-    """Role name -> RoleConfig fields. See RoleConfig."""
+    roles: dict[str, RoleConfig] = field(default_factory=default_roles)
+    """Role name -> RoleConfig. See RoleConfig."""
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -589,3 +588,8 @@ class RLBatchConfig:
     settings under ``trackers.<name>``; ``trackers.<name>.enabled=true`` turns one on as well)."""
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def enabled(self, role: str) -> bool:
+        """Whether the config has ``role`` and leaves it on."""
+        rc = self.roles.get(role)
+        return rc is not None and rc.enabled

@@ -9,12 +9,10 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlbatch.config.plain import to_plain
-from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND, INHERIT_DEVICE_MAPPING, ClusterConfig, RoleConfig
+from rlbatch.config.schema import GPU_ROLES, INHERIT_BACKEND, INHERIT_DEVICE_MAPPING, RLBatchConfig, RoleConfig
 from rlbatch.engines.registry import EngineKind
 from rlbatch.errors import ConfigError
 from rlbatch.phases import reference_is_actor_base
@@ -28,27 +26,14 @@ from rlbatch.placement.placement import (
     SlurmRequest,
 )
 
-ROLE_FIELDS = frozenset(f.name for f in dataclasses.fields(RoleConfig))
-CLUSTER_FIELDS = frozenset(f.name for f in dataclasses.fields(ClusterConfig))
 REQUIRED_ROLES = ("actor_train", "actor_infer")
 MAX_CPU_WORKERS = 4096
-_ROLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
 
-def _engine_args(value: Any, field: str, problems: list[str]) -> dict[str, Any]:
+def _int_field(value: int | None, field: str, problems: list[str], minimum: int = 1,
+               maximum: int | None = None) -> int | None:
+    """A role's count, typed by the parse, in the range its kind of role allows."""
     if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        problems.append(f"{field}: expected a mapping of engine keyword arguments, got {type(value).__name__} {value!r}"[:200])
-        return {}
-    return dict(value)
-
-
-def _int_field(value: Any, field: str, problems: list[str], minimum: int = 1, maximum: int | None = None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        problems.append(f"{field}: expected an integer, got {type(value).__name__} {value!r}"[:200])
         return None
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
@@ -79,14 +64,15 @@ class _CpuRole:
 
 
 def _check_gpu_role(
-    name: str, rc: Mapping[str, Any], backend_str: Any, inherited: bool, problems: list[str]
+    name: str, rc: RoleConfig, backend_str: str, inherited: bool, problems: list[str]
 ) -> _GpuRole | None:
     f = f"roles.{name}"
     n0 = len(problems)
     backend = ranks = None
-    if backend_str in (None, ""):
+    if not backend_str:
         hint = " (and actor_train has none to inherit)" if name in INHERIT_BACKEND else ""
-        problems.append(f"{f}.backend: a GPU role needs a backend such as 'fsdp:d2'{hint}")
+        if not any(p.startswith(f"{f}.backend:") for p in problems):  # not when the one given was refused
+            problems.append(f"{f}.backend: a GPU role needs a backend such as 'fsdp:d2'{hint}")
     else:
         try:
             label = f"{f}.backend (inherited from actor_train)" if inherited else f"{f}.backend"
@@ -94,12 +80,11 @@ def _check_gpu_role(
         except ConfigError as e:
             problems.extend(e.problems)
     try:
-        ranks = parse_device_mapping(rc["device_mapping"], f"{f}.device_mapping")
+        ranks = parse_device_mapping(rc.device_mapping, f"{f}.device_mapping")
     except ConfigError as e:
         problems.extend(e.problems)
-    ngpw = _int_field(rc.get("num_gpus_per_worker"), f"{f}.num_gpus_per_worker", problems)
-    world = _int_field(rc.get("world_size"), f"{f}.world_size", problems, maximum=MAX_GPUS)
-    engine_args = _engine_args(rc.get("engine_args"), f"{f}.engine_args", problems)
+    ngpw = _int_field(rc.num_gpus_per_worker, f"{f}.num_gpus_per_worker", problems)
+    world = _int_field(rc.world_size, f"{f}.world_size", problems, maximum=MAX_GPUS)
     if backend is None or ranks is None or len(problems) > n0:
         return None
 
@@ -130,7 +115,7 @@ def _check_gpu_role(
         )
     if len(problems) > n0:
         return None
-    return _GpuRole(name, backend, ranks, ngpw, n // ngpw, bool(rc.get("offload", True)), engine_args)
+    return _GpuRole(name, backend, ranks, ngpw, n // ngpw, rc.offload, rc.engine_args)
 
 
 def _groups_within_nodes(role: _GpuRole, gpn: int, problems: list[str]) -> None:
@@ -174,46 +159,27 @@ def _mesh(b: BackendSpec) -> tuple[tuple[str, int], ...]:
     return (("dp", b.d), ("pp", b.p), ("tp", b.t))
 
 
-def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], list[_CpuRole]]:
-    if not isinstance(roles_raw, Mapping) or not roles_raw:
-        problems.append("roles: expected a mapping of role name to role config, e.g. roles.actor_train.device_mapping=[0,1]")
-        return [], []
-    enabled: dict[str, Mapping[str, Any]] = {}
-    for name, rc in roles_raw.items():
-        if not isinstance(name, str) or not _ROLE_NAME.fullmatch(name):
-            problems.append(f"roles: role name {name!r} must be lower_snake_case (letters, digits, '_'), at most 64 characters"[:200])
-            continue
-        if rc is None:
-            continue
-        if not isinstance(rc, Mapping):
-            problems.append(f"roles.{name}: expected a mapping of fields, got {type(rc).__name__}")
-            continue
-        unknown = sorted(str(k) for k in rc if k not in ROLE_FIELDS)
-        if unknown:
-            problems.append(f"roles.{name}: unknown field(s) {unknown}; known fields: {sorted(ROLE_FIELDS)}")
-        if rc.get("enabled", True) is not False:
-            enabled[name] = rc
+def _read_roles(roles: Mapping[str, RoleConfig], problems: list[str]) -> tuple[list[_GpuRole], list[_CpuRole]]:
+    enabled = {name: rc for name, rc in roles.items() if rc.enabled}
     for name in REQUIRED_ROLES:
         if name not in enabled:
             problems.append(f"roles.{name}: required for RL training but missing or disabled")
 
-    train_backend = (enabled.get("actor_train") or {}).get("backend")
-    train_mapping = (enabled.get("actor_train") or {}).get("device_mapping")
+    train = enabled.get("actor_train")
+    train_backend, train_mapping = (train.backend, train.device_mapping) if train is not None else ("", None)
     gpu: list[_GpuRole] = []
     cpu: list[_CpuRole] = []
     for name, rc in enabled.items():
         f = f"roles.{name}"
-        inherits = name in INHERIT_DEVICE_MAPPING and rc.get("device_mapping") is None and rc.get("world_size") is None
+        inherits = name in INHERIT_DEVICE_MAPPING and rc.device_mapping is None and rc.world_size is None
         if inherits:
-            rc = {**rc, "device_mapping": train_mapping}  # colocated with actor_train
-        backend_str = rc.get("backend")
-        inherited = name in INHERIT_BACKEND and backend_str in (None, "")
-        if inherited:
-            backend_str = train_backend
-        has_dm = rc.get("device_mapping") is not None
+            rc = dataclasses.replace(rc, device_mapping=train_mapping)  # colocated with actor_train
+        inherited = name in INHERIT_BACKEND and not rc.backend
+        backend_str = train_backend if inherited else rc.backend
+        has_dm = rc.device_mapping is not None
         wants_gpu = name in GPU_ROLES or (name == "reward" and (has_dm or backend_str))
         if wants_gpu:
-            if not has_dm and rc.get("world_size") is None:
+            if not has_dm and rc.world_size is None:
                 problems.append(f"{f}: has neither device_mapping nor world_size; a GPU role needs device_mapping")
             elif not has_dm:
                 problems.append(f"{f}.device_mapping: missing; world_size alone describes a CPU role, but {name} runs a model on GPUs")
@@ -221,19 +187,18 @@ def _read_roles(roles_raw: Any, problems: list[str]) -> tuple[list[_GpuRole], li
                 r.inherits_mapping = inherits
                 gpu.append(r)
             continue
-        asks = [k for k in ("device_mapping", "backend") if rc.get(k) not in (None, "")]
-        if rc.get("num_gpus_per_worker") not in (None, 0):
-            asks.append(f"num_gpus_per_worker={rc.get('num_gpus_per_worker')}")
+        asks = [k for k, v in (("device_mapping", rc.device_mapping), ("backend", rc.backend)) if v not in (None, "")]
+        if rc.num_gpus_per_worker not in (None, 0):
+            asks.append(f"num_gpus_per_worker={rc.num_gpus_per_worker}")
         if asks:
             problems.append(f"{f}: is a CPU role but asks for GPUs ({', '.join(asks)}); give it only world_size")
             continue
-        if rc.get("world_size") is None:
+        if rc.world_size is None:
             problems.append(f"{f}: has neither device_mapping nor world_size; a CPU role needs world_size")
             continue
-        world = _int_field(rc.get("world_size"), f"{f}.world_size", problems, maximum=MAX_CPU_WORKERS)
-        engine_args = _engine_args(rc.get("engine_args"), f"{f}.engine_args", problems)
+        world = _int_field(rc.world_size, f"{f}.world_size", problems, maximum=MAX_CPU_WORKERS)
         if world is not None:
-            cpu.append(_CpuRole(name, world, bool(rc.get("offload", True)), engine_args))
+            cpu.append(_CpuRole(name, world, rc.offload, rc.engine_args))
     return gpu, cpu
 
 
@@ -258,29 +223,24 @@ def _colocated_sets(gpu: list[_GpuRole]) -> list[tuple[str, ...]]:
     return [tuple(s) for s in sets.values() if len(s) > 1]
 
 
-def place(cfg: Any) -> Placement:
-    """Validate ``cfg.roles`` and ``cfg.cluster`` and place every role. Raises ConfigError."""
-    cfg = to_plain(cfg)
-    problems: list[str] = []
-    if not isinstance(cfg, Mapping):
-        raise ConfigError(f"config: expected a mapping with 'roles' and 'cluster', got {type(cfg).__name__}")
-    cluster = cfg.get("cluster") or {}
-    if not isinstance(cluster, Mapping):
-        problems.append(f"cluster: expected a mapping, got {type(cluster).__name__}")
-        cluster = {}
-    unknown = sorted(str(k) for k in cluster if k not in CLUSTER_FIELDS)
-    if unknown:
-        problems.append(f"cluster: unknown field(s) {unknown}; known fields: {sorted(CLUSTER_FIELDS)}")
-    if cluster.get("gpus_per_node", ClusterConfig.gpus_per_node) is None:
-        problems.append("cluster.gpus_per_node: expected an integer, got None")
-    gpn = _int_field(cluster.get("gpus_per_node", ClusterConfig.gpus_per_node), "cluster.gpus_per_node", problems, maximum=1024)
-    nodes_cfg = _int_field(cluster.get("nodes"), "cluster.nodes", problems, maximum=MAX_GPUS)
-    cpus = _int_field(cluster.get("cpus_per_task", 1), "cluster.cpus_per_task", problems, maximum=1024)
+def place(cfg: RLBatchConfig | Mapping[str, Any], parse_problems: Sequence[str] = ()) -> Placement:
+    """Validate the roles and the cluster of ``cfg`` (the typed config, or plain mappings that
+    ``rlbatch.config.parse`` reads first) and place every role. Raises ConfigError.
+    ``parse_problems``: what the parse of a typed ``cfg`` reported (a field it refused is not
+    reported again as missing)."""
+    problems: list[str] = [p for p in parse_problems if p.startswith(("roles", "cluster"))]
+    n_parse = len(problems)
+    if not isinstance(cfg, RLBatchConfig):
+        from rlbatch.config.parse import parse  # plain mappings: the parse's problems of roles and cluster
 
+        result = parse(cfg)
+        problems += [p for p in result.problems if p.startswith(("roles", "cluster"))]
+        n_parse = len(problems)
+        cfg = result.config
+    cluster = cfg.cluster
+    gpn, nodes_cfg, cpus = cluster.gpus_per_node, cluster.nodes, cluster.cpus_per_task
     roles, unplaced = _without_base_reference(cfg)
     gpu, cpu = _read_roles(roles, problems)
-    if gpn is None:
-        raise ConfigError(problems)
 
     used = sorted({g for r in gpu for g in r.ranks})
     problems += _idle_reference_ranks(unplaced, used)
@@ -289,33 +249,28 @@ def place(cfg: Any) -> Placement:
     num_nodes = max(1, -(-num_gpus // gpn)) if nodes_cfg is None else nodes_cfg
     for r in gpu:
         _groups_within_nodes(r, gpn, problems)
-    if problems:
-        raise ConfigError(problems)
-    return _build(gpu, cpu, gpn, num_nodes, num_gpus, cpus or 1)
+    if own := problems[n_parse if parse_problems else 0:]:  # the caller reports parse_problems
+        raise ConfigError(own)
+    return _build(gpu, cpu, gpn, num_nodes, num_gpus, cpus)
 
 
-def _without_base_reference(cfg: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any] | None]:
+def _without_base_reference(cfg: RLBatchConfig) -> tuple[dict[str, RoleConfig], RoleConfig | None]:
     """``cfg.roles`` without the reference role when its log-probs are the trained policy's base
     model's (``model.lora``: ``reference_is_actor_base``), and the reference's config so left out
     (None when it was not)."""
-    roles = cfg.get("roles")
-    model = cfg.get("model")
-    lora = model.get("lora") if isinstance(model, Mapping) else None
-    if not isinstance(roles, Mapping) or not reference_is_actor_base(lora):
-        return roles, None
-    ref = roles.get("reference")
-    if not isinstance(ref, Mapping) or ref.get("enabled", True) is False:
-        return roles, None
-    return {k: v for k, v in roles.items() if k != "reference"}, ref
+    ref = cfg.roles.get("reference")
+    if not reference_is_actor_base(cfg.model.lora) or ref is None or not ref.enabled:
+        return cfg.roles, None
+    return {k: v for k, v in cfg.roles.items() if k != "reference"}, ref
 
 
-def _idle_reference_ranks(ref: Mapping[str, Any] | None, used: list[int]) -> list[str]:
+def _idle_reference_ranks(ref: RoleConfig | None, used: list[int]) -> list[str]:
     """A reference left out for the policy's base (``_without_base_reference``) whose own GPU ranks
     no placed role uses: refused, as those GPUs would be requested for nothing (or leave a gap)."""
-    if ref is None or ref.get("device_mapping") is None:
+    if ref is None or ref.device_mapping is None:
         return []
     try:
-        ranks = parse_device_mapping(ref["device_mapping"], "roles.reference.device_mapping")
+        ranks = parse_device_mapping(ref.device_mapping, "roles.reference.device_mapping")
     except ConfigError:
         return []  # nothing of it is placed: its mapping's own mistakes do not matter
     taken = set(used)

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from rlbatch.config.parse import parse
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.phases import reference_is_actor_base
 
 SYNTHETIC_PROMPT_LEN = 5
@@ -220,61 +222,56 @@ def _survival(m: int, mean: float) -> np.ndarray:
 
 
 def workload_from_config(
-    cfg: Mapping[str, Any], prompt_len: float | None = None, response_mean: float | None = None,
+    cfg: RLBatchConfig | Mapping[str, Any], prompt_len: float | None = None, response_mean: float | None = None,
     zero_variance_frac: float | None = None, turns: float | None = None, observation_len: float | None = None,
     env_step_s: float | None = None,
 ) -> Workload:
-    """The step of ``cfg`` (plain mapping). ``response_mean`` <= 1 is read as a fraction of the cap
-    (with ``env.name``: of one turn's). ``zero_variance_frac`` (default ``DEFAULT_ZERO_VARIANCE_FRAC``)
+    """The step of ``cfg`` (typed, or plain mappings read by ``rlbatch.config.parse``; its problems are
+    validation's to report). ``response_mean`` <= 1 is read as a fraction of the cap (with
+    ``env.name``: of one turn's). ``zero_variance_frac`` (default ``DEFAULT_ZERO_VARIANCE_FRAC``)
     sets dynamic sampling's rounds. With ``env.name``: ``turns`` per trajectory (default, assumed:
     ``env.max_turns``), ``observation_len`` tokens between turns (default, assumed:
     ``DEFAULT_OBSERVATION_LEN``) and ``env_step_s`` seconds per env step (default 0)."""
-    algo: Mapping[str, Any] = cfg.get("algo") or {}
-    data: Mapping[str, Any] = cfg.get("data") or {}
-    roles: Mapping[str, Any] = cfg.get("roles") or {}
-    cap = int(algo.get("max_new_tokens", 8))
-    synthetic = data.get("name", "synthetic") == "synthetic"
+    if not isinstance(cfg, RLBatchConfig):
+        cfg = parse(cfg).config
+    algo, lora = cfg.algo, cfg.model.lora
+    cap = algo.max_new_tokens
+    synthetic = cfg.data.name == "synthetic"
     p = prompt_len if prompt_len is not None else (SYNTHETIC_PROMPT_LEN if synthetic else DEFAULT_PROMPT_LEN)
     if response_mean is None:
         mean = DEFAULT_RESPONSE_MEAN_FRAC * cap
     else:
         mean = response_mean * cap if response_mean <= 1 else response_mean
-    ref = roles.get("reference") or {}
-    critic = roles.get("critic") or {}
-    lora: Mapping[str, Any] = (cfg.get("model") or {}).get("lora") or {}
     rounds, frac = 1.0, None
-    if algo.get("dynamic_sampling", False) is True:
+    if algo.dynamic_sampling:
         frac = DEFAULT_ZERO_VARIANCE_FRAC if zero_variance_frac is None else float(zero_variance_frac)
-        rounds = expected_rounds(int(algo.get("prompts_per_step", 16)), frac, int(algo.get("max_sampling_rounds", 3)))
+        rounds = expected_rounds(algo.prompts_per_step, frac, algo.max_sampling_rounds)
     w = Workload(
-        sequences=int(algo.get("prompts_per_step", 16)) * int(algo.get("samples_per_prompt", 8)),
+        sequences=algo.prompts_per_step * algo.samples_per_prompt,
         prompt_len=float(p), response_mean=max(1.0, min(float(mean), cap)), response_max=cap,
-        max_new_tokens=cap, samples_per_prompt=int(algo.get("samples_per_prompt", 8)), mini_batches=int(algo.get("mini_batches", 1)), epochs=int(algo.get("epochs", 1)),
-        grad_accum=int(algo.get("grad_accum", 1)),
-        kl=float(algo.get("kl_coef", 0.0)) > 0 and (ref.get("enabled", True) is not False or reference_is_actor_base(lora)),
-        critic=algo.get("name") == "ppo" and critic.get("enabled", False) is not False,
-        kl_in_reward=bool(algo.get("kl_in_reward", False)) and float(algo.get("kl_coef", 0.0)) > 0,
-        entropy=float(algo.get("entropy_coef", 0.0)) > 0,
-        recompute=bool(algo.get("activation_checkpointing", False)),
+        max_new_tokens=cap, samples_per_prompt=algo.samples_per_prompt, mini_batches=algo.mini_batches,
+        epochs=algo.epochs, grad_accum=algo.grad_accum,
+        kl=algo.kl_coef > 0 and (cfg.enabled("reference") or reference_is_actor_base(lora)),
+        critic=algo.name == "ppo" and cfg.enabled("critic"),
+        kl_in_reward=algo.kl_in_reward and algo.kl_coef > 0,
+        entropy=algo.entropy_coef > 0,
+        recompute=algo.activation_checkpointing,
         generation_rounds=rounds, zero_variance_frac=frac,
-        max_staleness=int(algo.get("max_staleness", 0)),
+        max_staleness=algo.max_staleness,
         prompt_len_assumed=prompt_len is None and not synthetic,
         response_assumed=response_mean is None,
-        lora_rank=int(lora.get("rank", 0) or 0), lora_targets=tuple(lora.get("target_modules") or ("all-linear",)),
-        lora_sync=str(lora.get("sync", "auto")),
+        lora_rank=lora.rank, lora_targets=tuple(lora.target_modules or ("all-linear",)), lora_sync=lora.sync,
     )
-    env: Mapping[str, Any] = cfg.get("env") or {}
-    if not env.get("name"):
+    env = cfg.env
+    if not env.name:
         return w
-    max_turns = int(env.get("max_turns", 8))
-    t = float(min(max_turns, turns)) if turns is not None else float(max_turns)
+    t = float(min(env.max_turns, turns)) if turns is not None else float(env.max_turns)
     obs = float(observation_len) if observation_len is not None else DEFAULT_OBSERVATION_LEN
     gen = w.response_mean
-    if prompt_len is None and data.get("name") == "none":  # no task prompt: a BOS, then the first observation
+    if prompt_len is None and cfg.data.name == "none":  # no task prompt: a BOS, then the first observation
         w = replace(w, prompt_len=1.0 + obs, prompt_len_assumed=False)
-    role = (cfg.get("roles") or {}).get("env") or {}
-    workers = int(role.get("world_size", 0) or 0) if role.get("enabled", True) is not False else 0
+    workers = (cfg.roles["env"].world_size or 0) if cfg.enabled("env") else 0
     return replace(w, turns=t, turn_response_mean=gen, observation_len=obs, env_step_s=float(env_step_s or 0.0),
                    env_workers=workers,
-                   response_mean=t * gen + (t - 1) * obs, response_max=int(max_turns * cap + (max_turns - 1) * obs),
+                   response_mean=t * gen + (t - 1) * obs, response_max=int(env.max_turns * cap + (env.max_turns - 1) * obs),
                    turns_assumed=turns is None or observation_len is None)

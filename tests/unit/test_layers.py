@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2] / "rlbatch"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "osinfo"),
     ("config",),
-    ("phases", "placement", "algos", "data", "models", "sandbox", "plugins", "engines.registry", "engines.defaults"),
+    ("phases", "placement", "algos", "data", "models", "sandbox", "plugins", "engines.registry", "engines.defaults",
+     "config.parse", "config.load"),
     ("rewards",),
     ("plan",),
     ("runtime",),

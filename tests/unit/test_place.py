@@ -550,7 +550,7 @@ def test_every_problem_is_reported_at_once() -> None:
 def test_check_merges_placement_and_other_problems() -> None:
     cfg = merge(BASE, {
         "resume": "auto",
-        "algo": {"name": "grpo", "advantage": "grpo", "samples_per_prompt": 1, "lr": -1.0, "top_p": 1.5},
+        "algo": {"name": "grpo", "advantage": "grpo", "samples_per_prompt": 1, "lr": -1.0, "top_p": 1.5, "kl_coef": 0},
         "data": {"name": "file"},
         "roles": {"actor_infer": {"backend": "hf:t2"}, "reward": {"world_size": 1}},
     })
