@@ -8,7 +8,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def process_cmdline(pid: int) -> str | None:
         return None
 
 
-def on_cpu(plain: Mapping[str, Any]) -> bool | None:
+def on_cpu(plain: Mapping[str, object]) -> bool | None:
     """Whether the GPU roles' ranks run on CPUs: cluster.device, or for 'auto' on cluster=local
     whether this machine has NVIDIA devices; None when unknown (a Slurm job's nodes with device=auto)."""
     cluster = plain.get("cluster")

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any
 
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
-def import_plugins(names: Any) -> list[str]:
+def import_plugins(names: object) -> list[str]:
     """Import each module in ``plugins`` by name (they register engines and algorithm parts);
-    the problems, one per plugin that is not a module name or fails to import."""
+    the problems, one per plugin that is not a module name or fails to import. ``names``: the
+    config's ``plugins`` as given, checked here (a list or tuple of names, or None)."""
     if names is None:
         return []
     if not isinstance(names, (list, tuple)):

@@ -15,10 +15,13 @@ filtering (truncated responses kept out of the loss).
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import AlgoConfig
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -173,7 +176,7 @@ class Actions:
             out.append(full)
         return out
 
-    def estimate(self, estimator: Any, rewards: Tensor, group_size: int, algo: Any, *, kl: list[Tensor] | None = None,
+    def estimate(self, estimator: Any, rewards: Tensor, group_size: int, algo: AlgoConfig, *, kl: list[Tensor] | None = None,
                  values: list[Tensor] | None = None) -> Any:
         """``estimator`` (an ``ADVANTAGES`` entry) on the actions: its per-token outputs (lists)
         put back at the actions' positions; a sequence-level output ([N]) as it is."""

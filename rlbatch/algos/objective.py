@@ -9,7 +9,7 @@ aggregated over the response tokens with the configured aggregation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -19,6 +19,9 @@ from rlbatch.algos.offpolicy import importance_ratio, ratio_stats
 from rlbatch.algos.registry import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
 from rlbatch.algos.split import loss_stat_factor, split_objective
 from rlbatch.algos.value import ValueObjective
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import AlgoConfig
 
 
 @dataclass
@@ -49,7 +52,7 @@ class PolicyObjective:
 
     head = "lm"
 
-    def __init__(self, algo: Any) -> None:
+    def __init__(self, algo: AlgoConfig) -> None:
         agg = AGGREGATIONS.get(str(algo.loss_agg))
         self.aggregation = agg
         self.agg = lambda per_token, mask: agg(per_token, mask, algo)
@@ -134,7 +137,7 @@ class PolicyObjective:
         return split_objective(self, denominator)
 
 
-def objective_for(role: str, algo: Any) -> Any:
+def objective_for(role: str, algo: AlgoConfig) -> PolicyObjective | ValueObjective:
     """The loss a trainable role minimises: the critic regresses values (``ValueObjective``),
     actor_train follows the policy objective."""
     from rlbatch.config.schema import VALUE_ROLES

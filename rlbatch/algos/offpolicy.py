@@ -18,10 +18,13 @@ so every registered policy loss takes it without knowing about it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import AlgoConfig
 
 
 def importance_ratio(old_logp: Tensor, behaviour_logp: Tensor) -> Tensor:
@@ -29,16 +32,16 @@ def importance_ratio(old_logp: Tensor, behaviour_logp: Tensor) -> Tensor:
     return torch.exp((old_logp.detach().float() - behaviour_logp.float()).clamp(max=20.0))
 
 
-def no_correction(ratio: Tensor, mask: Tensor, algo: Any) -> tuple[Tensor, Tensor]:
+def no_correction(ratio: Tensor, mask: Tensor, algo: AlgoConfig) -> tuple[Tensor, Tensor]:
     return torch.ones_like(ratio), torch.ones_like(ratio)
 
 
-def truncated_is(ratio: Tensor, mask: Tensor, algo: Any) -> tuple[Tensor, Tensor]:
+def truncated_is(ratio: Tensor, mask: Tensor, algo: AlgoConfig) -> tuple[Tensor, Tensor]:
     """TIS: the ratio capped at ``algo.tis_cap`` from above."""
     return ratio.clamp(max=float(algo.tis_cap)), torch.ones_like(ratio)
 
 
-def ratio_mask(ratio: Tensor, mask: Tensor, algo: Any) -> tuple[Tensor, Tensor]:
+def ratio_mask(ratio: Tensor, mask: Tensor, algo: AlgoConfig) -> tuple[Tensor, Tensor]:
     """Tokens whose ratio lies outside [mask_ratio_low, mask_ratio_high] leave the loss."""
     keep = (ratio >= float(algo.mask_ratio_low)) & (ratio <= float(algo.mask_ratio_high))
     return torch.ones_like(ratio), keep.to(ratio.dtype)

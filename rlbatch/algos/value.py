@@ -17,7 +17,7 @@ aggregated over response tokens like the policy loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,6 +26,9 @@ from rlbatch.algos.advantages import TurnRewards, token_rewards, whiten_tokens
 from rlbatch.algos.core import masked_mean
 from rlbatch.algos.registry import AGGREGATIONS
 from rlbatch.algos.split import loss_stat_factor, split_objective
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import AlgoConfig
 
 
 def gae(rewards: list[Tensor], values: list[Tensor], gamma: float, lam: float) -> tuple[list[Tensor], list[Tensor]]:
@@ -48,7 +51,7 @@ def gae(rewards: list[Tensor], values: list[Tensor], gamma: float, lam: float) -
     return advantages, returns
 
 
-def gae_estimator(rewards: Tensor, group_size: int, algo: Any, *, lengths: list[int], kl: list[Tensor] | None = None,
+def gae_estimator(rewards: Tensor, group_size: int, algo: AlgoConfig, *, lengths: list[int], kl: list[Tensor] | None = None,
                   values: list[Tensor] | None = None,
                   turn_rewards: TurnRewards | None = None) -> tuple[list[Tensor], list[Tensor]]:
     """The ``gae`` advantage estimator (PPO): per-token rewards (the task reward on the last token,
@@ -107,7 +110,7 @@ class ValueObjective:
     reads: tuple[str, ...] = ()
     """Sample fields read beyond the critic_train phase's own (none)."""
 
-    def __init__(self, algo: Any) -> None:
+    def __init__(self, algo: AlgoConfig) -> None:
         agg = AGGREGATIONS.get(str(algo.loss_agg))
         self.aggregation, self.algo = agg, algo
         self.agg = lambda per_token, mask: agg(per_token, mask, algo)

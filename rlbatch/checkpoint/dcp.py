@@ -19,8 +19,9 @@ import logging
 import os
 import random
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import numpy as np
 import torch
@@ -31,18 +32,39 @@ from rlbatch.engines.base import CheckpointState
 
 log = logging.getLogger(__name__)
 
+
+class NumpyRngState(TypedDict):
+    """numpy's legacy global RNG state, its key as a tensor (``np.random.get_state(legacy=True)``)."""
+
+    kind: str
+    key: torch.Tensor
+    pos: int
+    has_gauss: int
+    gauss: float
+
+
+class RngState(TypedDict):
+    """A process's global RNG states (``rng_state``)."""
+
+    torch: torch.Tensor
+    numpy: NumpyRngState
+    python: tuple[object, ...]
+    """``random.getstate()``."""
+    cuda: NotRequired[list[torch.Tensor]]
+    """One per visible CUDA device, where CUDA was initialised."""
+
 META = "engine_meta.pt"
 """Per-role file beside the DCP shards: the engine's small metadata (written by the group's first rank)."""
 
 
-def _save_small(path: Path, obj: Any) -> None:
+def _save_small(path: Path, obj: object) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _check_resident(tensors: dict[str, Any]) -> None:
+def _check_resident(tensors: Mapping[str, object]) -> None:
     """Refuse to checkpoint offloaded state (freed storages would be read as garbage)."""
     for name, t in tensors.items():
         local = getattr(t, "_local_tensor", t)
@@ -78,11 +100,11 @@ def load_state(path: Path, template: CheckpointState) -> CheckpointState:
     return CheckpointState(template.tensors, meta, template.group)
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state() -> RngState:
     """This process's global RNG states, as tensors and plain values (``weights_only`` loadable)."""
     kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     assert isinstance(key, np.ndarray)
-    state: dict[str, Any] = {
+    state: RngState = {
         "torch": torch.get_rng_state(),
         "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "gauss": float(gauss)},
@@ -93,7 +115,7 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))

@@ -14,26 +14,42 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Protocol, TypeGuard
 
 from rlbatch.checkpoint.dcp import load_rng, load_state, save_rng, save_state
 from rlbatch.checkpoint.files import rng_dir, role_dir
 from rlbatch.checkpoint.space import disk_full_error, failure_summary, is_disk_full
 from rlbatch.checkpoint.store import CheckpointError
+from rlbatch.engines.base import CheckpointState
 from rlbatch.runtime.faults import maybe_fault
 
 
-def _with_state(engines: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+class Checkpointed(Protocol):
+    """An engine with checkpoint state (the ``TrainEngine`` contract's part of it)."""
+
+    def checkpoint_state(self) -> CheckpointState | None: ...
+
+    def load_checkpoint_state(self, state: CheckpointState) -> None: ...
+
+
+def _checkpointed(engine: object) -> TypeGuard[Checkpointed]:
+    """Whether ``engine`` has checkpoint state methods (forward-only engines have none)."""
+    return getattr(engine, "checkpoint_state", None) is not None
+
+
+def _with_state(engines: Mapping[str, object]) -> list[tuple[str, Checkpointed, CheckpointState]]:
     out = []
     for role in sorted(engines):
-        state_of = getattr(engines[role], "checkpoint_state", None)
-        state = state_of() if state_of is not None else None
+        engine = engines[role]
+        if not _checkpointed(engine):
+            continue
+        state = engine.checkpoint_state()
         if state is not None:
-            out.append((role, engines[role], state))
+            out.append((role, engine, state))
     return out
 
 
-def save_rank(ckpt: Path, engines: Mapping[str, Any], rank: int) -> dict[str, float]:
+def save_rank(ckpt: Path, engines: Mapping[str, object], rank: int) -> dict[str, float]:
     """Write this rank's shards and RNG into the staging dir ``ckpt``; returns seconds per role.
 
     A write that fails raises an ``Exception`` (``DiskFull`` with the free space when the disk is
@@ -58,7 +74,7 @@ def _checkpoint_exception() -> type[BaseException]:
     return CheckpointException
 
 
-def load_rank(ckpt: Path, engines: Mapping[str, Any], rank: int) -> dict[str, float]:
+def load_rank(ckpt: Path, engines: Mapping[str, object], rank: int) -> dict[str, float]:
     """Restore this rank's trainable roles and RNG from the committed checkpoint ``ckpt``."""
     out = {}
     for role, engine, template in _with_state(engines):

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 CHECKPOINTS = "checkpoints"
 """Sub-directory of the run dir that holds the checkpoints."""
@@ -25,6 +25,21 @@ MANIFEST = "manifest.json"
 CONTROLLER = "controller.json"
 CONFIG = "config.yaml"
 RNG = "rng"
+
+
+class ControllerState(TypedDict, total=False):
+    """controller.json: the controller's part of a checkpoint (``rlbatch.loop.checkpointing``)."""
+
+    step: int
+    data: dict[str, int]
+    """The prompt stream's position (``PromptStream.state_dict``)."""
+    data_fingerprint: str
+    reason: str
+    """Why it was saved (``save_every``, the end of the run, a stop)."""
+    policy_version: int
+    """The generations made ahead of training (``rlbatch.loop.ahead.GenerationQueue``): the policy
+    version the inference engine held, and how many steps' generations were saved."""
+    generations_ahead: int
 
 
 def role_dir(ckpt: Path, role: str) -> Path:
@@ -36,16 +51,18 @@ def rng_dir(ckpt: Path) -> Path:
     return ckpt / RNG
 
 
-def write_controller(ckpt: Path, state: dict[str, Any], config_file: Path | None = None) -> None:
+def write_controller(ckpt: Path, state: ControllerState, config_file: Path | None = None) -> None:
     """Write the controller's JSON state and a copy of the run's config into a staging dir."""
     (ckpt / CONTROLLER).write_text(json.dumps(state, indent=1, sort_keys=True))
     if config_file is not None and config_file.is_file():
         shutil.copyfile(config_file, ckpt / CONFIG)
 
 
-def read_controller(ckpt: Path) -> dict[str, Any]:
+def read_controller(ckpt: Path) -> ControllerState:
+    """What ``write_controller`` wrote (empty when the checkpoint has none)."""
     path = ckpt / CONTROLLER
-    return json.loads(path.read_text()) if path.is_file() else {}
+    state: ControllerState = json.loads(path.read_text()) if path.is_file() else {}
+    return state
 
 
 def fsync_dir(path: Path) -> None:

@@ -20,11 +20,15 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlbatch.checkpoint.files import CHECKPOINTS, MANIFEST
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import mount_of, nearest_existing
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import RLBatchConfig
+    from rlbatch.placement import Placement
 
 BYTES_PER_TRAINED_PARAM = 12
 """fp32 master weight + AdamW exp_avg + exp_avg_sq, as every training engine saves them
@@ -77,9 +81,10 @@ def newest_checkpoint_bytes(root: Path) -> int | None:
     return None
 
 
-def estimate_bytes(cfg: Any, trainable_roles: list[str]) -> int:
+def estimate_bytes(cfg: RLBatchConfig, trainable_roles: list[str]) -> int:
     """A lower bound of one checkpoint's size: 12 bytes per parameter of each trainable role's
-    model (the policy's; a critic's own ``critic_model.path`` where set)."""
+    model (the policy's; a critic's own ``critic_model.path`` where set). ``cfg``: the run's config,
+    or the launcher's OmegaConf form of it (read by attribute alike)."""
     from collections.abc import Mapping
 
     from rlbatch.models.shape import ModelShape
@@ -88,7 +93,7 @@ def estimate_bytes(cfg: Any, trainable_roles: list[str]) -> int:
     total = 0
     critic_path = getattr(getattr(cfg, "critic_model", None), "path", None)
     for role in trainable_roles:
-        model: Any = cfg.model
+        model: object = cfg.model
         if role == "critic" and critic_path:
             fields = dict(model.items()) if isinstance(model, Mapping) else dict(vars(model))
             model = fields | {"path": str(critic_path)}
@@ -96,7 +101,7 @@ def estimate_bytes(cfg: Any, trainable_roles: list[str]) -> int:
     return total
 
 
-def expected_bytes(cfg: Any, trainable_roles: list[str]) -> int:
+def expected_bytes(cfg: RLBatchConfig, trainable_roles: list[str]) -> int:
     """``estimate_bytes``, or 0 (no check) when the model cannot be read here: validation reports
     a bad model itself, and a size check must not be what stops a run."""
     try:
@@ -114,7 +119,7 @@ def room_problem(directory: Path, need: int, what: str) -> str | None:
             f"free space there or choose a run_dir on a filesystem with room")
 
 
-def check_room_at_start(cfg: Any, placement: Any, run_dir: Path) -> None:
+def check_room_at_start(cfg: RLBatchConfig, placement: Placement, run_dir: Path) -> None:
     """ConfigError when ``run_dir``'s filesystem cannot hold one more checkpoint of this run
     (the newest one there, else the estimate): the run would fail at its first save."""
     from rlbatch.config.schema import TRAINABLE_ROLES
@@ -140,7 +145,7 @@ def _chain(e: BaseException) -> list[BaseException]:
     """``e``, what it was raised from or during, and each rank's failure inside a DCP
     CheckpointException (its ``failures``: rank -> (exception, traceback))."""
     seen: list[BaseException] = []
-    todo: list[Any] = [e]
+    todo: list[object] = [e]
     while todo:
         x = todo.pop()
         if not isinstance(x, BaseException) or any(x is y for y in seen):

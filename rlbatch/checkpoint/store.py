@@ -28,7 +28,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from rlbatch.checkpoint.files import CHECKPOINTS, MANIFEST, fsync_dir
 from rlbatch.errors import ConfigError
@@ -45,6 +45,27 @@ PROGRESS_EVERY_S = 10.0
 HASH_THREADS = 8
 
 
+class FileEntry(TypedDict):
+    """A file of a checkpoint, as its manifest records it."""
+
+    size: int
+    sha256: str
+
+
+class Manifest(TypedDict):
+    """manifest.json, written last by ``CheckpointStore.commit``: what makes a checkpoint complete."""
+
+    format: str
+    version: int
+    step: int
+    time: float
+    created: str
+    meta: dict[str, str]
+    """What the writer said about it (the run dir, why it was saved)."""
+    files: dict[str, FileEntry]
+    """Every other file, by path relative to the checkpoint."""
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used; the message names the directory, the file and why."""
 
@@ -53,7 +74,7 @@ class CheckpointError(ConfigError):
 class Checkpoint:
     path: Path
     step: int
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,13 +141,13 @@ def _files(root: Path) -> list[str]:
     return sorted(out)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> Manifest:
     """The parsed manifest of a checkpoint directory; CheckpointError saying what is wrong."""
     mf = path / MANIFEST
     if not mf.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST} (the write was interrupted before its commit)")
     try:
-        manifest = json.loads(mf.read_text())
+        manifest: Manifest = json.loads(mf.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: {MANIFEST} is unreadable ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
@@ -147,7 +168,7 @@ def check_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
     m = _DONE.match(path.name)
     if m and int(m.group(1)) != manifest.get("step"):
         raise CheckpointError(f"{path}: manifest says step {manifest.get('step')}, directory name says {int(m.group(1))}")
-    files: dict[str, dict[str, Any]] = manifest["files"]
+    files = manifest["files"]
     for rel, rec in files.items():
         f = path / rel
         if not f.is_file():
@@ -196,7 +217,7 @@ class CheckpointStore:
         self._staging[step] = stage
         return stage
 
-    def commit(self, step: int, meta: dict[str, Any] | None = None) -> Path:
+    def commit(self, step: int, meta: dict[str, str] | None = None) -> Path:
         """Make the staged checkpoint of ``step`` complete. Call once, after every rank has written.
 
         Checksums and fsyncs every file, writes manifest.json last, renames the staging dir to
@@ -208,7 +229,7 @@ class CheckpointStore:
             raise CheckpointError(f"{stage}: {MANIFEST} is reserved for the commit; a writer created one")
         t0 = time.monotonic()
         digests = _digests(stage, rels, f"checksumming {stage.name}", fsync=True)
-        manifest: dict[str, Any] = {
+        manifest: Manifest = {
             "format": FORMAT, "version": VERSION, "step": step, "time": time.time(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "meta": meta or {},
             "files": {r: {"size": (stage / r).stat().st_size, "sha256": digests[r]} for r in rels},

@@ -15,11 +15,17 @@ the launcher refuses a model without one before anything starts.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlbatch.data.records import Message, Prompt
 from rlbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlbatch.config.schema import DataConfig, ModelConfig
 
 CHECKED = 64
 """Prompts whose rank-side token ids are compared with apply_chat_template's at start."""
@@ -52,7 +58,7 @@ def no_template_reason(model_dir: str | Path) -> str:
 class ChatPrompts:
     """Renders prompts with ``tokenizer``'s chat template; refuses a tokenizer without one."""
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None, where: str = "the tokenizer") -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, system_prompt: str | None = None, where: str = "the tokenizer") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(no_template_reason(where))
         self.tokenizer, self.system_prompt, self.where = tokenizer, system_prompt or None, where
@@ -65,17 +71,17 @@ class ChatPrompts:
         self.bos_text = tokenizer.bos_token if added else None
 
     def messages(self, prompt: Prompt) -> list[Message]:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        messages: list[Message] = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
     def render(self, prompt: Prompt) -> str:
         """The prompt's text, as the ranks encode it."""
-        text = self.tokenizer.apply_chat_template(self.messages(prompt), tokenize=False, add_generation_prompt=True)
+        text = str(self.tokenizer.apply_chat_template(self.messages(prompt), tokenize=False, add_generation_prompt=True))
         if self.bos_text and text.startswith(self.bos_text):
             text = text[len(self.bos_text):]
-        return str(text)
+        return text
 
     def render_all(self, prompts: list[Prompt]) -> list[str]:
         """Every prompt's text; the first ``CHECKED`` encode as apply_chat_template encodes them."""
@@ -84,8 +90,10 @@ class ChatPrompts:
         if head:
             ranks = self.tokenizer(texts[: len(head)])["input_ids"]
             for i, (p, ids) in enumerate(zip(head, ranks, strict=True)):
-                want = list(self.tokenizer.apply_chat_template(self.messages(p), tokenize=True, return_dict=True,
-                                                               add_generation_prompt=True)["input_ids"])
+                encoded = self.tokenizer.apply_chat_template(self.messages(p), tokenize=True, return_dict=True,
+                                                             add_generation_prompt=True)
+                assert isinstance(encoded, Mapping), "apply_chat_template(return_dict=True) returns a BatchEncoding"
+                want = list(encoded["input_ids"])
                 if list(ids) != want:
                     raise ConfigError(f"data.chat_template: prompt {i} of {self.where} encodes to {len(ids)} tokens "
                                       f"where apply_chat_template gives {len(want)} (first {ids[:8]} vs {want[:8]}); "
@@ -93,7 +101,7 @@ class ChatPrompts:
         return texts
 
 
-def chat_prompts(data_cfg: Any, model_cfg: Any) -> ChatPrompts | None:
+def chat_prompts(data_cfg: DataConfig, model_cfg: ModelConfig | None) -> ChatPrompts | None:
     """The renderer ``data.chat_template`` asks for (None when false), from ``model.path``'s tokenizer."""
     if not getattr(data_cfg, "chat_template", False):
         return None

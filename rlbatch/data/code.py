@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
-from rlbatch.data.records import load_records
+from rlbatch.data.records import JsonObject, load_records
 from rlbatch.data.synthetic import Sample
 from rlbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import DataConfig
 
 SYNTHETIC_PREFIX = "def f(x):\n    return x"
 SYNTHETIC_POINTS = (0, 1, 2, 3, 5, 7)
@@ -70,10 +73,15 @@ def synthetic_code_problems(ops: str = "+-", constants: range = range(10)) -> tu
     return tuple(problems)
 
 
-def _record_problem(r: dict[str, Any], template: str) -> Sample:
+def _record_problem(r: JsonObject, template: str) -> Sample:
     if "test_list" in r or "tests" in r:  # MBPP
         given = r.get("test_list") or r.get("tests") or []
-        tests = [t for t in given.splitlines() if t.strip()] if isinstance(given, str) else [str(t) for t in given]
+        if isinstance(given, str):
+            tests = [t for t in given.splitlines() if t.strip()]
+        elif isinstance(given, list | dict):
+            tests = [str(t) for t in given]
+        else:  # a number or true: what iterating it raises
+            raise TypeError(f"'{type(given).__name__}' object is not iterable")
         setup = str(r.get("test_setup_code") or "")
         text = r.get("text") or r.get("prompt") or r.get("question")
         return Sample(template.format(question=text), encode_tests("", [*([setup] if setup else []), *tests]))
@@ -84,7 +92,7 @@ def _record_problem(r: dict[str, Any], template: str) -> Sample:
                       f"its fields are {sorted(r)}")
 
 
-def code_file_problems(data_cfg: Any) -> tuple[Sample, ...]:
+def code_file_problems(data_cfg: DataConfig) -> tuple[Sample, ...]:
     rows = load_records(str(data_cfg.path))
     if not rows:
         raise ConfigError(f"data.path: {data_cfg.path} has no records")

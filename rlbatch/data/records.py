@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol, TypeAlias
 
 from rlbatch.config.plain import dotted
 from rlbatch.errors import ConfigError
@@ -31,9 +31,29 @@ from rlbatch.errors import ConfigError
 LAYOUTS = ("auto", "flat", "verl")
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
+JsonValue: TypeAlias = "str | int | float | bool | None | list[JsonValue] | dict[str, JsonValue]"
+"""A value as JSON holds it (a parsed record, a tool call's arguments, a task record's fields)."""
+JsonObject: TypeAlias = "dict[str, JsonValue]"
+
 Message = dict[str, str]
+"""One chat message, ``{"role": ..., "content": ...}`` (the shape ``apply_chat_template`` takes)."""
 Prompt = str | list[Message]
 """A question (text) or chat messages (``[{"role": ..., "content": ...}, ...]``)."""
+
+
+class RecordsConfig(Protocol):
+    """What ``read_records`` reads of the data section (``DataConfig``, or the launcher's checks' view of it)."""
+
+    @property
+    def path(self) -> str | None: ...
+    @property
+    def layout(self) -> str: ...
+    @property
+    def prompt_key(self) -> str | None: ...
+    @property
+    def answer_key(self) -> str | None: ...
+    @property
+    def data_source_key(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -84,7 +104,7 @@ class Skipped:
         return f"{self.count} of {self.total} records skipped: " + "; ".join(parts)
 
 
-def read_rows(path: str) -> list[tuple[int, Any]]:
+def read_rows(path: str) -> list[tuple[int, Row]]:
     """``(row, record)`` for each record of a .jsonl, .json or .parquet file; nothing is downloaded.
 
     A JSON Lines line that is not valid JSON (or not UTF-8) comes back as an ``_Unreadable`` record,
@@ -109,7 +129,7 @@ def read_rows(path: str) -> list[tuple[int, Any]]:
         except ValueError as e:
             raise ConfigError(f"data.path: {path} is not valid JSON: {e}") from e
         return [(i + 1, r) for i, r in enumerate(array)]
-    rows: list[tuple[int, Any]] = []
+    rows: list[tuple[int, Row]] = []
     # Split the bytes, not decoded text: str.splitlines also breaks at U+2028, which JSON strings may hold.
     for n, line in enumerate(data.splitlines(), start=1):
         if line.strip():
@@ -124,10 +144,14 @@ class _Unreadable:
     """A JSON Lines line that is not valid JSON."""
 
 
+Row: TypeAlias = "JsonValue | _Unreadable"
+"""A record as read: any JSON value (a usable one is an object), or a line that is not JSON."""
+
+
 _MISSING = object()
 
 
-def load_records(path: str) -> list[dict[str, Any]]:
+def load_records(path: str) -> list[JsonObject]:
     """Rows of a local jsonl/json/parquet file (``records.read_rows``); a ConfigError naming the rows
     that are not JSON objects."""
     rows = read_rows(path)
@@ -135,14 +159,14 @@ def load_records(path: str) -> list[dict[str, Any]]:
     if bad:
         raise ConfigError(f"data.path: {path}: {len(bad)} of its {len(rows)} records are not JSON objects "
                           f"(rows {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
-    return [r for _, r in rows]
+    return [r for _, r in rows if isinstance(r, dict)]
 
 
-def _get(record: Mapping[str, Any], path: str) -> Any:
+def _get(record: Mapping[str, object], path: str) -> object:
     return dotted(record, path, _MISSING)
 
 
-def resolve_keys(data_cfg: Any, first: Any) -> Keys:
+def resolve_keys(data_cfg: RecordsConfig, first: object) -> Keys:
     """The field names to read: the layout's (``auto``: verl's when the first record has 'prompt'
     and 'reward_model', else flat), each replaced by ``data.<x>_key`` where that is set."""
     layout = str(getattr(data_cfg, "layout", "auto") or "auto")
@@ -156,11 +180,11 @@ def resolve_keys(data_cfg: Any, first: Any) -> Keys:
     return Keys(**{k: str(v) if v else getattr(base, k) for k, v in given.items()})
 
 
-def _type(v: Any) -> str:
+def _type(v: object) -> str:
     return "null" if v is None else type(v).__name__
 
 
-def _prompt(value: Any, key: str) -> tuple[Prompt | None, str | None]:
+def _prompt(value: object, key: str) -> tuple[Prompt | None, str | None]:
     """The prompt, or why the value is not one."""
     if isinstance(value, str):
         return (value, None) if value.strip() else (None, f"have an empty '{key}'")
@@ -173,7 +197,7 @@ def _prompt(value: Any, key: str) -> tuple[Prompt | None, str | None]:
     return None, f"have a '{key}' of type {_type(value)} (expected text or a list of chat messages)"
 
 
-def _answer(value: Any, key: str) -> tuple[str | None, str | None]:
+def _answer(value: object, key: str) -> tuple[str | None, str | None]:
     """The reference answer as text, or why the value is not one."""
     if isinstance(value, str):
         return (value, None) if value.strip() else (None, f"have an empty '{key}'")
@@ -184,7 +208,7 @@ def _answer(value: Any, key: str) -> tuple[str | None, str | None]:
     return None, f"have an '{key}' of type {_type(value)} (expected text or a number)"
 
 
-def _source(value: Any, key: str) -> tuple[str | None, str | None]:
+def _source(value: object, key: str) -> tuple[str | None, str | None]:
     if value is _MISSING or value is None:
         return "", None
     if not isinstance(value, str):
@@ -192,7 +216,7 @@ def _source(value: Any, key: str) -> tuple[str | None, str | None]:
     return value, None
 
 
-def parse_records(rows: list[tuple[int, Any]], keys: Keys) -> tuple[list[Record], Skipped]:
+def parse_records(rows: list[tuple[int, Row]], keys: Keys) -> tuple[list[Record], Skipped]:
     """The usable records, and those skipped with the reason and row of each."""
     out: list[Record] = []
     skipped = Skipped(total=len(rows))
@@ -230,7 +254,7 @@ def fill_template(template: str, question: str) -> str:
                           f"{e}); '{{question}}' is its one field, write '{{{{' and '}}}}' for literal braces") from e
 
 
-def read_records(data_cfg: Any) -> tuple[list[Record], Skipped, Keys]:
+def read_records(data_cfg: RecordsConfig) -> tuple[list[Record], Skipped, Keys]:
     """The usable records of ``data.path`` (a ConfigError naming the file and the counts when none is)."""
     path = str(data_cfg.path)
     rows = read_rows(path)

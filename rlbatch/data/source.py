@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlbatch.data.chat import ChatPrompts, chat_prompts
 from rlbatch.data.records import fill_template, read_records
 from rlbatch.data.synthetic import PromptStream, Sample, arithmetic_problems
 from rlbatch.errors import ConfigError
 
+if TYPE_CHECKING:
+    from rlbatch.config.schema import DataConfig, ModelConfig
+
 log = logging.getLogger(__name__)
 
 
-def file_problems(data_cfg: Any, chat: ChatPrompts | None = None) -> tuple[Sample, ...]:
+def file_problems(data_cfg: DataConfig, chat: ChatPrompts | None = None) -> tuple[Sample, ...]:
     """The usable records of ``data.path`` as problems; the skipped ones in one warning."""
     records, skipped, keys = read_records(data_cfg)
     if skipped.count:
@@ -48,7 +51,7 @@ def fingerprint(problems: tuple[Sample, ...]) -> str:
     return f"{len(problems)}:{h.hexdigest()[:16]}"
 
 
-def problems_of(data_cfg: Any, model_cfg: Any = None) -> tuple[Sample, ...]:
+def problems_of(data_cfg: DataConfig, model_cfg: ModelConfig | None = None) -> tuple[Sample, ...]:
     """The problem set ``data.name`` names: synthetic, file, synthetic_code, code_file or none; with
     ``data.chat_template``, the prompts rendered with ``model.path``'s chat template."""
     from rlbatch.data import code
@@ -82,7 +85,7 @@ def split_holdout(problems: tuple[Sample, ...], n: int, seed: int) -> tuple[tupl
             tuple(p for i, p in enumerate(problems) if i in held))
 
 
-def make_stream(data_cfg: Any, seed: int, model_cfg: Any = None, holdout: int = 0,
+def make_stream(data_cfg: DataConfig, seed: int, model_cfg: ModelConfig | None = None, holdout: int = 0,
                 holdout_seed: int = 0) -> tuple[PromptStream, str]:
     """The prompt stream and the dataset's fingerprint. ``model_cfg`` (``cfg.model``) gives the
     tokenizer whose chat template ``data.chat_template=true`` renders prompts with. ``holdout``

@@ -36,12 +36,13 @@ def _kernel() -> Callable[..., torch.Tensor] | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _params(kernel: Callable[..., Any]) -> frozenset[str]:
+def _params(kernel: Callable[..., torch.Tensor]) -> frozenset[str]:
     """The kernel's keyword names, read once (every layer of every packed forward asks)."""
     return frozenset(inspect.signature(kernel).parameters)
 
 
-def _causal_kwargs(kernel: Callable[..., Any], sliding_window: int | None) -> dict[str, Any]:
+def _causal_kwargs(kernel: Callable[..., torch.Tensor],
+                   sliding_window: int | None) -> dict[str, tuple[int, int] | bool]:
     """Causal attention (within ``sliding_window`` tokens, when set) in the kernel's own terms:
     ``window_size=(left, right)`` in newer torch, ``is_causal`` in the first releases."""
     if "window_size" in _params(kernel):
@@ -95,14 +96,14 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    def mask(**kwargs: Any) -> Any:
+    def mask(**kwargs: Any) -> torch.Tensor | None:  # sdpa_mask's keyword arguments
         return None if kwargs.get("attention_mask") is None else sdpa_mask(**kwargs)
 
     AttentionInterface.register(VARLEN, varlen_attention)
     AttentionMaskInterface.register(VARLEN, mask)
 
 
-def prefer_varlen(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
+def prefer_varlen(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
     """Switch ``model`` (a transformers model, possibly wrapped) to varlen attention for packed rows
     when ``available``; returns whether it did. Only models on sdpa are switched (eager is kept
     where a model asked for it)."""

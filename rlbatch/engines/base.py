@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeGuard
 
 import torch
 
@@ -36,6 +36,19 @@ from rlbatch.config.schema import AlgoConfig, ModelConfig
 from rlbatch.engines.offload import Transfer
 from rlbatch.engines.registry import spec_of
 from rlbatch.models import lora
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedTokenizerBase
+
+    from rlbatch.algos.objective import PolicyObjective
+    from rlbatch.algos.value import ValueObjective
+    from rlbatch.config.schema import LoraConfig
+
+    Objective: TypeAlias = PolicyObjective | ValueObjective
+    """What a training engine minimises (``rlbatch.algos.objective.objective_for``)."""
 
 Sample = dict[str, torch.Tensor]
 """One sample as engines see it: 1-D tensors by field (prompt, response, per-token fields)."""
@@ -65,32 +78,40 @@ class EngineContext:
 
     role: str
     args: Any
-    """The engine's typed engine_args (a dataclass from the registry)."""
+    """The engine's typed engine_args: an instance of its own dataclass (``EngineSpec.args`` in the
+    registry), which each engine annotates where it reads it."""
     model: ModelConfig
     """The run's model."""
     algo: AlgoConfig
     """The run's algorithm settings (optimizer, mini-batches, epochs, ...)."""
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     device: torch.device
     seed: int
-    mesh: Any = None
+    mesh: DeviceMesh | None = None
     """The role's DeviceMesh with named axes (dp, tp, pp, cp) over the role's ranks."""
     trainable: bool = False
     """Whether the role has an optimizer (actor_train, critic)."""
     head: str = "lm"
     """'lm': the policy (a causal LM); 'value': a value model (the critic: a scalar per token);
     'reward': a sequence-classification model (a reward model: a score per sequence)."""
-    groups: dict[str, Any] = field(default_factory=dict)
+    groups: dict[str, ProcessGroup] = field(default_factory=dict)
     """Process groups beyond the mesh axes, created by ``rlbatch.runtime.world`` on every rank:
     'role' (all the role's ranks) and, with pipeline stages, 'model_parallel' and 'pipeline_ends'
     (``rlbatch.placement.subgroups``). Empty for an engine built by hand over a mesh."""
-    comm: Any = None
+    comm: MPI.Comm | None = None
     """The world's MPI communicator, for host messages between the ranks of one worker (None for an
     engine built by hand over a mesh)."""
 
-    def group(self, axis: str) -> Any:
+    def group(self, axis: str) -> ProcessGroup:
         """The process group of one mesh axis (e.g. 'dp') containing this rank."""
-        return self.mesh.get_group(axis)
+        return require_mesh(self.mesh, f"role {self.role}").get_group(axis)
+
+
+def require_mesh(mesh: DeviceMesh | None, who: str) -> DeviceMesh:
+    """``mesh``, which an engine that shards or splits its model over ranks cannot do without."""
+    if mesh is None:
+        raise ValueError(f"{who}: the engine needs the role's DeviceMesh (EngineContext.mesh)")
+    return mesh
 
 
 @dataclass
@@ -98,9 +119,10 @@ class CheckpointState:
     """An engine's checkpointed state: named tensors (sharded or not; saved and resharded by DCP),
     small metadata (plain Python values), and the process group whose ranks write it together."""
 
-    tensors: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
-    group: Any = None
+    """Plain Python values (param groups, the LR scheduler's state, ...), each engine's own."""
+    group: ProcessGroup | None = None
 
 
 Unit = list[tuple[str, torch.Tensor]]
@@ -135,7 +157,7 @@ class WeightStream:
                  produce: Callable[[torch.dtype | None], Iterator[Unit]]) -> None:
         self.manifest = manifest
         self._produce = produce
-        self._open: list[Generator[Any, None, None]] = []
+        self._open: list[Generator[object, None, None]] = []
 
     @classmethod
     def of(cls, named: Iterable[tuple[str, torch.Tensor]]) -> WeightStream:
@@ -148,7 +170,7 @@ class WeightStream:
 
         return cls([(n, t.shape) for n, t in held], produce)
 
-    def merged(self, adapters: Any) -> WeightStream:
+    def merged(self, adapters: LoraConfig) -> WeightStream:
         """This stream of a PEFT-wrapped model (``model.lora``: ``adapters``; each unit holding an adapted
         weight with its adapters) as the base model's: every unit merged (``rlbatch.models.lora.merged``),
         under the base names."""
@@ -298,10 +320,15 @@ class BatchedTurns:
         return len(self.pending)
 
 
-def turns_of(engine: Any) -> Turns:
+def _has_turns(engine: InferenceEngine) -> TypeGuard[Turns]:
+    """Whether ``engine`` has ``Turns``' methods too."""
+    return all(callable(getattr(engine, m, None)) for m in ("submit", "poll", "in_flight"))
+
+
+def turns_of(engine: InferenceEngine) -> Turns:
     """The engine itself where it implements ``Turns`` (vLLM: requests join and leave its running
     batch), else ``BatchedTurns`` over its ``generate``."""
-    if all(callable(getattr(engine, m, None)) for m in ("submit", "poll", "in_flight")):
+    if _has_turns(engine):
         return engine
     return BatchedTurns(engine)
 
@@ -319,7 +346,7 @@ class TrainEngine(Engine, Protocol):
         """One score per sample from a sequence-classification model (a reward model)."""
         ...
 
-    def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: Objective) -> dict[str, float]:
         """One batch of updates (mini-batches x epochs) minimising ``objective``
         (``rlbatch.algos.objective``); returns averaged stats."""
         ...
@@ -340,7 +367,7 @@ class TrainEngine(Engine, Protocol):
         ...
 
 
-def build_engine(engine: str, ctx: EngineContext) -> Any:
+def build_engine(engine: str, ctx: EngineContext) -> Engine:
     """Build the registered implementation of ``engine`` (validation refused unbuilt ones)."""
     spec = spec_of(engine)
     if spec.implementation is None:

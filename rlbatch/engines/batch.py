@@ -32,13 +32,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlbatch.algos.core import chunked_logprobs, token_logprobs
 from rlbatch.engines.defaults import worth_sharing
 from rlbatch.phases import PER_TOKEN_FIELDS
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
+    from rlbatch.engines.ulysses import Slice
 
 
 @dataclass
@@ -67,12 +72,12 @@ class Flat:
     width: int                    # R
     cu_seq_lens: torch.Tensor     # [S + 1] int32: where each sample's run of the row starts, then N
     max_length: int               # the longest sample's run
-    cp: Any = None
+    cp: Slice | None = None
     """``rlbatch.engines.ulysses.Slice`` when this is one rank's slice of a row split over a
     context-parallel group (``ulysses.split``): the forward runs inside ``ulysses.over`` and
     ``spread`` sums the group's kept outputs; None for a whole row."""
 
-    def forward_kwargs(self) -> dict[str, Any]:
+    def forward_kwargs(self) -> dict[str, torch.Tensor | int | bool]:
         """What a model call on this row takes: the ids and restarting positions, no attention mask
         and no cache (so sdpa confines attention to each sample with transformers' block-diagonal
         mask), and the boundaries that a model on ``rlbatch.engines.attention.VARLEN`` reads instead."""
@@ -199,14 +204,14 @@ def _flat(prompts: list[torch.Tensor], responses: list[torch.Tensor], plen: torc
                 *_boundaries(n, device))
 
 
-def _boundaries(n: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+def _boundaries(n: torch.Tensor, device: torch.device | None) -> tuple[torch.Tensor, int]:
     """``Flat.cu_seq_lens`` and ``max_length`` of runs of ``n`` tokens (empty runs dropped)."""
     n = n[n > 0]
     cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(n, 0)]).to(device=device, dtype=torch.int32)
     return cu, int(n.max()) if len(n) else 0
 
 
-def flat_sequences(samples: Sequence[dict[str, torch.Tensor]], pad_id: int, device: torch.device) -> Flat:
+def flat_sequences(samples: Sequence[dict[str, torch.Tensor]], pad_id: int, device: torch.device | None) -> Flat:
     """Every sample's whole sequence (prompt, then all of its response) back to back in one row,
     positions restarting at each: ``keep`` holds the position where a sequence-classification head
     scores each sample, in sample order (``where`` is the sample, ``width`` 1). That is where
@@ -240,8 +245,8 @@ def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(1) - 1).clamp(min=0)
 
 
-def prompt_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor,
-                 group: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+def prompt_cache(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                 group: torch.Tensor | None) -> tuple[torch.Tensor, Cache]:
     """Run each distinct prompt once (``ids``/``mask``: [U, P], left-padded): its last position's
     logits [U, V], and its KV cache with one row per sample (``group``: [B], the prompt of each;
     None: the cache is not needed, nothing selected). The row selection is an index_select per
@@ -254,7 +259,7 @@ def prompt_cache(model: Any, ids: torch.Tensor, mask: torch.Tensor,
     return out.logits[:, -1], cache
 
 
-def response_logits(model: Any, batch: Packed) -> torch.Tensor:
+def response_logits(model: torch.nn.Module, batch: Packed) -> torch.Tensor:
     """[B, R, V] logits scoring each response token, from a transformers causal LM (``Full`` or
     ``Shared`` inputs; ``Flat`` ones go through ``response_logprobs``)."""
     x = batch.inputs
@@ -273,7 +278,7 @@ def response_logits(model: Any, batch: Packed) -> torch.Tensor:
     return torch.cat([first, rest], dim=1)
 
 
-def flat_outputs(model: Any, x: Flat, lm: bool) -> torch.Tensor:
+def flat_outputs(model: torch.nn.Module, x: Flat, lm: bool) -> torch.Tensor:
     """[K, C] a model's outputs at the kept positions. ``lm``: a causal LM whose head runs only
     there (``logits_to_keep``); else a token-level head (a value model: one number per position,
     cheap everywhere) read there. One call through the model's own forward (FSDP's and DeepSpeed's
@@ -293,7 +298,7 @@ def spread(values: torch.Tensor, x: Flat, batch: int) -> torch.Tensor:
     return (out if x.cp is None else x.cp.sum(out)).view(batch, x.width)
 
 
-def response_logprobs(model: Any, batch: Packed, entropy: bool = False
+def response_logprobs(model: torch.nn.Module, batch: Packed, entropy: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(log-probs [B, R], entropy [B, R] or None, logits [B, R, V] or None) of the response tokens.
 

@@ -7,9 +7,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedModel
+
+    from rlbatch.config.schema import ModelConfig
 
 
 @contextmanager
@@ -24,21 +30,22 @@ def rng_kept() -> Iterator[None]:
     np.random.set_state(npy)
 
 
-def hf_parameter_names(model_cfg: Any) -> set[str]:
+def hf_parameter_names(model_cfg: ModelConfig) -> set[str]:
     """The names a trainer exports (its transformers model's ``named_parameters``), for a model
     directory, without allocating it."""
     return {n for n, _ in meta_model(model_cfg).named_parameters()}
 
 
-def meta_model(model_cfg: Any) -> Any:
+def meta_model(model_cfg: ModelConfig) -> PreTrainedModel:
     """A model directory's transformers model on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    assert model_cfg.path, "a model directory (model.path)"
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
 
 
-def tp_peers(mesh: Any) -> tuple[tuple[int, ...], int]:
+def tp_peers(mesh: DeviceMesh | None) -> tuple[tuple[int, ...], int]:
     """World ranks of this worker's tensor-parallel peers (the role mesh's ``tp`` axis through this
     rank) and this rank's index among them; ``((rank,), 0)`` without a tp axis."""
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
@@ -32,6 +32,14 @@ from rlbatch.models.weights import (
     random_init,
 )
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    from rlbatch.config.schema import ModelConfig
+    from rlbatch.engines.base import EngineContext
+
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -43,7 +51,7 @@ def model_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_tokenizer(model_cfg: Any) -> Any:
+def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if model_cfg.path:
         from transformers import AutoTokenizer
 
@@ -56,7 +64,8 @@ def load_tokenizer(model_cfg: Any) -> Any:
     return build_char_tokenizer()
 
 
-def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = torch.float32) -> Any:
+def load_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
+               dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A transformers causal LM in ``dtype`` on the CPU (engines move it to their device).
 
     Random-init: the ``ModelSpec`` of ``model_cfg`` with the tokenizer's vocabulary, the same
@@ -83,11 +92,13 @@ def load_model(model_cfg: Any, tokenizer: Any, seed: int, dtype: torch.dtype = t
     from rlbatch.models.tiny import build_tiny_model
 
     spec = spec_from_model_config(model_cfg, vocab=len(tokenizer))
-    tiny_model: Any = build_tiny_model(spec, seed, tokenizer)
-    return tiny_model.to(dtype)
+    tiny_model = build_tiny_model(spec, seed, tokenizer)
+    module: torch.nn.Module = tiny_model  # transformers' ``to`` (a functools.wraps) is untyped to mypy
+    module.to(dtype)  # in place: ``to`` returns the model itself
+    return tiny_model
 
 
-def _from_pretrained(path: str, dtype: torch.dtype) -> Any:
+def _from_pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -97,7 +108,7 @@ def _from_pretrained(path: str, dtype: torch.dtype) -> Any:
     return model
 
 
-def _with_head(lm: Any, auto_class: Any, **config: Any) -> Any:
+def _with_head(lm: PreTrainedModel, auto_class: type[_BaseAutoModelClass], **config: object) -> PreTrainedModel:
     """``lm``'s architecture under another transformers head class (one label, no output embedding to
     tie), built without touching the caller's RNG, its body the LM's weights. The head's parameters
     (``score.*``) are the only ones left to set."""
@@ -117,7 +128,7 @@ def _with_head(lm: Any, auto_class: Any, **config: Any) -> Any:
     return model
 
 
-def value_model(lm: Any) -> Any:
+def value_model(lm: PreTrainedModel) -> PreTrainedModel:
     """A critic from a causal LM: the same architecture with a scalar head per token
     (transformers' ``...ForTokenClassification`` with one label, no dropout), its body the LM's
     weights and its head zero, so every value starts at 0 and the first advantages are the
@@ -130,7 +141,7 @@ def value_model(lm: Any) -> Any:
     return model
 
 
-def reward_model(lm: Any, seed: int) -> Any:
+def reward_model(lm: PreTrainedModel, seed: int) -> PreTrainedModel:
     """A sequence-classification model (one score per sequence, read at its last non-pad token)
     from a causal LM: its body the LM's weights, its head drawn from ``seed`` (std 1/sqrt(hidden)).
     A stand-in that knows nothing about the task, for runs without a trained reward model."""
@@ -141,7 +152,7 @@ def reward_model(lm: Any, seed: int) -> Any:
     return model
 
 
-def head_weights(head: str, model: Any, seed: int) -> dict[str, torch.Tensor]:
+def head_weights(head: str, model: PreTrainedModel, seed: int) -> dict[str, torch.Tensor]:
     """The initial ``score.*`` parameters of a head model (its parameters may be on meta): a value
     head all zero; a reward head's weight drawn from ``seed`` (std 1/sqrt(hidden)), its bias zero."""
     out = {}
@@ -156,14 +167,14 @@ def head_weights(head: str, model: Any, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _set_head(model: Any, weights: dict[str, torch.Tensor]) -> None:
+def _set_head(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, w in weights.items():
             params[name].copy_(w)
 
 
-def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
+def load_engine_model(ctx: EngineContext, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model of an engine's role by its head: the policy (a causal LM, 'lm'), the value model
     built from it ('value': the critic), or a reward model ('reward': the directory's
     sequence-classification model when ``ctx.model.path`` names one, else one built from the policy)."""
@@ -188,11 +199,15 @@ def load_engine_model(ctx: Any, dtype: torch.dtype = torch.float32) -> Any:
     return reward_model(lm, ctx.seed) if ctx.head == "reward" else lm
 
 
+ModelT = TypeVar("ModelT", bound="PreTrainedModel | PeftModel")
+
+
 @dataclass
-class Skeleton:
+class Skeleton(Generic[ModelT]):
     """A model with its parameters on the meta device (buffers real), and where its weights come from."""
 
-    model: Any
+    model: ModelT
+    """A transformers model, or with adapters (``rlbatch.models.lora.adapt``) PEFT's wrapper of one."""
     weights: TensorSource
     whole: str = ""
     """Why the weights were read whole on this rank (files that cannot be read by rows), else ''."""
@@ -208,7 +223,8 @@ class _ReadWhole(Exception):
     """The model directory's weights cannot be read by rows (the reason)."""
 
 
-def _directory_skeleton(auto_class: Any, config: Any, path: str) -> Skeleton:
+def _directory_skeleton(auto_class: type[_BaseAutoModelClass], config: PretrainedConfig,
+                        path: str) -> Skeleton[PreTrainedModel]:
     """``auto_class``'s model of ``config`` with parameters on meta, its weights ``path``'s
     safetensors files, read by rows. Where the files do not hold every parameter under the model's
     own name (no safetensors files; names transformers maps on loading, such as per-expert MoE
@@ -227,7 +243,7 @@ def _directory_skeleton(auto_class: Any, config: Any, path: str) -> Skeleton:
     return Skeleton(model, files)
 
 
-def model_skeleton(model_cfg: Any, tokenizer: Any, seed: int) -> Skeleton:
+def model_skeleton(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> Skeleton[PreTrainedModel]:
     """``load_model``'s causal LM as a ``Skeleton`` (fp32): a directory's files, or the seeded random
     init of the config's ``ModelSpec``."""
     if model_cfg.path:
@@ -241,7 +257,8 @@ def model_skeleton(model_cfg: Any, tokenizer: Any, seed: int) -> Skeleton:
     return Skeleton(model, random_init(model, seed))
 
 
-def _head_skeleton(lm: Skeleton, head: str, auto_class: Any, seed: int, **config: Any) -> Skeleton:
+def _head_skeleton(lm: Skeleton[PreTrainedModel], head: str, auto_class: type[_BaseAutoModelClass], seed: int,
+                   **config: object) -> Skeleton[PreTrainedModel]:
     """``_with_head`` on a skeleton: the head model's body reads the LM's weights, ``score.*`` are
     ``head_weights``."""
     import copy
@@ -259,7 +276,7 @@ def _head_skeleton(lm: Skeleton, head: str, auto_class: Any, seed: int, **config
     return Skeleton(model, Tensors(head_weights(head, model, seed), base=lm.weights))
 
 
-def _skeleton(ctx: Any) -> Skeleton:
+def _skeleton(ctx: EngineContext) -> Skeleton[PreTrainedModel]:
     path = ctx.model.path
     if ctx.head == "reward" and path and _architecture_is(path, "ForSequenceClassification"):
         from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -288,7 +305,8 @@ def _skeleton(ctx: Any) -> Skeleton:
     return lm
 
 
-def engine_skeleton(ctx: Any, dtype: torch.dtype = torch.float32) -> Skeleton:
+def engine_skeleton(ctx: EngineContext,
+                    dtype: torch.dtype = torch.float32) -> Skeleton[PreTrainedModel] | Skeleton[PeftModel]:
     """``load_engine_model(ctx, dtype)`` as a ``Skeleton``: the same model and, once materialised
     whole, the same tensors. A directory whose files cannot be read by rows is loaded whole on
     this rank (``load_engine_model``), and the skeleton's weights are those tensors
@@ -299,11 +317,12 @@ def engine_skeleton(ctx: Any, dtype: torch.dtype = torch.float32) -> Skeleton:
         log.warning("%s: %s; every rank reads the whole model before it takes its shard", ctx.role, e)
         full = load_engine_model(ctx)
         sk = Skeleton(full, Tensors(params_to_meta(full)), f"{e}: read whole")
+    out: Skeleton[PreTrainedModel] | Skeleton[PeftModel] = sk
     if (adapters := lora.of(ctx)) is not None:  # the trained policy learns adapters only: adapted on meta,
         # its base weights the skeleton's, its adapters drawn from the seed by name (lora.AdapterInit)
-        sk = Skeleton(lora.adapt(sk.model, adapters), lora.AdapterInit(sk.weights, ctx.seed), sk.whole)
-    cast_params(sk.model, dtype)
-    return sk
+        out = Skeleton(lora.adapt(sk.model, adapters), lora.AdapterInit(sk.weights, ctx.seed), sk.whole)
+    cast_params(out.model, dtype)
+    return out
 
 
 def _architecture_is(path: str, suffix: str) -> bool:
@@ -314,9 +333,9 @@ def _architecture_is(path: str, suffix: str) -> bool:
     return any(a.endswith(suffix) for a in config.get("architectures") or [])
 
 
-def _check_vocab(model: Any, tokenizer: Any, path: str) -> None:
+def _check_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str) -> None:
     """A critic reads the policy's token ids: its embedding must have a row for each."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    rows = model.get_input_embeddings().get_parameter("weight").shape[0]
     if rows < len(tokenizer):
         raise ValueError(f"critic_model.path: {path} embeds {rows} tokens, but the policy's tokenizer has "
                          f"{len(tokenizer)}: the critic must read the policy's token ids (the same tokenizer)")

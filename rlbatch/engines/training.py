@@ -13,13 +13,14 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlbatch.algos.objective import LossInput
 from rlbatch.algos.split import aggregation_count
-from rlbatch.engines.base import Sample
+from rlbatch.algos.value import ValueInput, ValueObjective
+from rlbatch.engines.base import Sample, require_mesh
 from rlbatch.engines.batch import (
     Flat,
     Full,
@@ -32,10 +33,18 @@ from rlbatch.engines.batch import (
     unpack,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
-def require_data_parallel(mesh: Any, engine: str) -> None:
+    from rlbatch.config.schema import AlgoConfig
+    from rlbatch.engines.base import Objective
+
+
+def require_data_parallel(mesh: DeviceMesh | None, engine: str) -> None:
     """Refuse a mesh with tensor, context or pipeline parallelism for an engine that runs d only."""
-    dims = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
+    mesh = require_mesh(mesh, f"{engine} engine")
+    dims = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True))
     if any(dims.get(k, 1) > 1 for k in ("tp", "cp", "pp")):
         raise NotImplementedError(f"{engine} engine: only data parallelism (d) is implemented, got mesh {dims}")
 
@@ -48,10 +57,10 @@ class Split:
     """Samples per forward (0: all in one), when ``max_tokens`` is 0."""
     max_tokens: int = 0
     """> 0: consecutive runs of at most this many prompt + response tokens (a longer sample alone)."""
-    group: Any = None
+    group: ProcessGroup | None = None
     """The data-parallel group whose ranks must make as many forwards (FSDP and ZeRO-3 gather
     parameters in each); None: this rank alone."""
-    device: Any = None
+    device: torch.device | None = None
     """Where the group's all-reduce tensor lives."""
 
 
@@ -89,7 +98,7 @@ def _token_chunks(samples: list[Sample], split: Split) -> list[list[Sample]]:
 
 
 @torch.no_grad()
-def logprobs(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
+def logprobs(model: torch.nn.Module, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
     """Per-sample response-token log-probs under ``model``, ``micro_batch`` sequences per forward
     (or as a ``Split`` says: ``chunks``), in the order of ``samples``."""
     out: list[torch.Tensor] = []
@@ -99,7 +108,7 @@ def logprobs(model: Any, samples: list[Sample], micro_batch: int | Split, pack: 
     return out[: len(samples)]
 
 
-def value_outputs(model: Any, b: Packed) -> torch.Tensor:
+def value_outputs(model: torch.nn.Module, b: Packed) -> torch.Tensor:
     """[B, R] a value model's output at the positions that score each response token."""
     if isinstance(b.inputs, Flat):
         return spread(flat_outputs(model, b.inputs, lm=False)[:, 0], b.inputs, b.targets.shape[0])
@@ -107,7 +116,7 @@ def value_outputs(model: Any, b: Packed) -> torch.Tensor:
 
 
 @torch.no_grad()
-def values(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
+def values(model: torch.nn.Module, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed]) -> list[torch.Tensor]:
     """Per-sample response-token values under a value model (``rlbatch.engines.model.value_model``)."""
     out: list[torch.Tensor] = []
     for chunk in chunks(samples, micro_batch):
@@ -117,7 +126,7 @@ def values(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Ca
 
 
 @torch.no_grad()
-def scores(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed],
+def scores(model: torch.nn.Module, samples: list[Sample], micro_batch: int | Split, pack: Callable[[list[Sample]], Packed],
            head: torch.nn.Module | None = None, slice_row: Callable[[Flat], Flat] | None = None) -> list[float]:
     """One score per sample (prompt + response) from a sequence-classification model: its output at
     the sequence's last token. Padded (no token budget): transformers' pooling at each right-padded
@@ -139,7 +148,7 @@ def scores(model: Any, samples: list[Sample], micro_batch: int | Split, pack: Ca
     return out[: len(samples)]
 
 
-def model_pad_id(model: Any) -> int:
+def model_pad_id(model: torch.nn.Module) -> int:
     """The pad token id a sequence-classification model pools by (``config.pad_token_id``; -1,
     matching no token, when it has none), through a DeepSpeed engine's module too."""
     config = getattr(getattr(model, "module", model), "config", None)
@@ -147,7 +156,7 @@ def model_pad_id(model: Any) -> int:
     return -1 if pad is None else int(pad)
 
 
-def flat_scores(model: Any, x: Flat, head: torch.nn.Module, batch: int) -> list[float]:
+def flat_scores(model: torch.nn.Module, x: Flat, head: torch.nn.Module, batch: int) -> list[float]:
     """A sequence-classification model's score of each of the ``batch`` sequences of one flat row,
     read at its kept position: one call through the model's own forward (as ``flat_outputs``:
     FSDP's and DeepSpeed's hooks gather the parameters there; no attention mask, so attention stays
@@ -164,19 +173,17 @@ def flat_scores(model: Any, x: Flat, head: torch.nn.Module, batch: int) -> list[
     return spread(seen[-1][0, x.keep, 0], x, batch)[:, 0].tolist()
 
 
-def chunk_loss(model: Any, b: Packed, objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
+def chunk_loss(model: torch.nn.Module, b: Packed, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
     """The objective on one packed micro-batch: log-probs of the LM head (``PolicyObjective``), or
     the value head's output (``ValueObjective``, ``head == "value"``)."""
-    if objective.head == "value":
-        from rlbatch.algos.value import ValueInput
-
+    if isinstance(objective, ValueObjective):
         return objective(ValueInput(value_outputs(model, b), b.mask, b.fields))
     logp, entropy, logits = response_logprobs(model, b, entropy=objective.needs_logits)
     return objective(LossInput(logp, b.mask, b.token_advantages(), b.fields,
                                logits if objective.needs_logits else None, entropy))
 
 
-def mini_batches(samples: list[Sample], algo: Any, objective: Any = None) -> Iterator[list[Sample]]:
+def mini_batches(samples: list[Sample], algo: AlgoConfig, objective: Objective | None = None) -> Iterator[list[Sample]]:
     """The samples of each optimizer update: ``algo.mini_batches`` consecutive slices, every epoch.
 
     For a policy objective, samples without old log-probs are trained on-policy (old = current,
@@ -194,7 +201,8 @@ def mini_batches(samples: list[Sample], algo: Any, objective: Any = None) -> Ite
             yield mb
 
 
-def updates(samples: list[Sample], algo: Any, objective: Any = None) -> Iterator[list[list[Sample]]]:
+def updates(samples: list[Sample], algo: AlgoConfig,
+            objective: Objective | None = None) -> Iterator[list[list[Sample]]]:
     """One list of micro-batches per optimizer update (``mini_batches``), each mini-batch cut into at
     most ``algo.grad_accum`` micro-batches by sample count. The loss of each micro-batch is to be
     divided by ``algo.grad_accum``."""
@@ -256,16 +264,16 @@ class MicroBatch:
     ``divisor``, its stats weighted ``weight`` in ``Totals``."""
 
     samples: list[Sample]
-    objective: Any
+    objective: Objective
     divisor: float
     weight: float
 
 
-def _dp_size(group: Any) -> int:
+def _dp_size(group: ProcessGroup | None) -> int:
     return 1 if group is None or not torch.distributed.is_initialized() else torch.distributed.get_world_size(group)
 
 
-def _dp_reduce(value: float, group: Any, device: Any, op: str) -> float:
+def _dp_reduce(value: float, group: ProcessGroup | None, device: torch.device | None, op: str) -> float:
     """``value`` summed (or maxed: ``op``) over the ranks of ``group`` (itself when there is none)."""
     if _dp_size(group) == 1:
         return value
@@ -274,8 +282,9 @@ def _dp_reduce(value: float, group: Any, device: Any, op: str) -> float:
     return float(t.item())
 
 
-def weighted_updates(samples: list[Sample], algo: Any, objective: Any, max_tokens: int = 0, group: Any = None,
-                     device: Any = None, old_logprobs: Callable[[list[Sample]], list[torch.Tensor]] | None = None,
+def weighted_updates(samples: list[Sample], algo: AlgoConfig, objective: Objective, max_tokens: int = 0,
+                     group: ProcessGroup | None = None, device: torch.device | None = None,
+                     old_logprobs: Callable[[list[Sample]], list[torch.Tensor]] | None = None,
                      ) -> Iterator[list[MicroBatch]]:
     """The micro-batches of each update, with what each micro-batch's loss is divided by.
 

@@ -21,12 +21,13 @@ FSDP over ranks that include the group, with the loss scaled by c).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
 
 from rlbatch.engines import attention
 
@@ -36,17 +37,26 @@ if TYPE_CHECKING:
 ULYSSES = "rlbatch_ulysses"
 
 
+class _AllToAllCtx(Protocol):
+    """What ``_AllToAll``'s forward keeps on autograd's context for its backward."""
+
+    group: dist.ProcessGroup
+    scatter: int
+    gather: int
+
+
 class _AllToAll(torch.autograd.Function):
     """Split ``x`` into ``c`` chunks along ``scatter``, exchange them, concatenate what arrives
     along ``gather``; backward is the same exchange the other way round."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, scatter: int, gather: int) -> torch.Tensor:
+    def forward(ctx: _AllToAllCtx, x: torch.Tensor, group: dist.ProcessGroup, scatter: int,
+                gather: int) -> torch.Tensor:
         ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
         return _exchange(x, group, scatter, gather)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: _AllToAllCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _exchange(grad, ctx.group, ctx.gather, ctx.scatter), None, None, None
 
 
@@ -65,19 +75,27 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter: int = 1, gath
     return _AllToAll.apply(x, group, scatter, gather)
 
 
+class _GatherCtx(Protocol):
+    """What ``_Gather``'s forward keeps on autograd's context for its backward."""
+
+    group: dist.ProcessGroup
+    dim: int
+    size: int
+
+
 class _Gather(torch.autograd.Function):
     """All-gather of the group's slices along ``dim``; backward keeps this rank's slice of the
     gradient (every rank computes the same function of the whole)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    def forward(ctx: _GatherCtx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.size = group, dim, x.shape[dim]
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: _GatherCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         rank = dist.get_rank(ctx.group)
         return grad.narrow(ctx.dim, rank * ctx.size, ctx.size), None, None
 
@@ -154,7 +172,7 @@ def split_heads(hq: int, key: torch.Tensor, value: torch.Tensor, c: int, dim: in
 
 def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                      sliding_window: int | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature on this rank's slice: ``query`` [1, Hq, S/c, D],
     ``key``/``value`` [1, Hkv, S/c, D] -> ([1, S/c, Hq, D], None)."""
     if not _ACTIVE:
@@ -193,7 +211,7 @@ def register() -> None:
     AttentionMaskInterface.register(ULYSSES, lambda **kwargs: None)
 
 
-def use(model: Any) -> None:
+def use(model: torch.nn.Module) -> None:
     """Switch ``model`` (a transformers model, possibly wrapped) to Ulysses attention."""
     config = getattr(getattr(model, "module", model), "config", None)
     if config is None:
@@ -207,13 +225,13 @@ class _SumAcross(torch.autograd.Function):
     the same function of the sum, and each rank's addend is its own positions only."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -224,7 +242,7 @@ class Slice:
     group: dist.ProcessGroup
     position_ids: torch.Tensor  # [1, S] the whole (padded) row's
 
-    def over(self) -> Any:
+    def over(self) -> AbstractContextManager[None]:
         return over(self.group, self.position_ids)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ names (trajectory end reasons, tool-call outcomes) that metrics count.
 An environment is any class with these two methods (no base class to inherit)::
 
     class MyEnv:
-        def reset(self, task: Mapping[str, Any], seed: int) -> str: ...   # the first observation
+        def reset(self, task: Task, seed: int) -> str: ...   # the first observation
         def step(self, action: str) -> StepResult: ...                   # the policy's text in
 
 and, optionally, ``tools`` (a mapping of tool name -> callable, read after ``reset``: tools bound
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 EndReason = Literal["done", "max_turns", "max_context", "timeout", "error", "invalid"]
 END_REASONS: tuple[EndReason, ...] = ("done", "max_turns", "max_context", "timeout", "error", "invalid")
@@ -32,6 +32,10 @@ TOOL_OUTCOMES: tuple[ToolOutcome, ...] = ("ok", "malformed", "unknown_tool", "ba
 """What became of one tool call: it ran; its text was not a well-formed call; it named no tool
 the episode has; its arguments do not fit the tool's parameters; the tool raised (a ``ToolError``
 is the tool's own way to say the call failed, e.g. the python tool's code raised)."""
+
+Task = Mapping[str, object]
+"""A task record an episode starts from: a data set row's fields (``answer``, ``data_source``, an
+env's own such as ``lookup``'s ``table``), which an env checks as it reads them; may be empty."""
 
 Tool = Callable[..., str]
 """A tool: called with the call's arguments as keyword arguments, returns the text the policy reads."""
@@ -47,13 +51,13 @@ class StepResult:
     """This step's reward (a finite number); the trajectory's rewards are kept per turn."""
     done: bool = False
     """The episode is over (the policy won, lost or finished)."""
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, object] = field(default_factory=dict)
     """Anything the env wants to report (kept with the step; not read by rlbatch)."""
 
 
 @runtime_checkable
 class Env(Protocol):
-    def reset(self, task: Mapping[str, Any], seed: int) -> str:
+    def reset(self, task: Task, seed: int) -> str:
         """Start an episode from a task record (a data set row; may be empty) and a seed: the same
         task and seed give the same episode. Returns the first observation."""
         ...

@@ -23,10 +23,13 @@ rewrites earlier turns, as reasoning templates that drop past thinking do) is re
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlbatch.data.chat import ChatPrompts
 from rlbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 USER, ASSISTANT, OBSERVATION = "RLBATCH_USER_TEXT", "RLBATCH_ASSISTANT_TEXT", "RLBATCH_OBSERVATION_TEXT"
 """Placeholders the template is rendered with to find where its messages begin and end."""
@@ -58,7 +61,7 @@ class PlainText:
 class ChatTurns:
     """Observations as chat messages of ``tokenizer``'s template (see the module's docstring)."""
 
-    def __init__(self, tokenizer: Any, role: str = "user", system_prompt: str | None = None,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, role: str = "user", system_prompt: str | None = None,
                  where: str = "the tokenizer") -> None:
         self.tokenizer, self.role, self.where = tokenizer, role, where
         self.prompts = ChatPrompts(tokenizer, system_prompt, where)  # refuses a tokenizer without a template

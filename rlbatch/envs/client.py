@@ -20,13 +20,21 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import TYPE_CHECKING
 
-from rlbatch.envs.episode import Step
+from rlbatch.envs.base import Task
+from rlbatch.envs.episode import EpisodeSummary, Step
 from rlbatch.envs.host import MAX_PAUSE_S, REPLY_TAG, REQUEST_TAG, ROLE, Reply
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from rlbatch.config.schema import RLBatchConfig
+    from rlbatch.runtime.control import RemoteError
+    from rlbatch.runtime.world import World
 
 REPLY_MARGIN_S = 60.0
 """How much longer than ``env.step_timeout_s`` a worker may take to answer before it is declared
@@ -48,14 +56,14 @@ class EnvClient:
     their replies. Thread-safe: the rollout's threads call it at once; one receiver thread, alive
     while requests are in flight, takes every reply and hands it to its caller."""
 
-    def __init__(self, comm: Any, ranks: Sequence[int], timeout_s: float, role: str = ROLE) -> None:
+    def __init__(self, comm: MPI.Comm, ranks: Sequence[int], timeout_s: float, role: str = ROLE) -> None:
         if not ranks:
             raise ValueError(f"{role} role: no worker ranks")
         self.comm, self.ranks, self.timeout_s, self.role = comm, list(ranks), float(timeout_s), role
         self._ids = itertools.count()
         self._episode_ids = itertools.count()
         self._lock = threading.Lock()
-        self._pending: dict[int, Future[Any]] = {}
+        self._pending: dict[int, Future[Reply | RemoteError]] = {}
         self._receiver: threading.Thread | None = None
         self.requests = 0
 
@@ -69,10 +77,10 @@ class EnvClient:
     def episode(self, worker: int) -> RemoteEpisode:
         return RemoteEpisode(self, worker, next(self._episode_ids))
 
-    def call(self, worker: int, op: str, eid: int, *args: Any) -> Reply:
+    def call(self, worker: int, op: str, eid: int, *args: object) -> Reply:
         """One request to ``worker``; its reply, or EnvWorkerError naming the worker."""
         rid = next(self._ids)
-        fut: Future[Any] = Future()
+        fut: Future[Reply | RemoteError] = Future()
         with self._lock:
             self._pending[rid] = fut
             self.requests += 1
@@ -104,7 +112,7 @@ class EnvClient:
             self._receiver = None
             return True
 
-    def _deliver(self, source: int, message: tuple[int, Any]) -> None:
+    def _deliver(self, source: int, message: tuple[int, Reply | RemoteError]) -> None:
         rid, reply = message
         with self._lock:
             fut = self._pending.pop(rid, None)
@@ -117,17 +125,17 @@ class RemoteEpisode:
 
     def __init__(self, client: EnvClient, worker: int, eid: int) -> None:
         self.client, self.worker, self.eid = client, worker, eid
-        self.ended: dict[str, Any] | None = None
+        self.ended: EpisodeSummary | None = None
         """The episode's summary, from the reply that ended it (the worker has forgotten it)."""
         self.started = False
 
-    def _call(self, op: str, *args: Any) -> Step:
+    def _call(self, op: str, *args: object) -> Step:
         reply = self.client.call(self.worker, op, self.eid, *args)
         if reply.summary is not None:
             self.ended = {**reply.summary, "worker": self.worker}
         return reply.step
 
-    def start(self, task: Mapping[str, Any], seed: int) -> Step:
+    def start(self, task: Task, seed: int) -> Step:
         self.started = True
         return self._call("start", dict(task), int(seed))
 
@@ -139,10 +147,10 @@ class RemoteEpisode:
             return Step("", 0.0, True, self.ended.get("end"), {})
         return self._call("stop", reason, detail)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> EpisodeSummary:
         if self.ended is None:
             raise RuntimeError(f"episode {self.eid} on {self.client.describe(self.worker)} has not ended")
-        return dict(self.ended)
+        return self.ended.copy()
 
     def close(self) -> None:
         """Nothing to do for an ended episode (its worker closed it); else the worker closes it."""
@@ -151,7 +159,7 @@ class RemoteEpisode:
             self.client.call(self.worker, "close", self.eid)
 
 
-def env_client(world: Any, cfg: Any) -> EnvClient | None:
+def env_client(world: World, cfg: RLBatchConfig) -> EnvClient | None:
     """The client of the run's env role, when the placement has one (else None: envs run on the
     inference rank's threads)."""
     role = world.placement.roles.get(ROLE)

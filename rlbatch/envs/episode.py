@@ -29,11 +29,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, TypedDict, TypeVar
 
-from rlbatch.envs.base import EndReason, Tool, ToolOutcome
+from rlbatch.envs.base import EndReason, Env, Task, Tool, ToolOutcome
 from rlbatch.envs.tools import ToolCallFormat, run_call
 from rlbatch.rewards.rules import reward_value
+
+T = TypeVar("T")
 
 _abandoned = 0
 _abandoned_lock = threading.Lock()
@@ -63,8 +65,34 @@ class Step:
     """The trajectory is over (any reason: ``end``)."""
     end: EndReason | None = None
     """Why it ended (``base.END_REASONS``) when done, else None."""
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, object] = field(default_factory=dict)
     """The env's info; ``tool_calls`` (outcomes of this turn's calls), ``detail`` (what went wrong)."""
+
+
+class EpisodeSummary(TypedDict, total=False):
+    """What metrics count for one trajectory (``Episode.summary``); an env worker's adds ``worker``,
+    and a remote episode closed before it ended has none of it."""
+
+    turns: int
+    end: EndReason | None
+    reward: float
+    env_seconds: float
+    tool_calls: dict[str, int]
+    worker: int
+
+
+class EpisodeHandle(Protocol):
+    """What the rollout loop drives: an ``Episode`` on this rank, or a ``client.RemoteEpisode``."""
+
+    def start(self, task: Task, seed: int) -> Step: ...
+    def step(self, action: str) -> Step: ...
+    def stop(self, reason: EndReason, detail: str = "") -> Step: ...
+    def summary(self) -> EpisodeSummary: ...
+    def close(self) -> None: ...
+
+
+Checked = tuple[str, float, bool, dict[str, object]]
+"""A step's result that keeps the contract: (observation, reward, done, info)."""
 
 
 class _Abandoned(Exception):
@@ -80,15 +108,16 @@ class _Raised(Exception):
         self.error = error
 
 
-def _call(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
+def _call(fn: Callable[..., T], *args: object, timeout: float) -> T:
     """``fn(*args)`` on a daemon thread: its result; _Raised carrying what it raised; _Abandoned past ``timeout``."""
-    box: dict[str, Any] = {}
+    value: list[T] = []
+    error: list[BaseException] = []
 
     def run() -> None:
         try:
-            box["value"] = fn(*args)
+            value.append(fn(*args))
         except BaseException as e:  # noqa: BLE001 (SystemExit from an env is its failure too)
-            box["error"] = e
+            error.append(e)
 
     thread = threading.Thread(target=run, name="rlbatch-env-call", daemon=True)
     thread.start()
@@ -98,9 +127,9 @@ def _call(fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
         with _abandoned_lock:
             _abandoned += 1
         raise _Abandoned()
-    if "error" in box:
-        raise _Raised(box["error"])
-    return box.get("value")
+    if error:
+        raise _Raised(error[0])
+    return value[0]
 
 
 def _said(e: BaseException) -> str:
@@ -110,7 +139,7 @@ def _said(e: BaseException) -> str:
         return type(e).__name__
 
 
-def _checked(result: Any) -> tuple[str, float, bool, dict[str, Any]] | str:
+def _checked(result: object) -> Checked | str:
     """A step's result as (observation, reward, done, info), or why it breaks the contract."""
     if hasattr(result, "observation") and hasattr(result, "reward") and hasattr(result, "done"):
         obs, reward, done, info = result.observation, result.reward, result.done, getattr(result, "info", None)
@@ -133,11 +162,11 @@ def _checked(result: Any) -> tuple[str, float, bool, dict[str, Any]] | str:
 class Episode:
     """One trajectory's env, tools and limits. Not thread-safe: one caller drives it."""
 
-    def __init__(self, make_env: Callable[[], Any], limits: EpisodeLimits | None = None,
+    def __init__(self, make_env: Callable[[], Env], limits: EpisodeLimits | None = None,
                  tools: Mapping[str, Tool] | None = None, fmt: ToolCallFormat | None = None) -> None:
         self.make_env, self.limits, self.fmt = make_env, limits or EpisodeLimits(), fmt or ToolCallFormat()
         self.shared_tools = dict(tools or {})
-        self.env: Any = None
+        self.env: Env | None = None
         self.turns = 0
         self.rewards: list[float] = []
         """Each action's reward, in order (tool steps: 0)."""
@@ -147,12 +176,12 @@ class Episode:
         self.end: EndReason | None = None
         self.detail = ""
 
-    def start(self, task: Mapping[str, Any], seed: int) -> Step:
+    def start(self, task: Task, seed: int) -> Step:
         """Build the env and reset it; the first observation, or a trajectory already ended."""
         if self.env is not None or self.end is not None:
             raise RuntimeError("Episode.start: this episode has already started")
 
-        def build() -> tuple[Any, Any]:
+        def build() -> tuple[Env, str]:
             env = self.make_env()
             return env, env.reset(task, seed)
 
@@ -172,24 +201,26 @@ class Episode:
             raise RuntimeError(f"Episode.step: the episode is not running (ended: {self.end})")
         self.turns += 1
 
-        def turn() -> tuple[bool, Any]:  # one timed call: the env's tools property is its code too
+        def turn() -> list[tuple[str, ToolOutcome]] | Checked | str:  # one timed call: the env's tools property is its code too
+            env = self.env
+            assert env is not None
             tools = self._tools()
             calls = self.fmt.parse(action) if tools else []
-            if calls:
-                return True, [run_call(c, tools) for c in calls]
-            result = self.env.step(action)
+            if calls:  # the outputs and outcomes of the calls
+                return [run_call(c, tools) for c in calls]
+            result = env.step(action)
             try:  # inside the timed call: reading a user object's attributes runs its code
-                return False, _checked(result)
+                return _checked(result)
             except Exception as e:  # noqa: BLE001
-                return False, f"the step's result could not be read: {_said(e)}"
+                return f"the step's result could not be read: {_said(e)}"
 
         try:
-            used_tools, result = self._timed(turn)
+            result = self._timed(turn)
         except _Abandoned:
             return self._ended("timeout", f"the turn took over {self.limits.step_timeout_s} s")
         except _Raised as e:
             return self._ended("error", f"step raised {_said(e.error)}")
-        if used_tools:
+        if isinstance(result, list):  # a tool step
             outcomes: list[ToolOutcome] = [outcome for _, outcome in result]
             self.tool_outcomes.update(outcomes)
             obs = "".join(self.fmt.response(text) for text, _ in result)
@@ -209,14 +240,15 @@ class Episode:
         """Let the env free what it holds (its ``close()``, if any, under the timeout); an env
         abandoned on a timeout is not called again."""
         env, self.env = self.env, None
-        if env is None or self.end == "timeout" or not callable(getattr(env, "close", None)):
+        close = getattr(env, "close", None)
+        if env is None or self.end == "timeout" or not callable(close):
             return
         try:
-            self._timed(env.close)
+            self._timed(close)
         except (_Raised, _Abandoned):  # closing is best effort; the trajectory is already scored
             pass
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> EpisodeSummary:
         """What metrics count for this trajectory."""
         return {"turns": self.turns, "end": self.end, "reward": sum(self.rewards), "env_seconds": self.env_seconds,
                 "tool_calls": dict(self.tool_outcomes)}
@@ -225,14 +257,14 @@ class Episode:
         own = getattr(self.env, "tools", None)
         return {**self.shared_tools, **(dict(own) if isinstance(own, Mapping) else {})}
 
-    def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _timed(self, fn: Callable[..., T], *args: object) -> T:
         start = time.perf_counter()
         try:
             return _call(fn, *args, timeout=self.limits.step_timeout_s)
         finally:
             self.env_seconds += time.perf_counter() - start
 
-    def _after(self, obs: str, reward: float, done: bool, info: dict[str, Any]) -> Step:
+    def _after(self, obs: str, reward: float, done: bool, info: dict[str, object]) -> Step:
         self.rewards.append(reward)
         if done:
             self.end = "done"

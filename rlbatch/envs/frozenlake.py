@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Mapping
-from typing import Any
 
-from rlbatch.envs.base import StepResult
+from rlbatch.envs.base import StepResult, Task
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 _WORD = re.compile(r"\b(up|down|left|right)\b", re.IGNORECASE)
@@ -60,15 +58,16 @@ class FrozenLake:
         self.lake: list[str] = []
         self.pos = (0, 0)
 
-    def reset(self, task: Mapping[str, Any], seed: int) -> str:
-        lake = task.get("map")
+    def reset(self, task: Task, seed: int) -> str:
+        lake: object = task.get("map")
         if lake is None:
             lake = random_lake(self.size, self.holes, random.Random(seed))
-        if (not isinstance(lake, list) or not lake or any(not isinstance(r, str) or len(r) != len(lake) for r in lake)
-                or lake[0][0] != "S" or set("".join(lake)) - set("SFHG")):
+        rows = [r for r in lake if isinstance(r, str)] if isinstance(lake, list) else []
+        if (not isinstance(lake, list) or not lake or len(rows) != len(lake) or any(len(r) != len(lake) for r in rows)
+                or rows[0][0] != "S" or set("".join(rows)) - set("SFHG")):
             raise ValueError(f"frozenlake: task map must be a square of 'S', 'F', 'H', 'G' rows with S top left, "
                              f"got {lake!r}"[:200])
-        self.lake, self.pos = list(lake), (0, 0)
+        self.lake, self.pos = rows, (0, 0)
         return self.render() + "\nActions: up, down, left, right."
 
     def render(self) -> str:

@@ -31,9 +31,15 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlbatch.envs.episode import Episode, Step
+from rlbatch.envs.episode import Episode, EpisodeSummary, Step
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from rlbatch.config.schema import RLBatchConfig
+    from rlbatch.runtime.world import World
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +62,7 @@ class Reply:
     """What a worker answers for one request: the step and, when it ended the episode, its summary."""
 
     step: Step
-    summary: dict[str, Any] | None = None
+    summary: EpisodeSummary | None = None
 
 
 def _wire_step(step: Step) -> Step:
@@ -71,7 +77,7 @@ class EnvHost:
     dest, tag)``); ``make_episode``: a fresh guarded episode (``EnvSetup.episode``); ``on_request``:
     called with the op before each request runs (fault injection)."""
 
-    def __init__(self, comm: Any, make_episode: Callable[[], Episode], name: str = ROLE,
+    def __init__(self, comm: MPI.Comm, make_episode: Callable[[], Episode], name: str = ROLE,
                  on_request: Callable[[str], None] | None = None) -> None:
         self.comm, self.make_episode, self.name, self.on_request = comm, make_episode, name, on_request
         self.episodes: dict[tuple[int, int], Episode] = {}
@@ -105,7 +111,7 @@ class EnvHost:
             log.exception("%s worker stopped answering requests", self.name)
             raise
 
-    def _answer(self, source: int, request: tuple[Any, ...]) -> None:
+    def _answer(self, source: int, request: tuple[Any, ...]) -> None:  # as unpickled from the wire
         rid = request[0]
         try:
             reply: Reply | RemoteError = self.handle(source, *request[1:])
@@ -161,7 +167,7 @@ class EnvHost:
         episode.close()
 
 
-def serve_envs(world: Any, cfg: Any) -> EnvHost:
+def serve_envs(world: World, cfg: RLBatchConfig) -> EnvHost:
     """The service of an env role process (``rank_runtime.SERVICES``): episodes built from the
     run's ``env`` section, answered until the process's command loop stops it."""
     from rlbatch.config.plain import to_plain

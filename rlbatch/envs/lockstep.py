@@ -18,10 +18,15 @@ takes exactly the leader's steps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlbatch.engines.base import Generation, SamplingParams, TurnRequest, Turns
 from rlbatch.runtime.control import recv_obj, send_obj
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from rlbatch.envs.rollout import Trajectory
 
 TAG = 23
 """MPI tag of the leader's calls (the control plane uses 11-12, the env role 21-22)."""
@@ -30,10 +35,10 @@ TAG = 23
 class Lockstep:
     """The leader's ``Turns``: ``inner``'s, each call sent to ``followers`` (world ranks) first."""
 
-    def __init__(self, inner: Turns, comm: Any, followers: list[int]) -> None:
+    def __init__(self, inner: Turns, comm: MPI.Comm, followers: list[int]) -> None:
         self.inner, self.comm, self.followers = inner, comm, list(followers)
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: tuple[object, ...]) -> None:
         for rank in self.followers:
             send_obj(self.comm, message, rank, TAG)
 
@@ -51,13 +56,14 @@ class Lockstep:
     def in_flight(self) -> int:
         return self.inner.in_flight()
 
-    def finish(self, result: Any) -> None:
-        """The rollout is over: the followers stop following and get ``result``."""
+    def finish(self, result: list[Trajectory]) -> None:
+        """The rollout is over: the followers stop following and get ``result`` (its trajectories)."""
         self._send(("done", result))
 
 
-def follow(inner: Turns, comm: Any, leader: int) -> Any:
-    """Make the leader's calls on this rank's engine until it finishes; returns what it sent then."""
+def follow(inner: Turns, comm: MPI.Comm, leader: int) -> list[Trajectory]:
+    """Make the leader's calls on this rank's engine until it finishes; returns what it sent then
+    (the trajectories)."""
     while True:
         message = recv_obj(comm, leader, TAG, None, f"the rollout's next call from rank {leader}")
         if message[0] == "submit":

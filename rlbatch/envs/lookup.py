@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
 
-from rlbatch.envs.base import StepResult, Tool
+from rlbatch.envs.base import StepResult, Task, Tool
 from rlbatch.rewards.rules import extract_answer
 
 
@@ -53,7 +52,7 @@ class Lookup:
         self.looked_up = 0
         self.tools: dict[str, Tool] = {"lookup": self.lookup}
 
-    def reset(self, task: Mapping[str, Any], seed: int) -> str:
+    def reset(self, task: Task, seed: int) -> str:
         rng = random.Random(seed)
         table = task.get("table")
         if table is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from rlbatch.envs.base import Tool
 
@@ -34,28 +34,37 @@ TOOLS: dict[str, str | Callable[[Mapping[str, Any]], Tool]] = {
 }
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[[Mapping[str, Any]], Tool])
 
 
-def register_env(name: str, cls: type | None = None) -> Any:
+@overload
+def register_env(name: str, cls: None = None) -> Callable[[type[T]], type[T]]: ...
+@overload
+def register_env(name: str, cls: type[T]) -> type[T]: ...
+def register_env(name: str, cls: type[T] | None = None) -> type[T] | Callable[[type[T]], type[T]]:
     """``register_env('mine', MyEnv)``, or ``@register_env('mine')`` on the class."""
     if cls is not None:
         ENVS[name] = cls
         return cls
 
-    def decorate(c: type) -> type:
+    def decorate(c: type[T]) -> type[T]:
         ENVS[name] = c
         return c
 
     return decorate
 
 
-def register_tool(name: str, factory: Callable[[Mapping[str, Any]], Tool] | None = None) -> Any:
+@overload
+def register_tool(name: str, factory: None = None) -> Callable[[F], F]: ...
+@overload
+def register_tool(name: str, factory: F) -> F: ...
+def register_tool(name: str, factory: F | None = None) -> F | Callable[[F], F]:
     """``register_tool('search', factory)``, or ``@register_tool('search')`` on the factory."""
     if factory is not None:
         TOOLS[name] = factory
         return factory
 
-    def decorate(f: Callable[[Mapping[str, Any]], Tool]) -> Callable[[Mapping[str, Any]], Tool]:
+    def decorate(f: F) -> F:
         TOOLS[name] = f
         return f
 
@@ -66,7 +75,7 @@ class UnknownName(ValueError):
     """A name in the config that resolves to nothing usable; the message says why."""
 
 
-def _import(path: str, what: str) -> Any:
+def _import(path: str, what: str) -> Any:  # whatever the plugin module holds: its users check it
     module, _, attr = path.partition(":")
     if not _MODULE.fullmatch(module) or not _ATTR.fullmatch(attr):
         raise UnknownName(f"{path!r} is not a registered {what} nor a plugin path 'package.module:Name' "
@@ -80,7 +89,7 @@ def _import(path: str, what: str) -> Any:
     return getattr(loaded, attr)
 
 
-def _lookup(name: Any, table: Mapping[str, Any], what: str, load: bool) -> Any:
+def _lookup(name: object, table: Mapping[str, str | type], what: str, load: bool) -> object:
     """The registered or plugin target of ``name``; with ``load=False`` only the name's form is
     checked (None returned for a plugin path)."""
     if not isinstance(name, str) or len(name) > 300:
@@ -100,7 +109,7 @@ def _lookup(name: Any, table: Mapping[str, Any], what: str, load: bool) -> Any:
     return _import(name, what)
 
 
-def resolve_env(name: Any, load: bool = True) -> type | None:
+def resolve_env(name: object, load: bool = True) -> type | None:
     """The env class ``name`` stands for: a class with ``reset`` and ``step``. Raises UnknownName
     saying why not. ``load=False``: the name's form only (no import)."""
     cls = _lookup(name, ENVS, "environment", load)
@@ -115,7 +124,7 @@ def resolve_env(name: Any, load: bool = True) -> type | None:
     return cls
 
 
-def resolve_tool(name: Any, load: bool = True) -> Callable[[Mapping[str, Any]], Tool] | None:
+def resolve_tool(name: object, load: bool = True) -> Callable[[Mapping[str, Any]], Tool] | None:
     """The factory of registered tool ``name`` (``(cfg) -> tool``; the policy calls the tool by this
     name, so a user tool is registered by a module in ``plugins``, not named by path). Raises
     UnknownName saying why not."""

@@ -24,14 +24,14 @@ from the rollout's seed, its trajectory and its turn.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlbatch.engines.base import Generation, SamplingParams, TurnRequest, Turns
+from rlbatch.envs.base import Task
 from rlbatch.envs.chat import Observations
-from rlbatch.envs.episode import Episode, Step
+from rlbatch.envs.episode import EpisodeHandle, EpisodeSummary, Step
 
 
 @dataclass
@@ -41,8 +41,8 @@ class Start:
 
     key: int
     prompt: list[int]
-    episode: Episode
-    task: Mapping[str, Any]
+    episode: EpisodeHandle
+    task: Task
     seed: int
 
 
@@ -67,7 +67,7 @@ class Trajectory:
     turns: int = 0
     end: str = ""
     """Why it ended (``rlbatch.envs.base.END_REASONS``)."""
-    info: dict[str, Any] = field(default_factory=dict)
+    info: EpisodeSummary = field(default_factory=EpisodeSummary)
     """The episode's summary (turns, tool calls by outcome, env seconds, ...)."""
     generated: int = 0
     observed: int = 0

@@ -12,10 +12,8 @@ Task record: ``{"digits": [3, 5, 4]}``, or ``{}`` to draw the digits from the se
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from typing import Any
 
-from rlbatch.envs.base import StepResult
+from rlbatch.envs.base import StepResult, Task
 from rlbatch.rewards.rules import extract_answer
 
 
@@ -32,7 +30,7 @@ class RunningSum:
         self.turn = 0
         self.right = 0
 
-    def reset(self, task: Mapping[str, Any], seed: int) -> str:
+    def reset(self, task: Task, seed: int) -> str:
         digits = task.get("digits")
         if digits is None:
             rng = random.Random(seed)
@@ -41,7 +39,7 @@ class RunningSum:
                 or not all(isinstance(d, int) and 0 <= d < self.modulo for d in digits)):
             raise ValueError(f"running_sum: task digits must be {self.turns} integers in [0, {self.modulo}), "
                              f"got {digits!r}"[:200])
-        self.digits, self.turn, self.right = list(digits), 0, 0
+        self.digits, self.turn, self.right = [d for d in digits if isinstance(d, int)], 0, 0  # all of them
         return f"{self.digits[0]}="
 
     def expected(self) -> str:

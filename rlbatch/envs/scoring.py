@@ -9,12 +9,15 @@ whole response (turns and observations, decoded) and the data set's answer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlbatch.rewards.rules import reward_value, rule_scorer
 
+if TYPE_CHECKING:
+    from rlbatch.config.schema import RLBatchConfig
 
-def env_scorer(cfg: Any) -> Callable[..., tuple[list[float], dict[str, int]]]:
+
+def env_scorer(cfg: RLBatchConfig) -> Callable[..., tuple[list[float], dict[str, int]]]:
     weight = float(getattr(cfg.env, "reward_fn_weight", 0.0) or 0.0)
     rule = rule_scorer(cfg) if weight else None
 

@@ -31,8 +31,9 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
+from rlbatch.data.records import JsonValue
 from rlbatch.envs.base import Tool, ToolError, ToolOutcome
 from rlbatch.rewards.rules import split_at_stop
 
@@ -44,7 +45,7 @@ SYNTAXES: tuple[Syntax, ...] = ("json", "compact")
 class ToolCall:
     name: str
     """The tool's name; '' (the compact format's bare arguments): the episode's only tool."""
-    arguments: dict[str, Any]
+    arguments: dict[str, JsonValue]
     positional: tuple[str, ...] = ()
     """Arguments by position, before ``arguments`` (the compact format's ``name(a, b)``)."""
 
@@ -126,7 +127,7 @@ def _read_compact(body: str) -> ToolCall | Malformed:
     else:
         name, inner = "", body
     positional: list[str] = []
-    keywords: dict[str, Any] = {}
+    keywords: dict[str, JsonValue] = {}
     for item in inner.split(",") if inner.strip() else []:
         key, eq, value = item.partition("=")
         if eq and _IDENT.fullmatch(key.strip()):

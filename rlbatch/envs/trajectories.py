@@ -27,17 +27,23 @@ loop and the trajectories are the same either way.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from rlbatch.engines.base import SamplingParams, turns_of
-from rlbatch.envs.base import END_REASONS, TOOL_OUTCOMES
+from rlbatch.data.synthetic import Sample
+from rlbatch.engines.base import InferenceEngine, SamplingParams, Turns, turns_of
+from rlbatch.envs.base import END_REASONS, TOOL_OUTCOMES, Task
 from rlbatch.envs.chat import ChatTurns, Observations, PlainText
 from rlbatch.envs.client import EnvClient, worker_of
+from rlbatch.envs.episode import EpisodeHandle
 from rlbatch.envs.rollout import Rollout, Start, Trajectory
 from rlbatch.envs.setup import EnvSetup
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from typing_extensions import TypeIs
 
 
 def episode_seed(run_seed: int, group: int) -> int:
@@ -47,10 +53,10 @@ def episode_seed(run_seed: int, group: int) -> int:
     return (int(run_seed) * 1_000_003 + int(group) * 7_919) % (1 << 31)
 
 
-def task_of(prompt: Any) -> dict[str, Any]:
+def task_of(prompt: Sample) -> dict[str, str]:
     """The task record an episode starts from: the data set record's answer and source (the
     built-in envs draw what their record lacks from the seed)."""
-    task: dict[str, Any] = {"answer": str(getattr(prompt, "answer", ""))}
+    task: dict[str, str] = {"answer": str(getattr(prompt, "answer", ""))}
     source = str(getattr(prompt, "data_source", "") or "")
     if source:
         task["data_source"] = source
@@ -62,7 +68,7 @@ class MultiTurn:
     ``env`` section (``EnvSetup``), or hosted by the env role's workers through ``client``.
     ``plain_cfg``: the run's config as plain mappings."""
 
-    def __init__(self, plain_cfg: Mapping[str, Any], tokenizer: Any, barrier: bool = False,
+    def __init__(self, plain_cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, barrier: bool = False,
                  client: EnvClient | None = None) -> None:
         self.client = client
         self.setup = EnvSetup(plain_cfg) if client is None else None  # the workers build their own
@@ -91,8 +97,8 @@ class MultiTurn:
         stopped (its EOS) from one cut at max_new_tokens (``rlbatch.rewards.extract_answer``)."""
         return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
 
-    def __call__(self, engine: Any, prompts: list[list[int]], params: SamplingParams,
-                 tasks: list[Mapping[str, Any]], seeds: list[int], seed: int,
+    def __call__(self, engine: InferenceEngine | Turns, prompts: list[list[int]], params: SamplingParams,
+                 tasks: Sequence[Task], seeds: list[int], seed: int,
                  ids: list[int] | None = None) -> list[Trajectory]:
         """One trajectory per sample, in order: ``prompts`` the task prompts' tokens (a BOS, or
         empty: the first observation is then the whole prompt), ``tasks`` and ``seeds`` what each
@@ -101,16 +107,21 @@ class MultiTurn:
         ids = list(range(len(prompts))) if ids is None else ids
         starts = [Start(k, list(p), self._episode(sid), task, int(s))
                   for k, (p, task, s, sid) in enumerate(zip(prompts, tasks, seeds, ids, strict=True))]
-        rollout = Rollout(turns_of(engine), self.observations, self.decode, params, self.max_context,
+        rollout = Rollout(engine if _is_turns(engine) else turns_of(engine), self.observations, self.decode, params, self.max_context,
                           workers=max(1, min(32, len(starts))), barrier=self.barrier)
         self.last = rollout
         return rollout.run(starts, seed)
 
-    def _episode(self, sample_id: int) -> Any:
+    def _episode(self, sample_id: int) -> EpisodeHandle:
         if self.client is not None:
             return self.client.episode(worker_of(sample_id, self.client.size))
         assert self.setup is not None
         return self.setup.episode()
+
+
+def _is_turns(engine: InferenceEngine | Turns) -> TypeIs[Turns]:
+    """What ``turns_of`` takes as it is: an engine, or a ``Lockstep``, with submit, poll and in_flight."""
+    return all(callable(getattr(engine, m, None)) for m in ("submit", "poll", "in_flight"))
 
 
 def sample_fields(traj: Trajectory) -> dict[str, torch.Tensor]:
@@ -121,7 +132,26 @@ def sample_fields(traj: Trajectory) -> dict[str, torch.Tensor]:
             "loss_mask": torch.tensor(traj.loss_mask, dtype=torch.float32)}
 
 
-def summary(traj: Trajectory) -> dict[str, Any]:
+class TrajectorySummary(TypedDict):
+    """What the controller gets back for one trajectory (``summary``)."""
+
+    reward: float
+    turns: int
+    end: str
+    generated: int
+    observed: int
+    env_seconds: float
+    tool_calls: dict[str, int]
+    spans: list[tuple[int, int]]
+    """The generated runs of the response (``spans``)."""
+    turn_rewards: list[tuple[int, float]]
+    """The non-zero per-turn env rewards as (index among the generated tokens of the last token of
+    the turn the reward followed, reward)."""
+    worker: int | None
+    """The env worker that hosted the episode; None: this rank's threads."""
+
+
+def summary(traj: Trajectory) -> TrajectorySummary:
     """What the controller gets back for one trajectory (small: a few numbers and names)."""
     info = traj.info or {}
     return {"reward": traj.reward, "turns": traj.turns, "end": traj.end, "generated": traj.generated,
@@ -142,7 +172,7 @@ def spans(loss_mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def action_masks(episodes: Mapping[int, Mapping[str, Any]], ids: list[int], lengths: list[int]) -> list[torch.Tensor] | None:
+def action_masks(episodes: Mapping[int, TrajectorySummary], ids: list[int], lengths: list[int]) -> list[torch.Tensor] | None:
     """Each sample's loss_mask, rebuilt on the controller from its trajectory summary's ``spans``
     (``rlbatch.algos.advantages.Actions``); None for single-turn samples (no episodes)."""
     if not episodes:
@@ -156,7 +186,7 @@ def action_masks(episodes: Mapping[int, Mapping[str, Any]], ids: list[int], leng
     return masks
 
 
-def turn_rewards_of(episodes: Mapping[int, Mapping[str, Any]], ids: list[int]) -> list[list[tuple[int, float]]] | None:
+def turn_rewards_of(episodes: Mapping[int, TrajectorySummary], ids: list[int]) -> list[list[tuple[int, float]]] | None:
     """Each sample's non-zero per-turn env rewards as (action index, reward): the index among its
     generated tokens of the last token of the turn the reward followed (``Actions``); None for
     single-turn samples."""
@@ -165,7 +195,7 @@ def turn_rewards_of(episodes: Mapping[int, Mapping[str, Any]], ids: list[int]) -
     return [[(int(i), float(r)) for i, r in episodes[sid].get("turn_rewards", ())] for sid in ids]
 
 
-def trajectory_stats(episodes: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+def trajectory_stats(episodes: Mapping[int, TrajectorySummary]) -> dict[str, float]:
     """A step's trajectory metrics: turns per trajectory (mean, max), env seconds (summed over
     trajectories: time inside env and tool calls, which overlaps generation), tokens generated vs
     observed, the share of trajectories by end reason and the tool calls by outcome."""

@@ -34,11 +34,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from rlbatch.checkpoint.files import ControllerState
 from rlbatch.checkpoint.store import CheckpointError
+from rlbatch.config.schema import RLBatchConfig
+from rlbatch.data.synthetic import PromptStream
 from rlbatch.loop.controller import PendingPhase, PendingRollouts, Pipeline, Role, Rollouts, split_even
 from rlbatch.loop.scoring import Scoring
 from rlbatch.phases import TRAJECTORY_FIELDS, phase_for
@@ -124,7 +126,8 @@ class GenerationQueue:
     """The generations started and not yet trained on, by step; ``take(step)`` hands out a step's
     rollouts (with scoring started) and keeps ``k`` steps generating ahead."""
 
-    def __init__(self, actor_infer: Role, consumers: list[Role], scoring: Scoring, data: Any, cfg: Any, k: int,
+    def __init__(self, actor_infer: Role, consumers: list[Role], scoring: Scoring, data: PromptStream,
+                 cfg: RLBatchConfig, k: int,
                  rider: Rider | None = None) -> None:
         self.infer, self.scoring, self.data = actor_infer, scoring, data
         self.k, self.rider = k, rider
@@ -174,7 +177,7 @@ class GenerationQueue:
 
     # --- checkpoint part: the generations not trained on yet --------------------------------------
 
-    def save(self, stage: Path) -> dict[str, Any]:
+    def save(self, stage: Path) -> ControllerState:
         """Write the generations of the steps after this one into ``stage``; the controller's state."""
         if not self.ahead:
             return {"policy_version": self.version}
@@ -204,7 +207,7 @@ class GenerationQueue:
                                   {r: {"op": "read", "ids": held, "fields": names} for r, held in holders.items()})
         return {sid: fields for part in out.values() for sid, fields in part.items()}
 
-    def load(self, ckpt: Path, state: dict[str, Any]) -> None:
+    def load(self, ckpt: Path, state: ControllerState) -> None:
         """Restore what ``save`` wrote: the version, and the buffered generations onto the first
         inference worker (the ranks that train them take them from there, as from any worker)."""
         self.version = int(state.get("policy_version", 0))

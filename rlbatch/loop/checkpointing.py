@@ -14,9 +14,9 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from rlbatch.checkpoint.files import read_controller, write_controller
+from rlbatch.checkpoint.files import ControllerState, read_controller, write_controller
 from rlbatch.checkpoint.space import (
     DiskFull,
     checkpoint_bytes,
@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class Part(Protocol):
-    def save(self, stage: Path) -> dict[str, Any]: ...
+    def save(self, stage: Path) -> ControllerState: ...
 
-    def load(self, ckpt: Path, state: dict[str, Any]) -> None: ...
+    def load(self, ckpt: Path, state: ControllerState) -> None: ...
 
 
 class Checkpointer:
@@ -95,7 +95,7 @@ class Checkpointer:
         maybe_fault("checkpoint_write", self.pipe.world.rank)  # the disk filling up after the check
         try:
             self._all_ranks("save", str(stage))
-            state: dict[str, Any] = {}
+            state: ControllerState = {}
             for part in self.parts:
                 state |= part.save(stage)
             write_controller(stage, state | {"step": step, "data": self.data.state_dict(),

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import torch
 
 from rlbatch.algos.objective import objective_for
 from rlbatch.config.schema import RLBatchConfig, role_algo
+from rlbatch.data.synthetic import Sample
 from rlbatch.engines.defaults import max_tokens_per_micro_batch
 from rlbatch.engines.registry import engine_args, spec_of
+from rlbatch.loop.residency import RecordDict
 from rlbatch.models import lora
 from rlbatch.phases import PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
@@ -28,6 +31,37 @@ from rlbatch.runtime.control import Call, Controller
 from rlbatch.runtime.dataplane import Move
 from rlbatch.runtime.postmortem import describe_rank
 from rlbatch.runtime.world import World, gpu_device_type
+
+if TYPE_CHECKING:
+    from rlbatch.envs.trajectories import TrajectorySummary
+
+PhaseOutput = Any
+"""A phase's output on one rank: what its op returns there (``RankRuntime``'s ``_<op>``), unpickled.
+Its type depends on the phase (the op is picked by name at run time); the method that started the
+phase knows it and reads it as that."""
+
+Work = Mapping[str, object]
+"""One rank's part of a phase: the keyword arguments of the phase's op there."""
+
+
+class Sampling(TypedDict, total=False):
+    """Sampling settings as a generate phase sends them: ``SamplingParams``'s fields."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+class PhaseReply(TypedDict):
+    """A rank's reply to a ``phase`` command (``RankRuntime.phase``)."""
+
+    xfer: dict[str, float]
+    """The rank's data moves: bytes sent and received, seconds."""
+    out: NotRequired[PhaseOutput]
+    """The op's output, where the rank worked in the phase."""
+    rec: NotRequired[RecordDict]
+    """Its PhaseRecord, where the rank worked in the phase."""
 
 
 @dataclass
@@ -44,7 +78,7 @@ class Rollouts:
     sources: list[str] = field(default_factory=list)
     """Each sample's data source, in ``ids`` order (``data.reward_fns`` routes by it); empty when
     the dataset names none."""
-    episodes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    episodes: dict[int, TrajectorySummary] = field(default_factory=dict)
     """A run with an environment: each sample's trajectory summary (its reward, turns, end reason,
     ...: ``rlbatch.envs.trajectories.summary``); empty for single-turn samples."""
 
@@ -115,7 +149,7 @@ def _tokens(ro: Rollouts) -> dict[int, int]:
 class Ledger:
     """Where finished phases leave their per-rank records and their seconds (``PendingPhase.result``)."""
 
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[RecordDict] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -138,7 +172,7 @@ class Pipeline:
         self.where: dict[tuple[int, str], set[int]] = {}
         self.length: dict[tuple[int, str], int] = {}
         self.pending_drop: dict[int, list[int]] = defaultdict(list)
-        self.records: list[dict[str, Any]] = []
+        self.records: list[RecordDict] = []
         self.phase_seconds: dict[str, float] = {}
         self.started = 0
         self.overwritten_next: dict[str, set[str]] = {}
@@ -172,7 +206,7 @@ class Pipeline:
             self.overwritten_next.pop(r, None)
         return out
 
-    def _discard_on(self, rank: int, discard: dict[str, list[str]]) -> dict[str, Any]:
+    def _discard_on(self, rank: int, discard: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
         """The part of ``discard`` about roles on ``rank``, as a phase command's argument."""
         here = {r: kinds for r, kinds in discard.items() if rank in self.world.members.get(r, ())}
         return {"discard": here} if here else {}
@@ -191,12 +225,12 @@ class Pipeline:
         return [Move(src, dst, ids, list(fs), [[self.length[(i, f)] for f in fs] for i in ids])
                 for (src, dst, fs), ids in grouped.items()]
 
-    def run(self, phase: str, roles: tuple[str, ...], work: dict[int, dict[str, Any]],
-            need: dict[int, tuple[list[int], list[str]]] | None = None) -> dict[int, Any]:
+    def run(self, phase: str, roles: tuple[str, ...], work: Mapping[int, Work],
+            need: dict[int, tuple[list[int], list[str]]] | None = None) -> dict[int, PhaseOutput]:
         """One phase: move what ``need`` says, run ``work`` on its ranks; return {rank: output}."""
         return self.start(phase, roles, work, need).result()
 
-    def start(self, phase: str, roles: tuple[str, ...], work: dict[int, dict[str, Any]],
+    def start(self, phase: str, roles: tuple[str, ...], work: Mapping[int, Work],
               need: dict[int, tuple[list[int], list[str]]] | None = None) -> PendingPhase:
         """Start a phase without waiting for it. Phases started after it may run alongside it on
         other ranks, so they must not need its results; ``result()`` them in the order started
@@ -244,12 +278,12 @@ class PendingPhase:
         pipe.started += 1
         self.seq = pipe.started
 
-    def result(self) -> dict[int, Any]:
+    def result(self) -> dict[int, PhaseOutput]:
         """Wait for the phase; return {rank: output}. Its time is the slowest working rank's
         own (data moves and the phase itself) when other phases ran meanwhile, else the wall
         time of the round trip."""
         overlapped = self.pipe.started > self.seq  # phases were started after this one
-        replies = self.call.wait()
+        replies: dict[int, PhaseReply] = self.call.wait()
         p = self.pipe
         for m in self.moves:
             for sid in m.ids:
@@ -366,11 +400,11 @@ class Role:
     def ranks(self) -> tuple[int, ...]:
         return self.pipe.world.members[self.name]
 
-    def generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0) -> Rollouts:
+    def generate(self, prompts: Sequence[Sample], n: int, first_id: int, seed: int, version: int = 0) -> Rollouts:
         return self.start_generate(prompts, n, first_id, seed, version).result()
 
-    def start_generate(self, prompts: list[Any], n: int, first_id: int, seed: int, version: int = 0,
-                       override: dict[str, Any] | None = None) -> PendingRollouts:
+    def start_generate(self, prompts: Sequence[Sample], n: int, first_id: int, seed: int, version: int = 0,
+                       override: Sampling | None = None) -> PendingRollouts:
         """Start generating ``n`` samples of each prompt (ids from ``first_id``, in group order)
         on the role's workers; ``result()`` waits for the Rollouts. ``version``: the policy version
         of the weights the engine holds, recorded on the rollouts. ``override``: sampling settings
@@ -378,12 +412,13 @@ class Role:
         spec = phase_for(self.name, "generate")
         a = self.pipe.cfg.algo
         groups = split_even(list(range(len(prompts))), self.placement.world_size)
-        work, ids_of = {}, {}
+        work: dict[int, Work] = {}
+        ids_of: dict[tuple[int, ...], list[int]] = {}
         for w, prompt_idx in enumerate(groups):
             ids = [first_id + i * n + k for i in prompt_idx for k in range(n)]
             ids_of[tuple(self.placement.workers[w])] = ids
-            sampling = {"max_new_tokens": int(a.max_new_tokens), "temperature": float(a.temperature),
-                        "top_p": float(a.top_p), "seed": seed * 1_000_003 + w} | (override or {})
+            sampling: Sampling = {"max_new_tokens": int(a.max_new_tokens), "temperature": float(a.temperature),
+                                  "top_p": float(a.top_p), "seed": seed * 1_000_003 + w, **(override or {})}
             episodes = self._episodes(prompts, prompt_idx, n, first_id)
             for r in self.placement.workers[w]:
                 work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)],
@@ -394,7 +429,8 @@ class Role:
         ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version, sources)
         return PendingRollouts(self.pipe, spec, pending, ids_of, ro)
 
-    def _episodes(self, prompts: list[Any], prompt_idx: list[int], n: int, first_id: int) -> dict[str, Any]:
+    def _episodes(self, prompts: Sequence[Sample], prompt_idx: list[int], n: int, first_id: int,
+                  ) -> dict[str, object]:
         """With an environment, what each sample's episode starts from: its prompt's task record and
         seed, shared by the prompt's ``n`` samples (one group: n trajectories from one start)."""
         cfg = self.pipe.cfg
@@ -460,14 +496,14 @@ class Role:
         return max_tokens_per_micro_batch(args, gpu_device_type(self.pipe.cfg.cluster.device)) > 0
 
     def _start_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
-                       extra: dict[int, dict[str, Any]] | None = None) -> PendingPhase:
+                       extra: Mapping[int, Work] | None = None) -> PendingPhase:
         """Start ``spec`` with each shard's samples on every rank of the shard."""
-        work = {r: {"ids": ids} | (extra or {}).get(sh[0], {}) for sh, ids in assign.items() for r in sh}
+        work = {r: {"ids": ids, **(extra or {}).get(sh[0], {})} for sh, ids in assign.items() for r in sh}
         need = {r: (ids, fields) for sh, ids in assign.items() for r in sh}
         return self.pipe.start(spec.name, (self.name,), work, need)
 
     def _run_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
-                     extra: dict[int, dict[str, Any]] | None = None) -> dict[tuple[int, ...], Any]:
+                     extra: Mapping[int, Work] | None = None) -> dict[tuple[int, ...], PhaseOutput]:
         """Run ``spec`` with each shard's samples on every rank of the shard; {shard: its leader's output}."""
         out = self._start_sharded(spec, assign, fields, extra).result()
         self.record(spec, assign)
@@ -487,7 +523,7 @@ class Role:
         return self._start_sharded(phase_for(self.name, "logprobs"), assign, [])
 
     def logprobs(self, ro: Rollouts, kl_estimator: str | None = None, skip_first_mini_batch: bool = False,
-                 op: str = "logprobs") -> dict[int, Any]:
+                 op: str = "logprobs") -> dict[int, float | list[float]]:
         """This role's log-probs of the rollouts (reference: ref_logprobs; actor_train: old_logprobs,
         or with ``op="base_logprobs"`` its base model's as ref_logprobs), kept on its ranks; returns
         each sample's per-token KL to the reference with ``kl_estimator``.

@@ -31,12 +31,13 @@ import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.source import problems_of, split_holdout
 from rlbatch.data.synthetic import Sample
 from rlbatch.loop.controller import Ledger, PendingRollouts, Pipeline, Role
+from rlbatch.loop.metrics import Row
+from rlbatch.loop.residency import RecordDict
 from rlbatch.loop.scoring import Scoring
 
 ALL = "all"
@@ -111,7 +112,7 @@ def alongside_others(members: Mapping[str, Collection[int]], own: Collection[str
     return not any(mine & set(ranks) for name, ranks in members.items() if name not in own)
 
 
-def spans(records: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
+def spans(records: Sequence[RecordDict]) -> list[tuple[float, float]]:
     """The wall-clock intervals the phases of ``records`` covered (``started``, ``seconds``),
     overlapping ones merged, in order."""
     out: list[tuple[float, float]] = []
@@ -123,7 +124,7 @@ def spans(records: Sequence[Mapping[str, Any]]) -> list[tuple[float, float]]:
     return out
 
 
-def overlap_seconds(evaluation: Sequence[Mapping[str, Any]], step: Sequence[Mapping[str, Any]],
+def overlap_seconds(evaluation: Sequence[RecordDict], step: Sequence[RecordDict],
                     own: Collection[str]) -> float:
     """Seconds during which a phase of ``evaluation`` (its per-rank records) and a phase of the
     step (``step``'s records) that none of the roles ``own`` works in ran at the same time: the
@@ -138,7 +139,7 @@ class Pending:
     """An evaluation of the weights after ``updates`` updates whose row is not written yet."""
 
     updates: int
-    row: dict[str, Any] | None = None
+    row: Row | None = None
     """The metrics row it goes into, held until it is done (None: the row of the step under way)."""
     gen: PendingRollouts | None = None
     scored: bool = False
@@ -216,7 +217,7 @@ class Evaluation:
                 self._generate(self.pending, overlapped=False)
             self._score(self.pending)
 
-    def finished(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def finished(self, records: list[RecordDict]) -> list[Row]:
         """At the end of a step (``records``: its phases'): the row held for an evaluation that ran
         alongside it, now complete (none, or one)."""
         held = self.pending
@@ -225,7 +226,7 @@ class Evaluation:
         self.pending = None
         return [held.row | self._result(held, records)]
 
-    def after_step(self, step: int, updates: int, records: list[dict[str, Any]], defer: bool) -> dict[str, float]:
+    def after_step(self, step: int, updates: int, records: list[RecordDict], defer: bool) -> dict[str, float]:
         """The evaluation for ``step``'s row: the initial weights' (step 0 with at_start), or the
         current weights' when due (``due``), else nothing. ``defer``: the row may wait, so a due
         evaluation is left for the next step to run alongside (``hold``) where the placement allows."""
@@ -242,7 +243,7 @@ class Evaluation:
             return {}
         return self.run(updates)
 
-    def hold(self, row: dict[str, Any], now: bool) -> dict[str, Any] | None:
+    def hold(self, row: Row, now: bool) -> Row | None:
         """``row`` as it is to be written, or None when it waits for the evaluation ``after_step``
         left for the next step; ``now``: the run stops here, so that evaluation runs now instead."""
         wait = self.pending
@@ -287,7 +288,7 @@ class Evaluation:
                 self.scoring.start(ro)
             p.scored = True
 
-    def _result(self, p: Pending, records: list[dict[str, Any]]) -> dict[str, float]:
+    def _result(self, p: Pending, records: list[RecordDict]) -> dict[str, float]:
         """Wait for ``p`` (generating and scoring it first if that has not started) and return its
         metrics; ``records``: those of the step it ran in, for ``eval/overlap_seconds``."""
         if p.gen is None:

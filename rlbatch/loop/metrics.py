@@ -11,21 +11,31 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from rlbatch.loop.residency import RecordDict
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.trackers.session import open_trackers
 
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    from rlbatch.loop.controller import Rollouts
+
 log = logging.getLogger(__name__)
+Row = dict[str, float]
+"""One step's metrics row, a line of metrics.jsonl: ``step`` and every metric by name."""
 METRICS = "metrics.jsonl"
 CURVE = "reward_curve.png"
 EVAL_CURVE = "eval_curve.png"
 
 
-def reduce_records(records: list[dict[str, Any]]) -> dict[str, float]:
+def reduce_records(records: Sequence[RecordDict]) -> dict[str, float]:
     per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     out: dict[str, float] = {}
     for rec in records:
@@ -54,8 +64,8 @@ class Metrics:
     def __init__(self, run: RunDir, steps: int, start: int = 0, tensorboard: bool = True) -> None:
         self.run = run
         self.path = run.path / METRICS
-        self.history: list[dict[str, Any]] = []
-        self.tb: Any = None
+        self.history: list[Row] = []
+        self.tb: SummaryWriter | None = None
         if tensorboard:  # ``logger`` lists it (the default)
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -64,7 +74,7 @@ class Metrics:
             except ImportError:  # tensorboard is a core dependency; a broken install still trains
                 log.warning("tensorboard is not importable: no event files will be written")
         self.steps, self.start = steps, start
-        self.bar: Any = None
+        self.bar: tqdm[int] | None = None
         if self.path.exists():  # resuming: keep the rows before the checkpoint, drop any after it
             rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             self.history = [r for r in rows if r["step"] < start]
@@ -78,7 +88,7 @@ class Metrics:
         self.bar = tqdm(steps, total=self.steps - self.start, desc="rlbatch", unit="step", dynamic_ncols=True)
         yield from self.bar
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Row) -> None:
         self.history.append(row)
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -106,7 +116,7 @@ class Metrics:
             plot_eval(self.history, self.run.path / EVAL_CURVE)
 
 
-def plot_reward(history: list[dict[str, Any]], path: Any) -> None:
+def plot_reward(history: Sequence[Mapping[str, float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,7 +135,7 @@ def plot_reward(history: list[dict[str, Any]], path: Any) -> None:
     plt.close(fig)
 
 
-def plot_eval(history: list[dict[str, Any]], path: Any) -> None:
+def plot_eval(history: Sequence[Mapping[str, float]], path: Path) -> None:
     """pass@1 and mean reward of the held-out evaluations (``rlbatch.loop.evaluation``) over the
     policy updates each evaluated (0: the initial weights)."""
     import matplotlib
@@ -148,7 +158,7 @@ def plot_eval(history: list[dict[str, Any]], path: Any) -> None:
     plt.close(fig)
 
 
-def idle_and_overlap(records: list[dict[str, Any]], seconds: float) -> dict[str, float]:
+def idle_and_overlap(records: Sequence[RecordDict], seconds: float) -> dict[str, float]:
     """Per role, the step's seconds its busiest rank spent outside its phases (``idle/<role>``);
     with generation and training on different ranks, the seconds they ran at the same time
     (``overlap/generate_train``: how much longer both took, each on its busiest rank, than the step)."""
@@ -164,7 +174,7 @@ def idle_and_overlap(records: list[dict[str, Any]], seconds: float) -> dict[str,
     return out
 
 
-def timeline(records: list[dict[str, Any]], step_started: float) -> dict[str, float]:
+def timeline(records: Sequence[RecordDict], step_started: float) -> dict[str, float]:
     """Each phase's span on the step's timeline, in seconds from the step's start (wall clock):
     ``at/<phase>/start`` (earliest rank; negative for a generation that ran ahead, during an
     earlier step) and ``at/<phase>/end`` (latest rank)."""
@@ -177,11 +187,11 @@ def timeline(records: list[dict[str, Any]], step_started: float) -> dict[str, fl
     return out
 
 
-def step_row(step: int, rewards: torch.Tensor, rollouts: Any, stats: dict[str, float],
-             phase_seconds: dict[str, float], records: list[dict[str, Any]], seconds: float,
-             started: float | None = None) -> dict[str, Any]:
+def step_row(step: int, rewards: torch.Tensor, rollouts: Rollouts, stats: dict[str, float],
+             phase_seconds: dict[str, float], records: Sequence[RecordDict], seconds: float,
+             started: float | None = None) -> Row:
     rlen = [rollouts.response_len[i] for i in rollouts.ids]
-    row: dict[str, Any] = {
+    row: Row = {
         "step": step,
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,

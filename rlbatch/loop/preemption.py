@@ -21,8 +21,8 @@ import signal
 import subprocess
 import time
 from datetime import datetime
-from typing import Any
 
+from rlbatch.config.schema import ClusterConfig
 from rlbatch.runtime.env import SchedulerEnv
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def job_end_time(env: SchedulerEnv) -> float | None:
 
 
 class Preemption:
-    def __init__(self, cluster: Any, env: SchedulerEnv) -> None:
+    def __init__(self, cluster: ClusterConfig, env: SchedulerEnv) -> None:
         self.env = env
         self.margin = float(cluster.deadline_margin_s)
         self.end = job_end_time(env)

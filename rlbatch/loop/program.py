@@ -15,8 +15,7 @@ run resumes from the newest complete one in its run_dir (resume=auto).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -56,7 +55,7 @@ def kl_stats(kl: list[torch.Tensor] | None) -> dict[str, float]:
     return {"kl_reward_mean": float(flat.mean())} if flat.numel() else {}
 
 
-def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
+def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Callable[..., object]]:
     return RankRuntime(world, cfg).handlers()
 
 
@@ -120,7 +119,8 @@ class Loop:
         evaluation waiting to run alongside the training is queued behind it on the inference ranks."""
         return self.queue.take(step, behind=self.evaluation.behind())
 
-    def train_actor(self, rollouts: Rollouts, targets: dict[str, Any]) -> dict[str, float]:
+    def train_actor(self, rollouts: Rollouts, targets: dict[str, torch.Tensor | list[torch.Tensor]],
+                    ) -> dict[str, float]:
         """One batch of actor updates; the rollouts' staleness (policy versions between the one
         that generated them and the one trained) is checked against max_staleness and logged."""
         staleness = self.version - rollouts.version

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict
 
 import torch
 
@@ -22,25 +23,53 @@ from rlbatch.algos.advantages import response_loss_mask
 from rlbatch.algos.objective import objective_for
 from rlbatch.algos.registry import KL_ESTIMATORS
 from rlbatch.config.plain import to_plain
-from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, RLBatchConfig, role_algo
+from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, ModelConfig, RLBatchConfig, role_algo
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import engine_args, spec_of
+from rlbatch.loop.controller import PhaseReply, Sampling
 from rlbatch.loop.residency import Residency
 from rlbatch.loop.scorers import build_scorer
 from rlbatch.loop.weightsync import AdapterSink, WeightBroadcast, load_in_process
 from rlbatch.phases import PHASES, PhaseSpec
-from rlbatch.rewards import RewardError
+from rlbatch.rewards import RewardError, Scorer
 from rlbatch.rewards.model import ModelScorer
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlbatch.envs.base import Task
+    from rlbatch.envs.trajectories import MultiTurn, TrajectorySummary
+
 log = logging.getLogger(__name__)
 
 
-def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: Any) -> tuple[Any, Any]:
+class Service(Protocol):
+    """What a rank serves to other ranks beside its command loop (``SERVICES``)."""
+
+    def close(self) -> None: ...
+
+
+Generated: TypeAlias = "tuple[int, int] | tuple[int, int, TrajectorySummary]"
+"""A sample generated, for the controller: (prompt length, response length), and in a run with an
+environment the trajectory's summary (``rlbatch.envs.trajectories.summary``)."""
+
+
+class ScoreOutput(TypedDict):
+    """A scorer's part of a score phase on one rank."""
+
+    rewards: dict[int, float]
+    """Reward by sample id."""
+    counts: dict[str, int]
+    """The scorer's counts (for the step's metrics)."""
+
+
+def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: PreTrainedTokenizerBase,
+               ) -> tuple[ModelConfig, PreTrainedTokenizerBase]:
     """The model config and tokenizer a role's engine is built from: the policy's, but for a reward
     model of its own (``reward_model.path``, with its tokenizer) or a critic of its own
     (``critic_model.path``, reading the policy's tokens)."""
@@ -52,7 +81,7 @@ def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: Any) -> tuple[An
     return cfg.model, policy_tokenizer
 
 
-def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
+def scorers(world: World, cfg: RLBatchConfig) -> dict[str, Scorer]:
     """This rank's CPU roles that score responses (phases whose op is ``score``), each with the
     scorer ``rlbatch.loop.scorers.SCORERS`` names for it."""
     return {spec.role: build_scorer(spec.role, cfg) for spec in PHASES.values()
@@ -67,9 +96,9 @@ ranks rather than to the controller (``factory(world, cfg)`` -> an object with `
 role's workers answer the inference ranks' episode requests."""
 
 
-def services(world: World, cfg: RLBatchConfig) -> dict[str, Any]:
+def services(world: World, cfg: RLBatchConfig) -> dict[str, Service]:
     """This rank's services, started: one per role of this rank that ``SERVICES`` names."""
-    out = {}
+    out: dict[str, Service] = {}
     for role in world.roles:
         if role in SERVICES:
             module, _, name = SERVICES[role].partition(":")
@@ -93,9 +122,11 @@ class RankRuntime:
         self.store = SampleStore()
         self.tokenizer = load_tokenizer(cfg.model)
         self.engines: dict[str, Any] = {}
+        """This rank's engines by role, built by the registry (``build_engine``): each implements the
+        contract of its kind (``rlbatch.engines.base``: ``InferenceEngine`` or ``TrainEngine``)."""
         p = world.placement
         self.scorers = scorers(world, cfg)
-        self.multi_turn: Any = None
+        self.multi_turn: MultiTurn | None = None
         """Episodes of a run with an environment (``rlbatch.envs.trajectories.MultiTurn``), once needed."""
         order = build_order(world)
         self.residency = Residency({r: p.roles[r].offload for r in order}, world.device)
@@ -116,11 +147,11 @@ class RankRuntime:
         self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
-        self.ops: dict[str, Any] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
+        self.ops: dict[str, Callable[..., object]] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
                                     "base_logprobs": self._logprobs, "values": self._values, "train": self._train,
                                     "sync": self._sync, "checkpoint": self._checkpoint, "buffer": self._buffer}
 
-    def handlers(self) -> dict[str, Any]:
+    def handlers(self) -> dict[str, Callable[..., object]]:
         return {"phase": self.phase, "ready": self.ready, "shutdown": self.close}
 
     def close(self) -> None:
@@ -133,8 +164,8 @@ class RankRuntime:
         frozen, secs = heap.settle()
         log.info("heap settled: %d objects frozen out of garbage collection in %.2fs", frozen, secs)
 
-    def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: dict[str, Any] | None,
-              drop: list[int] | None = None, discard: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: Mapping[str, object] | None,
+              drop: list[int] | None = None, discard: dict[str, list[str]] | None = None) -> PhaseReply:
         if drop:
             self.store.drop(drop)
         xfer = exchange(self.store, self.world.rank, moves)
@@ -145,9 +176,9 @@ class RankRuntime:
             out = self.ops[spec.op](spec, **work)
         return {"out": out, "rec": rec.as_dict(), "xfer": xfer}
 
-    def _generate(self, spec: PhaseSpec, ids: list[int], prompts: list[str], sampling: dict[str, Any],
-                  tasks: list[dict[str, Any]] | None = None, seeds: list[int] | None = None,
-                  ) -> dict[int, tuple[Any, ...]]:
+    def _generate(self, spec: PhaseSpec, ids: list[int], prompts: list[str], sampling: Sampling,
+                  tasks: list[Task] | None = None, seeds: list[int] | None = None,
+                  ) -> dict[int, Generated]:
         """One response per sample: ``{sid: (prompt length, response length)}``. With ``tasks`` and
         ``seeds`` (a run with an environment) each sample is a trajectory played to its end
         (``_roll_out``)."""
@@ -158,7 +189,7 @@ class RankRuntime:
         if tasks is not None and seeds is not None:
             return self._roll_out(spec, ids, [tokens[text] for text in prompts], sampling, tasks, seeds)
         generations = self.engines[spec.role].generate([tokens[text] for text in prompts], SamplingParams(**sampling))
-        out = {}
+        out: dict[int, Generated] = {}
         for sid, text, gen in zip(ids, prompts, generations, strict=True):
             self.store.put(sid, "prompt", as_tensor[text])
             self.store.put(sid, "response", torch.tensor(gen.tokens, dtype=torch.long))
@@ -166,19 +197,21 @@ class RankRuntime:
             out[sid] = (len(tokens[text]), len(gen.tokens))
         return out
 
-    def _roll_out(self, spec: PhaseSpec, ids: list[int], prompts: list[list[int]], sampling: dict[str, Any],
-                  tasks: list[dict[str, Any]], seeds: list[int]) -> dict[int, tuple[Any, ...]]:
+    def _roll_out(self, spec: PhaseSpec, ids: list[int], prompts: list[list[int]], sampling: Sampling,
+                  tasks: list[Task], seeds: list[int]) -> dict[int, Generated]:
         """Each sample a trajectory (``rlbatch.envs.trajectories``): its fields kept here, and
         ``{sid: (prompt length, response length, summary)}`` for the controller (the summary holds
         the trajectory's reward for the score phase). On a worker of several ranks the first plays
         them and the others take its engine calls (``rlbatch.envs.lockstep``)."""
-        from rlbatch.engines.base import turns_of
+        from rlbatch.engines.base import Turns, turns_of
         from rlbatch.envs.client import env_client
         from rlbatch.envs.lockstep import Lockstep, follow
+        from rlbatch.envs.rollout import Trajectory
         from rlbatch.envs.trajectories import MultiTurn, sample_fields, summary
 
         params = SamplingParams(**sampling)
-        turns: Any = turns_of(self.engines[spec.role])
+        turns: Turns = turns_of(self.engines[spec.role])
+        done: list[Trajectory]
         [worker] = [w for w in self.world.placement.roles[spec.role].workers if self.world.rank in w]
         if worker[0] != self.world.rank:  # a tensor-parallel worker's other ranks: the leader's engine calls
             done = follow(turns, self.world.comm, worker[0])
@@ -191,7 +224,7 @@ class RankRuntime:
             done = self.multi_turn(turns, prompts, params, tasks, seeds, params.seed, ids)
             if isinstance(turns, Lockstep):
                 turns.finish(done)
-        out: dict[int, tuple[Any, ...]] = {}
+        out: dict[int, Generated] = {}
         for sid, traj in zip(ids, done, strict=True):
             for name, value in sample_fields(traj).items():
                 self.store.put(sid, name, value)
@@ -199,12 +232,12 @@ class RankRuntime:
         return out
 
     def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str], sources: list[str] | None = None,
-               env_rewards: list[float] | None = None) -> dict[str, Any]:
+               env_rewards: list[float] | None = None) -> ScoreOutput:
         """This rank's scorer for the phase's role: ``{"rewards": {sid: float}, "counts": {name: int}}``.
         A rule or sandbox scorer reads the decoded responses; a reward model the prompts too. In a run
         with an environment, ``env_rewards`` are the trajectories' (the reward role's scorer reads them)."""
         responses = [self.store.samples[sid]["response"] for sid in ids]
-        completions = [self.tokenizer.decode(r.tolist(), skip_special_tokens=False) for r in responses]
+        completions = [str(self.tokenizer.decode(r.tolist(), skip_special_tokens=False)) for r in responses]
         scorer = self.scorers[spec.role]
         try:
             if isinstance(scorer, ModelScorer):
@@ -227,14 +260,15 @@ class RankRuntime:
             self.store.put(sid, spec.writes[0], v)
         return values
 
-    def _logprobs(self, spec: PhaseSpec, ids: list[int], kl_estimator: str | None = None) -> dict[int, Any]:
+    def _logprobs(self, spec: PhaseSpec, ids: list[int], kl_estimator: str | None = None,
+                  ) -> dict[int, float | list[float]]:
         """Log-probs into the phase's field; with ``kl_estimator``, each sample's per-token KL to
         the reference's log-probs (for a KL penalty in the reward), else lengths."""
         values = self._per_token(spec, ids)
         if kl_estimator is None:
             return {sid: float(len(v)) for sid, v in zip(ids, values, strict=True)}
         kl = KL_ESTIMATORS.get(kl_estimator)
-        out = {}
+        out: dict[int, float | list[float]] = {}
         for sid, logp in zip(ids, values, strict=True):
             per_token = kl(logp, self.store.samples[sid]["ref_logprobs"])
             if "loss_mask" in self.store.samples[sid]:  # the env's tokens are no action of the policy's
@@ -248,7 +282,8 @@ class RankRuntime:
         values = self._per_token(spec, ids)
         return {sid: v.tolist() for sid, v in zip(ids, values, strict=True)}
 
-    def _train(self, spec: PhaseSpec, ids: list[int], targets: dict[str, list[Any]]) -> dict[str, float]:
+    def _train(self, spec: PhaseSpec, ids: list[int], targets: dict[str, list[float] | list[list[float]]],
+               ) -> dict[str, float]:
         """``targets``: per-sample fields the controller computed, by name, each a float per sample
         (``advantage``) or a list of per-token values per sample (``advantages``, ``returns``)."""
         for name, per_sample in targets.items():

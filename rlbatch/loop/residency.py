@@ -25,13 +25,16 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import torch
 
 from rlbatch.engines.offload import Transfer
 from rlbatch.phases import PHASES
+
+if TYPE_CHECKING:
+    from rlbatch.engines.base import Engine
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -62,6 +65,44 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
+class TransferDict(TypedDict):
+    """A ``Transfer`` as a plain dict."""
+
+    bytes: int
+    seconds: float
+    tensors: int
+
+
+class RecordDict(TypedDict):
+    """A ``PhaseRecord`` as a plain dict, the form it travels to the controller in; the controller
+    adds the rank that sent it, and the weight sync's sender the bytes it moved."""
+
+    phase: str
+    roles: tuple[str, ...]
+    seconds: float
+    offload: TransferDict
+    reload: TransferDict
+    discarded: TransferDict
+    mem_allocated_before: int
+    mem_reserved_before: int
+    mem_allocated_after: int
+    mem_reserved_after: int
+    peak_allocated: int
+    rss_before: int
+    rss_after: int
+    rss_peak_startup: int
+    rss_peak: int
+    started: float
+    rank: NotRequired[int]
+    """The rank the record came from (set by the controller: ``PendingPhase.result``)."""
+    sync_bytes: NotRequired[float]
+    """The bytes a weight sync moved, on its sender's record (``Role.sync_weights``)."""
+
+
+def _transfer_dict(t: Transfer) -> TransferDict:
+    return {"bytes": t.bytes, "seconds": t.seconds, "tensors": t.tensors}
+
+
 @dataclass
 class PhaseRecord:
     phase: str
@@ -88,20 +129,26 @@ class PhaseRecord:
     """Wall-clock time (epoch seconds) the phase started on this rank: the metrics place it on the
     step's timeline."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_dict(self) -> RecordDict:
+        return {"phase": self.phase, "roles": self.roles, "seconds": self.seconds,
+                "offload": _transfer_dict(self.offload), "reload": _transfer_dict(self.reload),
+                "discarded": _transfer_dict(self.discarded),
+                "mem_allocated_before": self.mem_allocated_before, "mem_reserved_before": self.mem_reserved_before,
+                "mem_allocated_after": self.mem_allocated_after, "mem_reserved_after": self.mem_reserved_after,
+                "peak_allocated": self.peak_allocated, "rss_before": self.rss_before, "rss_after": self.rss_after,
+                "rss_peak_startup": self.rss_peak_startup, "rss_peak": self.rss_peak, "started": self.started}
 
 
 class Residency:
     def __init__(self, offload: Mapping[str, bool], device: torch.device) -> None:
         """``offload``: every GPU role of this rank, and whether its placement lets it be offloaded."""
-        self.engines: dict[str, Any] = {}
+        self.engines: dict[str, Engine] = {}
         self.device = device
         shared = len(offload) > 1  # time-division multiplexing only where roles share this device
         self.offloadable = {r for r, ok in offload.items() if shared and ok}
         self._first_phase = True
 
-    def add(self, role: str, engine: Any) -> Transfer:
+    def add(self, role: str, engine: Engine) -> Transfer:
         """A newly built engine; on a shared rank its state leaves the device at once (kept, not
         discarded: the first phase may read it)."""
         self.engines[role] = engine
@@ -114,8 +161,9 @@ class Residency:
             engine = self.engines[role]
             kinds = [k for k in engine.state_kinds if role not in acting or k not in needs]
             may_go = set(discard.get(role, ()))
-            if may_go & set(kinds) and callable(getattr(engine, "discard", None)):
-                gone += engine.discard([k for k in kinds if k in may_go])
+            drop = getattr(engine, "discard", None)  # optional: not part of the Engine contract
+            if may_go & set(kinds) and callable(drop):
+                gone += drop([k for k in kinds if k in may_go])
                 kinds = [k for k in kinds if k not in may_go]
             if kinds:
                 out += engine.offload(kinds)

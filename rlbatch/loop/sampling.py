@@ -11,11 +11,12 @@ dropped from the ranks that hold them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from rlbatch.algos.advantages import zero_variance_groups
+from rlbatch.config.schema import AlgoConfig
+from rlbatch.data.synthetic import PromptStream
 from rlbatch.loop.controller import Role, Rollouts
 from rlbatch.loop.scoring import Scoring
 
@@ -82,8 +83,8 @@ def select(parts: list[tuple[Rollouts, torch.Tensor]], groups: list[int]) -> tup
     return kept, torch.cat(rewards), dropped
 
 
-def dynamic_batch(actor_infer: Role, scoring: Scoring, data: Any, step: int, seed: int, algo: Any, version: int,
-                  ) -> tuple[Rollouts, torch.Tensor, torch.Tensor, dict[str, float]]:
+def dynamic_batch(actor_infer: Role, scoring: Scoring, data: PromptStream, step: int, seed: int, algo: AlgoConfig,
+                  version: int) -> tuple[Rollouts, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Rounds of generate + score until ``prompts_per_step`` varied groups (or the round cap).
 
     Returns the batch's rollouts and rewards, the rewards of every sample generated (the policy's

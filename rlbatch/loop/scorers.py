@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
 
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.rewards import Scorer
 
 SCORERS: dict[str, str] = {
@@ -17,7 +17,7 @@ SCORERS: dict[str, str] = {
 """CPU role -> ``module:factory``; ``factory(cfg) -> Scorer``."""
 
 
-def reward_role_scorer(cfg: Any) -> Scorer:
+def reward_role_scorer(cfg: RLBatchConfig) -> Scorer:
     """The reward role's scorer: ``data.reward_fn`` (``rules.rule_scorer``); in a run with an
     environment (``env.name``), each trajectory's env reward (``rlbatch.envs.scoring``)."""
     if getattr(getattr(cfg, "env", None), "name", None):
@@ -29,9 +29,9 @@ def reward_role_scorer(cfg: Any) -> Scorer:
     return rule_scorer(cfg)
 
 
-def build_scorer(role: str, cfg: Any) -> Scorer:
+def build_scorer(role: str, cfg: RLBatchConfig) -> Scorer:
     if role not in SCORERS:
         raise KeyError(f"role {role!r} scores responses but no scorer is registered for it; scorers: {sorted(SCORERS)}")
     module, _, name = SCORERS[role].partition(":")
-    factory: Callable[[Any], Scorer] = getattr(importlib.import_module(module), name)
+    factory: Callable[[RLBatchConfig], Scorer] = getattr(importlib.import_module(module), name)
     return factory(cfg)

@@ -7,14 +7,15 @@ its tests. With no code_sandbox role the reward role's score is the reward (weig
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Container
 
 import torch
 
-from rlbatch.loop.controller import Pipeline, Role, Scores
+from rlbatch.config.schema import RLBatchConfig, SandboxConfig
+from rlbatch.loop.controller import Pipeline, Role, Rollouts, Scores
 
 
-def weights(roles: Any, sandbox: Any) -> dict[str, float]:
+def weights(roles: Container[str], sandbox: SandboxConfig) -> dict[str, float]:
     """Scoring role -> weight, for the roles present (``roles``: names of the run's roles)."""
     if "code_sandbox" not in roles:
         return {"reward": 1.0}
@@ -23,11 +24,11 @@ def weights(roles: Any, sandbox: Any) -> dict[str, float]:
 
 
 class Scoring:
-    def __init__(self, pipe: Pipeline, cfg: Any) -> None:
+    def __init__(self, pipe: Pipeline, cfg: RLBatchConfig) -> None:
         self.roles = [(Role(pipe, r), w) for r, w in weights(pipe.p.roles, cfg.sandbox).items()]
         self.pending: list[tuple[float, Scores]] = []
 
-    def start(self, rollouts: Any) -> None:
+    def start(self, rollouts: Rollouts) -> None:
         """Start every scoring role at once (they run alongside the log-prob phases)."""
         self.pending = [(w, role.score(rollouts)) for role, w in self.roles]
 

@@ -29,13 +29,28 @@ sync moves the adapters alone (``rlbatch.models.lora.sync_form``): the trainer s
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from rlbatch.engines.base import WeightStream
 from rlbatch.runtime.world import SYNC, World
+
+
+class WeightSink(Protocol):
+    """What a sync loads into: an inference engine (``InferenceEngine``'s part of it), or its
+    adapters (``AdapterSink``)."""
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None: ...
+
+
+class AdapterLoader(Protocol):
+    """An inference engine that loads adapters (``EngineSpec.loads_adapters``)."""
+
+    def load_adapters(self, named: Iterable[tuple[str, torch.Tensor]]) -> int: ...
 
 
 def buckets(numels: list[int], bucket_bytes: int, element_bytes: int = 4) -> list[tuple[int, int]]:
@@ -52,7 +67,7 @@ def buckets(numels: list[int], bucket_bytes: int, element_bytes: int = 4) -> lis
 
 
 @torch.no_grad()
-def load_in_process(weights: WeightStream | None, infer: Any, dtype: torch.dtype) -> int:
+def load_in_process(weights: WeightStream | None, infer: WeightSink | None, dtype: torch.dtype) -> int:
     """Colocated sync on one rank: every unit of ``weights`` in ``dtype`` loaded into ``infer`` as it is
     gathered (``load_weights`` reads it during the call), so the rank holds one unit of gathered weights
     at a time. A trainer rank without the inference engine takes part in the gathers and keeps nothing.
@@ -73,7 +88,7 @@ class AdapterSink:
     """An inference engine as the receiver of a sync of adapters: each bucket goes to its
     ``load_adapters``; it has no views of its adapters' memory to broadcast into."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: AdapterLoader) -> None:
         self.engine = engine
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -99,7 +114,7 @@ class WeightBroadcast:
             if self._manifest is not None and mine != self._manifest:
                 raise RuntimeError("weight sync: the exported weights changed names or shapes since the first sync")
         if self._manifest is None:
-            box: list[Any] = [mine if world.rank == src else None]
+            box: list[Any] = [mine if world.rank == src else None]  # the sender's manifest, once broadcast
             world.check("broadcast weight manifest", SYNC, dist.broadcast_object_list, box, src=src,
                         group=world.groups[SYNC])
             self._manifest = [(str(n), torch.Size(s)) for n, s in box[0]]
@@ -113,7 +128,8 @@ class WeightBroadcast:
         return buf[:numel]
 
     @torch.no_grad()
-    def __call__(self, world: World, weights: WeightStream | None, infer: Any, src: int, bucket_bytes: int) -> int:
+    def __call__(self, world: World, weights: WeightStream | None, infer: WeightSink | None, src: int,
+                 bucket_bytes: int) -> int:
         """Send ``weights`` (on ``src``) or receive into ``infer``; returns the bytes broadcast. Every rank
         that holds the trainer passes its ``weights``: it advances its own stream bucket by bucket in
         step with the sender, since the gathers are collective over the trainer's ranks (a rank that

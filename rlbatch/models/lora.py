@@ -19,34 +19,42 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from types import SimpleNamespace
+
     import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+
+    from rlbatch.config.schema import LoraConfig
+    from rlbatch.engines.base import EngineContext
+    from rlbatch.models.weights import TensorSource
 
 ALL_LINEAR = "all-linear"
 _LORA = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 _PREFIX = "base_model.model."
 
 
-def enabled(lora: Any) -> bool:
-    """Whether ``model.lora`` asks for adapters."""
+def enabled(lora: LoraConfig | SimpleNamespace | None) -> bool:
+    """Whether ``model.lora`` (or a namespace of its fields, each read with its default) asks for adapters."""
     return lora is not None and int(getattr(lora, "rank", 0) or 0) > 0
 
 
-def of(ctx: Any) -> Any:
+def of(ctx: EngineContext) -> LoraConfig | None:
     """The adapters an engine's model gets (``model.lora``), or None: only a trained policy (a
     trainable role with the LM head) is adapted; a reference, a critic and a reward model are not."""
     cfg = getattr(ctx.model, "lora", None)
     return cfg if ctx.trainable and ctx.head == "lm" and enabled(cfg) else None
 
 
-def trained_names(model: Any) -> set[str]:
+def trained_names(model: torch.nn.Module) -> set[str]:
     """Names of the parameters that require grad (an adapted model's: its adapters)."""
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def peft_config(lora: Any) -> Any:
+def peft_config(lora: LoraConfig) -> PeftLoraConfig:
     """PEFT's LoraConfig of ``model.lora``."""
     from peft import LoraConfig
 
@@ -65,7 +73,7 @@ def base_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
-def adapt(model: Any, lora: Any) -> Any:
+def adapt(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
     """``model`` with adapters (PEFT's ``get_peft_model``): only the adapters require grad. On a
     model whose parameters are on meta (a skeleton), the adapters are built on meta too."""
     from peft import get_peft_model
@@ -79,7 +87,7 @@ def adapt(model: Any, lora: Any) -> Any:
 
 
 @contextlib.contextmanager
-def adapters_off(model: Any) -> Iterator[None]:
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
     """A context in which a PEFT-wrapped model (FSDP2 or not) computes as its base model.
 
     Only each adapted layer's switch is flipped: PEFT's own ``disable_adapter()`` also clears the
@@ -99,7 +107,7 @@ def adapters_off(model: Any) -> Iterator[None]:
             m._disable_adapters = was
 
 
-def base_model(model: Any) -> Any:
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a PEFT wrapper (itself otherwise)."""
     getter = getattr(model, "get_base_model", None)
     return getter() if callable(getter) else model
@@ -111,7 +119,7 @@ class AdapterInit:
     (``lora_A``: uniform in +-1/sqrt(fan_in), PEFT's Kaiming-uniform with a = sqrt(5); ``lora_B``:
     zeros), every other parameter ``base``'s under its base name."""
 
-    base: Any
+    base: TensorSource
     seed: int
 
     def rows(self, name: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
@@ -130,7 +138,7 @@ class AdapterInit:
         return (torch.rand(shape, generator=g) * 2 - 1).mul_(bound)[start:end]
 
 
-def scaling(lora: Any) -> float:
+def scaling(lora: LoraConfig) -> float:
     """PEFT's scale of an adapter's update: alpha / rank."""
     return float(lora.alpha) / int(lora.rank)
 
@@ -153,7 +161,7 @@ def merged(named: Iterable[tuple[str, torch.Tensor]], scale: float) -> list[tupl
     return out
 
 
-def base_shapes(named: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def base_shapes(named: Sequence[tuple[str, torch.Size]]) -> list[tuple[str, torch.Size]]:
     """(base name, shape) of a PEFT-wrapped model's non-adapter parameters, in order."""
     return [(b, shape) for n, shape in named if (b := base_name(n)) is not None]
 
@@ -168,7 +176,7 @@ SYNC_FORMS = ("auto", "merged", "adapter")
 """``model.lora.sync``: what a LoRA policy's weight sync moves (docs/lora.md)."""
 
 
-def sync_form(lora: Any, loads_adapters: bool) -> str | None:
+def sync_form(lora: LoraConfig | SimpleNamespace | None, loads_adapters: bool) -> str | None:
     """What a weight sync into an inference engine moves: 'adapter' (the adapters alone) when
     ``model.lora.sync`` asks for them or says 'auto' and the engine loads adapters
     (``EngineSpec.loads_adapters``), else 'merged'; None without adapters (every weight, as trained)."""
@@ -185,13 +193,13 @@ def adapter_name(name: str) -> str | None:
     return None if m is None else f"{name[: m.start()]}.lora_{m.group(1)}.weight"
 
 
-def adapter_shapes(model: Any, lora: Any) -> dict[str, Any]:
+def adapter_shapes(model: torch.nn.Module, lora: LoraConfig) -> dict[str, torch.Size]:
     """{``adapter_name``: shape} of the adapters ``adapt`` gives ``model`` (which it wraps in place:
     pass a model built for this, on meta or about to be dropped)."""
     return {a: p.shape for n, p in adapt(model, lora).named_parameters() if (a := adapter_name(n)) is not None}
 
 
-def adapter_config(lora: Any) -> dict[str, Any]:
+def adapter_config(lora: LoraConfig) -> dict[str, object]:
     """PEFT's adapter_config.json of ``model.lora`` as a plain mapping (what an engine that loads
     adapters reads beside their tensors)."""
     cfg = peft_config(lora).to_dict()

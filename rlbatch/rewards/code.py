@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rlbatch.config.limits import Limits
 from rlbatch.data.code import decode_tests, extract_code
 from rlbatch.rewards.rules import split_at_stop
 from rlbatch.sandbox.runner import Job, Outcome, Sandbox
 
+if TYPE_CHECKING:
+    from rlbatch.config.schema import RLBatchConfig, SandboxConfig
+
 log = logging.getLogger(__name__)
 
 
 class CodeScorer:
-    def __init__(self, sandbox_cfg: Any) -> None:
+    def __init__(self, sandbox_cfg: SandboxConfig) -> None:
         given = sandbox_cfg.limits
         limits = given if isinstance(given, Limits) else Limits(**dict(given))
         self.sandbox = Sandbox(limits, str(sandbox_cfg.isolation), int(sandbox_cfg.workers))
@@ -68,6 +72,6 @@ class CodeScorer:
         return self.cache[key]
 
 
-def code_scorer(cfg: Any) -> Any:
+def code_scorer(cfg: RLBatchConfig) -> Callable[..., tuple[list[float], dict[str, int]]]:
     """The code_sandbox role's scorer."""
     return CodeScorer(cfg.sandbox).score

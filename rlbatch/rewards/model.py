@@ -8,18 +8,21 @@ tokenizer the token ids are scored as they are.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlbatch.rewards.rules import rule_scorer
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import RLBatchConfig
 
 
 class ModelScorer:
     """``(prompts, responses, answers) -> (rewards, counts)`` over token ids of the policy's
     tokenizer; ``engine.scores`` runs the model (collective over the reward role's ranks)."""
 
-    def __init__(self, engine: Any, tokenizer: Any, policy_tokenizer: Any, cfg: Any) -> None:
+    def __init__(self, engine: Any, tokenizer: Any, policy_tokenizer: Any, cfg: RLBatchConfig) -> None:
         self.engine, self.tokenizer, self.policy_tokenizer = engine, tokenizer, policy_tokenizer
         self.model_weight = float(cfg.reward_model.model_weight)
         self.rule_weight = float(cfg.reward_model.rule_weight)

@@ -19,7 +19,10 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import DataConfig, RLBatchConfig
 
 RewardFn = Callable[[str, str], float]
 
@@ -195,7 +198,7 @@ def _excerpt(text: str, limit: int = 60) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def _shown(value: Any, limit: int = 80) -> str:
+def _shown(value: object, limit: int = 80) -> str:
     try:
         text = repr(value)
     except Exception:  # the user's __repr__ failed: the type still says what came back
@@ -218,14 +221,14 @@ def reward_value(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
-def reward_routes(data_cfg: Any) -> tuple[str, dict[str, str]]:
+def reward_routes(data_cfg: DataConfig) -> tuple[str, dict[str, str]]:
     """``data.reward_fn`` (the default) and ``data.reward_fns`` (data_source -> function), stripped."""
     default = str(data_cfg.reward_fn).strip()
     routes = getattr(data_cfg, "reward_fns", None) or {}
     return default, {str(k): str(v).strip() for k, v in dict(routes).items()}
 
 
-def rule_scorer(cfg: Any) -> Callable[..., tuple[list[float], dict[str, int]]]:
+def rule_scorer(cfg: RLBatchConfig) -> Callable[..., tuple[list[float], dict[str, int]]]:
     """The reward role's scorer: on each (completion, answer), the reward function of the sample's
     data source (``sources``, one per completion: ``data.reward_fns``; ``data.reward_fn`` for a source
     it does not name and for samples without one); a RewardError on the first response it fails on."""

@@ -17,10 +17,15 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from mpi4py import MPI
+
+T = TypeVar("T")
+
+Kwargs = Mapping[str, object]
+"""A command's keyword arguments, as pickled to the rank that runs it."""
 
 CMD_TAG = 11
 REPLY_TAG = 12
@@ -58,22 +63,26 @@ def wait_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], st
         pause = min(pause * 2, MAX_PAUSE_S)
 
 
-def timed_barrier(comm: Any, timeout_s: float, what: str) -> None:
+def timed_barrier(comm: MPI.Comm, timeout_s: float, what: str) -> None:
     """An MPI barrier that gives up after timeout_s, without spinning a core while it waits."""
     req = comm.Ibarrier()
     wait_until(lambda: bool(req.Test()), timeout_s, lambda: what)
 
 
-def timed_bcast(comm: Any, obj: Any, root: int, timeout_s: float, what: str) -> Any:
-    """``comm.bcast`` that gives up after timeout_s (a timed barrier first, then the bcast)."""
+def timed_bcast(comm: MPI.Comm, obj: T, root: int, timeout_s: float, what: str) -> T:
+    """``comm.bcast`` that gives up after timeout_s (a timed barrier first, then the bcast). Every
+    rank passes a value of the type ``root`` sends (its own is replaced by root's)."""
     timed_barrier(comm, timeout_s, f"{what}: not every rank reached the broadcast")
-    return comm.bcast(obj, root=root)
+    out: T = comm.bcast(obj, root=root)
+    return out
 
 
-def recv_obj(comm: Any, source: int, tag: int, timeout_s: float | None, what: str) -> Any:
-    """Receive one pickled message; ``timeout_s=None`` waits for ever (still without spinning)."""
+def recv_obj(comm: MPI.Comm, source: int, tag: int, timeout_s: float | None, what: str) -> Any:
+    """Receive one pickled message; ``timeout_s=None`` waits for ever (still without spinning).
+    The message is whatever the sender pickled, untyped as mpi4py's ``recv`` gives it: the caller
+    knows what the protocol of ``tag`` sends."""
     status = MPI.Status()
-    box: list[Any] = []
+    box: list[object] = []
 
     def arrived() -> bool:
         msg = comm.improbe(source=source, tag=tag, status=status)
@@ -86,7 +95,7 @@ def recv_obj(comm: Any, source: int, tag: int, timeout_s: float | None, what: st
     return box[0]
 
 
-def receive_until(comm: Any, tag: int, stop: Callable[[], bool], deliver: Callable[[int, Any], object],
+def receive_until(comm: MPI.Comm, tag: int, stop: Callable[[], bool], deliver: Callable[[int, Any], object],
                   max_pause_s: float = MAX_PAUSE_S) -> None:
     """Receive pickled messages with ``tag`` from any rank, handing each to ``deliver(source, obj)``,
     until ``stop()`` (checked before each poll). Never blocks in MPI: between polls that find nothing
@@ -103,7 +112,7 @@ def receive_until(comm: Any, tag: int, stop: Callable[[], bool], deliver: Callab
         deliver(status.Get_source(), msg.recv())
 
 
-def send_obj(comm: Any, obj: Any, dest: int, tag: int) -> None:
+def send_obj(comm: MPI.Comm, obj: object, dest: int, tag: int) -> None:
     comm.send(obj, dest=dest, tag=tag)
 
 
@@ -114,23 +123,24 @@ class Controller:
     roles, node) in the error. That bound is the watchdog for ranks that hang instead of dying.
     """
 
-    def __init__(self, comm: Any, timeout_s: float, describe: Callable[[int], str] = str) -> None:
+    def __init__(self, comm: MPI.Comm, timeout_s: float, describe: Callable[[int], str] = str) -> None:
         self.comm, self.timeout_s, self.describe = comm, timeout_s, describe
         self.outstanding: dict[int, deque[Call]] = defaultdict(deque)
         """Per rank, the calls it has not answered yet, oldest first (it answers in that order)."""
 
     def call(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
-             per_rank: dict[int, dict[str, Any]] | None = None, **kwargs: Any) -> dict[int, Any]:
-        """Run ``cmd(**kwargs)`` (plus ``per_rank[r]``) on each rank; return {rank: result}."""
+             per_rank: Mapping[int, Kwargs] | None = None, **kwargs: object) -> dict[int, Any]:
+        """Run ``cmd(**kwargs)`` (plus ``per_rank[r]``) on each rank; return {rank: result} (each
+        handler's return value, unpickled: ``Call.wait``)."""
         return self.send(ranks, cmd, timeout_s, per_rank, **kwargs).wait()
 
     def send(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
-             per_rank: dict[int, dict[str, Any]] | None = None, **kwargs: Any) -> Call:
+             per_rank: Mapping[int, Kwargs] | None = None, **kwargs: object) -> Call:
         """Send ``cmd`` and return at once; ``.wait()`` gathers the replies. Several calls may be
         in flight and be waited for in any order: a rank runs its commands and replies in the
         order they were sent, so each reply is matched to the oldest call it has not answered."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        reqs = [self.comm.isend((cmd, kwargs | (per_rank or {}).get(r, {})), dest=r, tag=CMD_TAG) for r in ranks]
+        reqs = [self.comm.isend((cmd, {**kwargs, **(per_rank or {}).get(r, {})}), dest=r, tag=CMD_TAG) for r in ranks]
         call = Call(self, list(ranks), cmd, timeout, reqs)
         for r in ranks:
             self.outstanding[r].append(call)
@@ -152,9 +162,11 @@ class Controller:
 class Call:
     """A command in flight."""
 
-    def __init__(self, ctl: Controller, ranks: list[int], cmd: str, timeout_s: float, reqs: list[Any]) -> None:
+    def __init__(self, ctl: Controller, ranks: list[int], cmd: str, timeout_s: float, reqs: list[MPI.Request]) -> None:
         self.ctl, self.ranks, self.cmd, self.timeout_s, self.reqs = ctl, ranks, cmd, timeout_s, reqs
         self.replies: dict[int, Any] = {}
+        """Each rank's reply as unpickled: its handler's return value, whose type the command
+        decides (the caller of ``wait`` knows it), or a RemoteError."""
 
     def wait(self) -> dict[int, Any]:
         """{rank: result}; raises naming the rank when a handler failed there."""
@@ -183,7 +195,7 @@ class RemoteError:
         self.traceback = traceback
 
 
-def serve(comm: Any, controller_rank: int, handlers: dict[str, Callable[..., Any]]) -> None:
+def serve(comm: MPI.Comm, controller_rank: int, handlers: Mapping[str, Callable[..., object]]) -> None:
     """A worker's loop: run each command from the controller until 'shutdown' (the handler of that
     name, if any, runs before it is acknowledged: the rank's own teardown, such as stopping what it
     serves to other ranks).

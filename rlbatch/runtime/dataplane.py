@@ -18,8 +18,8 @@ two never meet.) Samples are small next to a step's compute, and they live on th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class Move:
         return sum(sum(x) for x in self.lengths)
 
 
-_USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)
+_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _use_count(t: torch.Tensor) -> int:

@@ -27,7 +27,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import process_cmdline
@@ -72,7 +72,7 @@ class RunDir:
         except (OSError, ValueError, AttributeError):
             return {}
 
-    def write_status(self, rank: int, state: str, **extra: Any) -> bool:
+    def write_status(self, rank: int, state: str, **extra: object) -> bool:
         """Record a rank's state; written atomically so a reader never sees half a file.
 
         Never raises OSError: it runs on error paths. On a full disk (ENOSPC, EDQUOT) the existing
@@ -135,7 +135,17 @@ class RunDirBusy(ConfigError):
     """Another run holds the run directory; the message names it and what to do."""
 
 
-def _holder_text(rec: dict[str, Any]) -> str:
+class LockRecord(TypedDict, total=False):
+    """The lock file's record of its holder (``_record``); empty when the directory is free."""
+
+    host: str
+    pid: int | None
+    """None once handed over to a Slurm job (``RunDirLock.hand_over``)."""
+    slurm_job: str | None
+    since: float
+
+
+def _holder_text(rec: LockRecord) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(rec.get("since", 0))))
     if rec.get("pid") is None and rec.get("slurm_job"):  # handed over to the job by its submitter
         return f"Slurm job {rec['slurm_job']} (submitted from host {rec.get('host', '?')}), since {since}"
@@ -181,7 +191,7 @@ class RunDirLock:
     def __init__(self, path: Path, fd: int) -> None:
         self.path, self.fd = path, fd
 
-    def write(self, rec: dict[str, Any]) -> None:
+    def write(self, rec: LockRecord) -> None:
         data = json.dumps(rec).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
@@ -211,26 +221,28 @@ class RunDirLock:
             os.close(fd)  # the kernel's lock goes with the last descriptor
 
 
-def _record(slurm_job: str | None) -> dict[str, Any]:
+def _record(slurm_job: str | None) -> LockRecord:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": slurm_job, "since": time.time()}
 
 
-def _read_record(fd: int) -> dict[str, Any]:
+def _read_record(fd: int) -> LockRecord:
+    """The record in the lock file (as ``RunDirLock.write`` wrote it); empty when there is none, it
+    cannot be read or it is no JSON object."""
     try:
         data = os.pread(fd, 1 << 16, 0)
-        rec = json.loads(data) if data.strip() else {}
+        rec: LockRecord = json.loads(data) if data.strip() else {}
     except (OSError, ValueError):
         return {}
     return rec if isinstance(rec, dict) else {}
 
 
-def _busy(path: Path, rec: dict[str, Any], why: str) -> RunDirBusy:
+def _busy(path: Path, rec: LockRecord, why: str) -> RunDirBusy:
     return RunDirBusy(
         f"run_dir {path.parent} is in use by another run: {_holder_text(rec)}{why}. Wait for that run to end, "
         f"stop it, or choose another run_dir (nothing of it was touched)")
 
 
-def _stale_or_busy(path: Path, rec: dict[str, Any], slurm_job: str | None) -> RunDirBusy | None:
+def _stale_or_busy(path: Path, rec: LockRecord, slurm_job: str | None) -> RunDirBusy | None:
     """With the kernel's lock granted, judge the record a previous holder left: None when it is
     stale (that holder is gone), else the refusal.
 
@@ -261,7 +273,7 @@ def _ranks_still_running(path: Path) -> RunDirBusy | None:
     lock's holder, was killed (SIGKILL) while mpiexec and the ranks went on (they end at their
     next write to the console, but may not have yet)."""
     run = RunDir(path.parent)
-    alive: list[tuple[Any, Any]] = []  # (rank, pid) from the status files
+    alive: list[tuple[int, int]] = []  # (rank, pid) from the status files
     for status in sorted(run.logs.glob("rank*.status")):
         st = run.read_status(int(status.stem.removeprefix("rank"))) if status.stem[4:].isdigit() else None
         if not st or st.get("state") != "running" or st.get("host") != socket.gethostname():
@@ -315,7 +327,7 @@ def lock_run_dir(run_dir: Path, slurm_job: str | None = None) -> RunDirLock:
     return lock
 
 
-def _alive(pid: Any) -> bool:
+def _alive(pid: object) -> bool:
     if not isinstance(pid, int):
         return False
     try:

@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import socket
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,29 @@ from rlbatch.runtime.world import World
 log = logging.getLogger(__name__)
 
 
-def _report(world: World) -> dict[str, Any]:
+class Report(TypedDict):
+    """What a rank says about itself: its slot, its process, and its torch view of the groups."""
+
+    world_rank: int
+    kind: str
+    roles: list[list[object]]
+    """[role, worker index] of each role the rank serves."""
+    node: int
+    gpu_rank: int | None
+    local_gpu: int | None
+    host: str
+    pid: int
+    slurm_nodeid: int | None
+    slurm_localid: int | None
+    device: str
+    torch_rank: int
+    torch_world: int
+    group_ranks: dict[str, int]
+    """This rank's rank in each group (-1: not a member)."""
+    mesh_coords: dict[str, list[int]]
+
+
+def _report(world: World) -> Report:
     env = read_env()
     s = world.slot
     return {
@@ -61,7 +84,7 @@ def _sums(world: World) -> dict[str, float]:
     return out
 
 
-def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Any]:
+def handlers(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, Callable[[], object]]:
     def sums() -> dict[str, float]:
         maybe_fault("selftest", world.rank)
         return _sums(world)
@@ -89,18 +112,19 @@ def _expected(world: World) -> dict[int, dict[str, float]]:
     return exp
 
 
-def _check_report(world: World, r: int, rep: dict[str, Any]) -> list[str]:
+def _check_report(world: World, r: int, rep: Report) -> list[str]:
     p = world.placement
     s = p.processes[r]
     bad = []
-    want = {"world_rank": r, "kind": s.kind.value, "roles": [list(x) for x in s.roles], "node": s.node,
+    got: Mapping[str, object] = rep
+    want: dict[str, object] = {"world_rank": r, "kind": s.kind.value, "roles": [list(x) for x in s.roles], "node": s.node,
             "gpu_rank": s.gpu_rank, "local_gpu": s.local_gpu, "torch_rank": r, "torch_world": p.world_size}
     if rep["slurm_nodeid"] is not None:
         want["slurm_nodeid"] = s.node
         want["slurm_localid"] = s.local_rank
     for k, v in want.items():
-        if rep[k] != v:
-            bad.append(f"{describe_rank(p, r)}: {k} is {rep[k]!r}, placement says {v!r}")
+        if got[k] != v:
+            bad.append(f"{describe_rank(p, r)}: {k} is {got[k]!r}, placement says {v!r}")
     for name, ranks in world.members.items():
         inside = rep["group_ranks"][name] >= 0
         if inside != (r in ranks):

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlbatch.engines.registry import EngineKind
@@ -27,6 +29,8 @@ from rlbatch.runtime.env import SchedulerEnv
 from rlbatch.runtime.rendezvous import choose_port
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 SYNC = "sync"
 """Name of the weight-sync group in ``World.groups``: actor_train's first rank + actor_infer's ranks."""
 
@@ -44,11 +48,11 @@ class CollectiveError(RuntimeError):
 class World:
     placement: Placement
     slot: ProcessSlot
-    comm: Any
+    comm: MPI.Comm
     """MPI communicator of all processes; rank == world rank."""
-    role_comms: dict[str, Any]
+    role_comms: dict[str, MPI.Comm]
     """MPI communicator of each role this process belongs to."""
-    groups: dict[str, Any]
+    groups: dict[str, ProcessGroup]
     """torch ProcessGroup of every role (and SYNC); only meaningful on members."""
     meshes: dict[str, DeviceMesh]
     """DeviceMesh of every GPU role this process belongs to (hybrid MoE adds '<role>.ffn')."""
@@ -56,7 +60,7 @@ class World:
     timeout_s: float
     members: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """World ranks of every role (and SYNC)."""
-    subgroups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    subgroups: dict[str, dict[str, ProcessGroup]] = field(default_factory=dict)
     """This process's groups beyond the mesh axes, per role (``rlbatch.placement.subgroups``)."""
 
     @property
@@ -79,7 +83,7 @@ class World:
     def role_ranks(self, role: str) -> tuple[int, ...]:
         return self.members[role]
 
-    def check(self, op: str, role: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def check(self, op: str, role: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a collective; on failure or timeout raise an error naming role, ranks and op."""
         try:
             return fn(*args, **kwargs)
@@ -173,7 +177,7 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
             f"the job has {comm.Get_size()} processes with a slot, but the placement needs {p.world_size}; "
             f"was it started with the sbatch request the dry run printed?"
         )
-    role_comms: dict[str, Any] = {}
+    role_comms: dict[str, MPI.Comm] = {}
     members: dict[str, tuple[int, ...]] = {}
     for name, role in p.roles.items():  # same order on every rank
         members[name] = role_world_ranks(p, role)
@@ -184,7 +188,8 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
     dev = pick_device(p, slot, device, env.cuda_visible_devices)
     any_cuda = comm.allreduce(1 if dev.type == "cuda" else 0, op=MPI.SUM) > 0
     backend = "cpu:gloo,cuda:nccl" if any_cuda else "gloo"
-    addr, port = None, None
+    addr: str | None = None
+    port: int | None = None
     if slot.world_rank == 0:
         addr = env.master_addr or env.first_node or "127.0.0.1"
         port = choose_port(env.job_id, port_range)
@@ -194,9 +199,9 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
         backend=backend, init_method=f"tcp://{addr}:{port}", rank=slot.world_rank,
         world_size=p.world_size, timeout=datetime.timedelta(seconds=timeout_s),
     )
-    groups: dict[str, Any] = {}
+    groups: dict[str, ProcessGroup] = {}
     meshes: dict[str, DeviceMesh] = {}
-    more: dict[str, dict[str, Any]] = {}
+    more: dict[str, dict[str, ProcessGroup]] = {}
     # Each process builds its meshes on its own device type: a DeviceMesh on "cuda" in a process
     # that never selected a GPU (the controller, CPU workers) picks one itself from the world
     # size, and refuses when that is not a multiple of the node's GPUs (8 GPU ranks + reward
@@ -237,7 +242,7 @@ def shutdown(world: World) -> None:
     teardown(world.comm, world.timeout_s)
 
 
-def teardown(comm: Any, timeout_s: float = 60.0) -> None:
+def teardown(comm: MPI.Comm, timeout_s: float = 60.0) -> None:
     """Destroy torch.distributed on every rank together: all ranks stop using their groups first,
     and none exits (closing its sockets) while another is still tearing down; a gloo thread
     that loses its peer mid-teardown aborts its process ("terminate called without an active

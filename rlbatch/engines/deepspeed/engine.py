@@ -32,14 +32,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from rlbatch.engines import training as common
 from rlbatch.engines.attention import prefer_varlen
-from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units, require_mesh
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.deepspeed.world import import_deepspeed, role_world
 from rlbatch.engines.defaults import max_tokens_per_micro_batch, share_prompts
@@ -48,16 +48,34 @@ from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train_state import param_groups_meta
 from rlbatch.models import lora
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from torch.distributed import ProcessGroup
+    from transformers import PreTrainedModel
+
+    from rlbatch.config.schema import AlgoConfig
+    from rlbatch.engines.base import Objective
+    from rlbatch.engines.deepspeed import DeepSpeedArgs
+
+ZeroEngine = Any  # untyped library
+"""``deepspeed.initialize``'s engine (``deepspeed.DeepSpeedEngine``, a ``torch.nn.Module`` around the
+role's model): what rlbatch calls of it is its forward, ``module``, ``optimizer`` (ZeRO's), ``backward``,
+``step``, ``set_gradient_accumulation_boundary`` and ``get_global_grad_norm``."""
+
+ZeroParameter = Any  # untyped library
+"""A ``torch.nn.Parameter`` of a model under DeepSpeed, with the attributes ZeRO-3 gives it: ``ds_tensor``
+(this rank's partition), ``ds_numel`` and ``ds_shape`` (the whole parameter's)."""
+
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class RoleMPU:
     """The ``mpu`` DeepSpeed asks its groups from: the role's dp group, no model parallelism."""
 
-    def __init__(self, dp: Any, single: Any) -> None:
+    def __init__(self, dp: ProcessGroup, single: ProcessGroup) -> None:
         self.dp, self.single = dp, single
 
-    def get_data_parallel_group(self) -> Any:
+    def get_data_parallel_group(self) -> ProcessGroup:
         return self.dp
 
     def get_data_parallel_world_size(self) -> int:
@@ -66,7 +84,7 @@ class RoleMPU:
     def get_data_parallel_rank(self) -> int:
         return int(dist.get_rank(self.dp))
 
-    def get_model_parallel_group(self) -> Any:
+    def get_model_parallel_group(self) -> ProcessGroup:
         return self.single
 
     def get_model_parallel_world_size(self) -> int:
@@ -89,15 +107,15 @@ def plain_module(model: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     return model.to(device=device, dtype=compute_dtype(device)).eval()
 
 
-def ds_config(args: Any, algo: Any, device: torch.device, trainable: bool) -> dict[str, Any]:
+def ds_config(args: DeepSpeedArgs, algo: AlgoConfig, device: torch.device, trainable: bool) -> dict[str, object]:
     """The DeepSpeed config of a role. Gradient accumulation is driven by the engine (one optimizer
     step per update of ``common.updates``), so DeepSpeed's own is 1."""
-    zero: dict[str, Any] = {"stage": int(args.zero_stage)}
+    zero: dict[str, object] = {"stage": int(args.zero_stage)}
     if args.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     if args.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
-    cfg: dict[str, Any] = {
+    cfg: dict[str, object] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
@@ -112,7 +130,7 @@ def ds_config(args: Any, algo: Any, device: torch.device, trainable: bool) -> di
     return cfg
 
 
-def host_model(ctx: EngineContext) -> Any:
+def host_model(ctx: EngineContext) -> PreTrainedModel | PeftModel:
     """The role's model whole on the host in fp32. A trained policy with ``model.lora`` comes from
     ``engine_skeleton`` (where the adapters are applied, seeded by name as every engine's are),
     filled on the host; any other model from ``load_engine_model`` (the same tensors)."""
@@ -135,7 +153,7 @@ class DeepSpeedEngine(StashedState):
 
     def __init__(self, ctx: EngineContext) -> None:
         mesh, algo, args = ctx.mesh, ctx.algo, ctx.args
-        common.require_data_parallel(mesh, "deepspeed")
+        common.require_data_parallel(require_mesh(mesh, ctx.role), "deepspeed")
         if int(args.zero_stage) not in (1, 2, 3):
             raise ValueError(f"deepspeed engine: engine_args.zero_stage must be 1, 2 or 3, got {args.zero_stage}")
         deepspeed = import_deepspeed()
@@ -159,7 +177,8 @@ class DeepSpeedEngine(StashedState):
         self.varlen = self.max_tokens > 0 and prefer_varlen(model, ctx.device, compute_dtype(ctx.device))
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.engine: ZeroEngine  # or, forward-only under ZeRO-1/2, the plain module (``plain_module``)
         config = ds_config(args, algo, ctx.device, ctx.trainable)
         mpu = RoleMPU(self.group, ctx.group("tp"))
         # DeepSpeed gets the model on the host: it casts it to the compute dtype parameter by parameter,
@@ -179,7 +198,7 @@ class DeepSpeedEngine(StashedState):
                 self.engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu, dist_init_required=False)
             else:
                 self.engine = plain_module(model, ctx.device)
-        self.module: torch.nn.Module = getattr(self.engine, "module", self.engine)
+        self.module: torch.nn.Module = self.engine.module if hasattr(self.engine, "module") else self.engine
         self.params = [p for _, p in self.module.named_parameters()]
         # Checkpoint names are the module's state_dict keys, as the fsdp engine writes them: a tied
         # weight (lm_head = embed_tokens) appears under both names; optimizer state once, by parameter.
@@ -236,7 +255,7 @@ class DeepSpeedEngine(StashedState):
         with role_world(self.group):
             return common.scores(self.engine, samples, self.split, self._pack, self.engine.module.score)
 
-    def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: Objective) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` (``common.updates``): DeepSpeed
         reduces the gradients at the last micro-batch of each update, clips them and steps."""
         assert self.optimizer is not None and self.scheduler is not None, "train() on a forward-only engine"
@@ -291,7 +310,7 @@ class DeepSpeedEngine(StashedState):
         """A ``WeightStream``'s manifest and units of ``units``, lists of (name it leaves under, parameter
         name): each parameter whole, in the dtype asked for (``_exported``)."""
         zero3 = self.stage == 3 and self.engine is not self.module
-        params = dict(zip(self.names, self.params, strict=True))
+        params: dict[str, ZeroParameter] = dict(zip(self.names, self.params, strict=True))
         manifest = [(out, torch.Size(params[n].ds_shape) if zero3 else params[n].shape) for unit in units for out, n in unit]
 
         def produce(dtype: torch.dtype | None) -> Iterator[Unit]:
@@ -301,7 +320,7 @@ class DeepSpeedEngine(StashedState):
         return manifest, produce
 
     @torch.no_grad()
-    def _exported(self, p: Any, dtype: torch.dtype | None, zero3: bool) -> torch.Tensor:
+    def _exported(self, p: ZeroParameter, dtype: torch.dtype | None, zero3: bool) -> torch.Tensor:
         if not zero3:
             return p.detach() if dtype is None else p.detach().to(dtype)
         # ZeRO-3 keeps rank r's partition as elements [r*n, (r+1)*n) of the flattened parameter, the last
@@ -338,9 +357,10 @@ class DeepSpeedEngine(StashedState):
         when forward-only."""
         if self.optimizer is None:
             return None
+        assert self.scheduler is not None  # built with the optimizer
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         with role_world(self.group):
             self._ensure_optimizer_state()
             step = self._step()
@@ -356,7 +376,8 @@ class DeepSpeedEngine(StashedState):
 
     def load_checkpoint_state(self, state: CheckpointState) -> None:
         """Set the weights (master and compute copies), the AdamW state and step, the LR schedule."""
-        assert self.optimizer is not None, "load_checkpoint_state on a forward-only engine"
+        assert self.optimizer is not None and self.scheduler is not None, (
+            "load_checkpoint_state on a forward-only engine")
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         t = state.tensors

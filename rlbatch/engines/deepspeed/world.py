@@ -18,12 +18,19 @@ so two DeepSpeed engines on different role groups in one process each see their 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+DeepSpeedBackend = Any  # untyped library
+"""``deepspeed.comm``'s backend object (``cdb``, a ``TorchBackend``), which ``RoleBackend`` wraps."""
 
 _RANKED = {"src", "dst"}
 
@@ -52,21 +59,39 @@ def import_deepspeed() -> ModuleType:
     return module
 
 
-class RoleBackend:
-    """``deepspeed.comm``'s backend, with the role's group standing in for the world."""
+KEYWORD_COLLECTIVES = ("broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
+                       "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "gather", "scatter",
+                       "reduce", "reduce_scatter", "send", "recv", "isend", "irecv")
+"""Collectives ``deepspeed.comm`` calls on its backend with keyword arguments only: ``RoleBackend`` routes
+each (``RoleBackend._route``)."""
 
-    def __init__(self, inner: Any, group: Any) -> None:
+
+class RoleBackend:
+    """``deepspeed.comm``'s backend, with the role's group standing in for the world. Each of
+    ``KEYWORD_COLLECTIVES`` is a method of it (set below the class) that ``_route``s its keyword
+    arguments; the positional calls are written out; anything else is the inner backend's."""
+
+    def __init__(self, inner: DeepSpeedBackend, group: ProcessGroup) -> None:
         self.inner = inner
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
 
-    def __getattr__(self, name: str) -> Any:  # everything not re-routed below
+    def __getattr__(self, name: str) -> object:  # everything not re-routed here
         return getattr(self.inner, name)
 
-    def _world(self, group: Any) -> bool:
+    @staticmethod
+    def _world(group: object) -> bool:
         return group is None or group is dist.group.WORLD
 
-    def _route(self, name: str, kwargs: dict[str, Any]) -> Any:
+    def _group(self, group: ProcessGroup | None) -> ProcessGroup:
+        """The role's group in place of the world, any other group as it is."""
+        if group is None or group is dist.group.WORLD:
+            return self.group
+        return group
+
+    def _route(self, name: str, kwargs: dict[str, Any]) -> object:
+        """The inner backend's ``name`` on ``kwargs`` (tensors, ranks, a group, flags; as DeepSpeed passes
+        them): without a group, on the role's, a ``src``/``dst`` rank read as a rank of the role."""
         if self._world(kwargs.get("group")):
             kwargs["group"] = self.group
             for key in _RANKED & kwargs.keys():
@@ -74,99 +99,69 @@ class RoleBackend:
                     kwargs[key] = self.ranks[kwargs[key]]
         return getattr(self.inner, name)(**kwargs)
 
-    # Collectives deepspeed.comm calls with keyword arguments.
-    def broadcast(self, **kw: Any) -> Any:
-        return self._route("broadcast", kw)
+    def barrier(self, group: ProcessGroup | None = None, **kw: object) -> object:
+        return self.inner.barrier(group=self._group(group), **kw)
 
-    def broadcast_object_list(self, **kw: Any) -> Any:
-        return self._route("broadcast_object_list", kw)
+    def monitored_barrier(self, group: ProcessGroup | None = None, **kw: object) -> object:
+        return self.inner.monitored_barrier(group=self._group(group), **kw)
 
-    def all_gather(self, **kw: Any) -> Any:
-        return self._route("all_gather", kw)
+    # Collectives and queries deepspeed.comm calls with positional arguments. ``op``: DeepSpeed's
+    # ReduceOp or torch's, which the inner backend converts.
+    def all_to_all(self, output: list[torch.Tensor], input: list[torch.Tensor], group: ProcessGroup | None = None,
+                   async_op: bool = False) -> object:
+        return self.inner.all_to_all(output, input, group=self._group(group), async_op=async_op)
 
-    def all_gather_object(self, **kw: Any) -> Any:
-        return self._route("all_gather_object", kw)
+    def all_reduce(self, tensor: torch.Tensor, op: object = dist.ReduceOp.SUM, group: ProcessGroup | None = None,
+                   async_op: bool = False) -> object:
+        return self.inner.all_reduce(tensor, op, self._group(group), async_op)
 
-    def reduce_scatter_tensor(self, **kw: Any) -> Any:
-        return self._route("reduce_scatter_tensor", kw)
+    def all_reduce_coalesced(self, tensors: list[torch.Tensor], op: object = dist.ReduceOp.SUM,
+                             group: ProcessGroup | None = None, async_op: bool = False) -> object:
+        return self.inner.all_reduce_coalesced(tensors, op, self._group(group), async_op)
 
-    def all_gather_into_tensor(self, **kw: Any) -> Any:
-        return self._route("all_gather_into_tensor", kw)
+    def inference_all_reduce(self, tensor: torch.Tensor, op: object, group: ProcessGroup | None = None) -> object:
+        return self.inner.all_reduce(tensor, op, self._group(group), False)
 
-    def all_to_all_single(self, **kw: Any) -> Any:
-        return self._route("all_to_all_single", kw)
+    def all_gather_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                             group: ProcessGroup | None = None, async_op: bool = False) -> object:
+        return self.inner.all_gather_coalesced(output_tensors, input_tensors, group=self._group(group),
+                                               async_op=async_op)
 
-    def gather(self, **kw: Any) -> Any:
-        return self._route("gather", kw)
-
-    def scatter(self, **kw: Any) -> Any:
-        return self._route("scatter", kw)
-
-    def reduce(self, **kw: Any) -> Any:
-        return self._route("reduce", kw)
-
-    def reduce_scatter(self, **kw: Any) -> Any:
-        return self._route("reduce_scatter", kw)
-
-    def send(self, **kw: Any) -> Any:
-        return self._route("send", kw)
-
-    def recv(self, **kw: Any) -> Any:
-        return self._route("recv", kw)
-
-    def isend(self, **kw: Any) -> Any:
-        return self._route("isend", kw)
-
-    def irecv(self, **kw: Any) -> Any:
-        return self._route("irecv", kw)
-
-    def barrier(self, group: Any = None, **kw: Any) -> Any:
-        return self.inner.barrier(group=self.group if self._world(group) else group, **kw)
-
-    def monitored_barrier(self, group: Any = None, **kw: Any) -> Any:
-        return self.inner.monitored_barrier(group=self.group if self._world(group) else group, **kw)
-
-    # Collectives and queries deepspeed.comm calls with positional arguments.
-    def all_to_all(self, output: Any, input: Any, group: Any = None, async_op: bool = False) -> Any:
-        return self.inner.all_to_all(output, input, group=self.group if self._world(group) else group,
-                                     async_op=async_op)
-
-    def all_reduce(self, tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
-        return self.inner.all_reduce(tensor, op, self.group if self._world(group) else group, async_op)
-
-    def all_reduce_coalesced(self, tensors: Any, op: Any = dist.ReduceOp.SUM, group: Any = None,
-                             async_op: bool = False) -> Any:
-        return self.inner.all_reduce_coalesced(tensors, op, self.group if self._world(group) else group, async_op)
-
-    def inference_all_reduce(self, tensor: Any, op: Any, group: Any = None) -> Any:
-        return self.inner.all_reduce(tensor, op, self.group if self._world(group) else group, False)
-
-    def all_gather_coalesced(self, output_tensors: Any, input_tensors: Any, group: Any = None,
-                             async_op: bool = False) -> Any:
-        return self.inner.all_gather_coalesced(output_tensors, input_tensors,
-                                               group=self.group if self._world(group) else group, async_op=async_op)
-
-    def get_world_group(self) -> Any:
+    def get_world_group(self) -> ProcessGroup | None:
         # The symbolic world, not the role's group object: DeepSpeed compares a group with the world
         # group to decide whether a source rank is a world rank (0) or a global rank of that group.
         return dist.group.WORLD
 
-    def get_rank(self, group: Any = None) -> int:
-        return int(dist.get_rank(self.group if self._world(group) else group))
+    def get_rank(self, group: ProcessGroup | None = None) -> int:
+        return int(dist.get_rank(self._group(group)))
 
-    def get_world_size(self, group: Any = None) -> int:
-        return int(dist.get_world_size(self.group if self._world(group) else group))
+    def get_world_size(self, group: ProcessGroup | None = None) -> int:
+        return int(dist.get_world_size(self._group(group)))
 
-    def get_global_rank(self, group: Any, group_rank: int) -> int:
-        return int(dist.get_global_rank(self.group if self._world(group) else group, group_rank))
+    def get_global_rank(self, group: ProcessGroup | None, group_rank: int) -> int:
+        return int(dist.get_global_rank(self._group(group), group_rank))
 
-    def new_group(self, ranks: Any) -> Any:
+    def new_group(self, ranks: Iterable[int]) -> NoReturn:
         raise RuntimeError(f"DeepSpeed asked for a new process group over ranks {list(ranks)} of the role; rlbatch "
                            "gives it the role's groups (mpu) and creates none inside a role")
 
 
+def _keyword_collective(name: str) -> Callable[..., object]:
+    """``RoleBackend``'s method ``name``: the inner backend's, on keyword arguments routed by ``_route``."""
+
+    def collective(self: RoleBackend, **kw: object) -> object:
+        return self._route(name, kw)
+
+    collective.__name__, collective.__qualname__ = name, f"RoleBackend.{name}"
+    return collective
+
+
+for _name in KEYWORD_COLLECTIVES:
+    setattr(RoleBackend, _name, _keyword_collective(_name))
+
+
 @contextmanager
-def role_world(group: Any) -> Iterator[None]:
+def role_world(group: ProcessGroup) -> Iterator[None]:
     """Inside the block, DeepSpeed's world is ``group`` (see the module docstring)."""
     comm = import_deepspeed().comm
     inner = comm.comm.cdb

@@ -21,16 +21,17 @@ import functools
 import itertools
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlbatch.engines import training as common
 from rlbatch.engines import ulysses
 from rlbatch.engines.attention import prefer_varlen
-from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream
+from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, require_mesh
 from rlbatch.engines.batch import Flat, Packed, pack
 from rlbatch.engines.defaults import (
     GPU_MAX_TOKENS_PER_MICRO_BATCH,
@@ -38,6 +39,7 @@ from rlbatch.engines.defaults import (
     max_tokens_per_micro_batch,
     share_prompts,
 )
+from rlbatch.engines.fsdp import FSDPArgs
 from rlbatch.engines.fsdp import tp as fsdp_tp
 from rlbatch.engines.model import engine_skeleton, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
@@ -45,12 +47,20 @@ from rlbatch.engines.train_state import load_module_state, module_state
 from rlbatch.models import lora
 from rlbatch.models.weights import allocate
 
+if TYPE_CHECKING:
+    from rlbatch.engines.base import Objective
+
 
 @torch.no_grad()
 def _gathered(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A parameter in full, in ``dtype``: a DTensor's local shard is cast first, then all-gathered."""
     t = p.detach().to(dtype)  # a DTensor casts its shard and keeps its placement
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers (``model.layers``) of a transformers model, inside PEFT's wrapper or not."""
+    return list(lora.base_model(model).get_submodule("model.layers").children())
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -64,11 +74,20 @@ def held_dtype(model_dtype_name: str, device: torch.device, trainable: bool) -> 
     return torch.float32 if trainable else model_dtype(model_dtype_name, device)
 
 
+class _ShardArgs(TypedDict, total=False):
+    """The arguments of ``fully_shard`` this engine sets."""
+
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool
+
+
 class FSDPEngine(StashedState):
     """A role's model sharded with FSDP2 over its dp axis, split over its tp axis (see the module docstring)."""
 
     def __init__(self, ctx: EngineContext) -> None:
-        mesh, algo, args = ctx.mesh, ctx.algo, ctx.args
+        mesh, algo = require_mesh(ctx.mesh, f"fsdp engine, role {ctx.role}"), ctx.algo
+        args: FSDPArgs = ctx.args
         self.tp, self.cp = fsdp_tp.require_dp_tp(mesh)
         self.device, self.algo, self.tokenizer = ctx.device, algo, ctx.tokenizer
         self.micro_batch = int(args.micro_batch)
@@ -98,7 +117,9 @@ class FSDPEngine(StashedState):
         # FSDP shards over every rank of a replica's context-parallel group too (each holds distinct
         # parameter shards; the loss is scaled by c for FSDP's mean over them: ``train``)
         shard_mesh = mesh["dp", "cp"]._flatten("dp_cp") if self.cp > 1 else mesh["dp"]
-        kwargs: dict[str, Any] = {"mesh": shard_mesh} | ({"mp_policy": mp} if mp else {})
+        kwargs: _ShardArgs = {"mesh": shard_mesh}
+        if mp:
+            kwargs["mp_policy"] = mp
         self.mp = mp
         if self.cp > 1:  # attention over the whole row by all-to-alls (varlen inside where it exists)
             ulysses.use(model)
@@ -110,16 +131,20 @@ class FSDPEngine(StashedState):
         self.single_unit = fsdp_single_unit(param_bytes(model), args) and self.tp == 1
         if self.tp > 1:
             cfg = model.config
-            fsdp_tp.parallelize(lora.base_model(model).model.layers, mesh["tp"], int(cfg.num_attention_heads),
+            fsdp_tp.parallelize(_layers(model), mesh["tp"], int(cfg.num_attention_heads),
                                 int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads))
         if not self.single_unit:
-            for layer in lora.base_model(model).model.layers:  # a unit per layer: gathered one at a time, overlapping compute
+            for layer in _layers(model):  # a unit per layer: gathered one at a time, overlapping compute
                 fully_shard(layer, **kwargs)
         # FSDP2 leaves the root unit (embedding, final norm, head) unsharded after a forward, for the
         # backward that follows in training; a forward-only role has none, so it would hold them
         # gathered until its next forward, on the device through other roles' phases (offload moves shards).
-        root: dict[str, Any] = kwargs | ({} if ctx.trainable else {"reshard_after_forward": True})
-        self.model = fully_shard(model, **root)
+        root = kwargs.copy()
+        if not ctx.trainable:
+            root["reshard_after_forward"] = True
+        fully_shard(model, **root)  # in place: ``model`` becomes an FSDP module (and is returned)
+        assert isinstance(model, FSDPModule)
+        self.model = model
         if self.tp > 1:  # 2-D shards: each rank's rows, then its columns
             allocate(model, ctx.device)
             fsdp_tp.materialise(model, skeleton.weights)
@@ -164,9 +189,9 @@ class FSDPEngine(StashedState):
 
     def scores(self, samples: list[Sample]) -> list[float]:
         cut = None if self.cp_group is None else functools.partial(ulysses.split, group=self.cp_group)
-        return common.scores(self.model, samples, self.split, self._pack, self.model.score, cut)
+        return common.scores(self.model, samples, self.split, self._pack, self.model.get_submodule("score"), cut)
 
-    def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: Objective) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this rank's share of the batch
         (``rlbatch.engines.training.updates``)."""
         assert self.optimizer is not None, "train() on a forward-only engine"

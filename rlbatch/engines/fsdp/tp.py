@@ -13,15 +13,22 @@ replica. ``fully_shard`` on the dp axis then shards every parameter over dp, the
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from rlbatch.engines.base import require_mesh
 from rlbatch.models.weights import TensorSource
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from rlbatch.engines.base import EngineContext
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 """Split by output features: each tp rank holds its heads (attention) or its share of the MLP."""
@@ -29,11 +36,11 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 """Split by input features: the partial outputs are summed over tp (one all-reduce each)."""
 
 
-def mesh_dims(mesh: Any) -> dict[str, int]:
-    return dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
+def mesh_dims(mesh: DeviceMesh) -> dict[str, int]:
+    return dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True))
 
 
-def require_dp_tp(mesh: Any) -> tuple[int, int]:
+def require_dp_tp(mesh: DeviceMesh) -> tuple[int, int]:
     """The mesh's (tp, cp) sizes; refuses pipeline parallelism, which the fsdp engine does not run."""
     dims = mesh_dims(mesh)
     tp, cp = dims.get("tp", 1), dims.get("cp", 1)
@@ -43,7 +50,7 @@ def require_dp_tp(mesh: Any) -> tuple[int, int]:
     return tp, cp
 
 
-def layer_plan(layer: torch.nn.Module) -> dict[str, Any]:
+def layer_plan(layer: torch.nn.Module) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of one decoder layer, by submodule name. A layer without these
     linear layers (a Mixture-of-Experts block) is refused: its experts are not split here.
 
@@ -56,7 +63,7 @@ def layer_plan(layer: torch.nn.Module) -> dict[str, Any]:
     if missing := [n for n in COLWISE + ROWWISE if n not in names]:
         raise NotImplementedError(f"fsdp engine: tensor parallelism splits {', '.join(COLWISE + ROWWISE)} of each "
                                   f"decoder layer; {type(layer).__name__} has no {', '.join(missing)}")
-    plan: dict[str, Any] = {}
+    plan: dict[str, ParallelStyle] = {}
     for split, style, adapter in ((COLWISE, ColwiseParallel, "lora_B"), (ROWWISE, RowwiseParallel, "lora_A")):
         for n in split:
             if f"{n}.base_layer" not in names:
@@ -67,7 +74,7 @@ def layer_plan(layer: torch.nn.Module) -> dict[str, Any]:
     return plan
 
 
-def parallelize(layers: Iterable[torch.nn.Module], tp_mesh: Any, heads: int, kv_heads: int) -> None:
+def parallelize(layers: Iterable[torch.nn.Module], tp_mesh: DeviceMesh, heads: int, kv_heads: int) -> None:
     """Split each decoder layer over ``tp_mesh`` (the module docstring). Heads that do not divide
     are refused here too (validation refuses them before start: ``fsdp_rules``)."""
     t = tp_mesh.size()
@@ -104,7 +111,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     refuses (it stacks the per-tensor norms): the norm of each mesh's gradients in full
     (``full_tensor`` sums the shards), combined; every gradient scaled as torch's would. Returns
     the total norm before clipping."""
-    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
+    by_mesh: dict[DeviceMesh | None, list[torch.nn.Parameter]] = {}
     for p in params:
         if p.grad is not None:
             by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
@@ -119,13 +126,13 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return float(total)
 
 
-def role_group(ctx: Any) -> Any:
+def role_group(ctx: EngineContext) -> ProcessGroup | None:
     """The process group of all the role's ranks (dp x tp), which a checkpoint is written by:
     ``EngineContext.groups['role']``, or for an engine built by hand over a mesh spanning the
     whole world, the world (None)."""
     if "role" in ctx.groups:
         return ctx.groups["role"]
-    ranks = ctx.mesh.mesh.numel()
+    ranks = require_mesh(ctx.mesh, f"fsdp engine, role {ctx.role}").mesh.numel()
     if ranks != dist.get_world_size():
         raise RuntimeError(f"fsdp engine, role {ctx.role}: with tensor parallelism its checkpoint group comes from "
                            f"rlbatch.runtime.world (EngineContext.groups['role']); built by hand, the mesh must span "

@@ -8,8 +8,8 @@ behaviour policy's log-probs, for off-policy corrections.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,8 +17,13 @@ from rlbatch.engines.base import EngineContext, Generation, SamplingParams
 from rlbatch.engines.batch import distinct_prompts, left_padded, prompt_cache
 from rlbatch.engines.defaults import hf_max_batch, share_prompts, worth_sharing
 from rlbatch.engines.flat import flatten_parameters, span
+from rlbatch.engines.hf import HFArgs
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+    from transformers.generation.logits_process import LogitsProcessor
 
 
 class SampledLogprobs:
@@ -29,7 +34,7 @@ class SampledLogprobs:
     def __init__(self, temperature: float, top_p: float) -> None:
         from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-        self.warpers: list[Any] = []
+        self.warpers: list[LogitsProcessor] = []
         if temperature > 0 and temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(temperature))
         if top_p < 1.0:
@@ -61,10 +66,13 @@ class HFInferenceEngine(StashedState):
     def __init__(self, ctx: EngineContext) -> None:
         self.device = ctx.device
         self.tokenizer = ctx.tokenizer
-        self.max_batch = hf_max_batch(ctx.args)
-        self.share_prompts = share_prompts(ctx.args)
+        args: HFArgs = ctx.args
+        self.max_batch = hf_max_batch(args)
+        self.share_prompts = share_prompts(args)
         dtype = model_dtype(ctx.model.dtype, ctx.device)
-        self.model = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype).to(ctx.device).eval()
+        self.model = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype)
+        module: torch.nn.Module = self.model  # transformers' ``to`` (a functools.wraps) is untyped to mypy
+        module.to(ctx.device).eval()  # in place: both return the model itself
         flatten_parameters(self.model)  # weight sync can then receive straight into the model
         self._params = dict(self.model.named_parameters())
         self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
@@ -84,7 +92,7 @@ class HFInferenceEngine(StashedState):
         # top_k=0 samples from the whole distribution: the policy the PPO ratio assumes (the
         # generation config may default to top-k 50). Temperature and top-p are applied by the
         # recorder (SampledLogprobs), so generate's own warpers are off.
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, object] = {}
         cache = self._shared_prompt_cache(prompts, ids, attn)
         if cache is not None:
             kwargs["past_key_values"] = cache
@@ -92,7 +100,9 @@ class HFInferenceEngine(StashedState):
             kwargs |= {"stop_strings": list(sp.stop_strings), "tokenizer": self.tokenizer}
         sampling = sp.temperature > 0
         recorder = SampledLogprobs(sp.temperature if sampling else 1.0, sp.top_p if sampling else 1.0)
-        seqs = self.model.generate(
+        # transformers types ``generate`` for its own checker (its ``self`` a Protocol mypy does not match)
+        generate: Callable[..., torch.Tensor] = getattr(self.model, "generate")  # noqa: B009
+        seqs = generate(
             input_ids=ids.to(self.device), attention_mask=attn.to(self.device), max_new_tokens=sp.max_new_tokens,
             do_sample=sampling, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad, eos_token_id=eos,
             use_cache=True, logits_processor=[recorder], **kwargs,
@@ -109,7 +119,7 @@ class HFInferenceEngine(StashedState):
             out.append(Generation(row, lp[: len(row)]))
         return out
 
-    def _shared_prompt_cache(self, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor) -> Any:
+    def _shared_prompt_cache(self, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor) -> Cache | None:
         """The KV cache of every prompt but its last token, computed once per distinct prompt and
         selected for each row, when prompts repeat enough to pay (GRPO's groups); ``generate``
         then runs only the last prompt token of each row before decoding. None otherwise."""

@@ -50,9 +50,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -117,14 +120,14 @@ class Layout:
         return 0 if hf_name == "model.embed_tokens.weight" else self.pp - 1
 
 
-def qkv_bias(hf_config: Any) -> bool:
+def qkv_bias(hf_config: PretrainedConfig) -> bool:
     """Whether q, k and v have biases: always in Qwen2, ``qkv_bias`` in Qwen2-MoE, ``attention_bias`` in Llama."""
     if hf_config.model_type == "qwen2":
         return True
     return bool(getattr(hf_config, "qkv_bias", False) or getattr(hf_config, "attention_bias", False))
 
 
-def sparse_layers(hf_config: Any) -> tuple[int, ...]:
+def sparse_layers(hf_config: PretrainedConfig) -> tuple[int, ...]:
     """The layers with a Mixture-of-Experts MLP (transformers' Qwen2-MoE rule); none for a dense model."""
     if not getattr(hf_config, "num_experts", 0):
         return ()
@@ -132,7 +135,7 @@ def sparse_layers(hf_config: Any) -> tuple[int, ...]:
     return tuple(i for i in range(hf_config.num_hidden_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
 
 
-def layout(hf_config: Any, tp: int, head: str = "lm", head_bias: bool = False, pp: int = 1, ep: int = 1,
+def layout(hf_config: PretrainedConfig, tp: int, head: str = "lm", head_bias: bool = False, pp: int = 1, ep: int = 1,
            expert_tp: int = 0) -> Layout:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads

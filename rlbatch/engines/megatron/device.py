@@ -12,7 +12,10 @@ config's plugins imported, so a run that would fail on its ranks is refused with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 CPU_SHIM: str | None = None
 """The module name of the CPU shim installed in this process, if any (set by the shim itself)."""
@@ -29,7 +32,7 @@ def needs_cuda(device: str) -> str | None:
             "from a checkout of the repository (a test-only shim, see docs/megatron.md).")
 
 
-def check_device(device: Any) -> None:
+def check_device(device: torch.device) -> None:
     """Refuse a CPU device (a ``torch.device``) unless a CPU shim is installed, saying how to run."""
     if (why := needs_cuda(str(device))) is not None:
         raise RuntimeError(why)

@@ -61,7 +61,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ from torch.utils._pytree import tree_map
 
 from rlbatch import algos
 from rlbatch.algos.objective import LossInput
-from rlbatch.algos.value import ValueInput
+from rlbatch.algos.value import ValueInput, ValueObjective
 from rlbatch.engines import training as common
 from rlbatch.engines import ulysses
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units
@@ -88,6 +88,19 @@ from rlbatch.engines.megatron.model import (
 from rlbatch.engines.model import load_engine_model, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, optimizer_tensors
 
+if TYPE_CHECKING:
+    # megatron-core has no type information (mypy cannot check its objects): its classes name them here.
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from torch.distributed import ProcessGroup
+
+    from rlbatch.engines.base import Objective
+
+T = TypeVar("T")
+
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MEGATRON_GROUP_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
 """Param-group keys megatron-core's optimizer reads, not AdamW's: left out of the checkpoint's groups."""
@@ -99,7 +112,7 @@ def _routed(p: torch.nn.Parameter) -> bool:
     return getattr(p, "allreduce", True) is False
 
 
-def _sum_over(grads: list[torch.Tensor], group: Any, divide: int = 1) -> None:
+def _sum_over(grads: list[torch.Tensor], group: ProcessGroup | None, divide: int = 1) -> None:
     """Sum ``grads`` in place over ``group`` (one all-reduce of their concatenation), divided by ``divide``."""
     if not grads:
         return
@@ -168,12 +181,14 @@ class MegatronEngine(StashedState):
         self.pgc = pgc = process_groups(ctx, groups)
         self.model = build_gpt(hf.config, pgc, self.tp, self.lay.padded_vocab, dtype, ctx.head,
                                self.lay.head_bias, self.pp, self.ep, self.sp, self.etp, self.cp_group).to(ctx.device)
-        self.p2p: Any = None
+        self.p2p: P2PCommunicator | None = None
         if self.pp > 1:
             from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
             self.p2p = P2PCommunicator(pp_group=self.pp_group, config=self.model.config)
-        freeze_padding_row(self.model, hf.get_input_embeddings().padding_idx)
+        embeddings = hf.get_input_embeddings()
+        assert isinstance(embeddings, torch.nn.Embedding)  # Qwen2, Llama, Qwen2-MoE
+        freeze_padding_row(self.model, embeddings.padding_idx)
         self.params = dict(self.model.named_parameters())
         with torch.no_grad():
             local = self._load_full({n: p.detach() for n, p in hf.named_parameters()})
@@ -185,10 +200,11 @@ class MegatronEngine(StashedState):
         self.optimizer: torch.optim.Optimizer | None = None
         self.main: megatron_optim.MainWeights | None = None
         """Without the distributed optimizer: the fp32 main weights ``self.optimizer`` steps."""
-        self.dist_opt: Any = None
+        self.dist_opt: DistributedOptimizer | None = None
         """megatron-core's DistributedOptimizer (engine_args.distributed_optimizer); ``self.optimizer``
         is then the torch AdamW inside it, stepping this rank's slices."""
-        self.net: Any = self.model  # what the forward calls: the model, or its megatron-core DDP wrapper
+        # what the forward calls: the model, or its megatron-core DDP wrapper
+        self.net: GPTModel | DistributedDataParallel = self.model
         if ctx.trainable:
             self.model.train()
             a = ctx.algo
@@ -351,7 +367,7 @@ class MegatronEngine(StashedState):
         split = self.cp * (self.tp if self.sp else 1)
         if length % split:
             ids = torch.nn.functional.pad(ids, (0, split - length % split), value=self.tokenizer.pad_token_id)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, PackedSeqParams] = {}
         if isinstance(x, Flat):
             kwargs["packed_seq_params"] = packed_params(x.cu_seq_lens, ids.shape[1])
             pos = torch.nn.functional.pad(x.position_ids, (0, ids.shape[1] - length))
@@ -378,7 +394,7 @@ class MegatronEngine(StashedState):
         assert isinstance(x, Full)
         return out.gather(1, x.index[:, :, None].expand(-1, -1, out.shape[-1]))
 
-    def _each(self, samples: list[Sample], fn: Callable[[Packed, torch.Tensor], list[Any]]) -> list[Any]:
+    def _each(self, samples: list[Sample], fn: Callable[[Packed, torch.Tensor], list[T]]) -> list[T]:
         """``fn(batch, final output)`` of every micro-batch, concatenated. With pipeline stages: the
         1F1B schedule forward-only, ``fn`` run on the last stage and its results broadcast. Micro-batches
         as ``common.chunks`` cuts them: ``micro_batch`` sequences, or runs of at most
@@ -397,15 +413,18 @@ class MegatronEngine(StashedState):
         assert isinstance(b.inputs, Full)
         return b.inputs.input_ids
 
-    def _pipeline(self, packs: list[Packed], loss_func: Callable[..., Any], forward_only: bool) -> list[Any]:
+    def _pipeline(self, packs: list[Packed], loss_func: Callable[..., object], forward_only: bool) -> list[Any]:
         """megatron-core's 1F1B schedule over ``packs`` (one micro-batch each): every stage runs its
         layers; the last calls ``loss_func(i, output)`` for micro-batch ``packs[i]`` and returns what
-        it did (others: nothing). Training: megatron backpropagates each micro-batch's loss as it is.
-        The micro-batches may differ in shape (``variable_seq_lengths``: each activation's shape is
-        sent before it), so a token budget's micro-batches need no common sequence length."""
+        it did, one item a micro-batch (forward-only: ``loss_func``'s result; training: the stats, the
+        last of the triple it returns; the caller knows their type), the others nothing. Training:
+        megatron backpropagates each micro-batch's loss as it is. The micro-batches may differ in
+        shape (``variable_seq_lengths``: each activation's shape is sent before it), so a token
+        budget's micro-batches need no common sequence length."""
         from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
-        def step(data: Iterator[int], model: Any) -> tuple[torch.Tensor, Any]:
+        def step(data: Iterator[int], model: GPTModel | DistributedDataParallel,
+                 ) -> tuple[torch.Tensor, partial[object]]:
             i = next(data)
             return self._forward(packs[i]), partial(loss_func, i)
 
@@ -414,7 +433,7 @@ class MegatronEngine(StashedState):
             seq_length=0, micro_batch_size=0, forward_only=forward_only, collect_non_loss_data=forward_only,
             p2p_communicator=self.p2p, pg_collection=self.pgc)
 
-    def _from_last(self, obj: Any) -> Any:
+    def _from_last(self, obj: T) -> T:
         """The last pipeline stage's ``obj`` on every stage (tensors come back on this rank's device)."""
         box = [tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, obj) if self.last else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
@@ -450,10 +469,10 @@ class MegatronEngine(StashedState):
         return per_token[torch.arange(ids.shape[0], device=ids.device), last].tolist()
 
     # -- training -----------------------------------------------------------------------------
-    def _loss(self, b: Packed, out: torch.Tensor, objective: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, b: Packed, out: torch.Tensor, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
         """The objective on one micro-batch's final output: the policy's on log-probs, or the value
-        objective (``head == "value"``) on the value head's output."""
-        if objective.head == "value":
+        objective (``ValueObjective``, ``head == "value"``) on the value head's output."""
+        if isinstance(objective, ValueObjective):  # head == "value"
             return objective(ValueInput(self._select(b, out)[..., 0].float(), b.mask, b.fields))
         logits = self._select(b, out).float()
         logp = algos.token_logprobs(logits, b.targets)
@@ -560,7 +579,7 @@ class MegatronEngine(StashedState):
         torch._foreach_mul_(split + repl + experts, coef)
         return float(norm)
 
-    def train(self, samples: list[Sample], objective: Any) -> dict[str, float]:
+    def train(self, samples: list[Sample], objective: Objective) -> dict[str, float]:
         """Mini-batches x epochs of updates minimising ``objective`` over this replica's share (the tp
         and pp peers of a replica receive the same samples), micro-batches by ``algo.grad_accum`` or
         by ``engine_args.max_tokens_per_micro_batch`` (``common.weighted_updates``: the loss exact

@@ -8,18 +8,33 @@ carves on every rank in the same order; megatron-core receives them as a ``Proce
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from rlbatch.engines.base import require_mesh
 from rlbatch.engines.megatron.convert import qkv_bias
 from rlbatch.placement import subgroups
 
-_BY_HAND: dict[tuple[Any, ...], dict[str, Any]] = {}
+if TYPE_CHECKING:
+    # megatron-core has no type information (mypy cannot check its objects): its classes name them here.
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch.distributed import ProcessGroup
+    from transformers import PretrainedConfig
+
+    from rlbatch.engines.base import EngineContext
+
+_BY_HAND: dict[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], dict[str, ProcessGroup]] = {}
+"""``engine_groups`` of engines built by hand, by the mesh's ranks and (axis, size) pairs."""
 
 
-def engine_groups(ctx: Any) -> dict[str, Any]:
+def engine_groups(ctx: EngineContext) -> dict[str, ProcessGroup]:
     """The role's groups beyond the mesh axes (``EngineContext.groups``: 'role', and with pipeline
     stages 'model_parallel' and 'pipeline_ends'), which ``rlbatch.runtime.world`` creates on every
     rank of the job. An engine built by hand over a mesh that spans the whole world (tests, tools)
@@ -27,12 +42,15 @@ def engine_groups(ctx: Any) -> dict[str, Any]:
     same calls in the same order. Cached per mesh (colocated roles share them)."""
     if ctx.groups:
         return dict(ctx.groups)
-    ranks = [int(r) for r in ctx.mesh.mesh.flatten().tolist()]
+    device_mesh = require_mesh(ctx.mesh, ctx.role)
+    ranks = [int(r) for r in device_mesh.mesh.flatten().tolist()]
     if len(ranks) != dist.get_world_size():
         raise RuntimeError(f"megatron engine, role {ctx.role}: its groups beyond the mesh axes come from "
                            f"rlbatch.runtime.world (EngineContext.groups); built by hand, the mesh must span "
                            f"the whole world ({dist.get_world_size()} ranks), got ranks {ranks}")
-    mesh = tuple(zip(ctx.mesh.mesh_dim_names, ctx.mesh.mesh.shape, strict=True))
+    names = device_mesh.mesh_dim_names
+    assert names is not None, "the role's mesh names its axes (ctx.group reads them)"
+    mesh = tuple(zip(names, device_mesh.mesh.shape, strict=True))
     key = (tuple(ranks), mesh)
     if key not in _BY_HAND:
         _BY_HAND[key] = {"role": dist.new_group(ranks),
@@ -40,7 +58,7 @@ def engine_groups(ctx: Any) -> dict[str, Any]:
     return _BY_HAND[key]
 
 
-def process_groups(ctx: Any, groups: dict[str, Any]) -> Any:
+def process_groups(ctx: EngineContext, groups: dict[str, ProcessGroup]) -> ProcessGroupCollection:
     """megatron-core's ProcessGroupCollection from the role's mesh (axes pp, dp, cp, tp) and
     ``engine_groups``. The cp group is the engine's own (``context_parallel``): megatron-core's local
     layers take no part in it.
@@ -72,7 +90,7 @@ def process_groups(ctx: Any, groups: dict[str, Any]) -> Any:
     return pgc
 
 
-def moe_config(hf_config: Any) -> dict[str, Any]:
+def moe_config(hf_config: PretrainedConfig) -> dict[str, int | float | str]:
     """TransformerConfig fields of a Qwen2-MoE model (none for a dense one): top-k routing on the
     router's softmax (renormalised over the k only with ``norm_topk_prob``), in fp32 as transformers
     computes it; every token kept (no capacity); a shared expert scaled by ``sigmoid(gate . x)``; no
@@ -89,8 +107,8 @@ def moe_config(hf_config: Any) -> dict[str, Any]:
     )
 
 
-def transformer_config(hf_config: Any, tp: int, dtype: torch.dtype, pp: int = 1, ep: int = 1,
-                       sequence_parallel: bool = False, etp: int | None = None) -> Any:
+def transformer_config(hf_config: PretrainedConfig, tp: int, dtype: torch.dtype, pp: int = 1, ep: int = 1,
+                       sequence_parallel: bool = False, etp: int | None = None) -> TransformerConfig:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -124,7 +142,7 @@ class RMSNorm(torch.nn.RMSNorm):
     so on a sequence shard it computes what it computes on the whole; only its weight's gradient is
     partial on each TP rank, marked ``sequence_parallel`` for the engine to sum over tp."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused: object) -> None:
         # In the model's dtype, as every other weight (a bf16 model with fp32 norms would run torch's
         # unfused norm on every call).
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
@@ -139,13 +157,13 @@ class ScalarHead(torch.nn.Linear):
     so every rank computes the same values and the head's gradients are the same on each
     (replicated, like the norms: counted once in the gradient norm)."""
 
-    def __init__(self, hidden: int, bias: bool, dtype: torch.dtype, tp_group: Any = None) -> None:
+    def __init__(self, hidden: int, bias: bool, dtype: torch.dtype, tp_group: ProcessGroup | None = None) -> None:
         super().__init__(hidden, 1, bias=bias, dtype=dtype)
         self.tp_group = tp_group
         """The tp group to gather the sequence over (None: no sequence parallelism)."""
 
-    def forward(self, x: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None,  # type: ignore[override]
-                ) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,  # type: ignore[override]
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         if self.tp_group is not None:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -153,7 +171,7 @@ class ScalarHead(torch.nn.Linear):
         return torch.nn.functional.linear(x, self.weight, self.bias), None
 
 
-def packed_attention() -> type:
+def packed_attention() -> type[DotProductAttention]:
     """megatron-core's local ``DotProductAttention``, which also takes packed rows (the ``thd``
     format: ``packed_seq_params`` with each sample's boundaries, ``cu_seqlens``), which the local one
     refuses and only TransformerEngine's attention runs. Given boundaries, attention is confined to
@@ -164,11 +182,13 @@ def packed_attention() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class PackedDotProductAttention(DotProductAttention):
-        cp_group: Any = None
+        cp_group: ProcessGroup | None = None
         """The context-parallel group of c > 1 ranks (set by ``context_parallel``); None without."""
 
-        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Any:
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                    attention_bias: torch.Tensor | None = None,
+                    packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
             if self.cp_group is not None:
                 if packed_seq_params is not None or attention_mask is not None or attention_bias is not None:
                     raise NotImplementedError("megatron engine: context parallelism over padded rows, causal, only")
@@ -189,7 +209,8 @@ def packed_attention() -> type:
     return PackedDotProductAttention
 
 
-def ulysses_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
+def ulysses_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: ProcessGroup,
+                   scale: float) -> torch.Tensor:
     """Causal attention over the whole sequence from this rank's contiguous slice of it (Ulysses:
     ``rlbatch.engines.ulysses``): ``query`` [S/c, B, Hq, D] and ``key``/``value`` [S/c, B, Hkv, D] (this
     TP rank's heads) become head-split [S, B, H/c, D] by one all-to-all over ``group``, attention runs
@@ -213,7 +234,7 @@ def ulysses_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out.reshape(*out.shape[:2], -1)
 
 
-def context_parallel(model: Any, group: Any) -> None:
+def context_parallel(model: GPTModel, group: ProcessGroup) -> None:
     """Split ``model``'s sequence over ``group`` (context parallelism, Ulysses): each rank runs its
     contiguous slice of every padded row (the engine slices and gathers, ``MegatronEngine._forward``),
     attention all-to-alls around the whole sequence (``ulysses_causal``), and the rotary embedding
@@ -229,7 +250,8 @@ def context_parallel(model: Any, group: Any) -> None:
     if rotary is None:  # a pipeline stage without rotary embedding: none here (cp runs at p = 1)
         return
 
-    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> torch.Tensor:
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group: ProcessGroup | None = None) -> torch.Tensor:
         if packed_seq:
             raise NotImplementedError("megatron engine: context parallelism over packed rows is not built")
         return rotary.get_emb(max_seq_len, offset + rank * max_seq_len)  # this slice's positions
@@ -237,7 +259,7 @@ def context_parallel(model: Any, group: Any) -> None:
     rotary.forward = forward
 
 
-def packed_params(cu_seq_lens: torch.Tensor, length: int) -> Any:
+def packed_params(cu_seq_lens: torch.Tensor, length: int) -> PackedSeqParams:
     """megatron-core's ``PackedSeqParams`` (the ``thd`` format) of a packed row of ``length`` tokens
     whose samples start at ``cu_seq_lens`` (``Flat.cu_seq_lens``: 0, ..., its token count). Pads
     after the samples (to a multiple of t under sequence parallelism) are a sample of their own, so
@@ -252,7 +274,7 @@ def packed_params(cu_seq_lens: torch.Tensor, length: int) -> Any:
                            max_seqlen_kv=longest)
 
 
-def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
+def freeze_padding_row(model: GPTModel, padding_idx: int | None) -> None:
     """transformers' ``nn.Embedding(padding_idx=...)``: a lookup of the padding token passes no
     gradient to its row. megatron-core's embedding has no such index, and a sampled response may
     contain the pad token as a real token; so the gradient reaching the embedding's output is zeroed
@@ -262,7 +284,8 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
         return
     sp = model.config.sequence_parallel
 
-    def hook(module: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, torch.Tensor],
+             out: torch.Tensor) -> None:
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         if out.requires_grad:
             keep = (ids != padding_idx).transpose(0, 1)[..., None].to(out.dtype)  # [b, s] -> [s, b, 1] like out
@@ -275,9 +298,9 @@ def freeze_padding_row(model: Any, padding_idx: int | None) -> None:
         model.embedding.register_forward_hook(hook, with_kwargs=True)
 
 
-def build_gpt(hf_config: Any, pgc: Any, tp: int, padded_vocab: int, dtype: torch.dtype, head: str = "lm",
-              head_bias: bool = False, pp: int = 1, ep: int = 1, sequence_parallel: bool = False,
-              etp: int | None = None, cp_group: Any = None) -> Any:
+def build_gpt(hf_config: PretrainedConfig, pgc: ProcessGroupCollection, tp: int, padded_vocab: int, dtype: torch.dtype,
+              head: str = "lm", head_bias: bool = False, pp: int = 1, ep: int = 1, sequence_parallel: bool = False,
+              etp: int | None = None, cp_group: ProcessGroup | None = None) -> GPTModel:
     """An uninitialised GPTModel of ``hf_config`` (weights are copied in by the caller): this pipeline
     stage's part of it (``pgc.pp``'s rank of ``pp``: its layers, the embedding on the first stage,
     the final norm and output layer on the last; with ``ep`` > 1, its share of the routed experts;

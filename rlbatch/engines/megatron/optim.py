@@ -25,10 +25,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    # megatron-core has no type information (mypy cannot check its objects): its classes name them here.
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from torch.distributed import ProcessGroup
+
+    from rlbatch.config.schema import AlgoConfig
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 """Per parameter: the main (fp32) weight and AdamW's two moments."""
@@ -86,7 +96,8 @@ def _accumulate(main: torch.Tensor, p: torch.Tensor) -> None:
     p.grad = None
 
 
-def build(model: Any, pgc: Any, algo: Any, role_group: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+def build(model: GPTModel, pgc: ProcessGroupCollection, algo: AlgoConfig, role_group: ProcessGroup,
+          dtype: torch.dtype) -> tuple[DistributedDataParallel, DistributedOptimizer]:
     """(DDP-wrapped model, DistributedOptimizer) over ``pgc.dp``, clipping at ``algo.grad_clip``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -112,12 +123,12 @@ def build(model: Any, pgc: Any, algo: Any, role_group: Any, dtype: torch.dtype) 
     return ddp, optimizer
 
 
-def _slice(optimizer: Any, p: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+def _slice(optimizer: DistributedOptimizer, p: torch.nn.Parameter, key: str) -> torch.Tensor | None:
     """This rank's slice of parameter ``p``'s main weight or moment (None: no state yet)."""
     return optimizer._get_main_param_and_optimizer_states(p).get(key)
 
 
-def state_tensors(optimizer: Any) -> list[torch.Tensor]:
+def state_tensors(optimizer: DistributedOptimizer) -> list[torch.Tensor]:
     """The device tensors the optimizer owns (offload kind 'optimizer'): AdamW's moments and the fp32
     main weights kept beside 16-bit model weights. fp32 model weights are their own main weights
     (views into the model's buffer), which 'params' moves."""
@@ -127,7 +138,8 @@ def state_tensors(optimizer: Any) -> list[torch.Tensor]:
     return out
 
 
-def gather(ddp: Any, optimizer: Any, dp_group: Any) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+def gather(ddp: DistributedDataParallel, optimizer: DistributedOptimizer,
+           dp_group: ProcessGroup) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
     """Every model parameter's full main weight and moments (this TP rank's shape), from the dp
     slices: one all-gather per bucket and key. Collective over dp. Missing state reads as zeros."""
     d = dist.get_world_size(dp_group)
@@ -152,7 +164,7 @@ def gather(ddp: Any, optimizer: Any, dp_group: Any) -> dict[torch.nn.Parameter, 
     return out
 
 
-def _main_slice(optimizer: Any, p: torch.nn.Parameter) -> tuple[torch.Tensor, slice] | None:
+def _main_slice(optimizer: DistributedOptimizer, p: torch.nn.Parameter) -> tuple[torch.Tensor, slice] | None:
     """This rank's fp32 main weight of parameter ``p`` and where it lies in ``p`` flattened (None:
     no slice on this rank)."""
     if p not in optimizer.model_param_group_index_map:
@@ -163,7 +175,7 @@ def _main_slice(optimizer: Any, p: torch.nn.Parameter) -> tuple[torch.Tensor, sl
 
 
 @torch.no_grad()
-def set_main(optimizer: Any, weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+def set_main(optimizer: DistributedOptimizer, weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
     """Set this rank's slice of each parameter's main weight from the full fp32 tensor (this TP
     rank's shape) and the model's weights of that slice from it. The optimizer makes its main
     weights from the (16-bit) model weights; this puts the exact ones in their place."""
@@ -173,7 +185,8 @@ def set_main(optimizer: Any, weights: dict[torch.nn.Parameter, torch.Tensor]) ->
     optimizer._copy_main_params_to_model_params()
 
 
-def scatter(optimizer: Any, full: dict[torch.nn.Parameter, dict[str, torch.Tensor]], step: torch.Tensor) -> None:
+def scatter(optimizer: DistributedOptimizer, full: dict[torch.nn.Parameter, dict[str, torch.Tensor]],
+            step: torch.Tensor) -> None:
     """Set this rank's slice of each parameter's main weight and moments from full tensors (this TP
     rank's shape), and AdamW's step count."""
     set_main(optimizer, {p: tensors["param"] for p, tensors in full.items()})

@@ -57,7 +57,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Protocol, TypedDict
 
 import torch
 
@@ -65,6 +65,7 @@ from rlbatch.engines.base import EngineContext, Generation, SamplingParams
 from rlbatch.engines.inference import hf_parameter_names, rng_kept, tp_peers
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
+from rlbatch.engines.sglang import SGLangArgs
 from rlbatch.engines.vllm.world import PrivateWorld
 
 log = logging.getLogger(__name__)
@@ -77,12 +78,46 @@ _NO_SAVER = ("sglang engine on CPU: SGLang's memory saver needs CUDA; its weight
              "(offload reports 0 bytes)")
 
 
-def engine_kwargs(args: Any, path: str, dtype: torch.dtype, seed: int, device: torch.device,
-                  tp: int = 1) -> dict[str, Any]:
+class _MetaInfo(TypedDict):
+    output_token_logprobs: list[tuple[float, int, str | None]]
+    """(log-prob, token id, its text: None without SGLang's tokenizer) of each generated token."""
+
+
+class SGLangOutput(TypedDict):
+    """What rlbatch reads of one of ``sglang.Engine.generate``'s outputs (given token ids)."""
+
+    output_ids: list[int]
+    meta_info: _MetaInfo
+
+
+class SGLangRuntime(Protocol):
+    """What rlbatch calls of ``sglang.Engine`` (SGLang is untyped)."""
+
+    def shutdown(self) -> None: ...
+
+    def generate(self, *, input_ids: list[list[int]], sampling_params: list[dict[str, float | int | bool]],
+                 return_logprob: bool) -> list[SGLangOutput]: ...
+
+    def collective_rpc(self, method: str, **kwargs: object) -> None: ...
+
+    def begin_weight_update(self) -> None: ...
+
+    def update_weights_from_tensor(self, *, named_tensors: list[tuple[str, torch.Tensor]],
+                                   flush_cache: bool) -> tuple[bool, str]: ...
+
+    def end_weight_update(self) -> None: ...
+
+    def release_memory_occupation(self, *, tags: list[str]) -> None: ...
+
+    def resume_memory_occupation(self, *, tags: list[str]) -> None: ...
+
+
+def engine_kwargs(args: SGLangArgs, path: str, dtype: torch.dtype, seed: int, device: torch.device,
+                  tp: int = 1) -> dict[str, str | int | float | bool]:
     """``sglang.Engine``'s arguments for a worker's engine (``args``: ``SGLangArgs``) of ``tp``
     tensor-parallel ranks, on ``device`` and the tp - 1 GPUs after it."""
     on_cpu = device.type != "cuda"
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, str | int | float | bool] = dict(
         model_path=path, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[dtype], random_seed=seed,
         mem_fraction_static=args.mem_fraction_static, max_running_requests=args.max_num_seqs,
         chunked_prefill_size=args.max_num_batched_tokens, tp_size=tp, log_level="error",
@@ -149,7 +184,7 @@ RESULT_TAG = 24
 11-12, the env role 21-22, multi-turn lockstep 23)."""
 
 
-def build(ctx: EngineContext) -> Any:
+def build(ctx: EngineContext) -> SGLangEngine | SGLangFollower:
     """The worker's engine on its first rank; a follower of it on the others (module doc)."""
     ranks, index = tp_peers(ctx.mesh)
     return SGLangEngine(ctx, ranks) if index == 0 else SGLangFollower(ctx, ranks[0])
@@ -157,7 +192,7 @@ def build(ctx: EngineContext) -> Any:
 
 class SGLangEngine:
     def __init__(self, ctx: EngineContext, ranks: tuple[int, ...] = ()) -> None:
-        a = ctx.args
+        a: SGLangArgs = ctx.args
         self.device = ctx.device
         self.on_cpu = ctx.device.type != "cuda"
         self.comm, self.followers = ctx.comm, list(ranks[1:])
@@ -184,7 +219,7 @@ class SGLangEngine:
             import sglang
 
             with rng_kept(), _process_kept():
-                self.engine: Any = sglang.Engine(**engine_kwargs(a, path, dtype, ctx.seed, ctx.device, tp))
+                self.engine: SGLangRuntime = sglang.Engine(**engine_kwargs(a, path, dtype, ctx.seed, ctx.device, tp))
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -214,6 +249,8 @@ class SGLangEngine:
         generations = [_generation(o) for o in outputs]
         if self.followers:
             from rlbatch.runtime.control import send_obj  # MPI: not at import (SGLang's processes import this module)
+
+            assert self.comm is not None, "a tensor-parallel worker's leader sends over EngineContext.comm"
 
             for rank in self.followers:
                 send_obj(self.comm, generations, rank, RESULT_TAG)
@@ -342,7 +379,7 @@ class SGLangFollower:
         return Transfer()
 
 
-def _generation(output: dict[str, Any]) -> Generation:
+def _generation(output: SGLangOutput) -> Generation:
     """One SGLang output as a ``Generation``: its tokens and the log-prob of each."""
     tokens = [int(t) for t in output["output_ids"]]
     steps = output["meta_info"]["output_token_logprobs"]

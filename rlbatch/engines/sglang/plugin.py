@@ -9,13 +9,16 @@ method and changes nothing else of SGLang. With ``SGLANG_PLUGINS`` set (SGLang's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler import Scheduler
 
 RESEED = "rlbatch_reseed"
 """The scheduler method the plugin adds."""
 
 
-def _reseed(scheduler: Any, seed: int) -> None:
+def _reseed(scheduler: Scheduler, seed: int) -> None:
     from sglang.srt.utils import set_random_seed
 
     set_random_seed(int(seed) % 2**32)  # Python's, NumPy's (32-bit seeds) and torch's RNGs, CUDA's too on a GPU

@@ -44,9 +44,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypedDict, cast
 
 import torch
 
@@ -58,11 +58,30 @@ from rlbatch.engines.vllm.limits import CPU_KV_CACHE_MB, LORA_RANKS
 from rlbatch.engines.vllm.world import PrivateWorld, private_shm_names
 from rlbatch.models import lora
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.config import VllmConfig
+    from vllm.config.model import ModelDType
+    from vllm.logprobs import LogprobsOnePosition
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from rlbatch.config.schema import LoraConfig
+    from rlbatch.engines.vllm import VLLMArgs
+
 log = logging.getLogger(__name__)
 
 TP_WORLD_TIMEOUT_S = 600.0
 """How long the tp peers of a worker wait for each other when their private world starts."""
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_VLLM_DTYPES: dict[torch.dtype, ModelDType] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
+                                               torch.float32: "float32"}
+"""vLLM's name of each dtype (it reads them as the dtypes themselves)."""
 _SLEEP_TAGS = {"params": "weights", "kv_cache": "kv_cache"}
 """State kind -> vLLM's sleep tag."""
 _NO_SLEEP = ("vllm engine on CPU: vLLM's CPU build has no sleep mode; its weights and KV cache stay resident "
@@ -95,14 +114,14 @@ def check_tp(shape: dict[str, int], t: int) -> None:
                          + "; ".join(problems))
 
 
-def _model_shape(cfg: Any) -> dict[str, int]:
+def _model_shape(cfg: PretrainedConfig) -> dict[str, int]:
     """What ``check_tp`` reads from a transformers config."""
     heads = int(cfg.num_attention_heads)
     return {"num_attention_heads": heads, "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
             "intermediate_size": int(cfg.intermediate_size)}
 
 
-def compile_cache_root(world_rank: int, env: Any = os.environ) -> str:
+def compile_cache_root(world_rank: int, env: Mapping[str, str] = os.environ) -> str:
     """vLLM's cache root (``VLLM_CACHE_ROOT``) for the engine on ``world_rank``: a directory of its
     own under the job's root (``VLLM_CACHE_ROOT``, else vLLM's default ``$XDG_CACHE_HOME/vllm`` or
     ``~/.cache/vllm``). vLLM keys its torch.compile cache (with Inductor's and Triton's beneath it)
@@ -114,7 +133,7 @@ def compile_cache_root(world_rank: int, env: Any = os.environ) -> str:
 
 
 @contextmanager
-def _launcher_env(tp_rank: int, device: torch.device, cache_root: str | None = None) -> Any:
+def _launcher_env(tp_rank: int, device: torch.device, cache_root: str | None = None) -> Iterator[None]:
     """vLLM's external launcher reads its rank from RANK and its device from LOCAL_RANK: the
     private world's rank and this rank's own GPU while vLLM starts; the caller's values after.
     ``cache_root``: the engine's own ``VLLM_CACHE_ROOT`` (vLLM reads it while it starts, and keeps
@@ -151,15 +170,42 @@ def one_rank_executor() -> type:
     return OneRankExecutor
 
 
+class _LLMArgs(TypedDict, total=False):
+    """The arguments of ``vllm.LLM`` this engine sets."""
+
+    model: str
+    tokenizer: str
+    dtype: ModelDType
+    seed: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    enforce_eager: bool
+    logprobs_mode: str
+    distributed_executor_backend: str | type
+    tensor_parallel_size: int
+    max_model_len: int
+    enable_lora: bool
+    max_lora_rank: int
+    max_loras: int
+    kv_cache_memory_bytes: int
+    gpu_memory_utilization: float
+    enable_sleep_mode: bool
+
+
+class _AdapterArg(TypedDict, total=False):
+    lora_request: LoRARequest
+
+
 class VLLMEngine:
-    lora: Any = None
+    lora: LoraConfig | None = None
     """``model.lora`` when a sync brings the adapters alone (``load_adapters``), else None."""
     adapter_version = 0
     """The policy version whose adapters vLLM generates with (0: none yet, the base model)."""
-    _lora_request: Any = None
+    _lora_request: LoRARequest | None = None
 
     def __init__(self, ctx: EngineContext) -> None:
-        a = ctx.args
+        a: VLLMArgs = ctx.args
         self.device, self.tokenizer = ctx.device, ctx.tokenizer
         self.on_cpu = ctx.device.type != "cuda"
         dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _DTYPE_NAMES[a.dtype]
@@ -190,8 +236,8 @@ class VLLMEngine:
             if self.lora is not None:  # wraps the model in place: after it is saved
                 self.expected_adapters = lora.adapter_shapes(model, self.lora)
             del model
-        kwargs: dict[str, Any] = dict(
-            model=path, tokenizer=path, dtype=dtype, seed=ctx.seed, max_num_seqs=a.max_num_seqs,
+        kwargs = _LLMArgs(
+            model=path, tokenizer=path, dtype=_VLLM_DTYPES[dtype], seed=ctx.seed, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=a.enable_prefix_caching,
             enforce_eager=a.enforce_eager or (self.on_cpu and not a.cpu_compile), logprobs_mode="processed_logprobs",
         )
@@ -218,7 +264,7 @@ class VLLMEngine:
             cache_root = compile_cache_root(self.tp_ranks[self.tp_rank])
             with (rng_kept(), self.world.active(), _launcher_env(self.tp_rank, ctx.device, cache_root),
                   private_shm_names(t > 1 and self.on_cpu)):
-                self.llm: Any = LLM(**kwargs)
+                self.llm: LLM = LLM(**kwargs)
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -235,10 +281,14 @@ class VLLMEngine:
         """The weights were discarded (level-2 sleep) and no complete sync has loaded them since."""
         self._resident = StaysResident(log, _NO_SLEEP)
 
+    def _core(self) -> EngineCore:
+        """vLLM's engine core, which runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+        return cast("InprocClient", self.llm.llm_engine.engine_core).engine_core
+
     def close(self) -> None:
         """Stop the engine core (its executor and scheduler) and let its memory go; vLLM's one-rank
         world is left to process exit. The engine is unusable afterwards."""
-        core = self.llm.llm_engine.engine_core.engine_core
+        core = self._core()
         with self.world.active():
             core.model_executor.shutdown()
             core.scheduler.shutdown()
@@ -295,7 +345,8 @@ class VLLMEngine:
                     if result.finished and result.request_id.startswith("turn-"):
                         key = int(result.request_id.removeprefix("turn-"))
                         self._turns.discard(key)
-                        out.append((key, _generation(result.outputs[0])))
+                        # a generating model's output (vLLM types ``step`` for pooling models too)
+                        out.append((key, _generation(cast("RequestOutput", result).outputs[0])))
                 if out or not block:
                     break
         return out
@@ -361,7 +412,7 @@ class VLLMEngine:
             self.adapter_version = version
         return sum(t.numel() * t.element_size() for _, t in chunk)
 
-    def _adapter(self) -> dict[str, Any]:
+    def _adapter(self) -> _AdapterArg:
         """A request's adapter (``lora_request``) once a sync has brought one; nothing before."""
         return {} if self._lora_request is None else {"lora_request": self._lora_request}
 
@@ -388,7 +439,7 @@ class VLLMEngine:
 
     def asleep(self) -> set[str]:
         """The state kinds vLLM holds asleep (its executor's tags)."""
-        tags = self.llm.llm_engine.engine_core.engine_core.model_executor.sleeping_tags
+        tags = self._core().model_executor.sleeping_tags
         return {k for k, tag in _SLEEP_TAGS.items() if tag in tags}
 
     def offload(self, kinds: Iterable[str]) -> Transfer:
@@ -462,7 +513,7 @@ class VLLMEngine:
                                "sync was announced to come first) and before a complete sync loaded them again")
 
 
-def _sampling(params: SamplingParams, n: int, seed: int | None = None, final_only: bool = False) -> Any:
+def _sampling(params: SamplingParams, n: int, seed: int | None = None, final_only: bool = False) -> VllmSamplingParams:
     """vLLM's sampling parameters for ``params``: n samples of one prompt, log-probs of the sampled
     tokens under the distribution they are drawn from, the whole vocabulary (top_k 0), greedy at
     temperature 0. ``seed``: the request's own generator (None: the process RNG). ``final_only``:
@@ -477,13 +528,27 @@ def _sampling(params: SamplingParams, n: int, seed: int | None = None, final_onl
                      output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
 
 
-def _generation(completion: Any) -> Generation:
+def _generation(completion: CompletionOutput) -> Generation:
     """A vLLM completion as a ``Generation``: its tokens and the log-prob of each."""
     tokens = list(completion.token_ids)
-    return Generation(tokens, [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs or [], strict=True)])
+    return Generation(tokens, [_logprob(step, tok) for tok, step in zip(tokens, completion.logprobs or [], strict=True)])
 
 
-def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool, last: bool) -> None:
+def _logprob(step: LogprobsOnePosition | None, token: int) -> float:
+    """The log-prob of ``token``, sampled at a step of a completion (``SamplingParams.logprobs=0``:
+    vLLM gives the sampled token's at every step)."""
+    if step is None:
+        raise RuntimeError("vllm engine: a completion step without log-probs")
+    return float(step[token].logprob)
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model: it loads (name, tensor) pairs under the checkpoint's names."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+
+def _load_bucket(worker: Worker, chunk: list[tuple[str, torch.Tensor]], first: bool, last: bool) -> None:
     """Runs on the vLLM worker: one bucket of a layerwise reload (``reload_weights`` split in three)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -492,12 +557,12 @@ def _load_bucket(worker: Any, chunk: list[tuple[str, torch.Tensor]], first: bool
     with set_current_vllm_config(worker.vllm_config):
         if first:
             initialize_layerwise_reload(model)
-        model.load_weights(iter(chunk))
+        cast("_LoadsWeights", model).load_weights(iter(chunk))
         if last:
             finish_layerwise_reload(model, worker.vllm_config)
 
 
-def _add_adapter(worker: Any, version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+def _add_adapter(worker: Worker, version: int, tensors: dict[str, torch.Tensor], config: dict[str, object]) -> None:
     """Runs on the vLLM worker: ``tensors`` (the whole adapters, PEFT's names; a tp worker keeps its
     shard when it activates them) as LoRA adapter ``version``, every other adapter removed. What vLLM's
     own ``WorkerLoRAManager._load_adapter`` does from a directory, from memory instead."""
@@ -509,7 +574,8 @@ def _add_adapter(worker: Any, version: int, tensors: dict[str, torch.Tensor], co
     helper.validate_legal(manager.lora_config)
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    adapter = LoRAModel.from_lora_tensors(version, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+    dtype = cast("torch.dtype", manager.lora_config.lora_dtype)  # vLLM resolves 'auto' (or a name) when it starts
+    adapter = LoRAModel.from_lora_tensors(version, tensors, helper, device="cpu", dtype=dtype,
                                           model_vocab_size=manager.vocab_size,
                                           weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
                                           skip_prefixes=getattr(model, "lora_skip_prefixes", None))
@@ -518,7 +584,7 @@ def _add_adapter(worker: Any, version: int, tensors: dict[str, torch.Tensor], co
     manager._adapter_manager.add_adapter(adapter)
 
 
-def finish_layerwise_reload(model: Any, vllm_config: Any) -> None:
+def finish_layerwise_reload(model: torch.nn.Module, vllm_config: VllmConfig) -> None:
     """Close a layerwise reload: vLLM's ``finalize_layerwise_reload``, then the repacking it misses
     on CPU (``_reprocess_tied_head``, ``_reprocess_cpu_experts``)."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -528,7 +594,7 @@ def finish_layerwise_reload(model: Any, vllm_config: Any) -> None:
     _reprocess_cpu_experts(model)
 
 
-def _reprocess_cpu_experts(model: Any) -> None:
+def _reprocess_cpu_experts(model: torch.nn.Module) -> None:
     """A Mixture-of-Experts layer's post-load processing, re-run by the reload, skips the experts'
     own step once its kernel is built (``fused_experts.process_weights_after_loading``, to keep
     captured CUDA-graph addresses). On CPU that step packs the routed experts' weights into the
@@ -545,7 +611,7 @@ def _reprocess_cpu_experts(model: Any) -> None:
             experts.process_weights_after_loading(layer)
 
 
-def _reprocess_tied_head(model: Any) -> None:
+def _reprocess_tied_head(model: torch.nn.Module) -> None:
     """A tied lm_head shares the embedding's weight but is a layer of its own, which the reload
     never sees load anything: on CPU it keeps the GEMM kernel packed from the old weight at start-up
     (``dispatch_cpu_unquantized_gemm``). Re-run its post-load processing from the shared weight."""

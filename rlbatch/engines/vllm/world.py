@@ -30,10 +30,14 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
 GROUP_NAME_BASE = 1_000_000
 """Private worlds name their groups from here on (the program's counter starts at 0)."""
@@ -48,9 +52,9 @@ class PrivateWorld:
     builds its engines in placement order), so their group names agree."""
 
     def __init__(self) -> None:
-        self.default_pg: Any = None
-        self.backend: Any = None
-        self.init_method: Any = None
+        self.default_pg: ProcessGroup | None = None
+        self.backend: str | None = None
+        self.init_method: str | None = None
         self.group_count = GROUP_NAME_BASE + GROUP_NAME_SPAN * next(_instances)
 
     def join(self, key: str, rank: int, size: int, backend: str, timeout_s: float) -> None:
@@ -109,7 +113,7 @@ def private_shm_names(private: bool) -> Iterator[None]:
     shm = cpu_communicator._CPUSHMDistributed
     name = shm.make_group_name
 
-    def named(communicator: Any) -> str:
+    def named(communicator: CpuCommunicator) -> str:
         os.environ["VLLM_DIST_IDENT"] = ident  # read by vLLM's own naming, just below
         return name(communicator)
 
