@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlbatch.engines.registry import spec_of
+from rlbatch.plan.generation import generate
 
 if TYPE_CHECKING:
     from rlbatch.config.hardware import Hardware
@@ -97,10 +98,8 @@ class EngineCost:
 
     def generate(self, r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
                  layout: Layout) -> dict[str, float]:
-        """An inference engine's generation (timing features): ``rlbatch.plan.timing.generate``'s
+        """An inference engine's generation (timing features): ``rlbatch.plan.generation.generate``'s
         prefill and decode model, with this engine's batching and prompt sharing."""
-        from rlbatch.plan.timing import generate
-
         return generate(r, mem, shape, w, e, hw, layout, self)
 
     def tensor_sizes(self, gpn: int) -> list[int]:

@@ -71,7 +71,7 @@ def cache_bw(nbytes: int = 1 << 20) -> float:
 
 
 def per_sample_host(n: int = 512) -> dict[str, float]:
-    """Seconds per sample of the host work around a pass (what timing.SAMPLE_OPS_* stand for): the
+    """Seconds per sample of the host work around a pass (what the planner's SAMPLE_OPS_* stand for): the
     sample store's puts and gets, left padding, ``pack`` and ``unpack``, on GRPO-shaped samples."""
     import torch
 
@@ -114,7 +114,7 @@ def per_sample_host(n: int = 512) -> dict[str, float]:
 
 def attention_problem(seqs: int = 512, heads: int = 4) -> float:
     """Seconds per (sequence, head) of one scaled_dot_product_attention over a response token on
-    its prompt's cache (timing.CPU_ATTN_OPS): a tiny model's attention is many small problems."""
+    its prompt's cache (rates.CPU_ATTN_OPS): a tiny model's attention is many small problems."""
     import torch
     import torch.nn.functional as F
 
@@ -183,7 +183,8 @@ def main() -> None:
     print(f"cache_bw: {cache:.4g}")
     print(f"intra_alpha_s: {alpha:.3g}")
     unit = load_hardware("cpu").op_overhead_s  # the op-equivalent rlbatch/plan/timing.py counts in
-    print(f"# planner constants (rlbatch/plan/timing.py) in op-equivalents of the cpu profile's {unit * 1e6:.1f} us:")
+    print(f"# planner constants (rlbatch/plan/timing.py, generation.py, rates.py) in op-equivalents of the cpu "
+          f"profile's {unit * 1e6:.1f} us:")
     print("#   SAMPLE_OPS_GENERATE/PASS/TRAIN: " + ", ".join(f"{k} {v * 1e6:.1f} us = {v / unit:.2g}" for k, v in host.items()))
     print(f"#   CPU_ATTN_OPS: {attn * 1e6:.2f} us = {attn / unit:.2g}")
     print(f"intra_bw: {bw:.4g}")

@@ -17,20 +17,16 @@ Training FLOPs are 3x the forward (the usual 6 * params * tokens), 4x with recom
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
-import numpy as np
 
 from rlbatch.config.hardware import Hardware
 from rlbatch.config.schema import HEADS
-from rlbatch.models.shape import OPS_PER_LAYER_DECODE, OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
+from rlbatch.models.shape import OPS_PER_LAYER_FWD, OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.placement import BackendSpec
 from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
-from rlbatch.plan.costs import EngineCost, cost_of
+from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import (
-    RoleMemory,
     adapted,
     budget_micro_batch,
     logprob_micro_batch,
@@ -42,19 +38,11 @@ from rlbatch.plan.memory import (
     varlen_rows,
     weight_units,
 )
+from rlbatch.plan.rates import Rates, cpu_attention_ops, rates, tp_link
 from rlbatch.plan.workload import Workload
 
 Features = dict[str, float]
 
-SAMPLING_OPS = 220
-"""Op-equivalents per HF generate step outside the model: logits processors, softmax,
-multinomial, stopping criteria, bookkeeping (a decode step costs 2.05 ms + 1.2 ms per layer on
-the cpu profile; the model's share is OPS_PER_MODEL_FWD + OPS_PER_LAYER_DECODE per layer)."""
-GENERATE_SETUP_OPS = 170
-"""Op-equivalents of one HF generate call's setup (generation config, processors, cache)."""
-CONTINUOUS_STEP_S = 0.5e-3
-"""Assumed CPU-side cost of one step of a continuous-batching engine on a GPU (vLLM's: scheduler,
-CUDA-graph replay, sampler launch)."""
 LOSS_OPS = 60
 """Ops of the loss per micro-batch (log-probs, ratio, clip, KL, aggregation) and its backward."""
 OPT_OPS_PER_TENSOR = 12
@@ -63,23 +51,12 @@ SYNC_OPS_PER_TENSOR = 6
 """Weight sync per tensor: gather to full, cast, copy into the engine, bookkeeping."""
 COPY_OPS_PER_TENSOR = 2
 """Offload / reload per tensor: one copy and one free or allocation."""
-SAMPLE_OPS_GENERATE = 1.6
-"""Host work per generated sample on its rank outside the model: the prompt's tokens (encoded once
-per distinct prompt), left padding, the response's list and tensor, two sample-store puts.
-Measured on the cpu profile's VM (op_overhead_s 5.8 us) at 9.3-13.9 us (``python -m
-rlbatch.plan.measure`` prints these constants)."""
 SAMPLE_OPS_PASS = 1.0
 """Host work per sample of a log-prob pass: the store's get and put, ``pack``, ``unpack``
 (measured the same way: 4.9-6.6 us)."""
 SAMPLE_OPS_TRAIN = 3.0
 """Host work per sample of a training call: its advantage tensor, the store's get of five fields,
 ``pack`` per mini-batch (measured the same way: 15-19 us)."""
-CPU_ATTN_OPS = 0.15
-"""On a CPU profile, scaled_dot_product_attention costs about 0.6-0.9 us per (sequence, head)
-per layer and model call however short the sequences (one small problem each; 2 us with its
-backward), which a tiny model's token count does not show: measured on the cpu profile's VM
-for 256-1024 sequences of 1-7 query tokens, 4 heads (0.55-0.9 us with 1). A GPU runs those
-problems in parallel."""
 SHARD_COLLECTIVE_OPS = 450
 """Host cost of one FSDP2 collective on a CPU profile beyond the link's latency: copy-in, the gloo
 call, copy-out, the hooks, and waiting for the peer that ranks sharing cores makes likely. Measured
@@ -95,35 +72,6 @@ SANDBOX_EXEC_CPU_S = 0.05
 its own namespaces): ~0.05 s on the cpu profile's VM (tools/bench/sandbox.py; docs/benchmarks.md)."""
 
 
-@dataclass(frozen=True)
-class Rates:
-    """What one rank achieves while ``active`` ranks of its node work at once."""
-
-    flops: float
-    bw: float
-    slow: float
-    """Multiplier on per-op overhead: >1 when more Python threads than cores."""
-
-
-def rates(hw: Hardware, layout: Layout, active: int, working_set: float = math.inf) -> Rates:
-    """Achieved FLOP/s and bandwidth of one rank. On CPU profiles the node's cores are shared, and
-    its memory bandwidth too unless the ``active`` ranks' working sets fit in the last-level cache."""
-    if not hw.is_cpu:
-        return Rates(hw.peak_flops * hw.mfu, hw.hbm_bw * hw.mbu, 1.0)
-    threads = max(1, layout.cpus_per_task)
-    cores = max(1, hw.cores_per_node)
-    share = min(float(threads), cores / max(1, active))
-    # In cache, each rank streams at its cores' share of the per-thread cache bandwidth; beyond it the
-    # ranks split the node's memory bus (measured on the cpu profile's VM, 35.8 MiB L3: two
-    # processes copying 4-8 MiB each keep 90 % of one process's rate, 256 MiB copies halve it).
-    # The fraction of the working set that fits streams at the rank's own rate, the rest at its share.
-    cached = min(1.0, hw.llc_bytes / max(1e-9, max(1, active) * working_set))
-    in_cache = (hw.cache_bw or hw.hbm_bw) * share
-    shared = min(hw.hbm_bw * share, hw.host_mem_bw / max(1, active))
-    bw = 1.0 / (cached / in_cache + (1.0 - cached) / shared)
-    return Rates(hw.peak_flops * hw.mfu * share, bw * hw.mbu, max(1.0, active / cores))
-
-
 def _fwd_ops(shape: ModelShape, p: int) -> int:
     return math.ceil(shape.layers / p) * OPS_PER_LAYER_FWD + OPS_PER_MODEL_FWD
 
@@ -136,67 +84,7 @@ def _dp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> tuple[int, comm.Lin
     return n, comm.link(hw, layout.group_spans_nodes(r.name, b.t, n))
 
 
-def tp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> comm.Link:
-    assert r.backend is not None
-    return comm.link(hw, layout.group_spans_nodes(r.name, 1, r.backend.t))
 
-
-def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,
-             layout: Layout, cost: EngineCost) -> Features:
-    """Prefill, then decode step by step; the busiest engine sets the phase time; ``cost``, the
-    engine's model, says how it batches and whether it shares prompts (``EngineCost.generate``
-    calls this; vLLM has a model of its own, ``rlbatch.engines.vllm.cost``: continuous batching, prefix
-    caching, its host costs)."""
-    b = r.backend
-    assert b is not None
-    tp, pp = b.t, b.p
-    seqs = math.ceil(w.sequences / max(1, b.d))
-    rt = rates(hw, layout, layout.ranks_per_node(r.ranks), sum(mem.transient.get("generate", {}).values()))
-    weights = e * shape.params / (tp * pp)
-    kv_tok = mem.kv_needed / max(1e-9, seqs * w.seq_len)
-    split = tp * pp
-    # Prefill: every prompt token once, weights read once. The hf engine runs each distinct prompt
-    # but its last token once, then the last token of every row (one more model call per wave).
-    shared = cost.shares_prompts(r, w, seqs, False)
-    if shared:
-        tokens = w.distinct_prompts(seqs) * max(w.prompt_len - 1, 0) + seqs
-    else:
-        tokens = seqs * w.prompt_len
-    traffic = traffic_per_token(shape, e, tp) / pp
-    roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
-               (weights + tokens * traffic) / rt.bw)
-    lk = tp_link(layout, r, hw)
-    comm_s = 2 * shape.layers / pp * comm.all_reduce(tokens * shape.hidden * e, tp, lk)
-    # Decode: the batch shrinks as sequences finish (vLLM) or stays whole until the last one
-    # finishes (HF generate keeps finished rows in the batch).
-    conc = max(1, mem.concurrency or seqs)
-    waves = math.ceil(seqs / conc)
-    surv = w.survival()
-    batch = conc * (surv if cost.continuous_batching else np.ones_like(surv))
-    ctx = w.prompt_len + np.arange(len(surv), dtype=float)
-    a0 = shape.fwd_flops_per_token(0.0)
-    a1 = 4.0 * shape.layers * shape.heads * shape.head_dim
-    flops = batch * (a0 + a1 * ctx) / split
-    byts = weights + batch * (kv_tok * ctx + traffic + shape.vocab * 4.0 * 3)
-    step_s = np.maximum(flops / rt.flops, byts / rt.bw)
-    if pp > 1:  # fewer running sequences than stages leaves stages idle (the tail of the batch)
-        step_s *= np.maximum(1.0, pp / np.maximum(batch, 1e-9))
-    roof += waves * float(step_s.sum())
-    steps = waves * len(surv)
-    if cost.continuous_batching:
-        overhead = (steps + waves) * CONTINUOUS_STEP_S
-    else:
-        layers = math.ceil(shape.layers / pp)
-        per_step = OPS_PER_MODEL_FWD + layers * OPS_PER_LAYER_DECODE + SAMPLING_OPS
-        ops = waves * GENERATE_SETUP_OPS + (steps + waves * (2 if shared else 1)) * per_step
-        overhead = ops * hw.op_overhead_s * rt.slow
-    if tp > 1:  # two all-reduces per layer per step; linear in size, so sum the batch once
-        hop = comm.all_reduce(0.0, tp, lk)
-        per_byte = comm.all_reduce(1.0, tp, lk) - hop
-        comm_s += waves * 2 * shape.layers / pp * (len(batch) * hop + per_byte * float(batch.sum()) * shape.hidden * e)
-    per_seq = SAMPLE_OPS_GENERATE + (_cpu_attention_ops(shape, pp) * (steps / waves + 1) if hw.is_cpu else 0.0)
-    samples = seqs * per_seq * hw.op_overhead_s * rt.slow
-    return {"roofline": roof, "overhead": overhead, "comm": comm_s, "samples": samples, "fixed": 1.0}
 
 
 def _fully_sharded(r: RoleLayout) -> bool:
@@ -246,11 +134,6 @@ def _bubble(b: BackendSpec, micro: int) -> float:
     return (micro + b.p - 1) / micro if b.p > 1 else 1.0
 
 
-def _cpu_attention_ops(shape: ModelShape, pp: int) -> float:
-    """Op-equivalents of one sequence's attention through one model call on a CPU profile."""
-    return CPU_ATTN_OPS * shape.heads * math.ceil(shape.layers / pp)
-
-
 def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout,
                  train: bool, tensors: int = 0, opt_bytes: float = 0.0, working_set: float = math.inf) -> Features:
     """A log-prob pass (train=False) or the training of one role (train=True) on its busiest rank."""
@@ -287,7 +170,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     # distinct prompt when prompts are shared; backward about twice the forward.
     calls_per_seq = 1.0 + (w.distinct_prompts(mb) / mb if models == 2 else 0.0)
     per_seq = (SAMPLE_OPS_TRAIN if train else SAMPLE_OPS_PASS) + (
-        _cpu_attention_ops(shape, p) * calls_per_seq * (3 if train else 1) if hw.is_cpu else 0.0)
+        cpu_attention_ops(shape, p) * calls_per_seq * (3 if train else 1) if hw.is_cpu else 0.0)
     samples = repeats * seqs * per_seq * hw.op_overhead_s * rt.slow
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
     return _finish(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, calls, roof, ops, samples,
@@ -332,7 +215,7 @@ def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     ops = calls * (_fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
     # one attention problem per row and head (counted in its flops), host work per sample as padded
     per_seq = SAMPLE_OPS_TRAIN if train else SAMPLE_OPS_PASS
-    samples = (repeats * seqs * per_seq + (calls * _cpu_attention_ops(shape, p) * (3 if train else 1) if hw.is_cpu else 0.0)
+    samples = (repeats * seqs * per_seq + (calls * cpu_attention_ops(shape, p) * (3 if train else 1) if hw.is_cpu else 0.0)
                ) * hw.op_overhead_s * rt.slow
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, 1, row, train)
     return _finish(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, calls, roof, ops, samples,

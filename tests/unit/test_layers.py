@@ -36,11 +36,7 @@ placement and the planner read, below every engine (each engine's cost model, in
 builds on the planner's formulas); the planner's command line, its placement search and its
 hardware measurement sit with the other entry points, above the checks and engines they run."""
 
-ALLOWED: dict[tuple[str, str], str] = {
-    ("rlbatch.plan.costs", "rlbatch.plan.timing"):
-        "EngineCost.generate's default is the planner's generation model; the planner's pipeline "
-        "(workload -> engine costs -> memory -> time -> verdict, issue 45) turns it around",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 """(importing module, imported module) -> why it is allowed."""
 
 

@@ -45,9 +45,10 @@ from rlbatch.models.shape import OPS_PER_MODEL_FWD, ModelShape
 from rlbatch.plan import activations as act
 from rlbatch.plan import comm
 from rlbatch.plan.costs import EngineCost
+from rlbatch.plan.generation import CONTINUOUS_STEP_S
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import RoleMemory, largest_tensor
-from rlbatch.plan.timing import CONTINUOUS_STEP_S, rates, tp_link
+from rlbatch.plan.rates import rates, tp_link
 from rlbatch.plan.workload import Workload
 
 VLLM_CPU_OPS_PER_LAYER = 60
