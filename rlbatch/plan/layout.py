@@ -8,11 +8,13 @@ insertions per role.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlbatch.engines.registry import engine_args
 from rlbatch.placement import BackendSpec, Placement
 
 
@@ -28,6 +30,12 @@ class RoleLayout:
     engine_args: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     """Workers: engine instances for inference roles, ranks for training roles, processes for CPU roles."""
+
+    @functools.cached_property
+    def args(self) -> Any:
+        """The role's typed engine_args (its engine's args dataclass, defaults filled in; None for a
+        CPU role or an engine that is not registered): what an engine's cost model reads."""
+        return engine_args(self.engine, self.engine_args) if self.backend is not None else None
 
     @property
     def is_gpu(self) -> bool:

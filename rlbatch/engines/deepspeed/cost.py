@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlbatch.engines.deepspeed import DeepSpeedArgs
 from rlbatch.plan.costs import EngineCost, Held
 from rlbatch.plan.memory import adapted
 
@@ -13,23 +14,29 @@ if TYPE_CHECKING:
     from rlbatch.plan.workload import Workload
 
 
+def _args(r: RoleLayout) -> DeepSpeedArgs:
+    args = r.args
+    assert isinstance(args, DeepSpeedArgs)
+    return args
+
+
 class DeepSpeedCost(EngineCost):
     """Its engine builds the whole fp32 model on the host on every rank before it is partitioned
     (``load_engine_model``): not modelled in ``load_bytes``."""
 
     def gathers_each_pass(self, r: RoleLayout) -> bool:
-        return int(r.engine_args.get("zero_stage", 3)) == 3
+        return _args(r).zero_stage == 3
 
     def reduces_each_step(self, r: RoleLayout) -> bool:
-        return int(r.engine_args.get("zero_stage", 3)) < 3
+        return _args(r).zero_stage < 3
 
     def tensor_sizes(self, gpn: int) -> list[int]:
         return [1]  # data parallelism only
 
     def held(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_only: bool) -> Held:
-        b, P, ea = r.backend, float(shape.params), r.engine_args
+        b, P, ea = r.backend, float(shape.params), _args(r)
         assert b is not None
-        stage, n = int(ea.get("zero_stage", 3)), b.d
+        stage, n = ea.zero_stage, b.d
         notes: list[str] = []
         # with model.lora only the adapters have gradients, fp32 masters and AdamW moments; the
         # frozen base stays in the compute dtype
@@ -45,12 +52,12 @@ class DeepSpeedCost(EngineCost):
             buffers = 0.0
         # ZeRO-Offload (engine_args): fp32 masters, AdamW state and the fp32 gradient partitions they
         # are stepped with live in host memory; offload_params (stage 3) moves the weights' partitions too.
-        if bool(ea.get("offload_optimizer", False)) and not forward_only:
+        if ea.offload_optimizer and not forward_only:
             state["optimizer"] = 0.0
             if stage == 3:
                 state["grads"] = 0.0
             notes.append("optimizer offloaded to host")
-        if bool(ea.get("offload_params", False)) and stage == 3:
+        if ea.offload_params and stage == 3:
             state["params"] = 0.0
             notes.append("parameters offloaded to host")
         notes.append(f"deepspeed ZeRO stage {stage}")

@@ -61,9 +61,15 @@ detokenizing the output) on CPU profiles. Prior from the vLLM-vs-hf table of doc
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+def _args(r: RoleLayout) -> VLLMArgs:
+    args = r.args
+    assert isinstance(args, VLLMArgs)
+    return args
+
+
 def dtype_bytes(r: RoleLayout, e: int) -> int:
     """engine_args.dtype's bytes, else the run's compute bytes ``e``."""
-    return _DTYPE_BYTES.get(str(r.engine_args.get("dtype", "auto")), e)
+    return _DTYPE_BYTES.get(_args(r).dtype, e)
 
 
 def _kv_per_token(shape: ModelShape, e: int, t: int, p: int) -> float:
@@ -87,19 +93,18 @@ def memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) 
     """One vLLM rank: weights and KV cache resident, the profiled activations while generating."""
     b = r.backend
     assert b is not None
-    ea, e = r.engine_args, dtype_bytes(r, e)
+    ea, e = _args(r), dtype_bytes(r, e)
     tp, pp = b.t, b.p
     weights = e * shape.params / (tp * pp)
-    tokens = int(ea.get("max_num_batched_tokens", VLLMArgs.max_num_batched_tokens))
-    max_seqs = int(ea.get("max_num_seqs", VLLMArgs.max_num_seqs))
+    tokens, max_seqs = ea.max_num_batched_tokens, ea.max_num_seqs
     activ = act.forward_working_bytes(shape, tokens, 1, e, tp) + max_seqs * shape.vocab * 4.0
     notes: list[str] = []
-    kv_mb = int(ea.get("kv_cache_mb", 0) or 0)
+    kv_mb = ea.kv_cache_mb
     if kv_mb or hw.is_cpu:
         kv = float((kv_mb or CPU_KV_CACHE_MB) << 20)
         source = f"kv_cache_mb={kv_mb}" if kv_mb else f"{CPU_KV_CACHE_MB} MiB (CPU default)"
     else:
-        frac = float(ea.get("gpu_memory_utilization", VLLMArgs.gpu_memory_utilization))
+        frac = ea.gpu_memory_utilization
         kv = frac * hw.hbm_bytes - weights - activ
         source = f"gpu_memory_utilization={frac}"
         if kv <= 0:
@@ -142,7 +147,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     traffic = act.traffic_per_token(shape, e, tp) / pp
     # Prefill: each distinct prompt once, in chunks of max_num_batched_tokens; a chunk reads the weights.
     tokens = w.distinct_prompts(seqs) * w.prompt_len
-    chunks = max(1, math.ceil(tokens / int(r.engine_args.get("max_num_batched_tokens", VLLMArgs.max_num_batched_tokens))))
+    chunks = max(1, math.ceil(tokens / _args(r).max_num_batched_tokens))
     roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
                (chunks * weights + tokens * traffic) / rt.bw)
     lk = tp_link(layout, r, hw)

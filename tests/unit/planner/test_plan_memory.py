@@ -58,7 +58,8 @@ def test_fsdp_tensor_parallel_ranks_each_compute_the_whole_vocabularys_logits(h1
     mem = {}
     for spec in ("fsdp:d4", "fsdp:d4t2", "megatron:d4", "megatron:d4t2"):
         train = "list(range(0,8))" if spec.endswith("t2") else "list(range(0,4))"
-        cfg = make_config(algo=ALGO, roles=roles(spec, "vllm:d8", train, "list(range(0,8))", actor_train=full))
+        own = full if spec.startswith("fsdp") else {}  # share_prompts is the fsdp engine's option
+        cfg = make_config(algo=ALGO, roles=roles(spec, "vllm:d8", train, "list(range(0,8))", actor_train=own))
         mem[spec] = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg, 512), 2, h100)
     for phase in ("logprobs", "train"):
         assert mem["fsdp:d4t2"].transient[phase]["logits"] == pytest.approx(mem["fsdp:d4"].transient[phase]["logits"])
