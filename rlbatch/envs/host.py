@@ -170,11 +170,10 @@ class EnvHost:
 def serve_envs(world: World, cfg: RLBatchConfig) -> EnvHost:
     """The service of an env role process (``rank_runtime.SERVICES``): episodes built from the
     run's ``env`` section, answered until the process's command loop stops it."""
-    from rlbatch.config.plain import to_plain
     from rlbatch.envs.setup import EnvSetup
     from rlbatch.runtime.faults import maybe_fault
 
-    setup = EnvSetup(to_plain(cfg))
+    setup = EnvSetup(cfg)
     rank = world.rank
     worker = dict(world.slot.roles)[ROLE]
     host = EnvHost(world.comm, setup.episode, f"{ROLE}[{worker}]",

@@ -12,21 +12,17 @@ checks it), so a runaway execution is killed by the sandbox and reported, not ab
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
-from typing import Any
 
-from rlbatch.config.limits import Limits
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.envs.base import Tool, ToolError
 
 
-def python_tool(cfg: Mapping[str, Any]) -> Tool:
-    """The tool for the run's plain config (reads ``sandbox``). The sandbox starts (and probes that a
+def python_tool(cfg: RLBatchConfig) -> Tool:
+    """The tool for the run's config (reads ``sandbox``). The sandbox starts (and probes that a
     right program runs, as the code_sandbox role does) on the first call."""
     from rlbatch.sandbox.runner import Job, Sandbox
 
-    sandbox_cfg = cfg.get("sandbox") or {}
-    limits = Limits(**dict(sandbox_cfg.get("limits") or {}))
-    mode = str(sandbox_cfg.get("isolation", "auto"))
+    limits, mode = cfg.sandbox.limits, cfg.sandbox.isolation
     lock = threading.Lock()
     box: list[Sandbox] = []
 

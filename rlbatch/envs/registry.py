@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.envs.base import Tool
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")  # rlbatch.plugins' pattern
@@ -29,12 +30,14 @@ ENVS: dict[str, str | type] = {
     "lookup": "rlbatch.envs.lookup:Lookup",
     "frozenlake": "rlbatch.envs.frozenlake:FrozenLake",
 }
-TOOLS: dict[str, str | Callable[[Mapping[str, Any]], Tool]] = {
+ToolFactory = Callable[[RLBatchConfig], Tool]
+"""A tool's factory: the run's config in, the tool out (built once per host)."""
+TOOLS: dict[str, str | ToolFactory] = {
     "python": "rlbatch.envs.python_tool:python_tool",
 }
 
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[[Mapping[str, Any]], Tool])
+F = TypeVar("F", bound=ToolFactory)
 
 
 @overload
@@ -124,7 +127,7 @@ def resolve_env(name: object, load: bool = True) -> type | None:
     return cls
 
 
-def resolve_tool(name: object, load: bool = True) -> Callable[[Mapping[str, Any]], Tool] | None:
+def resolve_tool(name: object, load: bool = True) -> ToolFactory | None:
     """The factory of registered tool ``name`` (``(cfg) -> tool``; the policy calls the tool by this
     name, so a user tool is registered by a module in ``plugins``, not named by path). Raises
     UnknownName saying why not."""

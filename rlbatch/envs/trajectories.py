@@ -15,8 +15,8 @@ and a small summary (the trajectory's reward, turns, end reason, env seconds, to
 to the controller: the reward to the score phase, the rest to the step's metrics
 (``trajectory_stats``).
 
-    rollout = MultiTurn(plain_cfg, tokenizer)                  # envs on this rank's threads
-    rollout = MultiTurn(plain_cfg, tokenizer, client=client)   # envs on the env role's workers
+    rollout = MultiTurn(cfg, tokenizer)                  # envs on this rank's threads
+    rollout = MultiTurn(cfg, tokenizer, client=client)   # envs on the env role's workers
     trajectories = rollout(engine, prompts, sampling, tasks, seeds, seed, ids)
 
 With an ``env`` role (``roles.env.world_size``) each trajectory's episode lives on the env worker
@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.synthetic import Sample
 from rlbatch.engines.base import InferenceEngine, SamplingParams, Turns, turns_of
 from rlbatch.envs.base import END_REASONS, TOOL_OUTCOMES, Task
@@ -66,22 +67,22 @@ def task_of(prompt: Sample) -> dict[str, str]:
 class MultiTurn:
     """Plays trajectories on one inference engine (its ``Turns``), episodes built from the config's
     ``env`` section (``EnvSetup``), or hosted by the env role's workers through ``client``.
-    ``plain_cfg``: the run's config as plain mappings."""
+    ``cfg``: the run's config."""
 
-    def __init__(self, plain_cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase, barrier: bool = False,
+    def __init__(self, cfg: RLBatchConfig, tokenizer: PreTrainedTokenizerBase, barrier: bool = False,
                  client: EnvClient | None = None) -> None:
         self.client = client
-        self.setup = EnvSetup(plain_cfg) if client is None else None  # the workers build their own
+        self.setup = EnvSetup(cfg) if client is None else None  # the workers build their own
         self.tokenizer = tokenizer
-        env, model, data = plain_cfg.get("env") or {}, plain_cfg.get("model") or {}, plain_cfg.get("data") or {}
+        env, model = cfg.env, cfg.model
         self.observations: Observations = PlainText(self.encode)
-        if data.get("chat_template"):
-            self.observations = ChatTurns(tokenizer, str(env.get("observation_role") or "user"),
-                                          data.get("system_prompt"), str(model.get("path") or "the tokenizer"))
-        budget = env.get("max_context_tokens")
-        if budget is None and not model.get("path"):  # a random-init model's longest sequence
-            budget = model.get("max_position_embeddings")
-        self.max_context = int(budget) if budget is not None else None
+        if cfg.data.chat_template:
+            self.observations = ChatTurns(tokenizer, env.observation_role, cfg.data.system_prompt,
+                                          model.path or "the tokenizer")
+        budget = env.max_context_tokens
+        if budget is None and not model.path:  # a random-init model's longest sequence
+            budget = model.max_position_embeddings
+        self.max_context = budget
         self.barrier = barrier
         """Every trajectory's turn, then every env step (``Rollout``'s baseline, for benchmarks)."""
         self.last: Rollout | None = None

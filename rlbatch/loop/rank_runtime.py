@@ -22,7 +22,6 @@ import torch
 from rlbatch.algos.advantages import response_loss_mask
 from rlbatch.algos.objective import objective_for
 from rlbatch.algos.registry import KL_ESTIMATORS
-from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, ModelConfig, RLBatchConfig, role_algo
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
@@ -218,7 +217,7 @@ class RankRuntime:
         else:
             if self.multi_turn is None:  # envs and tools (the python tool's sandbox) built once per rank
                 # or, with an env role, episodes hosted by its workers
-                self.multi_turn = MultiTurn(to_plain(self.cfg), self.tokenizer, client=env_client(self.world, self.cfg))
+                self.multi_turn = MultiTurn(self.cfg, self.tokenizer, client=env_client(self.world, self.cfg))
             if len(worker) > 1:
                 turns = Lockstep(turns, self.world.comm, list(worker[1:]))
             done = self.multi_turn(turns, prompts, params, tasks, seeds, params.seed, ids)

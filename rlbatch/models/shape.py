@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from rlbatch.config.schema import ModelConfig
 from rlbatch.models.spec import ModelSpec, spec_from_config, spec_from_hf_config
 
 OPS_PER_LAYER_FWD = 150
@@ -172,7 +173,7 @@ def shape_from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> M
     return ModelShape.of(spec_from_hf_config(cfg, name))
 
 
-def shape_from_config(model: Mapping[str, Any], vocab: int | None = None) -> ModelShape:
+def shape_from_config(model: ModelConfig | Mapping[str, Any], vocab: int | None = None) -> ModelShape:
     """The shape of ``cfg.model``: its config.json when ``path`` is set, else the random-init fields
     with ``vocab`` tokens (the built-in tokenizer's vocabulary when None), as the engines build it."""
     return ModelShape.of(spec_from_config(model, vocab))

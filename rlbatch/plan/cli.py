@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlbatch.config.hardware import Hardware, available, load_hardware
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.errors import ConfigError
+from rlbatch.placement import Placement
 from rlbatch.plan.coefficients import Coefficients, load_coefficients
 
 SUBCOMMANDS = ("predict", "search", "calibrate", "report")
@@ -78,10 +80,9 @@ def parse(argv: list[str]) -> Args:
     return Args(ns.command, rest, hardware, hw_over, ns)
 
 
-def pick_hardware(args: Args, cfg: dict[str, Any], on_cpu: bool = False) -> Hardware:
+def pick_hardware(args: Args, cfg: RLBatchConfig, on_cpu: bool = False) -> Hardware:
     """The profile named on the command line, else cpu for CPU configs or runs, else h100_sxm."""
-    device = (cfg.get("cluster") or {}).get("device")
-    name = args.hardware or ("cpu" if on_cpu or device == "cpu" else DEFAULT_GPU_PROFILE)
+    name = args.hardware or ("cpu" if on_cpu or cfg.cluster.device == "cpu" else DEFAULT_GPU_PROFILE)
     return load_hardware(name, args.hw_overrides)
 
 
@@ -104,23 +105,26 @@ def episodes(args: Args) -> dict[str, float | None]:
     return {"turns": args.ns.turns, "observation_len": args.ns.observation_len, "env_step_s": args.ns.env_step_s}
 
 
-def _context(args: Args) -> tuple[Any, Any, dict[str, Any]]:
+def _context(args: Args) -> tuple[RLBatchConfig, Placement, dict[str, Any]]:
+    """The composed config, typed and as plain mappings (what the search writes candidates from), and its placement."""
     from rlbatch.checks.validate import check
     from rlbatch.config.compose import compose
+    from rlbatch.config.parse import parsed
     from rlbatch.config.plain import to_plain
 
     cfg = compose(args.rest)
     placement = check(cfg, runnable=False)  # the planner models engines and programs this build does not run
-    return cfg, placement, to_plain(cfg)
+    plain = to_plain(cfg)
+    return parsed(plain), placement, plain
 
 
 def cmd_predict(args: Args) -> int:
     from rlbatch.plan.fit import predict_config
     from rlbatch.plan.render import report
 
-    _, placement, plain = _context(args)
-    hw = pick_hardware(args, plain)
-    p = predict_config(plain, placement, hw, args.ns.prompt_len, args.ns.response_mean, coefficients(args, hw),
+    cfg, placement, _ = _context(args)
+    hw = pick_hardware(args, cfg)
+    p = predict_config(cfg, placement, hw, args.ns.prompt_len, args.ns.response_mean, coefficients(args, hw),
                        args.ns.overlap, args.ns.zero_variance_frac, **episodes(args))
     emit(args, p.to_dict(), report(p))
     return 0 if p.fits else 1
@@ -133,15 +137,14 @@ def cmd_search(args: Args) -> int:
     from rlbatch.plan.search import search
     from rlbatch.plan.workload import workload_from_config
 
-    _, placement, plain = _context(args)
-    hw = pick_hardware(args, plain)
+    cfg, placement, plain = _context(args)
+    hw = pick_hardware(args, cfg)
     gpus = args.ns.gpus or placement.num_gpus
-    shape = shape_from_config(plain["model"])
-    w = workload_from_config(plain, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac,
+    shape = shape_from_config(cfg.model)
+    w = workload_from_config(cfg, args.ns.prompt_len, args.ns.response_mean, args.ns.zero_variance_frac,
                              **episodes(args))
     best, stats = search(plain, gpus, placement.gpus_per_node, shape, w, hw, coefficients(args, hw),
-                         str(plain["model"].get("dtype", "auto")), args.ns.top,
-                         int(plain["cluster"].get("cpus_per_task") or 1), mem_limit(plain), args.ns.overlap)
+                         cfg.model.dtype, args.ns.top, cfg.cluster.cpus_per_task, mem_limit(cfg), args.ns.overlap)
     data = {"stats": stats, "gpus": gpus, "hardware": hw.name, "top": [
         {"rank": i + 1, "label": c.label, "mode": c.mode, "step_s": c.prediction.step_s if c.prediction else None,
          "max_tokens_per_micro_batch": c.budget or None, "lora_rank": c.lora or None, "overrides": c.overrides}

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlbatch.config.hardware import FIELDS, Hardware, available, hardware_from_dict, load_hardware
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.models.shape import shape_from_config
 from rlbatch.placement import Placement
 from rlbatch.plan.coefficients import Coefficients
@@ -21,9 +22,9 @@ from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import workload_from_config
 
 
-def mem_limit(plain: Mapping[str, Any]) -> float | None:
+def mem_limit(cfg: RLBatchConfig) -> float | None:
     """cluster.mem_gb in bytes: the node memory a job may use, when the config limits it."""
-    gb = (plain.get("cluster") or {}).get("mem_gb")
+    gb = cfg.cluster.mem_gb
     return float(gb) * 1e9 if gb else None
 
 
@@ -40,13 +41,13 @@ def hardware_from_config(hw: Mapping[str, Any]) -> Hardware | None:
     return None
 
 
-def predict_config(plain: Mapping[str, Any], placement: Placement, hw: Hardware, prompt_len: float | None = None,
+def predict_config(cfg: RLBatchConfig, placement: Placement, hw: Hardware, prompt_len: float | None = None,
                    response_mean: float | None = None, coef: Coefficients | None = None,
                    overlap: bool = False, zero_variance_frac: float | None = None,
                    **episodes: float | None) -> Prediction:
-    """The planner's prediction for ``plain`` (a composed, plain config) placed as ``placement``;
-    ``episodes``: a multi-turn rollout's turns, observation_len and env_step_s (``workload_from_config``)."""
-    layout = from_placement(placement, int(plain["cluster"].get("cpus_per_task") or 1))
-    shape = shape_from_config(plain["model"])
-    w = workload_from_config(plain, prompt_len, response_mean, zero_variance_frac, **episodes)
-    return predict(layout, shape, w, hw, str(plain["model"].get("dtype", "auto")), coef, mem_limit(plain), overlap)
+    """The planner's prediction for ``cfg`` placed as ``placement``; ``episodes``: a multi-turn
+    rollout's turns, observation_len and env_step_s (``workload_from_config``)."""
+    layout = from_placement(placement, cfg.cluster.cpus_per_task)
+    shape = shape_from_config(cfg.model)
+    w = workload_from_config(cfg, prompt_len, response_mean, zero_variance_frac, **episodes)
+    return predict(layout, shape, w, hw, cfg.model.dtype, coef, mem_limit(cfg), overlap)

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.config.hardware import Hardware
+from rlbatch.config.parse import parse
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.errors import ConfigError
 from rlbatch.models.shape import ModelShape, shape_from_config
 from rlbatch.placement import Placement
@@ -37,7 +39,7 @@ RESPONSE_MAX_KEYS = ("tokens/response_max", "response_len/max")
 @dataclass
 class Run:
     path: Path
-    cfg: dict[str, Any]
+    cfg: RLBatchConfig
     placement: Placement
     steps: list[dict[str, Any]]
 
@@ -47,7 +49,7 @@ class Run:
 
     def measured_on_cpu(self) -> bool:
         """True when the config asked for CPU or every rank reported 0 device bytes (no GPU)."""
-        if (self.cfg.get("cluster") or {}).get("device") == "cpu":
+        if self.cfg.cluster.device == "cpu":
             return True
         peaks = [v for s in self.steps for k, v in s.items() if k.startswith("mem/") and k.endswith("/peak_allocated")]
         return bool(peaks) and not any(peaks)
@@ -65,7 +67,7 @@ def load_run(path: str | Path) -> Run:
     if missing:
         raise ConfigError(f"run {p}: missing {missing}; a run directory holds config.yaml, placement.json and metrics.jsonl")
     try:
-        cfg = yaml.safe_load(files["config.yaml"].read_text()) or {}
+        cfg = parse(yaml.safe_load(files["config.yaml"].read_text()) or {}).config  # the run checked it
         placement = load_placement(files["placement.json"])
         steps = [json.loads(line) for line in files["metrics.jsonl"].read_text().splitlines() if line.strip()]
     except (ValueError, KeyError, TypeError, yaml.YAMLError) as e:
@@ -94,11 +96,10 @@ class RunModel:
 
     def __init__(self, run: Run, hw: Hardware) -> None:
         self.run, self.hw = run, hw
-        cluster = run.cfg.get("cluster") or {}
-        self.layout: Layout = from_placement(run.placement, int(cluster.get("cpus_per_task") or 1))
-        self.shape: ModelShape = shape_from_config(run.cfg.get("model") or {})
+        self.layout: Layout = from_placement(run.placement, run.cfg.cluster.cpus_per_task)
+        self.shape: ModelShape = shape_from_config(run.cfg.model)
         self.base: Workload = workload_from_config(run.cfg)
-        self.dtype = str((run.cfg.get("model") or {}).get("dtype", "auto"))
+        self.dtype = run.cfg.model.dtype
 
     def steps(self, skip: int) -> list[tuple[int, dict[str, float], Workload]]:
         """(step, measured times, that step's workload) for every step after the first ``skip``."""

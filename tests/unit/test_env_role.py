@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from mpi4py import MPI
 
+from rlbatch.config.parse import parse
 from rlbatch.engines.base import Generation, SamplingParams, TurnRequest
 from rlbatch.envs.base import StepResult
 from rlbatch.envs.chat import PlainText
@@ -205,9 +206,9 @@ def test_a_rollout_on_env_workers_gives_the_trajectories_of_a_rollout_on_the_ran
     hosts = _hosts(net, [1, 2], limits)
     plain = {"env": {"name": "running_sum", "max_turns": 5}, "model": {}}
     try:
-        local = MultiTurn(plain, _Tok())
+        local = MultiTurn(parse(plain).config, _Tok())
         monkeypatch.setattr(local.setup, "episode", lambda: Episode(lambda: Echo(2), limits))
-        remote = MultiTurn(plain, _Tok(), client=EnvClient(net.comm(0), [1, 2], timeout_s=10))
+        remote = MultiTurn(parse(plain).config, _Tok(), client=EnvClient(net.comm(0), [1, 2], timeout_s=10))
         assert remote.setup is None, "the workers build the envs, not the rank"
         args = ([[1]] * 6, [{}] * 6, [11, 11, 11, 12, 12, 12])
         with monkeypatch.context() as m:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from rlbatch.config.parse import parse
 from rlbatch.envs.episode import Episode, EpisodeLimits
 from rlbatch.envs.frozenlake import MOVES, FrozenLake
 from rlbatch.envs.lookup import Lookup
@@ -135,10 +136,10 @@ def test_frozenlake_holes_invalid_moves_and_walls() -> None:
 
 
 def test_env_setup_builds_episodes_from_the_config_section() -> None:
-    setup = EnvSetup({"env": {"name": "running_sum", "args": {"turns": 2}, "max_turns": 1, "step_timeout_s": 5}})
+    setup = EnvSetup(parse({"env": {"name": "running_sum", "args": {"turns": 2}, "max_turns": 1, "step_timeout_s": 5}}).config)
     ep = setup.episode()
     assert ep.start({"digits": [1, 2]}, 0).observation == "1="
     step = ep.step("1")
     assert step.done and step.end == "max_turns" and step.reward == 0.5  # max_turns=1 ends a 2-turn game
     with pytest.raises(ValueError, match="env.name is not set"):
-        EnvSetup({"env": {"name": None}})
+        EnvSetup(parse({"env": {"name": None}}).config)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from rlbatch.config.parse import parsed
 from rlbatch.engines.base import Generation, SamplingParams, TurnRequest
 from rlbatch.envs.base import StepResult
 from rlbatch.envs.chat import ChatTurns, PlainText
@@ -130,7 +131,6 @@ def test_a_run_with_a_chat_model_plays_running_sum_as_a_conversation(tmp_path: A
     import torch
 
     from rlbatch.config.compose import compose
-    from rlbatch.config.plain import to_plain
     from rlbatch.data.source import problems_of
     from rlbatch.engines.base import EngineContext, turns_of
     from rlbatch.engines.hf import HFArgs
@@ -144,7 +144,7 @@ def test_a_run_with_a_chat_model_plays_running_sum_as_a_conversation(tmp_path: A
     assert [s.prompt for s in problems_of(cfg.data, cfg.model)] == [""]  # the rollout renders the opening
     tok = load_tokenizer(cfg.model)
     engine = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, tok, torch.device("cpu"), seed=1))
-    [traj] = MultiTurn(to_plain(cfg), tok)(turns_of(engine), [[]], SamplingParams(2, temperature=1.0), [{}],
+    [traj] = MultiTurn(parsed(cfg), tok)(turns_of(engine), [[]], SamplingParams(2, temperature=1.0), [{}],
                                            [episode_seed(1, 0)], seed=3)
     assert tok.decode(traj.prompt).startswith("<|im_start|>system\nAdd up.<|im_end|>\n<|im_start|>user\n")
     assert tok.decode(traj.prompt).endswith("=<|im_end|>\n<|im_start|>assistant\n")

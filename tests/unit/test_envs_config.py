@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from rlbatch.checks.validate import check
+from rlbatch.config.parse import parse
 from rlbatch.envs.checks import env_problems
 from rlbatch.envs.registry import ENVS, UnknownName, resolve_env
 from rlbatch.envs.setup import EnvSetup
@@ -29,8 +30,8 @@ def test_a_plugin_env_is_imported_by_its_path_and_plays() -> None:
     sys.modules.pop(PLUGIN, None)
     cls = resolve_env(f"{PLUGIN}:Countdown")
     assert cls is not None and cls.__module__ == PLUGIN and "countdown" in ENVS  # importing registered it
-    ep = EnvSetup({"env": {"name": f"{PLUGIN}:Countdown", "args": {"start": 2}, "max_turns": 5,
-                           "step_timeout_s": 5}}).episode()
+    ep = EnvSetup(parse({"env": {"name": f"{PLUGIN}:Countdown", "args": {"start": 2}, "max_turns": 5,
+                                 "step_timeout_s": 5}}).config).episode()
     assert ep.start({}, 0).observation == "2"
     assert [ep.step(a).reward for a in ("1", "0")] == [1.0, 1.0] and ep.end == "done"
 

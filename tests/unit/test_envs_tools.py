@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from rlbatch.config.parse import parse
 from rlbatch.envs.base import StepResult, ToolError
 from rlbatch.envs.episode import Episode, EpisodeLimits
 from rlbatch.envs.python_tool import python_tool
@@ -122,7 +123,7 @@ SANDBOX = {"isolation": "auto", "limits": {"timeout_s": 6.0, "test_timeout_s": 1
 
 @pytest.fixture(scope="module")
 def python() -> Any:
-    tool = python_tool({"sandbox": SANDBOX})
+    tool = python_tool(parse({"sandbox": SANDBOX}).config)
     assert tool(code="print('ready')") == "ready\n"  # starts the sandbox once for the module
     return tool
 

@@ -10,6 +10,7 @@ import pytest
 
 from rlbatch.checks.validate import check
 from rlbatch.config.compose import compose
+from rlbatch.config.parse import parsed
 from rlbatch.config.plain import to_plain
 from rlbatch.data.tokenizer import EOS, char_vocab
 from rlbatch.envs.lookup import Lookup
@@ -74,7 +75,7 @@ def test_the_format_is_a_setting_checked_before_start(cfg: dict[str, Any]) -> No
 def preset_setup() -> EnvSetup:
     cfg = to_plain(compose(["experiment=tooluse"]))
     check(cfg, runnable=False)
-    return EnvSetup(cfg)
+    return EnvSetup(parsed(cfg))
 
 
 def test_the_tooluse_episode_is_written_in_the_tiny_models_alphabet_and_pays_only_through_the_tool() -> None:

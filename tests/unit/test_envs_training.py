@@ -16,7 +16,7 @@ from rlbatch.algos.objective import LossInput, PolicyObjective
 from rlbatch.algos.split import aggregation_count
 from rlbatch.algos.value import ValueInput, ValueObjective
 from rlbatch.config.compose import compose
-from rlbatch.config.plain import to_plain
+from rlbatch.config.parse import parsed
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams, TurnRequest, turns_of
 from rlbatch.engines.batch import pack, response_logprobs
 from rlbatch.engines.model import load_tokenizer
@@ -54,7 +54,7 @@ def played() -> tuple[Any, list[Any], dict[int, list[list[int]]], Any]:
     tok = load_tokenizer(cfg.model)
     engine = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, tok, torch.device("cpu"), seed=1))
     recorder = Recorded(turns_of(engine))
-    rollout = MultiTurn(to_plain(cfg), tok)
+    rollout = MultiTurn(parsed(cfg), tok)
     seeds = [episode_seed(1, g) for g in (0, 0, 0, 1, 1, 1)]
     prompt = list(tok("")["input_ids"])  # data.name=none: the first observation is the prompt
     trajectories = rollout(recorder, [prompt] * 6, SamplingParams(2, temperature=1.0), [{}] * 6, seeds, seed=3)
