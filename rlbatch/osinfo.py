@@ -1,13 +1,17 @@
 """What the operating system says about paths and processes, read from /proc: shared by the
 config checks (is a run directory writable, on which filesystem), the checkpoint space checks
-and the run-directory lock. A leaf: it imports nothing of rlbatch."""
+and the run-directory lock. A leaf: it imports nothing of rlbatch (the config's type only for the
+type checker)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlbatch.config.schema import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -63,14 +67,11 @@ def process_cmdline(pid: int) -> str | None:
         return None
 
 
-def on_cpu(plain: Mapping[str, object]) -> bool | None:
-    """Whether the GPU roles' ranks run on CPUs: cluster.device, or for 'auto' on cluster=local
+def on_cpu(cluster: ClusterConfig) -> bool | None:
+    """Whether the GPU roles' ranks run on CPUs: ``cluster.device``, or for 'auto' on cluster=local
     whether this machine has NVIDIA devices; None when unknown (a Slurm job's nodes with device=auto)."""
-    cluster = plain.get("cluster")
-    cluster = cluster if isinstance(cluster, Mapping) else {}
-    device = cluster.get("device", "auto")
-    if device in ("cpu", "cuda"):
-        return device == "cpu"
-    if cluster.get("name", "local") == "local":
+    if cluster.device in ("cpu", "cuda"):
+        return cluster.device == "cpu"
+    if cluster.name == "local":
         return not any(Path("/dev").glob("nvidia[0-9]*"))
     return None

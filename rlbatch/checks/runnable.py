@@ -438,10 +438,10 @@ def runnable_problems(plain: Mapping[str, Any], cfg: RLBatchConfig, engines: lis
     return problems
 
 
-def engine_rule_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Any,
+def engine_rule_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: Any,
                          train_run: bool) -> list[str]:
-    """Each engine's own checks (``EngineSpec.rules``), called once per engine in use with the roles
-    that run it, in the order the roles name the engines."""
+    """Each engine's own checks (``EngineSpec.rules``), called once per engine in use with the typed
+    config and the roles that run it, in the order the roles name the engines."""
     import importlib
 
     problems = []
@@ -451,5 +451,5 @@ def engine_rule_problems(plain: Mapping[str, Any], engines: list[RoleEngine], pl
             continue
         module, _, fn = spec.rules.partition(":")
         problems += getattr(importlib.import_module(module), fn)(
-            plain, [e for e in engines if e.backend.engine == name], placement, train_run)
+            cfg, [e for e in engines if e.backend.engine == name], placement, train_run)
     return problems

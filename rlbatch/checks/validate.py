@@ -282,13 +282,13 @@ def _check_model_shape(cfg: RLBatchConfig, shape_problems: bool) -> list[str]:
     return []
 
 
-def _fit_problems(plain: Mapping[str, Any], placement: Placement) -> list[str]:
+def _fit_problems(cfg: RLBatchConfig, placement: Placement) -> list[str]:
     """With a hardware profile in the config (``hardware=h100_sxm``), the planner's memory
     prediction for this placement: every GPU (or, on a CPU profile, node) it would not fit, with
     the phase and the bytes needed and usable. Without one, or with only a few memory fields
     (vllm_rules reads those), nothing is predicted."""
-    hw_cfg = plain.get("hardware")
-    if not isinstance(hw_cfg, Mapping):
+    hw_cfg = cfg.hardware
+    if hw_cfg is None:
         return []
     from rlbatch.plan.fit import hardware_from_config, predict_config
 
@@ -298,7 +298,7 @@ def _fit_problems(plain: Mapping[str, Any], placement: Placement) -> list[str]:
         return list(e.problems)
     if hw is None:
         return []
-    return [f"hardware={hw.name}: {line}" for line in predict_config(plain, placement, hw).problems]
+    return [f"hardware={hw.name}: {line}" for line in predict_config(cfg, placement, hw).problems]
 
 
 def check(cfg: Any, runnable: bool = True) -> Placement:
@@ -331,7 +331,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(head_problems(engines))
     problems.extend(engine_args_problems(typed, engines))
     train_run = runnable and typed.program == "train"
-    problems.extend(engine_rule_problems(plain, engines, placement, train_run))
+    problems.extend(engine_rule_problems(typed, engines, placement, train_run))
     problems.extend(_code_task_problems(typed, train_run))
     problems.extend(_env_problems(plain, typed, runnable, train_run, placement))
     problems.extend(eval_problems(typed, runnable))
@@ -341,7 +341,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     if runnable:
         problems.extend(runnable_problems(plain, typed, engines))
     if train_run and not problems and placement is not None:  # the prediction needs a valid config
-        problems.extend(_fit_problems(plain, placement))
+        problems.extend(_fit_problems(typed, placement))
     if problems:
         raise ConfigError(problems)
     assert placement is not None

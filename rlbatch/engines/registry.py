@@ -67,8 +67,9 @@ class EngineSpec:
     """It trains low-rank adapters of the model (``model.lora``) and exports them merged
     (``export_weights``) or alone (``export_adapters``, for an engine that ``loads_adapters``)."""
     rules: str | None = None
-    """'module:function' of its own checks before start, ``fn(plain, roles, placement, train_run)
-    -> problems``: ``plain`` the config as plain mappings, ``roles`` the roles that run this engine
+    """'module:function' of its own checks before start, ``fn(cfg, roles, placement, train_run)
+    -> problems``: ``cfg`` the typed config (``rlbatch.config.schema.RLBatchConfig``; a role's
+    ``engine_args`` as written, typed by ``parse_args``), ``roles`` the roles that run this engine
     (``rlbatch.placement.backend.RoleEngine``), ``placement`` (None when placement failed),
     ``train_run`` whether this machine is to run the training (a runnable check of program=train).
     Validation calls it for every engine in use (``rlbatch.checks.runnable.engine_rule_problems``)."""

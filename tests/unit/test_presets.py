@@ -22,6 +22,7 @@ import pytest
 
 from rlbatch.checks.validate import check
 from rlbatch.config.compose import CONF_DIR, compose
+from rlbatch.config.schema import ClusterConfig
 from rlbatch.launch.__main__ import main
 from rlbatch.osinfo import on_cpu
 from tests.unit.test_sbatch_golden import CASES, GOLDEN
@@ -39,7 +40,7 @@ CP_HYBRID = ("roles.actor_train.backend: 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'
 
 VLLM_T8 = "roles.actor_infer.backend: 'vllm:d4t8' splits attention over t=8 tensor-parallel ranks, but num_heads=4"
 """vLLM cannot split the tiny model's 4 heads over 8 ranks (a preset for a real model.path)."""
-CPU_HEAD_DIM = ["roles.actor_infer: vllm on CPU needs head_dim in"] if on_cpu({"cluster": {"name": "local"}}) else []
+CPU_HEAD_DIM = ["roles.actor_infer: vllm on CPU needs head_dim in"] if on_cpu(ClusterConfig(name="local")) else []
 """cluster=local on a machine without a GPU runs vLLM's CPU build, which has no kernel for the tiny
 model's head_dim 16 (a Slurm job's nodes are not judged)."""
 

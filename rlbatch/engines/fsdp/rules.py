@@ -10,14 +10,16 @@ t and c together, each tp rank's share of the heads over c. The engine refuses t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
+from rlbatch.config.schema import RLBatchConfig
+from rlbatch.engines.fsdp import FSDPArgs
+from rlbatch.engines.registry import parse_args
 from rlbatch.errors import ConfigError
 from rlbatch.placement.backend import RoleEngine
 
 
-def fsdp_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Any = None,
+def fsdp_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: Any = None,
                   train_run: bool = True) -> list[str]:
     """One line per tensor-parallel split the fsdp engine does not build (``EngineSpec.rules``).
     Inherited backends are reported once, on actor_train."""
@@ -27,12 +29,12 @@ def fsdp_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
     split = [e for e in engines if e.backend.engine == "fsdp" and not e.inherited and e.backend.dims.c > 1]
     if not mine and not split:
         return []
-    model = plain.get("model") or {}
     try:
-        spec = spec_from_config(model)
+        spec = spec_from_config(cfg.model)
     except (ConfigError, OSError, ValueError, TypeError):  # the model checks report it
         spec = None
-    problems = [p for e in split for p in _context_problems(plain, e, spec)]
+    problems = [p for e in split for p in _context_problems(cfg, e, spec)]
+    lora = cfg.model.lora
     for e in mine:
         b, t = e.backend, e.backend.dims.t
         field = f"roles.{e.role}.backend"
@@ -45,18 +47,16 @@ def fsdp_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
                 problems.append(f"{field}: '{b}': the fsdp engine splits dense decoder layers over tensor-parallel "
                                 f"ranks, and the model is a Mixture-of-Experts {spec.arch} with {spec.experts} "
                                 f"routed experts; use t=1, or the megatron engine")
-        lora = model.get("lora")
         # only a run this machine is to start: the planner prices such a layout as it would any other
-        if (train_run and e.role == "actor_train" and isinstance(lora, Mapping) and int(lora.get("rank") or 0) > 0
-                and float(lora.get("dropout") or 0) > 0):
-            problems.append(f"{field}: '{b}' with model.lora.dropout={lora.get('dropout')}: under tensor parallelism "
+        if train_run and e.role == "actor_train" and lora.rank > 0 and lora.dropout > 0:
+            problems.append(f"{field}: '{b}' with model.lora.dropout={lora.dropout}: under tensor parallelism "
                             f"(t={t}) each rank of a column-split layer feeds the whole input to the adapter's A, "
                             f"which every rank holds whole; dropout would mask it differently on each rank and the "
                             f"copies of A would drift apart; use model.lora.dropout=0")
     return problems
 
 
-def _context_problems(plain: Mapping[str, Any], e: RoleEngine, spec: Any) -> list[str]:
+def _context_problems(cfg: RLBatchConfig, e: RoleEngine, spec: Any) -> list[str]:
     b, c, t, field = e.backend, e.backend.dims.c, e.backend.dims.t, f"roles.{e.role}.backend"
     out = []
     # at t > 1, each tp rank's heads are what c splits (heads that t does not divide are refused above)
@@ -67,9 +67,8 @@ def _context_problems(plain: Mapping[str, Any], e: RoleEngine, spec: Any) -> lis
         if (spec.kv_heads // t) % c and c % (spec.kv_heads // t):
             out.append(f"{field}: '{b}' splits key/value heads over c={c} context-parallel ranks (repeating them "
                        f"up to c), but num_kv_heads={_share(spec.kv_heads, t)} neither divides nor is divisible by {c}")
-    role = (plain.get("roles") or {}).get(e.role) or {}
-    args = role.get("engine_args") if isinstance(role, Mapping) else None
-    if isinstance(args, Mapping) and args.get("max_tokens_per_micro_batch") == 0:
+    args = parse_args("fsdp", cfg.roles[e.role].engine_args, f"roles.{e.role}.engine_args").value
+    if isinstance(args, FSDPArgs) and args.max_tokens_per_micro_batch == 0:
         out.append(f"{field}: '{b}' splits packed rows over c={c} context-parallel ranks, but "
                    f"roles.{e.role}.engine_args.max_tokens_per_micro_batch=0 asks for padded ones; leave it unset "
                    f"or give a token budget")

@@ -10,19 +10,19 @@ GPU when no CPU shim is installed (``megatron_device.needs_cuda``: the message t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from rlbatch.config.plain import section
-from rlbatch.config.schema import TRAINABLE_ROLES
+from rlbatch.config.schema import TRAINABLE_ROLES, RLBatchConfig
+from rlbatch.engines.megatron import MegatronArgs
 from rlbatch.engines.megatron.device import needs_cuda
 from rlbatch.engines.megatron.limits import context_parallel_refusal
+from rlbatch.engines.registry import parse_args
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
 from rlbatch.placement.backend import ParallelDims, RoleEngine
 
 
-def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Any = None,
+def megatron_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: Any = None,
                       train_run: bool = True) -> list[str]:
     """One line per split that does not divide (``EngineSpec.rules``; only for a run this machine is
     to start, ``train_run``). Inherited backends are reported once, on actor_train."""
@@ -32,21 +32,21 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], place
     if not mine or not train_run:
         return []
     problems = []
-    if on_cpu(plain) and (why := needs_cuda("cpu")) is not None:  # the ranks would start, then stop with it
+    if on_cpu(cfg.cluster) and (why := needs_cuda("cpu")) is not None:  # the ranks would start, then stop with it
         problems += [f"roles.{e.role}.backend: {why}" for e in mine]
     try:
-        spec = spec_from_config(plain.get("model") or {})
+        spec = spec_from_config(cfg.model)
     except (ConfigError, OSError, ValueError, TypeError):  # the model checks report it
         return problems
     for e in mine:
         b, d = e.backend, e.backend.dims  # a hybrid spec's dims: attn's
         field = f"roles.{e.role}.backend"
-        args = section(plain, "roles", e.role, "engine_args")
+        args = _args(cfg, e.role)
         if b.ffn is not None:
             problems += _hybrid_problems(field, b, spec, args, e.role in TRAINABLE_ROLES)
         else:
             problems += _expert_problems(field, b, spec, args, e.role in TRAINABLE_ROLES)
-        if e.role in TRAINABLE_ROLES and (plain.get("model") or {}).get("dtype") == "fp16":
+        if e.role in TRAINABLE_ROLES and cfg.model.dtype == "fp16":
             problems.append(f"{field}: the megatron engine trains in bf16 or fp32 (model.dtype), got model.dtype=fp16: "
                             f"fp16 gradients need loss scaling, which it does not build")
         splits = (("layers", "num_layers", spec.layers, d.p, "pipeline stages p"),
@@ -65,7 +65,13 @@ def megatron_problems(plain: Mapping[str, Any], engines: list[RoleEngine], place
     return problems
 
 
-def _context_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:
+def _args(cfg: RLBatchConfig, role: str) -> MegatronArgs:
+    """The role's typed engine_args; the defaults where they do not parse (their own check reports it)."""
+    args = parse_args("megatron", cfg.roles[role].engine_args, f"roles.{role}.engine_args").value
+    return args if isinstance(args, MegatronArgs) else MegatronArgs()
+
+
+def _context_problems(field: str, b: Any, spec: Any, engine_args: MegatronArgs, trains: bool) -> list[str]:
     """Context parallelism: each TP rank's attention heads split over c (its key/value heads too, or
     repeated up to c), and the settings it is built for (``megatron_limits``)."""
     d, out = b.dims, []
@@ -77,15 +83,15 @@ def _context_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, A
     elif kv % d.c and d.c % kv:
         out.append(f"{field}: '{b}' splits each tensor-parallel rank's {kv} key/value heads (num_kv_heads="
                    f"{spec.kv_heads} over t={d.t}) over context-parallel ranks c={d.c}: neither divides the other")
-    packed = bool(engine_args.get("pack_rows")) and int(engine_args.get("max_tokens_per_micro_batch") or 0) > 0
+    packed = engine_args.pack_rows and engine_args.max_tokens_per_micro_batch > 0
     why = context_parallel_refusal(d.p, packed, spec.experts, b.ffn is not None,
-                                   trains and bool(engine_args.get("distributed_optimizer")))
+                                   trains and engine_args.distributed_optimizer)
     if why:
         out.append(f"{field}: '{b}': context parallelism c={d.c} {why}")
     return out
 
 
-def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:
+def _expert_problems(field: str, b: Any, spec: Any, engine_args: MegatronArgs, trains: bool) -> list[str]:
     d = b.dims
     if d.e > 1 and not spec.experts:
         return [f"{field}: '{b}' splits the model's routed experts over expert-parallel ranks e={d.e}, but the model "
@@ -102,16 +108,16 @@ def _expert_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, An
     if d.e > 1 and d.d % d.e:
         out.append(f"{field}: '{b}' folds expert parallelism onto data parallelism, but e={d.e} does not divide "
                    f"d={d.d}")
-    if spec.experts and d.t > 1 and trains and engine_args.get("sequence_parallel") is False:
+    if spec.experts and d.t > 1 and trains and not engine_args.sequence_parallel:
         out.append(f"{field}: '{b}' trains a Mixture-of-Experts model under tensor parallelism t={d.t}, which "
                    f"megatron-core does with sequence parallelism only; leave engine_args.sequence_parallel true")
-    if d.e > 1 and engine_args.get("distributed_optimizer"):
+    if d.e > 1 and engine_args.distributed_optimizer:
         out.append(f"{field}: engine_args.distributed_optimizer with expert parallelism e={d.e} is not built; "
                    f"leave it false")
     return out
 
 
-def _hybrid_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, Any], trains: bool) -> list[str]:
+def _hybrid_problems(field: str, b: Any, spec: Any, engine_args: MegatronArgs, trains: bool) -> list[str]:
     """A hybrid layout: attention's splits are checked as for one mesh (``b.dims`` are attn's); here the
     ffn section's, which lays out the routed experts alone."""
     f, a = b.ffn, b.attn
@@ -123,10 +129,10 @@ def _hybrid_problems(field: str, b: Any, spec: Any, engine_args: Mapping[str, An
     if spec.experts % f.e:
         out.append(f"{field}: '{b}' splits the model's {spec.experts} routed experts over the ffn section's "
                    f"expert-parallel ranks e={f.e}, but num_experts={spec.experts} is not divisible by {f.e}")
-    if a.t > 1 and trains and engine_args.get("sequence_parallel") is False:
+    if a.t > 1 and trains and not engine_args.sequence_parallel:
         out.append(f"{field}: '{b}' trains a Mixture-of-Experts model under tensor parallelism t={a.t} (the attn "
                    f"section's), which megatron-core does with sequence parallelism only; leave "
                    f"engine_args.sequence_parallel true")
-    if engine_args.get("distributed_optimizer"):
+    if engine_args.distributed_optimizer:
         out.append(f"{field}: engine_args.distributed_optimizer with a hybrid layout is not built; leave it false")
     return out

@@ -16,10 +16,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping
-from typing import Any
 
-from rlbatch.config.plain import section
+from rlbatch.config.schema import RLBatchConfig
 from rlbatch.engines.tp_split import tp_heads_refusal
 from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
@@ -41,7 +39,7 @@ def _kernel_importable() -> bool:
             os.environ["SGLANG_USE_CPU_ENGINE"] = saved
 
 
-def sglang_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Placement | None,
+def sglang_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: Placement | None,
                     train_run: bool = True) -> list[str]:
     """The sglang roles' refusals, one line each; nothing unless this machine is to run them."""
     roles = [e for e in engines if e.backend.engine == "sglang" and not e.inherited]
@@ -51,14 +49,14 @@ def sglang_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placeme
     if importlib.util.find_spec("sglang") is None:
         return [f"{field}: '{roles[0].backend}' needs the sglang package, which is not installed in this "
                 f"environment ({sys.prefix}); install it with `make venv SGLANG=auto` (docs/sglang.md)"]
-    if on_cpu(plain) and not _kernel_importable():
+    if on_cpu(cfg.cluster) and not _kernel_importable():
         return [f"{field}: '{roles[0].backend}' on CPU runs SGLang's CPU engine, which imports sgl_kernel's CPU "
                 f"kernels at start-up; no CPU build of sgl_kernel is published (its wheels link CUDA). Run on a GPU, "
                 f"or with tests/stand_ins on PYTHONPATH as the tests do (docs/sglang.md)"]
-    return _tp_problems(plain, [e for e in roles if e.backend.t > 1], placement)
+    return _tp_problems(cfg, [e for e in roles if e.backend.t > 1], placement)
 
 
-def _tp_problems(plain: Mapping[str, Any], roles: list[RoleEngine], placement: Placement | None) -> list[str]:
+def _tp_problems(cfg: RLBatchConfig, roles: list[RoleEngine], placement: Placement | None) -> list[str]:
     """Tensor-parallel sglang roles: heads t splits, each worker's GPUs consecutive on one node."""
     if not roles:
         return []
@@ -66,7 +64,7 @@ def _tp_problems(plain: Mapping[str, Any], roles: list[RoleEngine], placement: P
 
     problems = []
     try:
-        spec = spec_from_config(section(plain, "model"))
+        spec = spec_from_config(cfg.model)
     except (ConfigError, OSError, ValueError, TypeError):
         spec = None  # the model's own checks report it
     for e in roles:
@@ -75,7 +73,7 @@ def _tp_problems(plain: Mapping[str, Any], roles: list[RoleEngine], placement: P
                                                            "SGLang")) is not None:
             problems.append(line)
         role = placement.roles.get(e.role) if placement is not None else None
-        if placement is None or role is None or on_cpu(plain):
+        if placement is None or role is None or on_cpu(cfg.cluster):
             continue
         gpn = placement.gpus_per_node
         for worker in role.workers:

@@ -21,9 +21,8 @@ import math
 import os
 import subprocess
 from collections.abc import Mapping
-from typing import Any
 
-from rlbatch.config.plain import section
+from rlbatch.config.schema import LoraConfig, RLBatchConfig
 from rlbatch.engines.registry import parse_args
 from rlbatch.engines.tp_split import kv_heads_per_rank, tp_heads_refusal
 from rlbatch.engines.vllm import VLLMArgs
@@ -44,9 +43,9 @@ MiB = float(1 << 20)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def _hardware(plain: Mapping[str, Any]) -> dict[str, float]:
+def _hardware(cfg: RLBatchConfig) -> dict[str, float]:
     """host_ram_bytes / hbm_bytes from the ``hardware`` config (a profile name and/or fields)."""
-    hw = plain.get("hardware")
+    hw = cfg.hardware
     if not isinstance(hw, Mapping):
         return {}
     out: dict[str, float] = {}
@@ -64,14 +63,14 @@ def _hardware(plain: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def node_memory(plain: Mapping[str, Any]) -> tuple[float, str] | None:
+def node_memory(cfg: RLBatchConfig) -> tuple[float, str] | None:
     """(bytes, where the figure comes from) of one node's memory, or None when unknown."""
-    mem_gb = section(plain, "cluster").get("mem_gb")
-    if isinstance(mem_gb, int) and not isinstance(mem_gb, bool) and mem_gb > 0:
+    mem_gb = cfg.cluster.mem_gb
+    if mem_gb is not None and mem_gb > 0:
         return mem_gb * float(1 << 30), f"cluster.mem_gb={mem_gb}"
-    if "host_ram_bytes" in (hw := _hardware(plain)):
+    if "host_ram_bytes" in (hw := _hardware(cfg)):
         return hw["host_ram_bytes"], "the hardware config's host_ram_bytes"
-    if section(plain, "cluster").get("name", "local") == "local":
+    if cfg.cluster.name == "local":
         try:
             return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine"
         except (OSError, ValueError):
@@ -79,12 +78,12 @@ def node_memory(plain: Mapping[str, Any]) -> tuple[float, str] | None:
     return None
 
 
-def gpu_memory(plain: Mapping[str, Any]) -> tuple[float, str] | None:
+def gpu_memory(cfg: RLBatchConfig) -> tuple[float, str] | None:
     """(bytes, source) of one GPU's memory: the hardware config, or this machine's first GPU
     (nvidia-smi) for cluster=local; None when unknown."""
-    if "hbm_bytes" in (hw := _hardware(plain)):
+    if "hbm_bytes" in (hw := _hardware(cfg)):
         return hw["hbm_bytes"], "the hardware config's hbm_bytes"
-    if section(plain, "cluster").get("name", "local") != "local":
+    if cfg.cluster.name != "local":
         return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
@@ -94,9 +93,9 @@ def gpu_memory(plain: Mapping[str, Any]) -> tuple[float, str] | None:
         return None
 
 
-def _dtype_bytes(plain: Mapping[str, Any], engine_dtype: str, cpu: bool) -> int:
+def _dtype_bytes(cfg: RLBatchConfig, engine_dtype: str, cpu: bool) -> int:
     """Bytes per weight and KV element: engine_args.dtype, else model.dtype; 'auto' is fp32 on CPU, bf16 on GPU."""
-    for name in (engine_dtype, section(plain, "model").get("dtype", "auto")):
+    for name in (engine_dtype, cfg.model.dtype):
         if name in _DTYPE_BYTES:
             return _DTYPE_BYTES[name]
     return 4 if cpu else 2
@@ -135,14 +134,14 @@ def _ranks_per_node(placement: Placement | None, role: str) -> dict[int, int]:
     return counts
 
 
-def _memory_problems(plain: Mapping[str, Any], e: RoleEngine, spec: ModelSpec, args: VLLMArgs,
+def _memory_problems(cfg: RLBatchConfig, e: RoleEngine, spec: ModelSpec, args: VLLMArgs,
                      placement: Placement | None, cpu: bool | None) -> list[str]:
     where = f"roles.{e.role}.engine_args"
     b, problems = e.backend, []
     kv_mb, util = args.kv_cache_mb, args.gpu_memory_utilization
     if not 0 < util <= 1:
         problems.append(f"{where}.gpu_memory_utilization: must be in (0, 1], got {util}")
-    e_bytes = _dtype_bytes(plain, args.dtype, cpu is not False)
+    e_bytes = _dtype_bytes(cfg, args.dtype, cpu is not False)
     from rlbatch.models.shape import ModelShape
 
     weights = e_bytes * ModelShape.of(spec).params / (b.t * b.p)
@@ -150,7 +149,7 @@ def _memory_problems(plain: Mapping[str, Any], e: RoleEngine, spec: ModelSpec, a
     if cpu:
         kv_bytes = (kv_mb or CPU_KV_CACHE_MB) * MiB
         per_node = _ranks_per_node(placement, e.role)
-        mem = node_memory(plain)
+        mem = node_memory(cfg)
         if per_node and mem is not None:
             node, n = max(per_node.items(), key=lambda kv: (kv[1], -kv[0]))
             total = n * kv_bytes
@@ -160,7 +159,7 @@ def _memory_problems(plain: Mapping[str, Any], e: RoleEngine, spec: ModelSpec, a
                     f"{where}.kv_cache_mb: {n} vLLM ranks on node {node} x {kv_bytes / MiB:.0f} MiB KV cache "
                     f"({size}) = {total / MiB:.0f} MiB > {mem[0] / MiB:.0f} MiB memory of a node ({mem[1]}); "
                     f"lower kv_cache_mb or spread {e.role} over more nodes")
-    elif cpu is False and (gpu := gpu_memory(plain)) is not None:
+    elif cpu is False and (gpu := gpu_memory(cfg)) is not None:
         free = gpu[0] - weights
         if kv_mb:
             kv_bytes = kv_mb * MiB
@@ -189,20 +188,18 @@ def _memory_problems(plain: Mapping[str, Any], e: RoleEngine, spec: ModelSpec, a
     return problems
 
 
-def _lora_rank_problem(lora: Any) -> str | None:
+def _lora_rank_problem(lora: LoraConfig) -> str | None:
     """Adapters synced alone into vLLM (``model.lora.sync`` adapter, or auto) of a rank above the
     largest ``max_lora_rank`` vLLM takes."""
-    if not isinstance(lora, Mapping):
-        return None
-    rank, sync = lora.get("rank", 0), lora.get("sync", "auto")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= LORA_RANKS[-1] or sync not in ("auto", "adapter"):
+    rank, sync = lora.rank, lora.sync
+    if rank <= LORA_RANKS[-1] or sync not in ("auto", "adapter"):
         return None
     return (f"model.lora.rank: {rank}: vLLM loads adapters of rank at most {LORA_RANKS[-1]} (max_lora_rank), and "
             f"model.lora.sync={sync} syncs the adapters alone into the vllm engine; use a lower rank or "
             f"model.lora.sync=merged")
 
 
-def vllm_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement: Placement | None,
+def vllm_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: Placement | None,
                   runnable: bool = True) -> list[str]:
     """Every vLLM role's refusals, one line each (nothing when the model's shape or the role's
     engine_args cannot be read: the other checks report those). Nothing with ``runnable=False``:
@@ -212,24 +209,21 @@ def vllm_problems(plain: Mapping[str, Any], engines: list[RoleEngine], placement
         return []
     from rlbatch.models.spec import spec_from_config
 
-    model = section(plain, "model")
     try:
-        spec = spec_from_config(model)
+        spec = spec_from_config(cfg.model)
     except (ConfigError, OSError, ValueError, TypeError):
         return []
-    cpu = on_cpu(plain)
+    cpu = on_cpu(cfg.cluster)
     problems = []
-    roles = section(plain, "roles")
     for e in vllm:
         b = e.backend
         if b.t > 1 and (line := tp_heads_refusal(e.role, b, b.t, spec.heads, spec.kv_heads, "vLLM")) is not None:
             problems.append(line)
-        if cpu and (p := _head_dim_problem(e.role, spec, bool(model.get("path")))) is not None:
+        if cpu and (p := _head_dim_problem(e.role, spec, bool(cfg.model.path))) is not None:
             problems.append(p)
-        if (p := _lora_rank_problem(model.get("lora"))) is not None:
+        if (p := _lora_rank_problem(cfg.model.lora)) is not None:
             problems.append(p)
-        raw = (roles.get(e.role) or {}).get("engine_args")
-        args = parse_args("vllm", raw if isinstance(raw, Mapping) else None, "").value
-        if isinstance(args, VLLMArgs) and (raw is None or isinstance(raw, Mapping)):
-            problems += _memory_problems(plain, e, spec, args, placement, cpu)
+        args = parse_args("vllm", cfg.roles[e.role].engine_args, f"roles.{e.role}.engine_args").value
+        if isinstance(args, VLLMArgs):
+            problems += _memory_problems(cfg, e, spec, args, placement, cpu)
     return problems
