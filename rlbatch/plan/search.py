@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlbatch.config.hardware import Hardware
+from rlbatch.config.parse import parse
+from rlbatch.config.schema import RLBatchConfig, RoleConfig
 from rlbatch.engines.registry import spec_of
 from rlbatch.errors import ConfigError
 from rlbatch.models.shape import ModelShape
@@ -104,23 +106,24 @@ def splits(gpus: int, gpn: int) -> list[int]:
     return [k * gpn for k in counts if 0 < k < nodes]
 
 
-def _role(name: str, spec: str, ranks: range, offload: bool, base: Mapping[str, Any]) -> RoleLayout:
+def _role(name: str, spec: str, ranks: range, offload: bool, base: RoleConfig) -> RoleLayout:
     b = parse_backend(spec)
-    return RoleLayout(name, b, ranks, offload, dict(base.get("engine_args") or {}), len(ranks) // b.num_gpus_per_worker)
+    return RoleLayout(name, b, ranks, offload, dict(base.engine_args), len(ranks) // b.num_gpus_per_worker)
 
 
-def candidates(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Workload, cpus: int = 1) -> Iterator[Candidate]:
-    """Every placement the search considers for ``gpus`` GPUs."""
-    roles: Mapping[str, Any] = cfg["roles"]
-    train_engine = parse_backend(roles["actor_train"]["backend"]).engine
-    infer_engine = parse_backend(roles["actor_infer"]["backend"]).engine
-    extra = {n: rc for n, rc in roles.items() if rc and rc.get("enabled", True) is not False
-             and n not in ("actor_train", "actor_infer", *WITH_TRAIN)}
+def candidates(cfg: RLBatchConfig | Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Workload,
+               cpus: int = 1) -> Iterator[Candidate]:
+    """Every placement the search considers for ``gpus`` GPUs (``cfg`` typed, or plain mappings the
+    parse reads)."""
+    typed = cfg if isinstance(cfg, RLBatchConfig) else parse(cfg).config
+    roles = typed.roles
+    train_engine = parse_backend(roles["actor_train"].backend).engine
+    infer_engine = parse_backend(roles["actor_infer"].backend).engine
+    extra = {n: rc for n, rc in roles.items() if rc.enabled and n not in ("actor_train", "actor_infer", *WITH_TRAIN)}
     # with model.lora the reference is the policy's base model, on actor_train's GPUs: no role of its own
-    with_train = [n for n in WITH_TRAIN if roles.get(n) and roles[n].get("enabled", True) is not False
-                  and not (n == "reference" and w.lora_rank)]
-    cpu_roles = {n: RoleLayout(n, None, (), True, {}, int(rc.get("world_size") or 1))
-                 for n, rc in extra.items() if rc.get("device_mapping") is None}
+    with_train = [n for n in WITH_TRAIN if typed.enabled(n) and not (n == "reference" and w.lora_rank)]
+    cpu_roles = {n: RoleLayout(n, None, (), True, {}, rc.world_size or 1)
+                 for n, rc in extra.items() if rc.device_mapping is None}
 
     def build(mode: str, tr: range, ir: range, ts: str, ispec: str, off: bool) -> Candidate:
         rl = {"actor_train": _role("actor_train", ts, tr, off, roles["actor_train"]),
@@ -251,12 +254,13 @@ def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Wo
            coef: Coefficients, model_dtype: str, top: int = 5, cpus: int = 1,
            mem_limit: float | None = None, overlap: bool = False) -> tuple[list[Candidate], dict[str, int]]:
     """Rank every candidate; return the ``top`` valid fitting ones and counts of what was dropped."""
+    typed = parse(cfg).config  # what the search reads; cfg, as plain mappings, is what it writes candidates from
     from rlbatch.checks.validate import check
 
     scored, stats = [], {"candidates": 0, "fit": 0, "oom": 0, "invalid": 0, "lora": 0}
 
     def rank(w: Workload, lora: int) -> None:
-        for c in candidates(cfg, gpus, gpn, shape, w, cpus):
+        for c in candidates(typed, gpus, gpn, shape, w, cpus):
             stats["candidates"] += 1
             c.lora = lora
             if lora:
@@ -270,7 +274,7 @@ def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Wo
                 stats["oom"] += 1
 
     rank(w, 0)
-    train_engine = parse_backend(cfg["roles"]["actor_train"]["backend"]).engine
+    train_engine = parse_backend(typed.roles["actor_train"].backend).engine
     if not scored and not w.lora_rank and spec_of(train_engine).trains_adapters:
         stats["lora"] = LORA_RANK  # nothing fits with every weight trained: adapters do with less
         rank(replace(w, lora_rank=LORA_RANK), LORA_RANK)
