@@ -11,9 +11,11 @@ field's default; an Optional field's None means unset.
 
 Roles are a mapping of role name to ``RoleConfig`` (any name: a CPU role is added with
 ``+roles.code_sandbox.world_size=8``); their fields are typed here, their placement (device
-mappings, backends, sizes) is ``rlbatch.placement.place``'s. Sections whose values reach a shell
-script or a tracker (cluster strings, ``cluster.env``, ``env``, ``trackers``, ``logger``,
-``data.reward_fns``) keep their own checks beside the code that uses them.
+mappings, backends, sizes) is ``rlbatch.placement.place``'s. What a value may contain beyond its
+type (the characters of a Slurm partition name, a reward function that imports) is the rules'
+(``rlbatch.checks``) on the typed config. The sections in ``CHECKED_BESIDE_USE`` (``env``,
+``trackers``, ``logger``, ``plugins``, ``hardware``, ``algo.name``) are still checked by the code
+that reads them, in words of its own.
 """
 
 from __future__ import annotations
