@@ -315,11 +315,9 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     result = parse(plain)  # first imports the plugins: they may add engines and algorithm parts
     typed, problems = result.config, list(result.problems)
     problems.extend(_check_rank_env(typed.cluster))
-    algo = plain.get("algo")
-    if isinstance(algo, Mapping) and "name" in algo:  # a selftest runs no algorithm: the planner's rule
-        strict = runnable and typed.program == "train"
-        if (problem := program_name_problem(algo["name"], strict)) is not None:
-            problems.append(problem)
+    strict = runnable and typed.program == "train"  # a selftest runs no algorithm: the planner's rule
+    if (problem := program_name_problem(typed.algo.name, strict)) is not None:
+        problems.append(problem)
     placement: Placement | None = None
     try:
         placement = place(typed, result.problems)

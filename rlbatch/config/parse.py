@@ -14,7 +14,7 @@ Roles are a mapping of role name to ``RoleConfig`` (any name: a CPU role is adde
 mappings, backends, sizes) is ``rlbatch.placement.place``'s. What a value may contain beyond its
 type (the characters of a Slurm partition name, a reward function that imports) is the rules'
 (``rlbatch.checks``) on the typed config. The sections in ``CHECKED_BESIDE_USE`` (``env``,
-``trackers``, ``logger``, ``plugins``, ``hardware``, ``algo.name``) are still checked by the code
+``trackers``, ``logger``, ``plugins``, ``hardware``) are still checked by the code
 that reads them, in words of its own.
 """
 
@@ -29,7 +29,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlbatch.algos.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES, Registry
+from rlbatch.algos.registry import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    LOOPS,
+    OFF_POLICY,
+    POLICY_LOSSES,
+    Registry,
+)
 from rlbatch.config.bounds import RANGE, Range, numeric_type, value_problem
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import RLBatchConfig, RoleConfig
@@ -58,7 +66,7 @@ LOOSE = frozenset({"roles", "hardware", "trackers"})
 """Sections whose keys are not the schema's fields (roles: any role name) or whose unknown keys are
 reported by the code that reads them (the planner's profile reader for hardware, the trackers'
 checks for trackers)."""
-CHECKED_BESIDE_USE = ("algo.name", "plugins", "logger", "hardware", "env.", "trackers.")
+CHECKED_BESIDE_USE = ("plugins", "logger", "hardware", "env.", "trackers.")
 """Fields (and sections, ending in '.') whose strings, lists and mappings are checked by the code
 that uses them, in words of their own (module docstring): a value of the wrong type leaves the
 typed config at the default without a problem here."""
@@ -132,6 +140,8 @@ def _routes_words(key: str, v: object) -> str:
 
 
 SHAPE_RULES: dict[str, tuple[Callable[[object], bool], Callable[[object], str]]] = {
+    "algo.name": (lambda v: isinstance(v, str),  # which names: check()'s, as strict as its run (program_name_problem)
+                  lambda v: f"algo.name: expected the name of a {LOOPS.what}, got {type(v).__name__} {v!r}"[:200]),
     "resume": (lambda v: isinstance(v, str) and bool(v),
                lambda v: f"resume: expected 'auto', 'never' or a checkpoint path, got {v!r}"),
     "run_dir": (lambda v: isinstance(v, str),
