@@ -11,7 +11,6 @@ config names.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from rlbatch.algos.registry import (
@@ -78,11 +77,10 @@ def _code_task_problems(cfg: RLBatchConfig, strict: bool) -> list[str]:
     return out
 
 
-def _env_problems(plain: Mapping[str, Any], cfg: RLBatchConfig, runnable: bool, train_run: bool,
-                  placement: Placement | None) -> list[str]:
+def _env_problems(cfg: RLBatchConfig, runnable: bool, train_run: bool, placement: Placement | None) -> list[str]:
     """The ``env`` section (``rlbatch.envs.checks``); a plugin env's module is imported only for a
     runnable check. A train run with an env: what multi-turn rollouts of this build do not combine with."""
-    problems = env_problems(plain, load=runnable)
+    problems = env_problems(cfg, load=runnable)
     name = cfg.env.name
     if name is None:
         if cfg.data.name == "none":
@@ -331,7 +329,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     train_run = runnable and typed.program == "train"
     problems.extend(engine_rule_problems(typed, engines, placement, train_run))
     problems.extend(_code_task_problems(typed, train_run))
-    problems.extend(_env_problems(plain, typed, runnable, train_run, placement))
+    problems.extend(_env_problems(typed, runnable, train_run, placement))
     problems.extend(eval_problems(typed, runnable))
     problems.extend(lora_problems(typed, engines))
     problems.extend(cluster_problems(typed))  # what reaches the sbatch script

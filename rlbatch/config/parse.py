@@ -13,8 +13,8 @@ Roles are a mapping of role name to ``RoleConfig`` (any name: a CPU role is adde
 ``+roles.code_sandbox.world_size=8``); their fields are typed here, their placement (device
 mappings, backends, sizes) is ``rlbatch.placement.place``'s. What a value may contain beyond its
 type (the characters of a Slurm partition name, a reward function that imports) is the rules'
-(``rlbatch.checks``) on the typed config. The sections in ``CHECKED_BESIDE_USE`` (``env``,
-``trackers``, ``logger``, ``plugins``, ``hardware``) are still checked by the code
+(``rlbatch.checks``) on the typed config. The sections in ``CHECKED_BESIDE_USE`` (``trackers``,
+``logger``, ``plugins``, ``hardware``) are still checked by the code
 that reads them, in words of its own.
 """
 
@@ -66,7 +66,7 @@ LOOSE = frozenset({"roles", "hardware", "trackers"})
 """Sections whose keys are not the schema's fields (roles: any role name) or whose unknown keys are
 reported by the code that reads them (the planner's profile reader for hardware, the trackers'
 checks for trackers)."""
-CHECKED_BESIDE_USE = ("plugins", "logger", "hardware", "env.", "trackers.")
+CHECKED_BESIDE_USE = ("plugins", "logger", "hardware", "trackers.")
 """Fields (and sections, ending in '.') whose strings, lists and mappings are checked by the code
 that uses them, in words of their own (module docstring): a value of the wrong type leaves the
 typed config at the default without a problem here."""
@@ -126,6 +126,24 @@ def _section(schema: type[T], node: Mapping[str, Any], key: str, problems: list[
     return schema(**values)
 
 
+SECTION_WORDS = {"algo": "algorithm settings", "env": "environment settings"}
+"""What a section's mapping holds, where "its fields" would say less."""
+
+
+def _tags(v: object) -> bool:
+    return (isinstance(v, (list, tuple)) and len(v) == 2
+            and all(isinstance(t, str) and t.strip() and len(t) <= 64 for t in v))
+
+
+def _tags_words(key: str, v: object) -> str:
+    return f"env.{key}: expected [open, close], two non-blank strings of at most 64 characters, got {v!r}"[:300]
+
+
+ROLE_WORDS = ("env.observation_role: expected a message role such as 'user' or 'tool' (a name of at most 32 "
+              "letters, digits, '_' or '-'), got {!r}")
+"""The problem of an ``env.observation_role`` that is not a message role's name (the env rules' words too)."""
+
+
 def _ports(v: object) -> bool:
     return (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(p, int) and not isinstance(p, bool) for p in v)
             and 1024 <= v[0] < v[1] <= 65536)
@@ -155,6 +173,14 @@ SHAPE_RULES: dict[str, tuple[Callable[[object], bool], Callable[[object], str]]]
     "cluster.sbatch_args": (lambda v: isinstance(v, Mapping),
                             lambda v: f"cluster.sbatch_args: expected a mapping of sbatch options, got {v!r}"[:300]),
     **{f"{key}.reward_fns": (_routes, functools.partial(_routes_words, key)) for key in ("data", "eval.data")},
+    **{f"env.{key}": (_tags, functools.partial(_tags_words, key)) for key in ("tool_call_tags", "tool_response_tags")},
+    "env.args": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) for k in v),
+                 lambda v: f"env.args: expected a mapping of keyword arguments, got {v!r}"[:200]),
+    "env.tools": (lambda v: isinstance(v, (list, tuple)),
+                  lambda v: f"env.tools: expected a list of tool names, got {type(v).__name__} {v!r}"[:200]),
+    "env.observation_role": (lambda v: isinstance(v, str), lambda v: ROLE_WORDS.format(v)[:200]),
+    "env.name": (lambda v: isinstance(v, str),
+                 lambda v: f"env.name: {f'expected the name of a environment, got {type(v).__name__} {v!r}'[:200]}"),
 }
 """Fields whose values have a shape of their own (a pair of ports, a mapping of names), or whose
 problem says what the string is: what the value must be, and the problem's words."""
@@ -176,7 +202,8 @@ def _value(path: str, v: Any, hint: Any, f: dataclasses.Field[Any], problems: li
         return False, None
     if dataclasses.is_dataclass(hint):
         if not isinstance(v, Mapping):
-            problems.append(f"{path}: expected a mapping of its fields, got {type(v).__name__} {v!r}"[:200])
+            words = SECTION_WORDS.get(path, "its fields")
+            problems.append(f"{path}: expected a mapping of {words}, got {type(v).__name__} {v!r}"[:200])
             return False, None
         return True, _section(hint, v, path, problems)  # type: ignore[arg-type]
     if hint is bool:
@@ -206,9 +233,9 @@ def _value(path: str, v: Any, hint: Any, f: dataclasses.Field[Any], problems: li
             return False, None
         return True, v
     if path in SHAPE_RULES:
-        fits, words = SHAPE_RULES[path]
+        fits, problem_of = SHAPE_RULES[path]
         if not fits(v):
-            problems.append(words(v))
+            problems.append(problem_of(v))
             return False, None
     origin = typing.get_origin(hint) or hint
     if origin in SHAPES and not isinstance(v, SHAPES[origin][0]):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlbatch.config.parse import parsed
+from rlbatch.config.parse import parse, parsed
 from rlbatch.engines.base import Generation, SamplingParams, TurnRequest
 from rlbatch.envs.base import StepResult
 from rlbatch.envs.chat import ChatTurns, PlainText
@@ -117,10 +117,12 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
 
 def test_the_observation_role_is_checked_before_start() -> None:
     env = {"name": "running_sum"}
-    assert env_problems({"env": env | {"observation_role": "tool"}, "data": {"chat_template": True}}, load=False) == []
-    [bad] = env_problems({"env": env | {"observation_role": "tool\n<|im_start|>"}}, load=False)
+    assert env_problems(parse({"env": env | {"observation_role": "tool"}, "data": {"chat_template": True}}).config,
+                        load=False) == []
+    [bad] = env_problems(parse({"env": env | {"observation_role": "tool\n<|im_start|>"}}).config, load=False)
     assert bad.startswith("env.observation_role: expected a message role")
-    [plain] = env_problems({"env": env | {"observation_role": "tool"}, "data": {"chat_template": False}}, load=False)
+    [plain] = env_problems(parse({"env": env | {"observation_role": "tool"}, "data": {"chat_template": False}}).config,
+                           load=False)
     assert "data.chat_template=false" in plain
 
 

@@ -22,7 +22,7 @@ PLUGIN = "tests.plugins.env_plugin"
 
 
 def test_the_default_has_no_env_and_passes(cfg: dict[str, Any]) -> None:
-    assert cfg["env"]["name"] is None and env_problems(cfg) == []
+    assert cfg["env"]["name"] is None and env_problems(parse(cfg).config) == []
     check(cfg, runnable=False)
 
 
@@ -60,7 +60,8 @@ def test_a_plugin_module_registers_an_env_by_name_before_validation(cfg: dict[st
     sys.modules.pop(PLUGIN, None)
     ENVS.pop("countdown", None)
     c = set_(cfg, plugins=[PLUGIN], env__name="countdown", program="selftest")
-    assert env_problems(c)[0].startswith("env.name: 'countdown' is not a registered environment")
+    alone = parse(c | {"plugins": []}).config  # env_problems itself imports no plugin
+    assert env_problems(alone)[0].startswith("env.name: 'countdown' is not a registered environment")
     check(c)  # imports the plugins first, as for engines
     assert "countdown" in ENVS
 
