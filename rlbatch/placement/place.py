@@ -64,14 +64,14 @@ class _CpuRole:
 
 
 def _check_gpu_role(
-    name: str, rc: RoleConfig, backend_str: str, inherited: bool, problems: list[str]
+    name: str, rc: RoleConfig, backend_str: str, inherited: bool, problems: list[str], refused: Sequence[str]
 ) -> _GpuRole | None:
     f = f"roles.{name}"
     n0 = len(problems)
     backend = ranks = None
     if not backend_str:
         hint = " (and actor_train has none to inherit)" if name in INHERIT_BACKEND else ""
-        if not any(p.startswith(f"{f}.backend:") for p in problems):  # not when the one given was refused
+        if not any(p.startswith(f"{f}.backend:") for p in refused):  # not when the parse refused the one given
             problems.append(f"{f}.backend: a GPU role needs a backend such as 'fsdp:d2'{hint}")
     else:
         try:
@@ -159,7 +159,8 @@ def _mesh(b: BackendSpec) -> tuple[tuple[str, int], ...]:
     return (("dp", b.d), ("pp", b.p), ("tp", b.t))
 
 
-def _read_roles(roles: Mapping[str, RoleConfig], problems: list[str]) -> tuple[list[_GpuRole], list[_CpuRole]]:
+def _read_roles(roles: Mapping[str, RoleConfig], problems: list[str],
+                refused: Sequence[str]) -> tuple[list[_GpuRole], list[_CpuRole]]:
     enabled = {name: rc for name, rc in roles.items() if rc.enabled}
     for name in REQUIRED_ROLES:
         if name not in enabled:
@@ -183,7 +184,7 @@ def _read_roles(roles: Mapping[str, RoleConfig], problems: list[str]) -> tuple[l
                 problems.append(f"{f}: has neither device_mapping nor world_size; a GPU role needs device_mapping")
             elif not has_dm:
                 problems.append(f"{f}.device_mapping: missing; world_size alone describes a CPU role, but {name} runs a model on GPUs")
-            elif (r := _check_gpu_role(name, rc, backend_str, inherited, problems)) is not None:
+            elif (r := _check_gpu_role(name, rc, backend_str, inherited, problems, refused)) is not None:
                 r.inherits_mapping = inherits
                 gpu.append(r)
             continue
@@ -225,22 +226,21 @@ def _colocated_sets(gpu: list[_GpuRole]) -> list[tuple[str, ...]]:
 
 def place(cfg: RLBatchConfig | Mapping[str, Any], parse_problems: Sequence[str] = ()) -> Placement:
     """Validate the roles and the cluster of ``cfg`` (the typed config, or plain mappings that
-    ``rlbatch.config.parse`` reads first) and place every role. Raises ConfigError.
-    ``parse_problems``: what the parse of a typed ``cfg`` reported (a field it refused is not
-    reported again as missing)."""
-    problems: list[str] = [p for p in parse_problems if p.startswith(("roles", "cluster"))]
-    n_parse = len(problems)
+    ``rlbatch.config.parse`` reads first, its problems of roles and cluster raised with this one's)
+    and place every role. Raises ConfigError. ``parse_problems``: what the parse of a typed ``cfg``
+    reported, which its caller reports (a field it refused is not reported again as missing)."""
+    raised: list[str] = []
     if not isinstance(cfg, RLBatchConfig):
-        from rlbatch.config.parse import parse  # plain mappings: the parse's problems of roles and cluster
+        from rlbatch.config.parse import parse
 
         result = parse(cfg)
-        problems += [p for p in result.problems if p.startswith(("roles", "cluster"))]
-        n_parse = len(problems)
-        cfg = result.config
+        cfg, parse_problems = result.config, result.problems
+        raised = [p for p in parse_problems if p.startswith(("roles", "cluster"))]
+    problems: list[str] = []
     cluster = cfg.cluster
     gpn, nodes_cfg, cpus = cluster.gpus_per_node, cluster.nodes, cluster.cpus_per_task
     roles, unplaced = _without_base_reference(cfg)
-    gpu, cpu = _read_roles(roles, problems)
+    gpu, cpu = _read_roles(roles, problems, parse_problems)
 
     used = sorted({g for r in gpu for g in r.ranks})
     problems += _idle_reference_ranks(unplaced, used)
@@ -249,8 +249,8 @@ def place(cfg: RLBatchConfig | Mapping[str, Any], parse_problems: Sequence[str] 
     num_nodes = max(1, -(-num_gpus // gpn)) if nodes_cfg is None else nodes_cfg
     for r in gpu:
         _groups_within_nodes(r, gpn, problems)
-    if own := problems[n_parse if parse_problems else 0:]:  # the caller reports parse_problems
-        raise ConfigError(own)
+    if raised or problems:
+        raise ConfigError(raised + problems)
     return _build(gpu, cpu, gpn, num_nodes, num_gpus, cpus)
 
 

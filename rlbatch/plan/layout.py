@@ -12,10 +12,12 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rlbatch.engines.registry import engine_args
 from rlbatch.placement import BackendSpec, Placement
+
+A = TypeVar("A")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ class RoleLayout:
         """The role's typed engine_args (its engine's args dataclass, defaults filled in; None for a
         CPU role or an engine that is not registered): what an engine's cost model reads."""
         return engine_args(self.engine, self.engine_args) if self.backend is not None else None
+
+    def args_as(self, kind: type[A]) -> A:
+        """``args`` as the args class of the engine a cost model models (its own)."""
+        args = self.args
+        assert isinstance(args, kind), (self.name, type(args).__name__, kind.__name__)
+        return args
 
     @property
     def is_gpu(self) -> bool:

@@ -14,27 +14,21 @@ if TYPE_CHECKING:
     from rlbatch.plan.workload import Workload
 
 
-def _args(r: RoleLayout) -> DeepSpeedArgs:
-    args = r.args
-    assert isinstance(args, DeepSpeedArgs)
-    return args
-
-
 class DeepSpeedCost(EngineCost):
     """Its engine builds the whole fp32 model on the host on every rank before it is partitioned
     (``load_engine_model``): not modelled in ``load_bytes``."""
 
     def gathers_each_pass(self, r: RoleLayout) -> bool:
-        return _args(r).zero_stage == 3
+        return r.args_as(DeepSpeedArgs).zero_stage == 3
 
     def reduces_each_step(self, r: RoleLayout) -> bool:
-        return _args(r).zero_stage < 3
+        return r.args_as(DeepSpeedArgs).zero_stage < 3
 
     def tensor_sizes(self, gpn: int) -> list[int]:
         return [1]  # data parallelism only
 
     def held(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_only: bool) -> Held:
-        b, P, ea = r.backend, float(shape.params), _args(r)
+        b, P, ea = r.backend, float(shape.params), r.args_as(DeepSpeedArgs)
         assert b is not None
         stage, n = ea.zero_stage, b.d
         notes: list[str] = []

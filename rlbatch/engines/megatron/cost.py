@@ -14,12 +14,6 @@ if TYPE_CHECKING:
     from rlbatch.plan.workload import Workload
 
 
-def _args(r: RoleLayout) -> MegatronArgs:
-    args = r.args
-    assert isinstance(args, MegatronArgs)
-    return args
-
-
 class MegatronCost(EngineCost):
     """Its engine builds the whole fp32 model on the host on every rank before it converts it
     (``load_engine_model``): not modelled in ``load_bytes``."""
@@ -27,7 +21,7 @@ class MegatronCost(EngineCost):
     def sequence_parallel(self, r: RoleLayout) -> bool:
         """On unless engine_args.sequence_parallel is false: then a layer keeps Korthikanti's
         10 + 24/t count, not (34 + ...)/t."""
-        return _args(r).sequence_parallel
+        return r.args_as(MegatronArgs).sequence_parallel
 
     def reduces_each_step(self, r: RoleLayout) -> bool:
         return True
@@ -61,7 +55,7 @@ class MegatronCost(EngineCost):
         # weights are their own) and AdamW's two fp32 moments: Megatron-LM's 18 bytes per parameter in
         # bf16. engine_args.distributed_optimizer (off by default) gives each of the d*c data-parallel
         # ranks the main weights and moments of 1/(d*c) of them: 6 + 12/dp bytes.
-        dist_opt = _args(r).distributed_optimizer
+        dist_opt = r.args_as(MegatronArgs).distributed_optimizer
         main = 4 if e < 4 else 0
         state = {"params": e * shard} if forward_only else {
             "params": e * shard, "grads": 4 * shard, "optimizer": (8 + main) * shard / (d * c if dist_opt else 1)}

@@ -61,15 +61,9 @@ detokenizing the output) on CPU profiles. Prior from the vLLM-vs-hf table of doc
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def _args(r: RoleLayout) -> VLLMArgs:
-    args = r.args
-    assert isinstance(args, VLLMArgs)
-    return args
-
-
 def dtype_bytes(r: RoleLayout, e: int) -> int:
     """engine_args.dtype's bytes, else the run's compute bytes ``e``."""
-    return _DTYPE_BYTES.get(_args(r).dtype, e)
+    return _DTYPE_BYTES.get(r.args_as(VLLMArgs).dtype, e)
 
 
 def _kv_per_token(shape: ModelShape, e: int, t: int, p: int) -> float:
@@ -93,7 +87,7 @@ def memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) 
     """One vLLM rank: weights and KV cache resident, the profiled activations while generating."""
     b = r.backend
     assert b is not None
-    ea, e = _args(r), dtype_bytes(r, e)
+    ea, e = r.args_as(VLLMArgs), dtype_bytes(r, e)
     tp, pp = b.t, b.p
     weights = e * shape.params / (tp * pp)
     tokens, max_seqs = ea.max_num_batched_tokens, ea.max_num_seqs
@@ -147,7 +141,7 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     traffic = act.traffic_per_token(shape, e, tp) / pp
     # Prefill: each distinct prompt once, in chunks of max_num_batched_tokens; a chunk reads the weights.
     tokens = w.distinct_prompts(seqs) * w.prompt_len
-    chunks = max(1, math.ceil(tokens / _args(r).max_num_batched_tokens))
+    chunks = max(1, math.ceil(tokens / r.args_as(VLLMArgs).max_num_batched_tokens))
     roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
                (chunks * weights + tokens * traffic) / rt.bw)
     lk = tp_link(layout, r, hw)
