@@ -7,14 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 
-def section(plain: Mapping[str, Any], *keys: str) -> Mapping[str, Any]:
-    """The mapping at ``plain[k1][k2]...``; empty where a key is missing or not a mapping."""
-    node: Any = plain
-    for key in keys:
-        node = node.get(key) if isinstance(node, Mapping) else None
-    return node if isinstance(node, Mapping) else {}
-
-
 def dotted(node: Any, path: str, missing: Any = None) -> Any:
     """``node['a']['b']`` for ``path`` 'a.b' in nested mappings; ``missing`` where a key is absent or
     a step is not a mapping."""
@@ -23,15 +15,6 @@ def dotted(node: Any, path: str, missing: Any = None) -> Any:
             return missing
         node = node[key]
     return node
-
-
-def as_section(schema: type, node: Mapping[str, Any]) -> Any:
-    """A plain section read as its schema's object: the schema's defaults with ``node``'s keys over
-    them, by attribute (no types checked: validation reports bad values)."""
-    from types import SimpleNamespace
-
-    defaults = {f.name: getattr(schema(), f.name) for f in dataclasses.fields(schema)}
-    return SimpleNamespace(**(defaults | dict(node)))
 
 
 def to_plain(cfg: Any) -> Any:
