@@ -11,9 +11,10 @@ Torch-free: the planner imports it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+
+from rlbatch.config.schema import LoraConfig
 
 
 class Dispatch(str, Enum):
@@ -138,12 +139,11 @@ def step_phases(*, kl_to_reference: bool, has_reference: bool, critic: bool, reu
     return [*out, "train", "sync"]
 
 
-def reference_is_actor_base(lora: object) -> bool:
+def reference_is_actor_base(lora: LoraConfig) -> bool:
     """Whether the reference's log-probs come from the trained policy's base model, its adapters
     off (``model.lora`` with a rank: the reference is that base model, so no reference role is
-    placed). ``lora``: the ``model.lora`` section (a mapping or the schema's dataclass) or None."""
-    rank = lora.get("rank", 0) if isinstance(lora, Mapping) else getattr(lora, "rank", 0)
-    return isinstance(rank, int) and not isinstance(rank, bool) and rank > 0
+    placed)."""
+    return lora.rank > 0
 
 
 def phase_for(role: str, op: str) -> PhaseSpec:

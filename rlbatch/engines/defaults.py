@@ -2,15 +2,13 @@
 
 Kept free of torch so the planner (which never imports torch) and the engines read one
 definition: the engines' typed engine_args (``rlbatch/engines/<name>/__init__.py``) take their
-defaults from here, below every engine; each function takes a role's engine_args as the raw
-mapping (planner) or the typed dataclass (engines).
+defaults from here, below every engine; the functions take those typed args (the planner's
+``RoleLayout.args``, an engine's ``EngineContext.args``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 HF_MAX_BATCH = 1024
 """The hf engine generates at most this many sequences per call (engine_args.max_batch)."""
@@ -23,20 +21,34 @@ units but pay per-collective latency for each (on CPU with gloo about 2.7 ms eac
 step of the tiny model). engine_args.single_unit_max_mb overrides it."""
 
 
-def _get(engine_args: Any, key: str, default: Any) -> Any:
-    if dataclasses.is_dataclass(engine_args):
-        return getattr(engine_args, key, default)
-    assert isinstance(engine_args, Mapping)
-    return engine_args.get(key, default)
+def fsdp_single_unit(fp32_param_bytes: float, single_unit_max_mb: int) -> bool:
+    """Whether the fsdp engine shards a model of this size as one unit (engine_args.single_unit_max_mb)."""
+    return fp32_param_bytes <= single_unit_max_mb << 20
 
 
-def hf_max_batch(engine_args: Any) -> int:
-    return int(_get(engine_args, "max_batch", HF_MAX_BATCH))
+SYNC_BUCKET_MB = 256
+"""A training engine streams its weights to the inference engines in buckets of this many MB
+(engine_args.sync_bucket_mb)."""
 
 
-def fsdp_single_unit(fp32_param_bytes: float, engine_args: Any) -> bool:
-    """Whether the fsdp engine shards a model of this size as one unit."""
-    return fp32_param_bytes <= int(_get(engine_args, "single_unit_max_mb", FSDP_SINGLE_UNIT_MAX_MB)) << 20
+@runtime_checkable
+class SyncBuckets(Protocol):
+    """The typed engine_args of a training engine that sets its weight sync's bucket size."""
+
+    @property
+    def sync_bucket_mb(self) -> int: ...
+
+
+@runtime_checkable
+class MicroBatched(Protocol):
+    """The typed engine_args of a training engine that cuts its passes into micro-batches (fsdp,
+    deepspeed, megatron): sequences per micro-batch and the token budget of one."""
+
+    @property
+    def micro_batch(self) -> int: ...
+
+    @property
+    def max_tokens_per_micro_batch(self) -> int | None: ...
 
 
 GPU_MAX_TOKENS_PER_MICRO_BATCH = 4096
@@ -51,25 +63,19 @@ per-micro-batch work then bounds (docs/benchmarks.md "GPU"); ``plan search`` pic
 A row holds fewer tokens than the budget only at the end of a rank's share; a longer sample runs alone."""
 
 
-def max_tokens_per_micro_batch(engine_args: Any, device_type: str) -> int:
+def max_tokens_per_micro_batch(engine_args: object, device_type: str) -> int:
     """The token budget of a training engine's micro-batches on a ``device_type`` ('cuda', 'cpu')
-    device (typed engine_args of any engine; a raw mapping only of an engine with token budgets):
+    device (typed engine_args of any engine; 0 for one without token budgets):
     engine_args.max_tokens_per_micro_batch when set (0: padded rows), else packed with
     ``GPU_MAX_TOKENS_PER_MICRO_BATCH`` on a GPU and padded on the CPU, where the dense [N, N] mask
     makes attention over a packed row cost more than padding does on short samples, and padded rows
     with shared prompts were faster on the default experiment (docs/benchmarks.md "Packing")."""
-    if dataclasses.is_dataclass(engine_args) and not hasattr(engine_args, "max_tokens_per_micro_batch"):
+    if not isinstance(engine_args, MicroBatched):
         return 0  # an engine without token budgets
-    value = _get(engine_args, "max_tokens_per_micro_batch", None)
+    value = engine_args.max_tokens_per_micro_batch
     if value is not None:
         return int(value)
     return GPU_MAX_TOKENS_PER_MICRO_BATCH if device_type == "cuda" else 0
-
-
-def share_prompts(engine_args: Any) -> bool:
-    """Whether the fsdp engine runs each distinct prompt of a batch once (engine_args.share_prompts,
-    on by default; off under activation checkpointing). See ``rlbatch.engines.batch``."""
-    return bool(_get(engine_args, "share_prompts", True))
 
 
 def worth_sharing(distinct: int, samples: int) -> bool:

@@ -21,8 +21,8 @@ import torch
 from rlbatch.algos.objective import objective_for
 from rlbatch.config.schema import RLBatchConfig, role_algo
 from rlbatch.data.synthetic import Sample
-from rlbatch.engines.defaults import max_tokens_per_micro_batch
-from rlbatch.engines.registry import engine_args, spec_of
+from rlbatch.engines.defaults import SYNC_BUCKET_MB, SyncBuckets, max_tokens_per_micro_batch
+from rlbatch.engines.registry import spec_of
 from rlbatch.loop.residency import RecordDict
 from rlbatch.models import lora
 from rlbatch.phases import PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
@@ -492,8 +492,7 @@ class Role:
         samples are held, so more of them move."""
         if not self.placement.is_gpu or len(self.shards) < 2:
             return False
-        args = engine_args(self.placement.engine, self.placement.engine_args)
-        return max_tokens_per_micro_batch(args, gpu_device_type(self.pipe.cfg.cluster.device)) > 0
+        return max_tokens_per_micro_batch(self.placement.args, gpu_device_type(self.pipe.cfg.cluster.device)) > 0
 
     def _start_sharded(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]], fields: list[str],
                        extra: Mapping[int, Work] | None = None) -> PendingPhase:
@@ -579,9 +578,10 @@ class Role:
         spec = phase_for(self.name, "sync")
         train_ranks, infer_ranks = set(self.ranks), set(infer.ranks)
         local = infer_ranks <= train_ranks
-        bucket = int(engine_args(self.placement.engine, self.placement.engine_args).sync_bucket_mb) << 20
+        args = self.placement.args
+        bucket = (args.sync_bucket_mb if isinstance(args, SyncBuckets) else SYNC_BUCKET_MB) << 20
         # A LoRA policy's sync moves the adapters alone where the inference engine loads them.
-        form = lora.sync_form(getattr(self.pipe.cfg.model, "lora", None), spec_of(infer.placement.engine).loads_adapters)
+        form = lora.sync_form(self.pipe.cfg.model.lora, spec_of(infer.placement.engine).loads_adapters)
         src = min(self.ranks)
         work = {r: {"src": src, "local": local, "bucket_bytes": bucket, "form": form or "merged"}
                 for r in train_ranks | infer_ranks}

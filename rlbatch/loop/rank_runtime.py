@@ -25,7 +25,7 @@ from rlbatch.algos.registry import KL_ESTIMATORS
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, ModelConfig, RLBatchConfig, role_algo
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
-from rlbatch.engines.registry import engine_args, spec_of
+from rlbatch.engines.registry import spec_of
 from rlbatch.loop.controller import PhaseReply, Sampling
 from rlbatch.loop.residency import Residency
 from rlbatch.loop.scorers import build_scorer
@@ -132,7 +132,7 @@ class RankRuntime:
         for role in order:
             rp = p.roles[role]
             model, tokenizer = role_model(role, cfg, self.tokenizer)
-            ctx = EngineContext(role, engine_args(rp.engine, rp.engine_args), model, role_algo(role, cfg.algo),
+            ctx = EngineContext(role, rp.args, model, role_algo(role, cfg.algo),
                                 tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
                                 role in TRAINABLE_ROLES, HEADS.get(role, "lm"),
                                 {"role": world.groups[role], **world.subgroups.get(role, {})}, world.comm)

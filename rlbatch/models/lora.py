@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from types import SimpleNamespace
-
     import torch
     from peft import LoraConfig as PeftLoraConfig
     from peft import PeftModel
@@ -37,15 +35,15 @@ _LORA = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 _PREFIX = "base_model.model."
 
 
-def enabled(lora: LoraConfig | SimpleNamespace | None) -> bool:
-    """Whether ``model.lora`` (or a namespace of its fields, each read with its default) asks for adapters."""
-    return lora is not None and int(getattr(lora, "rank", 0) or 0) > 0
+def enabled(lora: LoraConfig) -> bool:
+    """Whether ``model.lora`` asks for adapters."""
+    return lora.rank > 0
 
 
 def of(ctx: EngineContext) -> LoraConfig | None:
     """The adapters an engine's model gets (``model.lora``), or None: only a trained policy (a
     trainable role with the LM head) is adapted; a reference, a critic and a reward model are not."""
-    cfg = getattr(ctx.model, "lora", None)
+    cfg = ctx.model.lora
     return cfg if ctx.trainable and ctx.head == "lm" and enabled(cfg) else None
 
 
@@ -176,13 +174,13 @@ SYNC_FORMS = ("auto", "merged", "adapter")
 """``model.lora.sync``: what a LoRA policy's weight sync moves (docs/lora.md)."""
 
 
-def sync_form(lora: LoraConfig | SimpleNamespace | None, loads_adapters: bool) -> str | None:
+def sync_form(lora: LoraConfig, loads_adapters: bool) -> str | None:
     """What a weight sync into an inference engine moves: 'adapter' (the adapters alone) when
     ``model.lora.sync`` asks for them or says 'auto' and the engine loads adapters
     (``EngineSpec.loads_adapters``), else 'merged'; None without adapters (every weight, as trained)."""
     if not enabled(lora):
         return None
-    want = str(getattr(lora, "sync", "auto"))
+    want = lora.sync
     return "adapter" if want == "adapter" or (want == "auto" and loads_adapters) else "merged"
 
 

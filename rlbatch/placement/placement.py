@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
+from rlbatch.engines.registry import engine_args
 from rlbatch.placement.backend import BackendSpec
 
 CONTROLLER = "controller"
@@ -51,6 +53,13 @@ class RolePlacement:
     """Other roles that share at least one GPU with this one."""
     offload: bool
     engine_args: dict[str, Any]
+    """As the config wrote them (what ``placement.json`` keeps); ``args`` types them."""
+
+    @cached_property
+    def args(self) -> object:
+        """The role's typed engine_args: its engine's args dataclass, defaults filled in (None for a
+        CPU role). Validated before launch; ValueError if they do not parse."""
+        return engine_args(self.engine, self.engine_args) if self.backend is not None else None
 
     @property
     def is_gpu(self) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from rlbatch.config.hardware import Hardware
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES
 from rlbatch.engines.defaults import (
-    hf_max_batch,
+    MicroBatched,
     max_tokens_per_micro_batch,
 )
 from rlbatch.engines.registry import EngineKind, spec_of
@@ -90,7 +90,8 @@ def logprob_micro_batch(r: RoleLayout, w: Workload) -> int:
     """Sequences per log-prob forward: engine_args.micro_batch, else the rank's whole share."""
     assert r.backend is not None
     share = max(1, math.ceil(w.sequences / r.backend.d))
-    return min(share, int(r.engine_args.get("micro_batch", 0)) or share)
+    asked = r.args.micro_batch if isinstance(r.args, MicroBatched) else 0
+    return min(share, asked or share)
 
 
 def weight_units(r: RoleLayout, shape: ModelShape) -> int:
@@ -123,15 +124,15 @@ def token_budget(r: RoleLayout, hw: Hardware) -> int:
     not pack rows (``EngineSpec.packs_rows``) are modelled padded."""
     if r.backend is None or not spec_of(r.backend.engine).packs_rows:
         return 0
-    return max_tokens_per_micro_batch(r.engine_args, "cpu" if hw.is_cpu else "cuda")
+    return max_tokens_per_micro_batch(r.args, "cpu" if hw.is_cpu else "cuda")
 
 
 def padded_budget(r: RoleLayout) -> int:
     """The token budget of an engine that meets it with padded rows (``EngineSpec.packs_rows``
     false: megatron): engine_args.max_tokens_per_micro_batch (0: micro-batches by count)."""
-    if r.backend is None or spec_of(r.backend.engine).packs_rows:
+    if r.backend is None or spec_of(r.backend.engine).packs_rows or not isinstance(r.args, MicroBatched):
         return 0
-    return int(r.engine_args.get("max_tokens_per_micro_batch") or 0)
+    return r.args.max_tokens_per_micro_batch or 0
 
 
 def budget_micro_batch(w: Workload, budget: int, share: int) -> int:
@@ -277,12 +278,11 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, forward_
 
 @dataclass(frozen=True)
 class Reservation:
-    """How an inference engine reserves a share of the GPU when it starts (SGLang's
-    mem_fraction_static), for weights, activations and KV cache; each default is the engine's own,
-    for engine_args that omit the key."""
+    """An inference engine that reserves a share of the GPU when it starts (SGLang's
+    mem_fraction_static) for weights, activations and KV cache: its role's engine_args."""
 
     fraction_key: str
-    """The engine_args key of the share."""
+    """The engine_args key of the share (for the notes)."""
     fraction: float
     batched_tokens: int
     """Tokens of the forward it profiles activations for (engine_args.max_num_batched_tokens)."""
@@ -290,12 +290,18 @@ class Reservation:
     """Sequences decoded together at most (engine_args.max_num_seqs): their fp32 logits are kept free too."""
 
 
+@dataclass(frozen=True)
+class PerCall:
+    """An inference engine that allocates what each generate call needs (hf), up to ``max_batch``
+    sequences a call (engine_args.max_batch), the KV cache growing with them."""
+
+    max_batch: int
+
+
 def generic_infer_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware,
-                         reserve: Reservation | None) -> RoleMemory:
-    """An inference engine that reserves a share of the GPU (``reserve``) for weights, activations
-    and KV cache, or (None) one that allocates what the batch needs (hf: up to max_batch sequences
-    per generate call, the KV cache growing with them). vLLM has a model of its own
-    (``rlbatch.engines.vllm.cost``)."""
+                         allocation: Reservation | PerCall) -> RoleMemory:
+    """An inference engine's state and transients, as it allocates its memory (``Reservation`` or
+    ``PerCall``). vLLM has a model of its own (``rlbatch.engines.vllm.cost``)."""
     assert r.backend is not None
     b = r.backend
     tp, pp, engines = b.t, b.p, max(1, b.d)
@@ -305,11 +311,9 @@ def generic_infer_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, 
     seqs = math.ceil(w.sequences / engines)
     kv_needed = seqs * w.seq_len * kv_tok
     notes: list[str] = []
-    if reserve is not None:
-        key = reserve.fraction_key
-        frac = float(r.engine_args.get(key, reserve.fraction))
-        tokens = int(r.engine_args.get("max_num_batched_tokens", reserve.batched_tokens))
-        max_seqs = int(r.engine_args.get("max_num_seqs", reserve.seqs))
+    if isinstance(allocation, Reservation):
+        key, frac = allocation.fraction_key, allocation.fraction
+        tokens, max_seqs = allocation.batched_tokens, allocation.seqs
         activ = act.forward_working_bytes(shape, tokens, 1, e, tp) + max_seqs * shape.vocab * 4.0
         budget = frac * hw.hbm_bytes - weights - activ
         state = {"params": weights, "kv_cache": max(0.0, budget)}
@@ -321,7 +325,7 @@ def generic_infer_memory(r: RoleLayout, shape: ModelShape, w: Workload, e: int, 
         elif concurrency < seqs:
             notes.append(f"KV cache holds {concurrency} of {seqs} sequences per engine: generation runs in waves")
     else:  # hf: up to max_batch sequences per generate call; the KV cache grows with them
-        concurrency = min(seqs, hf_max_batch(r.engine_args))
+        concurrency = min(seqs, allocation.max_batch)
         state = {"params": weights}
         transient = {"generate": {
             "kv_cache": concurrency * w.seq_len * kv_tok,

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 from typing import Any
 
 from rlbatch.config.hardware import Hardware
+from rlbatch.config.schema import LoraConfig
 from rlbatch.engines.registry import EngineKind, spec_of
 from rlbatch.models.lora import sync_form
 from rlbatch.models.shape import ModelShape
@@ -127,7 +127,7 @@ class Prediction:
 def _adapter_sync(infer: RoleLayout, w: Workload) -> bool:
     """A weight sync moves the adapters alone (``rlbatch.models.lora.sync_form``)."""
     loads = infer.backend is not None and spec_of(infer.backend.engine).loads_adapters
-    return sync_form(SimpleNamespace(rank=w.lora_rank, sync=w.lora_sync), loads) == "adapter"
+    return sync_form(LoraConfig(rank=w.lora_rank, sync=w.lora_sync), loads) == "adapter"
 
 
 def _generation(infer: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: int, hw: Hardware,

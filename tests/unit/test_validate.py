@@ -591,6 +591,8 @@ def test_the_token_budget_is_unset_by_default_and_typed_when_set(cfg: dict[str, 
     GPU and padded on the CPU; set, an int of at least 0."""
     from rlbatch.engines.defaults import GPU_MAX_TOKENS_PER_MICRO_BATCH, max_tokens_per_micro_batch
     from rlbatch.engines.registry import engine_args
+    from rlbatch.placement.backend import parse_backend
+    from rlbatch.plan.layout import RoleLayout
 
     for raw, cuda, cpu in (({}, GPU_MAX_TOKENS_PER_MICRO_BATCH, 0), ({"max_tokens_per_micro_batch": None},
                            GPU_MAX_TOKENS_PER_MICRO_BATCH, 0), ({"max_tokens_per_micro_batch": 0}, 0, 0),
@@ -598,7 +600,8 @@ def test_the_token_budget_is_unset_by_default_and_typed_when_set(cfg: dict[str, 
         for engine in ("fsdp", "deepspeed"):
             args = engine_args(engine, raw)
             assert (max_tokens_per_micro_batch(args, "cuda"), max_tokens_per_micro_batch(args, "cpu")) == (cuda, cpu)
-            assert max_tokens_per_micro_batch(raw, "cuda") == cuda  # the planner reads the raw mapping alike
+            planned = RoleLayout("actor_train", parse_backend(f"{engine}:d1"), [0], engine_args=raw)
+            assert max_tokens_per_micro_batch(planned.args, "cuda") == cuda  # the planner types them alike
     assert max_tokens_per_micro_batch(engine_args("hf", {}), "cuda") == 0  # an engine without budgets
     assert problems(set_(cfg, roles__actor_train__engine_args={"max_tokens_per_micro_batch": "lots"})) == [
         "roles.actor_train.engine_args.max_tokens_per_micro_batch: expected int | None, got str 'lots'"]

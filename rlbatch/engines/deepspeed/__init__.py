@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlbatch.engines.defaults import SYNC_BUCKET_MB
 from rlbatch.engines.registry import EngineKind, EngineSpec, register
 
 
@@ -28,7 +29,7 @@ class DeepSpeedArgs:
     """ZeRO-Offload: fp32 master weights and AdamW state live in host memory, stepped there."""
     offload_params: bool = False
     """ZeRO-3 only: parameter partitions live in host memory between uses."""
-    sync_bucket_mb: int = 256
+    sync_bucket_mb: int = SYNC_BUCKET_MB
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units, require_mesh
 from rlbatch.engines.batch import Packed, pack
 from rlbatch.engines.deepspeed.world import import_deepspeed, role_world
-from rlbatch.engines.defaults import max_tokens_per_micro_batch, share_prompts
+from rlbatch.engines.defaults import max_tokens_per_micro_batch
 from rlbatch.engines.model import engine_skeleton, load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train_state import param_groups_meta
@@ -170,7 +170,7 @@ class DeepSpeedEngine(StashedState):
             model.gradient_checkpointing_enable()
         # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
-        self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
+        self.share_prompts = args.share_prompts and not recompute and ctx.head == "lm"
         self.max_tokens = max_tokens_per_micro_batch(args, ctx.device.type)
         self.split = common.Split(self.micro_batch, self.max_tokens, self.group, ctx.device)
         # packed rows by their boundaries, not a dense mask, where the kernel exists (bf16 on CUDA)

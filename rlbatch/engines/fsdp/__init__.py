@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlbatch.engines.defaults import FSDP_SINGLE_UNIT_MAX_MB
+from rlbatch.engines.defaults import FSDP_SINGLE_UNIT_MAX_MB, SYNC_BUCKET_MB
 from rlbatch.engines.registry import EngineKind, EngineSpec, register
 
 
@@ -34,7 +34,7 @@ class FSDPArgs:
     single_unit_max_mb: int = FSDP_SINGLE_UNIT_MAX_MB
     """A model of up to this many MB of fp32 parameters is one FSDP unit (one all-gather per
     pass); a larger one gets a unit per decoder layer."""
-    sync_bucket_mb: int = 256
+    sync_bucket_mb: int = SYNC_BUCKET_MB
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
 
 

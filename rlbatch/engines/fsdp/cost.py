@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlbatch.engines.defaults import fsdp_single_unit, share_prompts, worth_sharing
+from rlbatch.engines.defaults import fsdp_single_unit, worth_sharing
+from rlbatch.engines.fsdp import FSDPArgs
 from rlbatch.plan.costs import EngineCost, Held
 from rlbatch.plan.memory import RANDOM_INIT_BLOCK, adapted, largest_tensor
 
@@ -30,7 +31,7 @@ class FSDPCost(EngineCost):
         """A small model is one unit, a larger one (or any under tensor parallelism) a unit per layer
         plus the root."""
         b = r.backend
-        one = fsdp_single_unit(4 * shape.params, r.engine_args) and (b is None or b.t == 1)
+        one = fsdp_single_unit(4 * shape.params, r.args_as(FSDPArgs).single_unit_max_mb) and (b is None or b.t == 1)
         return 1 if one else shape.layers + 1
 
     def shares_prompts(self, r: RoleLayout, w: Workload, mb: int, trained: bool) -> bool:
@@ -38,7 +39,7 @@ class FSDPCost(EngineCost):
         cache (``rlbatch.engines.batch``); not under context parallelism nor a recomputed training pass."""
         b = r.backend
         assert b is not None
-        return (b.c == 1 and share_prompts(r.engine_args) and not (trained and w.recompute)
+        return (b.c == 1 and r.args_as(FSDPArgs).share_prompts and not (trained and w.recompute)
                 and worth_sharing(w.distinct_prompts(mb), mb))
 
     def sequence_parallel(self, r: RoleLayout) -> bool:

@@ -37,7 +37,6 @@ from rlbatch.engines.defaults import (
     GPU_MAX_TOKENS_PER_MICRO_BATCH,
     fsdp_single_unit,
     max_tokens_per_micro_batch,
-    share_prompts,
 )
 from rlbatch.engines.fsdp import FSDPArgs
 from rlbatch.engines.fsdp import tp as fsdp_tp
@@ -105,7 +104,7 @@ class FSDPEngine(StashedState):
             model.gradient_checkpointing_enable()
         # A value or reward model returns no KV cache to share a prompt's pass through (and a recomputed
         # layer would append its keys to a shared prompt's cache a second time).
-        self.share_prompts = share_prompts(args) and not recompute and ctx.head == "lm"
+        self.share_prompts = args.share_prompts and not recompute and ctx.head == "lm"
         self.max_tokens = max_tokens_per_micro_batch(args, ctx.device.type)
         if self.cp > 1:  # context parallelism splits packed rows (padded rows have no sample boundaries to keep)
             if getattr(args, "max_tokens_per_micro_batch", None) == 0:
@@ -128,7 +127,7 @@ class FSDPEngine(StashedState):
             self.varlen = self.max_tokens > 0 and prefer_varlen(model, ctx.device, torch.bfloat16 if mp else held)
         # Tensor-parallel layers are units of their own: torch's FSDP2 + TP recipe, and a whole-model
         # unshard would gather only the dp shards of the split weights (export reads them one by one).
-        self.single_unit = fsdp_single_unit(param_bytes(model), args) and self.tp == 1
+        self.single_unit = fsdp_single_unit(param_bytes(model), args.single_unit_max_mb) and self.tp == 1
         if self.tp > 1:
             cfg = model.config
             fsdp_tp.parallelize(_layers(model), mesh["tp"], int(cfg.num_attention_heads),

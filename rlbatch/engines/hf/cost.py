@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlbatch.engines.defaults import share_prompts, worth_sharing
+from rlbatch.engines.defaults import worth_sharing
+from rlbatch.engines.hf import HFArgs
 from rlbatch.plan.costs import EngineCost
-from rlbatch.plan.memory import generic_infer_memory, largest_tensor
+from rlbatch.plan.memory import PerCall, generic_infer_memory, largest_tensor
 
 if TYPE_CHECKING:
     from rlbatch.config.hardware import Hardware
@@ -24,11 +25,11 @@ class HFCost(EngineCost):
 
     def shares_prompts(self, r: RoleLayout, w: Workload, mb: int, trained: bool) -> bool:
         """Each distinct prompt but its last token once, then the last token of every row."""
-        return share_prompts(r.engine_args) and worth_sharing(w.distinct_prompts(mb), mb)
+        return r.args_as(HFArgs).share_prompts and worth_sharing(w.distinct_prompts(mb), mb)
 
     def tensor_sizes(self, gpn: int) -> list[int]:
         return [1]  # data-parallel engines of one rank each
 
     def infer_memory(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) -> RoleMemory:
         """Up to max_batch sequences per generate call; the KV cache grows with them."""
-        return generic_infer_memory(r, shape, w, e, hw, reserve=None)
+        return generic_infer_memory(r, shape, w, e, hw, PerCall(r.args_as(HFArgs).max_batch))

@@ -15,7 +15,7 @@ import torch
 
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
 from rlbatch.engines.batch import distinct_prompts, left_padded, prompt_cache
-from rlbatch.engines.defaults import hf_max_batch, share_prompts, worth_sharing
+from rlbatch.engines.defaults import worth_sharing
 from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.hf import HFArgs
 from rlbatch.engines.model import load_model, model_dtype
@@ -67,8 +67,8 @@ class HFInferenceEngine(StashedState):
         self.device = ctx.device
         self.tokenizer = ctx.tokenizer
         args: HFArgs = ctx.args
-        self.max_batch = hf_max_batch(args)
-        self.share_prompts = share_prompts(args)
+        self.max_batch = args.max_batch
+        self.share_prompts = args.share_prompts
         dtype = model_dtype(ctx.model.dtype, ctx.device)
         self.model = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype)
         module: torch.nn.Module = self.model  # transformers' ``to`` (a functools.wraps) is untyped to mypy

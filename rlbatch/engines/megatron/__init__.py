@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlbatch.engines.defaults import SYNC_BUCKET_MB
 from rlbatch.engines.registry import EngineKind, EngineSpec, register
 
 
@@ -31,7 +32,7 @@ class MegatronArgs:
     through megatron-core's local attention (TransformerEngine's varlen attention, which megatron
     uses for 'thd', is not used here), so its scores grow with the row's length squared: it pays
     where samples are ragged and the budget short; the planner models rows padded."""
-    sync_bucket_mb: int = 256
+    sync_bucket_mb: int = SYNC_BUCKET_MB
     """actor_train: weight sync to a disaggregated actor_infer broadcasts buckets of this size."""
     distributed_optimizer: bool = False
     """megatron-core's DistributedDataParallel and DistributedOptimizer: each data-parallel rank keeps

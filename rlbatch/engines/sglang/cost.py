@@ -15,13 +15,12 @@ if TYPE_CHECKING:
     from rlbatch.plan.memory import RoleMemory
     from rlbatch.plan.workload import Workload
 
-RESERVATION = Reservation("mem_fraction_static", SGLangArgs.mem_fraction_static, SGLangArgs.max_num_batched_tokens,
-                          SGLangArgs.max_num_seqs)
-"""What SGLang reserves at start, its engine_args' defaults where a run sets none."""
-
 
 class SGLangCost(EngineCost):
     continuous_batching = True
 
     def infer_memory(self, r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware) -> RoleMemory:
-        return generic_infer_memory(r, shape, w, e, hw, reserve=RESERVATION)
+        """What it reserves at start (``mem_fraction_static`` of the GPU), from the role's engine_args."""
+        a = r.args_as(SGLangArgs)
+        reserve = Reservation("mem_fraction_static", a.mem_fraction_static, a.max_num_batched_tokens, a.max_num_seqs)
+        return generic_infer_memory(r, shape, w, e, hw, reserve)

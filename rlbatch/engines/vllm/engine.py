@@ -213,7 +213,7 @@ class VLLMEngine:
         self.world = PrivateWorld()
         self._turns: set[int] = set()  # keys of turn requests in flight (``submit``, ``poll``)
         # this engine loads adapters (its EngineSpec.loads_adapters)
-        self.lora = ctx.model.lora if lora.sync_form(getattr(ctx.model, "lora", None), True) == "adapter" else None
+        self.lora = ctx.model.lora if lora.sync_form(ctx.model.lora, True) == "adapter" else None
         self.expected_adapters: dict[str, torch.Size] = {}
         t = len(self.tp_ranks)
         tmp = None

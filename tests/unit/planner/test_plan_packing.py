@@ -79,11 +79,12 @@ def test_a_budget_below_the_longest_sample_runs_it_alone() -> None:
 
 def test_the_budget_resolves_as_the_engines_do(h100, cpu_hw) -> None:  # type: ignore[no-untyped-def]
     from rlbatch.engines.defaults import max_tokens_per_micro_batch
+    from rlbatch.engines.registry import engine_args
 
     unset = make_layout(make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))",
                                                             "list(range(0,8))", max_tokens=None)))
     r = unset.roles["actor_train"]
-    assert token_budget(r, h100) == max_tokens_per_micro_batch({}, "cuda") > 0  # the GPU's default: packed
+    assert token_budget(r, h100) == max_tokens_per_micro_batch(engine_args("fsdp", {}), "cuda") > 0  # the GPU's default: packed
     assert token_budget(r, cpu_hw) == 0  # padded on CPU
     padded, _ = _memory(0)
     assert "attention_mask" not in padded.transient["train"]
