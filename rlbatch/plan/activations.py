@@ -76,3 +76,35 @@ about 3.4x its saved activations (rlbatch.plan.measure's memcpy rate); backward 
 def traffic_per_token(shape: ModelShape, e: int = 2, t: int = 1) -> float:
     """Activation memory traffic of one token through all layers in one forward pass."""
     return TRAFFIC_PER_SAVED_BYTE * shape.layers * layer_bytes(shape, 1, 1, e, t)
+
+
+CHUNK_BYTES = 1 << 28
+"""``rlbatch.algos.core.CHUNK_BYTES`` (kept here: the planner imports no torch; a test checks they
+agree): ``chunked_logprobs`` works on this many bytes of fp32 logits at a time."""
+
+
+def mask_bytes(row: float, e: int, layers: int) -> float:
+    """The attention masks of a packed row under sdpa: transformers' block-diagonal bool [N, N] mask,
+    which sdpa converts to an additive mask in the compute dtype in every layer's call, and autograd
+    keeps each layer's for the backward (``layers``; 1 in a pass without autograd, one layer at a
+    time). Measured: 2 N^2 bytes a layer kept in bf16 on an H100 (under sdpa, before varlen), 4 N^2
+    in fp32 on CPU. Rows under varlen attention (``varlen_rows``) have none."""
+    return row * row * (1 + e * layers)
+
+
+def packed_logits_bytes(scored: float, vocab: int, e: int, t: int = 1, train: bool = False,
+                        entropy: bool = False) -> float:
+    """The vocab-sized tensors of a packed pass (``rlbatch.algos.core.chunked_logprobs``): the
+    logits at the scored positions as computed (e bytes; kept for the backward in training), and
+    chunks of ``CHUNK_BYTES`` of fp32 logits at a time: the fp32 copy of a chunk (when e < 4) and
+    its logsumexp's one temporary (torch exponentiates ``x - max`` in place); training adds the
+    logits' gradient (e bytes) and the backward's chunk (exp, its negation, the product with the
+    incoming gradient: 3; the entropy term one more). Measured on CPU against
+    ``tools/bench/packing.py`` (docs/planner.md)."""
+    local = vocab / t
+    rows = min(scored, max(1, CHUNK_BYTES // max(1, int(4 * local))))
+    chunk = 4.0 * rows * local
+    copy = 1 if e < 4 else 0
+    if not train:
+        return scored * local * e + (1 + copy) * chunk
+    return 2 * scored * local * e + (3 + (1 if entropy else 0) + copy) * chunk

@@ -37,6 +37,7 @@ from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import Layout, RoleLayout
 from rlbatch.plan.memory import RoleMemory, compute_bytes, role_memory
+from rlbatch.plan.passes import cut
 from rlbatch.plan.schedule import GpuKind, Phase, planned_phases, simulate
 from rlbatch.plan.workload import Workload
 
@@ -178,7 +179,8 @@ def _work(ph: Phase, layout: Layout, mems: dict[str, RoleMemory], shape: ModelSh
         # whole model stream from memory in backward either way) plus the logits.
         per_layer = tr.get("activations", 0.0) / (max(1, shape.layers) if ph.kind == "train" else 1)
         ws = per_layer + sum(v for k, v in tr.items() if k != "activations")
-        parts.append((name, timing.forward_pass(r, shape, w, e, hw, layout, ph.kind == "train", m.tensors, opt, ws)))
+        parts.append((name, timing.forward_pass(r, shape, w, e, hw, layout, cut(r, w, hw, ph.kind == "train"), m.tensors,
+                                                opt, ws)))
     out = dict(parts[0][1])
     for name, f in parts[1:]:
         shared = any(layout.colocated(name, other) for other, _ in parts if other != name)

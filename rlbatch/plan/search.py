@@ -35,7 +35,7 @@ from rlbatch.placement import parse_backend
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import Layout, RoleLayout
-from rlbatch.plan.memory import token_budget
+from rlbatch.plan.passes import token_budget
 from rlbatch.plan.predict import Prediction, predict
 from rlbatch.plan.workload import Workload
 
@@ -154,7 +154,7 @@ BUDGET_KEY = "max_tokens_per_micro_batch"
 
 def packing_roles(layout: Layout, hw: Hardware) -> list[str]:
     """Roles whose engines run token-budget micro-batches as the config and device resolve them
-    (``memory.token_budget`` > 0): the search chooses their budget. A role left padded (budget 0,
+    (``passes.token_budget`` > 0): the search chooses their budget. A role left padded (budget 0,
     the user's choice or the device's default) stays padded."""
     return [n for n, r in layout.roles.items() if r.is_gpu and token_budget(r, hw) > 0]
 

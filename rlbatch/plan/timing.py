@@ -26,18 +26,7 @@ from rlbatch.plan import comm
 from rlbatch.plan.activations import traffic_per_token
 from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import Layout, RoleLayout
-from rlbatch.plan.memory import (
-    adapted,
-    budget_micro_batch,
-    logprob_micro_batch,
-    packing,
-    padded_budget,
-    pass_tokens,
-    token_budget,
-    train_micro_batch,
-    varlen_rows,
-    weight_units,
-)
+from rlbatch.plan.passes import Cut, Packing, adapted, varlen_rows
 from rlbatch.plan.rates import Rates, cpu_attention_ops, rates, tp_link
 from rlbatch.plan.workload import Workload
 
@@ -84,9 +73,6 @@ def _dp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> tuple[int, comm.Lin
     return n, comm.link(hw, layout.group_spans_nodes(r.name, b.t, n))
 
 
-
-
-
 def _fully_sharded(r: RoleLayout) -> bool:
     """FSDP or ZeRO-3: parameters are gathered unit by unit for every pass (its cost model's)."""
     return cost_of(r.engine).gathers_each_pass(r)
@@ -97,7 +83,7 @@ def _sharding_collectives(r: RoleLayout, shape: ModelShape, train: bool, n: int)
     backward, and a reduce-scatter per unit; none on one rank."""
     if n <= 1 or not _fully_sharded(r):
         return 0
-    return weight_units(r, shape) * (3 if train else 1)
+    return cost_of(r.engine).units(r, shape) * (3 if train else 1)
 
 
 def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout: Layout, mb: int, s: float,
@@ -111,7 +97,7 @@ def _engine_comm(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware, layout:
     if _fully_sharded(r):
         # One all-gather per sharded unit (each decoder layer and the root), forward and again in
         # backward (reshard_after_forward), and one fp32 reduce-scatter per unit: latency per unit.
-        units = weight_units(r, shape)
+        units = cost_of(r.engine).units(r, shape)
         gathers = 2 if train else 1
         overlapped = gathers * units * comm.all_gather(e * P / b.t / units, n, dl)
         if train:
@@ -135,24 +121,22 @@ def _bubble(b: BackendSpec, micro: int) -> float:
 
 
 def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout,
-                 train: bool, tensors: int = 0, opt_bytes: float = 0.0, working_set: float = math.inf) -> Features:
-    """A log-prob pass (train=False) or the training of one role (train=True) on its busiest rank."""
+                 cut: Cut, tensors: int = 0, opt_bytes: float = 0.0, working_set: float = math.inf) -> Features:
+    """A log-prob pass or the training of one role (``cut.train``) on its busiest rank, cut into
+    model calls as ``cut`` (``rlbatch.plan.passes``) says."""
     b = r.backend
     assert b is not None
-    d, t, p, c = b.d, b.t, b.p, b.c
+    t, p, c = b.t, b.p, b.c
+    train = cut.train
     rt = rates(hw, layout, layout.ranks_per_node(r.ranks), working_set)
-    budget = token_budget(r, hw)
-    if budget:
-        return _packed_pass(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, budget)
-    mb = train_micro_batch(w, d) if train else logprob_micro_batch(r, w)
-    seqs = math.ceil(w.sequences / d)
-    if pb := padded_budget(r):  # micro-batches cut by tokens, rows padded within each
-        mb = budget_micro_batch(w, pb, math.ceil(seqs / (w.mini_batches if train else 1)))
+    if cut.packed is not None:
+        return _packed_pass(r, shape, w, e, hw, layout, cut, cut.packed, tensors, opt_bytes, rt)
+    mb, seqs, pb = cut.micro, cut.seqs, cut.padded_budget
     s = w.seq_len / c
     repeats = w.epochs if train else 1
     calls = repeats * math.ceil(seqs / mb)
     mult = _train_mult(r, w) if train else 1.0
-    tokens, rows, models = pass_tokens(r, w, mb, s)
+    tokens, rows, models = cut.tokens, cut.rows, cut.models
     flops = calls * tokens * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
     vocab = 1 if r.name in HEADS else shape.vocab
     rows *= calls
@@ -162,7 +146,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     byts = calls * passes * (models * e * shape.params / (t * p) + tokens * traffic_per_token(shape, e, t) / p)
     byts += rows * vocab / t * (e + 8 + (4 + e if train else 0))
     roof = max(flops / rt.flops, byts / rt.bw)
-    micro = math.ceil(seqs / (w.mini_batches * mb)) if train and pb else w.grad_accum if train else math.ceil(seqs / mb)
+    micro = math.ceil(seqs / (cut.updates * mb)) if train and pb else w.grad_accum if train else math.ceil(seqs / mb)
     roof *= _bubble(b, micro)
     # Backward runs in autograd's C++ engine: about as much host work as the Python forward.
     ops = calls * (models * _fwd_ops(shape, p) * passes + (LOSS_OPS if train else 10))
@@ -185,18 +169,16 @@ def _train_mult(r: RoleLayout, w: Workload) -> float:
     return 1.0 + backward + (1.0 if w.recompute else 0.0)
 
 
-def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout, train: bool,
-                 tensors: int, opt_bytes: float, rt: Rates, budget: int) -> Features:
-    """``forward_pass`` under a token budget: real tokens only, one row per micro-batch (``memory.packing``).
+def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, layout: Layout, cut: Cut,
+                 pk: Packing, tensors: int, opt_bytes: float, rt: Rates) -> Features:
+    """``forward_pass`` under a token budget: real tokens only, one row per micro-batch (``pk``).
     The LM head runs at the scored positions only. In bf16/fp16 (a GPU) attention is varlen's, each
     sample's own; in fp32 sdpa's dense [N, N] mask makes a row's attention cost N^2 (every key of
     the row, not only its sample's) and its mask is written and read in every layer."""
     b = r.backend
     assert b is not None
     t, p = b.t, b.p
-    seqs = math.ceil(w.sequences / b.d)
-    updates = w.mini_batches if train else 1
-    pk = packing(w, budget, math.ceil(seqs / updates))
+    train, seqs, updates = cut.train, cut.seqs, cut.updates
     repeats = w.epochs if train else 1
     calls = repeats * updates * pk.calls
     tokens, head = repeats * updates * pk.tokens, repeats * updates * pk.head
@@ -288,7 +270,7 @@ def sync(train: RoleLayout, infer: RoleLayout, shape: ModelShape, e: int, hw: Ha
     n, dl = _dp_link(layout, train, hw)
     # rlbatch's fsdp engine gathers a one-unit model without mixed precision (CPU) in one collective;
     # otherwise full tensors are gathered one parameter at a time: a collective latency per tensor.
-    one = hw.is_cpu and weight_units(train, shape) == 1
+    one = hw.is_cpu and cost_of(train.engine).units(train, shape) == 1
     per = 1 if one else max(1, tensors)
     comm_s = per * (comm.all_gather(size / bt.t / per, n, dl) + comm.all_gather(size / per, bt.t * bt.p, tp_link(layout, train, hw)))
     load = size / (bi.t * bi.p)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from rlbatch.config.parse import parse
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.phases import reference_is_actor_base
 
@@ -222,18 +220,15 @@ def _survival(m: int, mean: float) -> np.ndarray:
 
 
 def workload_from_config(
-    cfg: RLBatchConfig | Mapping[str, Any], prompt_len: float | None = None, response_mean: float | None = None,
+    cfg: RLBatchConfig, prompt_len: float | None = None, response_mean: float | None = None,
     zero_variance_frac: float | None = None, turns: float | None = None, observation_len: float | None = None,
     env_step_s: float | None = None,
 ) -> Workload:
-    """The step of ``cfg`` (typed, or plain mappings read by ``rlbatch.config.parse``; its problems are
-    validation's to report). ``response_mean`` <= 1 is read as a fraction of the cap (with
+    """The step of ``cfg``. ``response_mean`` <= 1 is read as a fraction of the cap (with
     ``env.name``: of one turn's). ``zero_variance_frac`` (default ``DEFAULT_ZERO_VARIANCE_FRAC``)
     sets dynamic sampling's rounds. With ``env.name``: ``turns`` per trajectory (default, assumed:
     ``env.max_turns``), ``observation_len`` tokens between turns (default, assumed:
     ``DEFAULT_OBSERVATION_LEN``) and ``env_step_s`` seconds per env step (default 0)."""
-    if not isinstance(cfg, RLBatchConfig):
-        cfg = parse(cfg).config
     algo, lora = cfg.algo, cfg.model.lora
     cap = algo.max_new_tokens
     synthetic = cfg.data.name == "synthetic"

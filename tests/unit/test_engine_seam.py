@@ -43,6 +43,7 @@ def echo() -> Iterator[str]:
 
 def test_a_plugin_engine_brings_its_checks_and_its_cost_model(echo: str, cfg: dict[str, Any]) -> None:
     from rlbatch.config.hardware import load_hardware
+    from rlbatch.config.parse import parse
     from rlbatch.models.shape import ModelShape
     from rlbatch.models.spec import spec_from_config
     from rlbatch.plan.layout import from_placement
@@ -54,7 +55,7 @@ def test_a_plugin_engine_brings_its_checks_and_its_cost_model(echo: str, cfg: di
     placement = check(c)
     assert problems(set_(c, roles__actor_infer__engine_args={"echo": 8})) == [
         "roles.actor_infer.engine_args.echo: 8 tokens and EOS do not fit in algo.max_new_tokens=8"]
-    layout, w, hw = from_placement(placement), workload_from_config(c), load_hardware("cpu")
+    layout, w, hw = from_placement(placement), workload_from_config(parse(c).config), load_hardware("cpu")
     shape = ModelShape.of(spec_from_config(c["model"]))
     assert role_memory(layout.roles["actor_infer"], shape, w, 4, hw).state == {"params": 0.0}
     generate = predict(layout, shape, w, hw).phase("generate")

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from rlbatch.engines.deepspeed import DeepSpeedArgs
 from rlbatch.plan.costs import EngineCost, Held
-from rlbatch.plan.memory import adapted
+from rlbatch.plan.passes import adapted
 
 if TYPE_CHECKING:
     from rlbatch.models.shape import ModelShape

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from rlbatch.engines.defaults import fsdp_single_unit, worth_sharing
 from rlbatch.engines.fsdp import FSDPArgs
 from rlbatch.plan.costs import EngineCost, Held
-from rlbatch.plan.memory import RANDOM_INIT_BLOCK, adapted, largest_tensor
+from rlbatch.plan.memory import RANDOM_INIT_BLOCK, largest_tensor
+from rlbatch.plan.passes import adapted
 
 if TYPE_CHECKING:
     from rlbatch.config.hardware import Hardware

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from rlbatch.config.hardware import Hardware, load_hardware
+from rlbatch.config.parse import parse
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.placement import place
 from rlbatch.plan.layout import Layout, from_placement
+from rlbatch.plan.workload import Workload, workload_from_config
 
 MODELS = Path(__file__).parent / "models"
 """config.json files of published models (copied from their Hugging Face repositories)."""
@@ -28,6 +30,11 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def make_config(**over: Any) -> dict[str, Any]:
     """The schema's defaults (the default experiment) with nested overrides."""
     return merge(dataclasses.asdict(RLBatchConfig()), over)
+
+
+def workload_of(cfg: dict[str, Any], *args: Any, **kwargs: Any) -> Workload:
+    """``workload_from_config`` of a plain config (read by the parse, as a run's config is)."""
+    return workload_from_config(parse(cfg).config, *args, **kwargs)
 
 
 def make_layout(cfg: dict[str, Any]) -> Layout:

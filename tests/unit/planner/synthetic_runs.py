@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from conftest import workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
@@ -20,7 +21,6 @@ from rlbatch.placement.io import save_placement
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.layout import from_placement
 from rlbatch.plan.predict import predict
-from rlbatch.plan.workload import workload_from_config
 
 TRUTH = Coefficients({
     "generate": {"roofline": 1.5, "overhead": 2.6, "fixed": 0.012},
@@ -43,7 +43,7 @@ def write_run(path: Path, cfg: dict[str, Any], truth: Coefficients = TRUTH, step
     save_placement(placement, path / "placement.json")
     (path / "logs").mkdir(exist_ok=True)
     layout = from_placement(placement, int(cfg["cluster"]["cpus_per_task"]))
-    shape, base, hw = shape_from_config(cfg["model"]), workload_from_config(cfg), load_hardware("cpu")
+    shape, base, hw = shape_from_config(cfg["model"]), workload_of(cfg), load_hardware("cpu")
     rng = np.random.default_rng(seed)
     lines = []
     for step in range(steps):

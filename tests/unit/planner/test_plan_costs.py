@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import pytest
-from conftest import make_config, make_layout, roles
+from conftest import make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.engines import registry
@@ -19,7 +19,7 @@ from rlbatch.plan.layout import RoleLayout
 from rlbatch.plan.memory import role_memory
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import train_dims
-from rlbatch.plan.workload import Workload, workload_from_config
+from rlbatch.plan.workload import Workload
 from tests.unit.planner.test_plan_packing import Q7B
 
 
@@ -43,7 +43,7 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 def test_an_engine_with_a_cost_model_of_its_own_is_planned_by_it(toy: str) -> None:
     cfg = make_config(roles=roles(f"{toy}:d4", "vllm:d4", "list(range(0,4))", "list(range(0,4))"))
-    layout, w, hw = make_layout(cfg), workload_from_config(cfg, 512, 0.5), load_hardware("h100_sxm")
+    layout, w, hw = make_layout(cfg), workload_of(cfg, 512, 0.5), load_hardware("h100_sxm")
     m = role_memory(layout.roles["actor_train"], Q7B, w, 2, hw)
     assert m.state == {"params": pytest.approx(3.0 * Q7B.params / 4)} and "toy engine" in m.notes
     assert "gather_buffers" not in m.transient["train"]  # the defaults: nothing gathered

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MODELS, make_config, make_layout, roles
+from conftest import MODELS, make_config, make_layout, roles, workload_of
 
 from rlbatch.models.shape import ModelShape, shape_from_config
 from rlbatch.plan import activations as act
@@ -14,7 +14,6 @@ from rlbatch.plan.formulas import (
     zero_model_states_bytes,
 )
 from rlbatch.plan.memory import role_memory
-from rlbatch.plan.workload import workload_from_config
 
 GiB = 2**30
 
@@ -51,7 +50,7 @@ def test_planner_deepspeed_zero3_matches_deepspeeds_gpu_estimate(h100) -> None: 
     shape = shape_from_config({"path": str(MODELS / "llama2_7b")})
     cfg = make_config(roles=roles("deepspeed:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     layout = make_layout(cfg)
-    m = role_memory(layout.roles["actor_train"], shape, workload_from_config(cfg), 2, h100)
+    m = role_memory(layout.roles["actor_train"], shape, workload_of(cfg), 2, h100)
     ds = deepspeed_zero3_estimate(shape.params, shape.largest_module_params, 8, 1)
     gather = m.transient["train"]["gather_buffers"]
     assert sum(m.state.values()) + gather == pytest.approx(ds.gpu_bytes, abs=8)
@@ -64,7 +63,7 @@ def test_planner_deepspeed_zero3_offload_matches_deepspeeds_gpu_estimate(h100, o
     cfg = make_config(roles=roles("deepspeed:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     cfg["roles"]["actor_train"]["engine_args"] = {"zero_stage": 3, "offload_optimizer": offload_optimizer,
                                                   "offload_params": offload_params}
-    m = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_from_config(cfg), 2, h100)
+    m = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_of(cfg), 2, h100)
     ds = deepspeed_zero3_estimate(shape.params, shape.largest_module_params, 8, 1, offload_optimizer, offload_params)
     # By hand: 4 bytes per largest-layer parameter, plus the 2-byte weight shards unless they are offloaded too.
     by_hand = 4 * shape.largest_module_params + (0 if offload_params else int(2 * shape.params / 8))
@@ -87,7 +86,7 @@ def test_planner_megatron_matches_megatrons_theoretical_memory(h100) -> None:  #
     distributed = {"actor_train": {"engine_args": {"distributed_optimizer": True}}}
     cfg = make_config(roles=roles("megatron:d4p2t2", "vllm:d4t4", "list(range(0,16))", "list(range(0,16))",
                                   **distributed))
-    m = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_from_config(cfg), 2, h100)
+    m = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_of(cfg), 2, h100)
     assert sum(m.state.values()) == pytest.approx(expected, rel=1e-9)
 
 
@@ -106,7 +105,7 @@ def test_megatron_distributed_optimizer_divides_the_optimizer_state_by_d(h100, d
         extra = {"actor_train": {"engine_args": {"distributed_optimizer": on}}}
         cfg = make_config(roles=roles(f"megatron:d{d}p2t2", f"vllm:d{d}t4", f"list(range(0,{4 * d}))",
                                       f"list(range(0,{4 * d}))", **extra))
-        state[on] = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_from_config(cfg), 2, h100).state
+        state[on] = role_memory(make_layout(cfg).roles["actor_train"], shape, workload_of(cfg), 2, h100).state
     assert state[True] == pytest.approx({"params": 2 * shard, "grads": 4 * shard, "optimizer": 12 * shard / d}, rel=1e-9)
     assert state[False] == pytest.approx({"params": 2 * shard, "grads": 4 * shard, "optimizer": 12 * shard}, rel=1e-9)
 

@@ -8,12 +8,11 @@ The planner must never be below it: a user who plans by it must not run out of m
 from __future__ import annotations
 
 import pytest
-from conftest import make_config, make_layout, roles
+from conftest import make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.predict import predict, rank_host_bytes
-from rlbatch.plan.workload import workload_from_config
 
 QWEN2_5_0_5B = dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                     num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=32768)
@@ -27,7 +26,7 @@ def _prediction():  # type: ignore[no-untyped-def]
                                                 "mini_batches": 1},
                       roles=roles("fsdp:d2", "hf:d2", [0, 1], [0, 1], actor_train=off, actor_infer=off, reference=off))
     shape = shape_from_config(cfg["model"], vocab=151936)
-    p = predict(make_layout(cfg), shape, workload_from_config(cfg, response_mean=4.0), load_hardware("cpu"))
+    p = predict(make_layout(cfg), shape, workload_of(cfg, response_mean=4.0), load_hardware("cpu"))
     return p, next(g for g in p.gpus if "actor_train" in g.roles)
 
 

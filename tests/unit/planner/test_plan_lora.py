@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_config, make_layout, roles
+from conftest import make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.plan.memory import role_memory
-from rlbatch.plan.workload import workload_from_config
 from tests.unit.planner.test_plan_packing import Q7B
 
 
 def _memory(rank: int):  # type: ignore[no-untyped-def]
     cfg = make_config(roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"),
                       model={"lora": {"rank": rank}})
-    w = workload_from_config(cfg, 512, 0.5)
+    w = workload_of(cfg, 512, 0.5)
     lay = make_layout(cfg)
     hw = load_hardware("h100_sxm")
     ref = lay.roles.get("reference")
@@ -43,7 +42,7 @@ def test_deepspeed_with_lora_keeps_gradients_and_adam_state_of_the_adapters_only
         cfg = make_config(roles=roles("deepspeed:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"),
                           model={"lora": {"rank": rank}})
         cfg["roles"]["actor_train"]["engine_args"] = {"zero_stage": stage}
-        return role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg, 512, 0.5), 2,
+        return role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_of(cfg, 512, 0.5), 2,
                            load_hardware("h100_sxm"))
 
     full, ada = memory(0), memory(16)
@@ -60,7 +59,7 @@ def test_lora_training_skips_the_base_weights_gradients() -> None:
     def train(rank: int) -> float:
         cfg = make_config(roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"),
                           model={"lora": {"rank": rank}})
-        phase = predict(make_layout(cfg), Q7B, workload_from_config(cfg, 512, 0.5), load_hardware("h100_sxm")).phase("train")
+        phase = predict(make_layout(cfg), Q7B, workload_of(cfg, 512, 0.5), load_hardware("h100_sxm")).phase("train")
         assert phase is not None
         return phase.features["roofline"]
 
@@ -82,7 +81,7 @@ def test_search_proposes_lora_where_full_fine_tuning_fits_nowhere(gpus: int, lor
     cfg = make_config(model={"path": str(MODELS / "qwen2_5_7b")},
                       algo={"max_new_tokens": 512, "prompts_per_step": 8, "samples_per_prompt": 4},
                       roles=roles("fsdp:d1", "vllm:d1", "list(range(0,1))", "list(range(0,1))", max_tokens=None))
-    best, stats = search(cfg, gpus, 8, Q7B, workload_from_config(cfg, 256, 0.5), load_hardware("h100_sxm"),
+    best, stats = search(cfg, gpus, 8, Q7B, workload_of(cfg, 256, 0.5), load_hardware("h100_sxm"),
                          Coefficients(), "auto", top=3)
     assert best and stats["lora"] == lora and stats["invalid"] == 0
     assert all(c.lora == lora for c in best)
@@ -100,7 +99,7 @@ def test_with_lora_the_reference_phase_runs_on_the_policys_base() -> None:
 
     cfg = make_config(roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"),
                       model={"lora": {"rank": 16}})
-    lay, w = make_layout(cfg), workload_from_config(cfg, 512, 0.5)
+    lay, w = make_layout(cfg), workload_of(cfg, 512, 0.5)
     assert "reference" in cfg["roles"] and "reference" not in lay.roles and w.kl
     by_name = {p.name: p for p in planned_phases(lay, w)}
     assert "ref_logprobs" not in by_name and by_name["base_logprobs"].active == {"actor_train": ("params",)}
@@ -119,7 +118,7 @@ def test_an_adapter_sync_into_vllm_moves_the_adapters_alone(sync: str, smaller: 
     def seconds(rank: int) -> float:
         cfg = make_config(roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))"),
                           model={"lora": {"rank": rank, "sync": sync}})
-        phase = predict(make_layout(cfg), Q7B, workload_from_config(cfg, 512, 0.5), load_hardware("h100_sxm")).phase("sync")
+        phase = predict(make_layout(cfg), Q7B, workload_of(cfg, 512, 0.5), load_hardware("h100_sxm")).phase("sync")
         assert phase is not None
         return phase.seconds
 

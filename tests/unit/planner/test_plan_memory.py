@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MODELS, make_config, make_layout, roles
+from conftest import MODELS, make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.engines.vllm import VLLMArgs
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.memory import role_memory
 from rlbatch.plan.predict import predict
-from rlbatch.plan.workload import workload_from_config
 
 Q7B = shape_from_config({"path": str(MODELS / "qwen2_5_7b")})
 COLOCATED_8 = roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", micro_batch=4)
@@ -21,15 +20,15 @@ def _predict(hw_name: str = "h100_sxm", **over):  # type: ignore[no-untyped-def]
     cfg = make_config(**over)
     hw = load_hardware(hw_name, over.pop("hw", None))
     shape = shape_from_config(cfg["model"])
-    return predict(make_layout(cfg), shape, workload_from_config(cfg, 512), hw)
+    return predict(make_layout(cfg), shape, workload_of(cfg, 512), hw)
 
 
 @pytest.mark.parametrize("d", [1, 2, 8])
 def test_fsdp_model_states_are_16_bytes_per_param_over_the_shards(d: int, h100) -> None:  # type: ignore[no-untyped-def]
     cfg = make_config(roles=roles(f"fsdp:d{d}", f"vllm:d{d}", f"list(range(0,{d}))", f"list(range(0,{d}))"))
-    m = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg), 2, h100)
+    m = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_of(cfg), 2, h100)
     assert sum(m.state.values()) == pytest.approx(16 * Q7B.params / d)
-    ref = role_memory(make_layout(cfg).roles["reference"], Q7B, workload_from_config(cfg), 2, h100)
+    ref = role_memory(make_layout(cfg).roles["reference"], Q7B, workload_of(cfg), 2, h100)
     # The forward-only reference holds its shards in the compute dtype (bf16 on a GPU): no fp32 masters.
     assert ref.state == {"params": pytest.approx(2 * Q7B.params / d)}
 
@@ -39,7 +38,7 @@ def test_tensor_parallel_divides_weights_and_activations(h100) -> None:  # type:
     full = {"engine_args": {"share_prompts": False}}
     base = make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", actor_train=full))
     tp = make_config(algo=ALGO, roles=roles("fsdp:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))", actor_train=full))
-    w = workload_from_config(base, 512)
+    w = workload_of(base, 512)
     a = role_memory(make_layout(base).roles["actor_train"], Q7B, w, 2, h100)
     b = role_memory(make_layout(tp).roles["actor_train"], Q7B, w, 2, h100)
     # d*t shards of the decoder layers' linear weights either way; the rest (embedding, LM head,
@@ -60,7 +59,7 @@ def test_fsdp_tensor_parallel_ranks_each_compute_the_whole_vocabularys_logits(h1
         train = "list(range(0,8))" if spec.endswith("t2") else "list(range(0,4))"
         own = full if spec.startswith("fsdp") else {}  # share_prompts is the fsdp engine's option
         cfg = make_config(algo=ALGO, roles=roles(spec, "vllm:d8", train, "list(range(0,8))", actor_train=own))
-        mem[spec] = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg, 512), 2, h100)
+        mem[spec] = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_of(cfg, 512), 2, h100)
     for phase in ("logprobs", "train"):
         assert mem["fsdp:d4t2"].transient[phase]["logits"] == pytest.approx(mem["fsdp:d4"].transient[phase]["logits"])
         assert mem["megatron:d4t2"].transient[phase]["logits"] == pytest.approx(
@@ -69,7 +68,7 @@ def test_fsdp_tensor_parallel_ranks_each_compute_the_whole_vocabularys_logits(h1
 
 def test_vllm_reserves_its_share_of_the_gpu(h100) -> None:  # type: ignore[no-untyped-def]
     cfg = make_config(roles=COLOCATED_8)
-    m = role_memory(make_layout(cfg).roles["actor_infer"], Q7B, workload_from_config(cfg), 2, h100)
+    m = role_memory(make_layout(cfg).roles["actor_infer"], Q7B, workload_of(cfg), 2, h100)
     reserved = m.state["params"] + m.state["kv_cache"] + m.transient["generate"]["activations"]
     assert reserved == pytest.approx(VLLMArgs.gpu_memory_utilization * h100.hbm_bytes)
     assert m.state["params"] == pytest.approx(2 * Q7B.params)
@@ -135,7 +134,7 @@ def test_shared_prompts_hold_each_prompt_once_in_activations_and_logits(h100) ->
     off = {"engine_args": {"share_prompts": False}}
     shared = make_config(algo=algo, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     full = make_config(algo=algo, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", actor_train=off))
-    w = workload_from_config(shared, 512)
+    w = workload_of(shared, 512)
     a = role_memory(make_layout(shared).roles["actor_train"], Q7B, w, 2, h100).transient["train"]
     b = role_memory(make_layout(full).roles["actor_train"], Q7B, w, 2, h100).transient["train"]
     assert a["logits"] == pytest.approx(b["logits"] * (2 + 16 * 1023) / (16 * 1536))
@@ -154,7 +153,7 @@ def test_megatron_activations_follow_its_sequence_parallelism(h100) -> None:  # 
     m = make_config(algo=ALGO, roles=roles("megatron:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     no_sp = make_config(algo=ALGO, roles=roles("megatron:d4t2", "vllm:d8", "list(range(0,8))", "list(range(0,8))",
                                                actor_train={"engine_args": {"sequence_parallel": False}}))
-    w = workload_from_config(f, 512)
+    w = workload_of(f, 512)
     a, b, c = (role_memory(make_layout(x).roles["actor_train"], Q7B, w, 2, h100).transient["train"]["activations"]
                for x in (f, m, no_sp))
     s = w.seq_len
@@ -170,7 +169,7 @@ def test_megatron_context_parallelism_splits_activations_and_keeps_the_whole_row
     mem = {}
     for spec in ("megatron:d8", "megatron:d4c2"):
         cfg = make_config(algo=ALGO, roles=roles(spec, "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
-        mem[spec] = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_from_config(cfg, 512), 2, h100)
+        mem[spec] = role_memory(make_layout(cfg).roles["actor_train"], Q7B, workload_of(cfg, 512), 2, h100)
     for phase in ("logprobs", "train"):
         a, b = mem["megatron:d8"].transient[phase], mem["megatron:d4c2"].transient[phase]
         assert b["activations"] == pytest.approx(a["activations"], rel=1e-6)
@@ -186,7 +185,7 @@ def test_megatron_hybrid_layout_splits_the_routed_experts_by_its_ffn_dims(h100) 
     model = {"path": str(MODELS / "qwen1_5_moe_a2_7b")}
     one = make_config(algo=ALGO, model=model, roles=roles("megatron:d4t2", "vllm:d8", ranks, ranks))
     hybrid = make_config(algo=ALGO, model=model, roles=roles("megatron:(attn:d4t2|ffn:t2e4)", "vllm:d8", ranks, ranks))
-    w = workload_from_config(one, 512)
+    w = workload_of(one, 512)
     a, b = (role_memory(make_layout(x).roles["actor_train"], moe, w, 2, h100) for x in (one, hybrid))
     experts = moe.layers * moe.expert_params
     assert sum(a.state.values()) - sum(b.state.values()) == pytest.approx(18 * experts * (1 / 2 - 1 / 8))

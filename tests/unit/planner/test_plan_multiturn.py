@@ -4,20 +4,19 @@ runs turn by turn over the growing context, and env steps lie on each trajectory
 from __future__ import annotations
 
 import pytest
-from conftest import make_config, make_layout
+from conftest import make_config, make_layout, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import ModelShape
 from rlbatch.models.spec import spec_from_config
 from rlbatch.plan.predict import predict
-from rlbatch.plan.workload import workload_from_config
 
 ALGO = {"max_new_tokens": 4, "prompts_per_step": 8, "samples_per_prompt": 8}
 
 
 def _plan(env: dict, **episodes: float):  # type: ignore[no-untyped-def]
     cfg = make_config(env=env, algo=ALGO, data={"name": "none"} if env else {})
-    w = workload_from_config(cfg, response_mean=2.0, **episodes)
+    w = workload_of(cfg, response_mean=2.0, **episodes)
     return w, predict(make_layout(cfg), ModelShape.of(spec_from_config(cfg["model"])), w, load_hardware("cpu"))
 
 
@@ -55,7 +54,7 @@ def test_env_workers_add_their_round_trips_to_the_generate_phase() -> None:
     env = {"name": "running_sum", "max_turns": 3}
     _, local = _plan(env, observation_len=3.0)
     cfg = make_config(env=env, algo=ALGO, data={"name": "none"}, roles={"env": {"world_size": 2}})
-    w = workload_from_config(cfg, response_mean=2.0, observation_len=3.0)
+    w = workload_of(cfg, response_mean=2.0, observation_len=3.0)
     remote = predict(make_layout(cfg), ModelShape.of(spec_from_config(cfg["model"])), w, load_hardware("cpu"))
     assert w.env_workers == 2 and local.phase("generate").features.get("env_calls") is None  # type: ignore[union-attr]
     gen = remote.phase("generate")

@@ -6,15 +6,16 @@ not taken from the planner."""
 from __future__ import annotations
 
 import pytest
-from conftest import MODELS, make_config, make_layout, roles
+from conftest import MODELS, make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
+from rlbatch.plan.activations import CHUNK_BYTES
 from rlbatch.plan.coefficients import Coefficients
-from rlbatch.plan.memory import CHUNK_BYTES, role_memory, token_budget
+from rlbatch.plan.memory import role_memory
+from rlbatch.plan.passes import token_budget
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import budgets, packing_roles, search, with_budget
-from rlbatch.plan.workload import workload_from_config
 
 Q7B = shape_from_config({"path": str(MODELS / "qwen2_5_7b")})
 # Qwen2.5-7B: hidden 3584, 28 heads of 128, 4 KV heads (512 wide), SwiGLU 18944, vocab 152064, 28 layers.
@@ -28,7 +29,7 @@ LONGEST, RESPONSE_MAX = 512 + 1024, 1024
 def _memory(budget: int | None, hw_name: str = "h100_sxm", role: str = "actor_train"):  # type: ignore[no-untyped-def]
     cfg = make_config(algo=ALGO, roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))",
                                              max_tokens=budget))
-    w = workload_from_config(cfg, 512, 0.5)
+    w = workload_of(cfg, 512, 0.5)
     return role_memory(make_layout(cfg).roles[role], Q7B, w, 2, load_hardware(hw_name)), w
 
 
@@ -100,7 +101,7 @@ def test_packed_time_follows_real_tokens_padded_time_the_longest() -> None:
         cfg = make_config(algo=ALGO | {"max_new_tokens": cap},
                           roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))", max_tokens=budget,
                                       actor_train={"engine_args": {"share_prompts": False}}))
-        p = predict(make_layout(cfg), Q7B, workload_from_config(cfg, 512, 512.0), load_hardware("h100_sxm"))
+        p = predict(make_layout(cfg), Q7B, workload_of(cfg, 512, 512.0), load_hardware("h100_sxm"))
         phase = p.phase("train")
         assert phase is not None
         return phase.features["roofline"]
@@ -114,7 +115,7 @@ def _search_case() -> tuple[dict, object]:  # type: ignore[type-arg]
     cfg = make_config(model={"path": str(MODELS / "qwen2_5_7b")},
                       algo={"max_new_tokens": 1024, "prompts_per_step": 16, "samples_per_prompt": 8},
                       roles=roles("fsdp:d4", "vllm:d4", "list(range(0,4))", "list(range(4,8))", max_tokens=None))
-    return cfg, workload_from_config(cfg, 512, 0.5)
+    return cfg, workload_of(cfg, 512, 0.5)
 
 
 def test_search_picks_the_largest_budget_that_fits() -> None:
@@ -156,7 +157,7 @@ def test_the_log_prob_estimate_matches_a_cpu_measurement() -> None:
     on that row come within 1 %."""
     from rlbatch.models.shape import ModelShape
     from rlbatch.plan import activations as act
-    from rlbatch.plan.memory import mask_bytes, packed_logits_bytes
+    from rlbatch.plan.activations import mask_bytes, packed_logits_bytes
 
     shape = ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=256, vocab=151936)
     T, K, e = 886.0, 765.0, 4
@@ -168,7 +169,7 @@ def test_megatron_under_a_budget_is_modelled_as_its_padded_micro_batches(h100) -
     """megatron meets a token budget with padded rows: a micro-batch of as many mean-length samples as
     the budget holds (8192 / (512 + 512) = 8 here, 2 at 2048), each padded to the longest: its memory
     and time are those of padded micro-batches of that many sequences."""
-    from rlbatch.plan.memory import budget_micro_batch, padded_budget
+    from rlbatch.plan.passes import budget_micro_batch, padded_budget
 
     def layout(budget: int | None, micro_batch: int = 0):  # type: ignore[no-untyped-def]
         args = {"engine_args": {"max_tokens_per_micro_batch": budget} if budget is not None else {}}
@@ -176,7 +177,7 @@ def test_megatron_under_a_budget_is_modelled_as_its_padded_micro_batches(h100) -
             args["engine_args"]["micro_batch"] = micro_batch
         cfg = make_config(algo=ALGO | {"grad_accum": 4}, roles=roles("megatron:d8", "vllm:d8", "list(range(0,8))",
                                                                      "list(range(0,8))", actor_train=args, reference=args))
-        return make_layout(cfg), workload_from_config(cfg, 512, 0.5)
+        return make_layout(cfg), workload_of(cfg, 512, 0.5)
 
     (lay, w), (small, _) = layout(8192), layout(2048)
     r = lay.roles["actor_train"]

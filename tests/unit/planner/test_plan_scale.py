@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import time
 
-from conftest import MODELS, make_config, make_layout, roles
+from conftest import MODELS, make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import search
-from rlbatch.plan.workload import workload_from_config
 
 BIG = make_config(
     model={"path": str(MODELS / "qwen2_5_72b")},
@@ -27,7 +26,7 @@ BIG = make_config(
 
 def test_predicting_1024_gpus_takes_well_under_two_seconds() -> None:
     layout = make_layout(BIG)
-    shape, w, hw = shape_from_config(BIG["model"]), workload_from_config(BIG, 512), load_hardware("h100_sxm")
+    shape, w, hw = shape_from_config(BIG["model"]), workload_of(BIG, 512), load_hardware("h100_sxm")
     t0 = time.perf_counter()
     p = predict(layout, shape, w, hw)
     assert time.perf_counter() - t0 < 2.0
@@ -35,7 +34,7 @@ def test_predicting_1024_gpus_takes_well_under_two_seconds() -> None:
 
 
 def test_searching_500_candidates_takes_under_thirty_seconds() -> None:
-    shape, w, hw = shape_from_config(BIG["model"]), workload_from_config(BIG, 512), load_hardware("h100_sxm")
+    shape, w, hw = shape_from_config(BIG["model"]), workload_of(BIG, 512), load_hardware("h100_sxm")
     t0 = time.perf_counter()
     best, stats = search(BIG, 1024, 8, shape, w, hw, Coefficients(), "auto", top=3)
     assert time.perf_counter() - t0 < 30.0

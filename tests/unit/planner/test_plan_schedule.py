@@ -6,17 +6,16 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from conftest import make_config, make_layout, roles
+from conftest import make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.predict import predict
-from rlbatch.plan.workload import workload_from_config
 
 
 def _pred(**over):  # type: ignore[no-untyped-def]
     cfg = make_config(**over)
-    return predict(make_layout(cfg), shape_from_config(cfg["model"]), workload_from_config(cfg), load_hardware("cpu"))
+    return predict(make_layout(cfg), shape_from_config(cfg["model"]), workload_of(cfg), load_hardware("cpu"))
 
 
 def test_colocated_roles_take_turns_and_move_their_state() -> None:
@@ -57,7 +56,7 @@ def test_offload_off_keeps_everything_resident() -> None:
 
 def test_disaggregated_inference_never_offloads_and_phases_may_overlap() -> None:
     cfg = make_config(roles=roles("fsdp:d1", "hf:d1", [0], [1]))
-    args = (make_layout(cfg), shape_from_config(cfg["model"]), workload_from_config(cfg), load_hardware("cpu"))
+    args = (make_layout(cfg), shape_from_config(cfg["model"]), workload_of(cfg), load_hardware("cpu"))
     p = predict(*args)
     infer = next(g for g in p.gpus if g.roles == ("actor_infer",))
     assert not any(infer.offload_bytes.values())
@@ -79,7 +78,7 @@ def test_the_step_is_the_critical_path_of_its_phases_and_the_controller() -> Non
 
 
 def test_old_logprobs_leave_out_the_first_mini_batch_of_a_single_epoch() -> None:
-    base = workload_from_config(make_config())
+    base = workload_of(make_config())
     assert base.mini_batches == 2 and base.old_logprob_sequences == base.sequences // 2
     assert replace(base, epochs=2).old_logprob_sequences == base.sequences
     assert replace(base, kl_in_reward=True).old_logprob_sequences == base.sequences
@@ -107,7 +106,7 @@ def test_asynchronous_generation_runs_beside_the_step_and_the_sync_waits_for_it(
     the step is that plus the sync (plus the controller's fixed cost, as synchronously)."""
     cfg = make_config(roles=roles("fsdp:d1", "hf:d1", [0], [1]))
     cfg["algo"]["max_staleness"] = 1
-    args = (make_layout(cfg), shape_from_config(cfg["model"]), workload_from_config(cfg), load_hardware("cpu"))
+    args = (make_layout(cfg), shape_from_config(cfg["model"]), workload_of(cfg), load_hardware("cpu"))
     p = predict(*args)
     ph = {t.name: t for t in p.phases}
     assert ph["generate"].start == 0 and ph["ref_logprobs"].start == ph["score"].start == 0
@@ -115,17 +114,17 @@ def test_asynchronous_generation_runs_beside_the_step_and_the_sync_waits_for_it(
     rest = max(ph["train"].end, ph["score"].end)
     assert ph["sync"].start == pytest.approx(max(ph["generate"].end, rest))
     sync_ = dict(cfg, algo={**cfg["algo"], "max_staleness": 0})
-    s = predict(make_layout(sync_), shape_from_config(sync_["model"]), workload_from_config(sync_), load_hardware("cpu"))
+    s = predict(make_layout(sync_), shape_from_config(sync_["model"]), workload_of(sync_), load_hardware("cpu"))
     fixed = s.step_s - ph_end(s)
     assert p.step_s == pytest.approx(ph["sync"].end + fixed)
     assert p.step_s == pytest.approx(s.step_s - ph["generate"].total_s + max(0.0, ph["generate"].end - rest))
     assert any("max_staleness=1: generation runs beside" in n for n in p.notes)
     colocated = make_config(roles=roles("fsdp:d1", "hf:d1", [0], [0]))
     colocated["algo"]["max_staleness"] = 1
-    c = predict(make_layout(colocated), shape_from_config(colocated["model"]), workload_from_config(colocated),
+    c = predict(make_layout(colocated), shape_from_config(colocated["model"]), workload_of(colocated),
                 load_hardware("cpu"))
     colocated["algo"]["max_staleness"] = 0
-    c0 = predict(make_layout(colocated), shape_from_config(colocated["model"]), workload_from_config(colocated),
+    c0 = predict(make_layout(colocated), shape_from_config(colocated["model"]), workload_of(colocated),
                  load_hardware("cpu"))
     assert c.step_s == pytest.approx(c0.step_s) and any("is synchronous" in n for n in c.notes)
 
@@ -138,7 +137,7 @@ def test_a_reference_on_the_inference_gpus_runs_ahead_with_the_generation() -> N
     cfg["algo"]["max_staleness"] = 1
 
     def pred(c: dict) -> Any:
-        return predict(make_layout(c), shape_from_config(c["model"]), workload_from_config(c), load_hardware("cpu"))
+        return predict(make_layout(c), shape_from_config(c["model"]), workload_of(c), load_hardware("cpu"))
 
     p = pred(cfg)
     ph = {t.name: t for t in p.phases}

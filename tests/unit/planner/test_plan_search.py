@@ -6,7 +6,7 @@ import re
 import shlex
 
 import pytest
-from conftest import MODELS, make_config, roles
+from conftest import MODELS, make_config, roles, workload_of
 
 from rlbatch.checks.validate import check
 from rlbatch.config.compose import compose
@@ -14,7 +14,6 @@ from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.search import candidates, search, splits
-from rlbatch.plan.workload import workload_from_config
 
 ALGO = {"max_new_tokens": 1024, "prompts_per_step": 64, "grad_accum": 8}
 
@@ -33,7 +32,7 @@ def test_splits_stay_on_node_boundaries_beyond_two_nodes() -> None:
 def test_candidates_keep_tp_groups_inside_a_node() -> None:
     cfg = _cfg()
     shape = shape_from_config(cfg["model"])
-    cands = list(candidates(cfg, 16, 8, shape, workload_from_config(cfg, 512)))
+    cands = list(candidates(cfg, 16, 8, shape, workload_of(cfg, 512)))
     assert {c.mode for c in cands} == {"colocated", "disaggregated"}
     for c in cands:
         for r in c.layout.gpu_roles():
@@ -45,7 +44,7 @@ def test_search_ranks_fitting_placements_and_prints_pasteable_overrides() -> Non
     cfg = _cfg()
     hw = load_hardware("h100_sxm")
     shape = shape_from_config(cfg["model"])
-    best, stats = search(cfg, 8, 8, shape, workload_from_config(cfg, 512), hw, Coefficients(), "auto", top=3)
+    best, stats = search(cfg, 8, 8, shape, workload_of(cfg, 512), hw, Coefficients(), "auto", top=3)
     assert stats["candidates"] == stats["fit"] + stats["oom"] and stats["oom"] > 0
     assert len(best) == 3
     steps = [c.prediction.step_s for c in best if c.prediction]
@@ -65,7 +64,7 @@ def test_search_ranks_fitting_placements_and_prints_pasteable_overrides() -> Non
 def test_nothing_fits_on_a_tiny_gpu() -> None:
     cfg = _cfg()
     hw = load_hardware("h100_sxm", {"hbm_bytes": 8e9})
-    best, stats = search(cfg, 8, 8, shape_from_config(cfg["model"]), workload_from_config(cfg, 512), hw,
+    best, stats = search(cfg, 8, 8, shape_from_config(cfg["model"]), workload_of(cfg, 512), hw,
                          Coefficients(), "auto")
     assert best == [] and stats["fit"] == 0
 
@@ -76,7 +75,7 @@ def test_other_training_engines_get_their_own_dims(engine: str) -> None:
     cfg = make_config(model={"path": str(MODELS / "qwen2_5_7b")}, algo=ALGO,
                       roles=roles(spec, "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     specs = {str(c.layout.roles["actor_train"].backend)
-             for c in candidates(cfg, 8, 8, shape_from_config(cfg["model"]), workload_from_config(cfg, 512))}
+             for c in candidates(cfg, 8, 8, shape_from_config(cfg["model"]), workload_of(cfg, 512))}
     assert all(s.startswith(engine) for s in specs)
     if engine == "megatron":
         assert any("p" in s.split(":")[1] for s in specs)
@@ -88,7 +87,7 @@ def test_megatron_expert_parallelism_is_proposed_only_as_the_engine_splits_exper
     cfg = make_config(model={"path": str(MODELS / "qwen1_5_moe_a2_7b")}, algo=ALGO,
                       roles=roles("megatron:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     specs = {str(c.layout.roles["actor_train"].backend)
-             for c in candidates(cfg, 8, 8, shape_from_config(cfg["model"]), workload_from_config(cfg, 512))}
+             for c in candidates(cfg, 8, 8, shape_from_config(cfg["model"]), workload_of(cfg, 512))}
     with_e = [s for s in specs if "e" in s.split(":")[1]]
     assert with_e, specs
     for s in with_e:

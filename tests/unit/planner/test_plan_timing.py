@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MODELS, make_config, make_layout, roles
+from conftest import MODELS, make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan import comm, timing
 from rlbatch.plan.predict import predict
-from rlbatch.plan.workload import workload_from_config
 
 LINK = comm.Link(bw=100e9, alpha=2e-6)
 
@@ -38,7 +37,7 @@ def test_groups_across_nodes_use_the_nic() -> None:
 
 def _pred(hw: str = "h100_sxm", response: float | None = None, **over):  # type: ignore[no-untyped-def]
     cfg = make_config(**over)
-    return predict(make_layout(cfg), shape_from_config(cfg["model"]), workload_from_config(cfg, 512, response),
+    return predict(make_layout(cfg), shape_from_config(cfg["model"]), workload_of(cfg, 512, response),
                    load_hardware(hw))
 
 
@@ -137,5 +136,5 @@ def test_commanding_ranks_costs_a_wakeup_each_only_on_an_oversubscribed_cpu_node
     gpu = load_hardware("h100_sxm")
     assert timing.command(8, gpu, two) == pytest.approx(8 * timing.WORKER_OPS * gpu.op_overhead_s)
     # the phase's feature counts the ranks it commands: 2 colocated, 1 per role disaggregated
-    p = predict(two, shape_from_config(make_config()["model"]), workload_from_config(make_config()), cpu)
+    p = predict(two, shape_from_config(make_config()["model"]), workload_of(make_config()), cpu)
     assert p.phase("train").features["workers"] == pytest.approx(timing.command(2, cpu, two))  # type: ignore[union-attr]

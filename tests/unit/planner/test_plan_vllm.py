@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import MODELS, make_config, make_layout, roles
+from conftest import MODELS, make_config, make_layout, roles, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.engines.vllm.cost import decode_batches, tokens_per_sequence
@@ -15,7 +15,6 @@ from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.memory import role_memory
 from rlbatch.plan.predict import predict
 from rlbatch.plan.search import infer_dims, search
-from rlbatch.plan.workload import workload_from_config
 
 TINY = {"num_heads": 2, "num_kv_heads": 1}  # head_dim 32, as vLLM's CPU attention needs
 
@@ -23,7 +22,7 @@ TINY = {"num_heads": 2, "num_kv_heads": 1}  # head_dim 32, as vLLM's CPU attenti
 def _cpu_memory(kv_cache_mb: int | None):  # type: ignore[no-untyped-def]
     args = {"engine_args": {"kv_cache_mb": kv_cache_mb}} if kv_cache_mb is not None else {}
     cfg = make_config(model=TINY, cluster={"device": "cpu"}, roles=roles("fsdp:d2", "vllm:d2", [0, 1], [0, 1], actor_infer=args))
-    w = workload_from_config(cfg)
+    w = workload_of(cfg)
     return role_memory(make_layout(cfg).roles["actor_infer"], shape_from_config(cfg["model"]), w, 4, load_hardware("cpu")), w
 
 
@@ -44,12 +43,12 @@ def test_gpu_kv_cache_mb_replaces_gpu_memory_utilization() -> None:
                       roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))",
                                   actor_infer={"engine_args": {"kv_cache_mb": 10240, "dtype": "fp16"}}))
     shape = shape_from_config(cfg["model"])
-    m = role_memory(make_layout(cfg).roles["actor_infer"], shape, workload_from_config(cfg, 512), 2, load_hardware("h100_sxm"))
+    m = role_memory(make_layout(cfg).roles["actor_infer"], shape, workload_of(cfg, 512), 2, load_hardware("h100_sxm"))
     assert m.state == {"params": pytest.approx(2 * shape.params), "kv_cache": 10240 * 2**20}
 
 
 def test_prefix_caching_shares_a_prompts_full_blocks_within_its_group() -> None:
-    w = replace(workload_from_config(make_config(), 500), samples_per_prompt=8, response_max=256)
+    w = replace(workload_of(make_config(), 500), samples_per_prompt=8, response_max=256)
     # GPU, 16-token blocks: 496 prompt tokens in full blocks shared by 8 samples (62 each), the
     # other 4 + 256 tokens in 17 blocks of the sequence's own (272).
     assert tokens_per_sequence(w, 16) == pytest.approx(62 + 272)
@@ -71,7 +70,7 @@ def _generate(prompts: int, **algo: int):  # type: ignore[no-untyped-def]
                       algo={"prompts_per_step": prompts, "samples_per_prompt": 1, "max_new_tokens": 256, **algo},
                       roles=roles("fsdp:d8", "vllm:d8", "list(range(0,8))", "list(range(0,8))"))
     shape = shape_from_config(cfg["model"])
-    w = workload_from_config(cfg, 512, 1.0)  # every response runs to the cap: 256 decode steps
+    w = workload_of(cfg, 512, 1.0)  # every response runs to the cap: 256 decode steps
     p = predict(make_layout(cfg), shape, w, load_hardware("h100_sxm"))
     g = p.phase("generate")
     assert g is not None
@@ -106,7 +105,7 @@ def test_search_chooses_tensor_parallel_vllm_when_one_gpu_cannot_hold_the_model(
                       algo={"max_new_tokens": 512, "prompts_per_step": 64, "grad_accum": 8},
                       roles=roles("fsdp:d64", "vllm:d64", "list(range(0,64))", "list(range(0,64))", micro_batch=1))
     shape = shape_from_config(cfg["model"])
-    best, stats = search(cfg, 64, 8, shape, workload_from_config(cfg, 512), load_hardware("h100_sxm"), Coefficients(),
+    best, stats = search(cfg, 64, 8, shape, workload_of(cfg, 512), load_hardware("h100_sxm"), Coefficients(),
                          "auto", top=3)
     assert best, stats
     # 145 GB of bf16 weights do not fit on one 80 GB GPU: every winner splits vLLM over t >= 2.

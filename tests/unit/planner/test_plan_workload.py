@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_config, make_layout
+from conftest import make_config, make_layout, workload_of
 
 from rlbatch.config.hardware import load_hardware
 from rlbatch.models.shape import shape_from_config
 from rlbatch.plan.predict import predict
-from rlbatch.plan.workload import SYNTHETIC_PROMPT_LEN, expected_rounds, workload_from_config
+from rlbatch.plan.workload import SYNTHETIC_PROMPT_LEN, expected_rounds
 
 
 def test_defaults_of_the_default_experiment() -> None:
-    w = workload_from_config(make_config())
+    w = workload_of(make_config())
     assert w.sequences == 16 * 8 and w.prompt_len == SYNTHETIC_PROMPT_LEN and w.response_max == 8
     assert w.kl and not w.critic and not w.prompt_len_assumed and w.response_assumed
 
 
 @pytest.mark.parametrize(("mean", "cap"), [(2, 8), (4.8, 8), (8, 8), (300, 2048), (2000, 2048)])
 def test_survival_has_the_requested_mean_and_reaches_the_cap(mean: float, cap: int) -> None:
-    w = workload_from_config(make_config(algo={"max_new_tokens": cap}), response_mean=mean)
+    w = workload_of(make_config(algo={"max_new_tokens": cap}), response_mean=mean)
     s = w.survival()
     assert len(s) == cap and s[0] == pytest.approx(1.0) and s[-1] > 0
     assert s.sum() == pytest.approx(mean, rel=1e-6)
@@ -27,7 +27,7 @@ def test_survival_has_the_requested_mean_and_reaches_the_cap(mean: float, cap: i
 
 
 def test_measured_tokens_replace_the_assumptions() -> None:
-    w = workload_from_config(make_config(data={"name": "file", "path": "x.jsonl"}))
+    w = workload_of(make_config(data={"name": "file", "path": "x.jsonl"}))
     assert w.prompt_len_assumed
     m = w.with_measured(generated=128 * 3.0, total=128 * 10.0, response_max=6)
     assert (m.response_mean, m.prompt_len, m.response_max) == (3.0, 7.0, 6)
@@ -52,10 +52,10 @@ def test_expected_rounds_by_hand() -> None:
 
 def test_dynamic_sampling_sets_the_rounds_from_the_assumed_fraction() -> None:
     plain = make_config(algo={"dynamic_sampling": True, "prompts_per_step": 2, "max_sampling_rounds": 3})
-    assert workload_from_config(plain).generation_rounds == pytest.approx(1.75 + 5 / 16)  # default 0.5
-    assert workload_from_config(plain, zero_variance_frac=0.0).generation_rounds == 1.0
-    assert workload_from_config(make_config()).generation_rounds == 1.0  # no dynamic sampling
-    measured = workload_from_config(plain).with_measured(None, None, None, rounds=2.0)
+    assert workload_of(plain).generation_rounds == pytest.approx(1.75 + 5 / 16)  # default 0.5
+    assert workload_of(plain, zero_variance_frac=0.0).generation_rounds == 1.0
+    assert workload_of(make_config()).generation_rounds == 1.0  # no dynamic sampling
+    measured = workload_of(plain).with_measured(None, None, None, rounds=2.0)
     assert measured.generation_rounds == 2.0
 
 
@@ -64,7 +64,7 @@ def test_the_rounds_multiply_generate_and_score_only() -> None:
     out = {}
     for dynamic in (False, True):
         cfg = make_config(algo={"dynamic_sampling": dynamic, "prompts_per_step": 2, "max_sampling_rounds": 3})
-        w = workload_from_config(cfg)
+        w = workload_of(cfg)
         out[dynamic] = predict(make_layout(cfg), shape_from_config(cfg["model"]), w, hw)
     rounds = 1.75 + 5 / 16
     for name in ("generate", "score"):
