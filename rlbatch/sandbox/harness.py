@@ -18,10 +18,13 @@ Two processes, so that nothing the tested code does can decide a test's outcome:
 
 Before the subject runs any code: with ``isolate_fs`` (inside fresh user, mount, pid and network
 namespaces), every mount is remounted read-only and private tmpfs mounts cover ``/tmp``,
-``/var/tmp`` and ``/dev/shm``; with ``drop_caps``, no capabilities; always, resource limits and a
-seccomp filter that refuses (EPERM) the system calls that act on another process (signals,
-ptrace, process_vm_*, pidfd_*, another process's rlimits, priority or affinity) and leaving the
-process group (so killing the group ends every process the code started). The judge is not
+``/var/tmp`` and ``/dev/shm``; with ``drop_caps``, no capabilities; always, where the kernel has
+Landlock, a file system limited to its own directory, the scratch places, the device files and,
+read-only, the system's and the interpreter's directories (``limit_files``), then resource limits
+and a seccomp filter that refuses (EPERM) the system calls that act on another process (signals,
+ptrace, process_vm_*, pidfd_*, another process's rlimits, priority or affinity), leaving the
+process group (so killing the group ends every process the code started), and the network:
+``socket`` and ``socketpair`` for any family but AF_UNIX, and io_uring. The judge is not
 dumpable: the subject can neither trace it nor open its ``/proc/<pid>/mem`` or ``fd``.
 """
 
@@ -32,6 +35,7 @@ import os
 import resource
 import select
 import signal
+import stat
 import struct
 import sys
 import time
@@ -44,25 +48,49 @@ _FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_
 PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 4, 22, 38, 24
 
 # System calls the subject may not make, per architecture: (audit arch, always refused, refused
-# unless their first argument, a pid, is 0 = the caller). Numbers from the kernel's syscall tables.
+# unless their first argument, a pid, is 0 = the caller, refused unless their first argument, an
+# address family, is AF_UNIX). Numbers from the kernel's syscall tables. io_uring is refused
+# whole: its requests (IORING_OP_SOCKET, IORING_OP_CONNECT...) would reach the network without a
+# socket() call the filter sees. (socketcall, i386's way to open a socket, is refused with the
+# rest of that ABI.)
 DENIED_SYSCALLS = {
     "x86_64": (0xC000003E,
                {"kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
                 "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
                 "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438, "process_madvise": 440,
                 "setpriority": 141, "ioprio_set": 251, "migrate_pages": 256, "move_pages": 279,
-                "setsid": 112, "setpgid": 109},
+                "setsid": 112, "setpgid": 109,
+                "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
                {"prlimit64": 302, "sched_setaffinity": 203, "sched_setscheduler": 144, "sched_setparam": 142,
-                "sched_setattr": 314}),
+                "sched_setattr": 314},
+               {"socket": 41, "socketpair": 53}),
     "aarch64": (0xC00000B7,
                 {"kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
                  "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
                  "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438, "process_madvise": 440,
                  "setpriority": 140, "ioprio_set": 30, "migrate_pages": 238, "move_pages": 239,
-                 "setsid": 157, "setpgid": 154},
+                 "setsid": 157, "setpgid": 154,
+                 "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427},
                 {"prlimit64": 261, "sched_setaffinity": 122, "sched_setscheduler": 119, "sched_setparam": 118,
-                 "sched_setattr": 274}),
+                 "sched_setattr": 274},
+                {"socket": 198, "socketpair": 199}),
 }
+AF_UNIX = 1
+# Landlock (Linux >= 5.13, where enabled): the same system call numbers on x86_64 and aarch64.
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1, 2, 4, 8
+FS_ABI1 = (1 << 13) - 1  # the rights of ABI 1: the four above, remove and make (dir, file, fifo, socket...)
+FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3 and 5
+FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+"""The rights a rule on a file (not a directory) may grant."""
+SCOPE_ABSTRACT_UNIX_SOCKET = 1  # ABI 6: no connecting to abstract sockets bound outside the domain
+READ_ONLY_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+"""Beneath these (and the interpreter's own directories) the subject may read and execute; beneath
+``/proc`` and ``/sys`` read; beneath ``/dev`` read and write device files; beneath ``OWN_DIRS``
+anything. Nothing else on the file system can be opened, listed, written or executed."""
+OWN_DIRS = (".", "/tmp", "/var/tmp", "/dev/shm")
+"""Its working directory and the usual scratch places (private tmpfs under namespaces; the node's
+own in process mode, where ``tempfile`` falls back to ``/tmp`` for ``nobody``)."""
 MAX_REPLY = 8 << 20
 """Largest reply the judge reads from the subject (a result bigger than this fails its test)."""
 GRACE_S = 2.0
@@ -132,18 +160,81 @@ def drop_capabilities():
         raise OSError(ctypes.get_errno(), "capset")
 
 
+def landlock_abi():
+    """The kernel's Landlock ABI version; 0 where it has none (older than 5.13, or not enabled)."""
+    abi = _libc().syscall(ctypes.c_long(LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(abi, 0)
+
+
+def _file_rules():
+    """(path, rights) for ``limit_files``: see ``READ_ONLY_DIRS``."""
+    read = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+    interpreter = {os.path.dirname(os.path.realpath(sys.executable)), *sys.path,
+                   *(os.path.join(prefix, "lib") for prefix in (sys.base_prefix, sys.base_exec_prefix))}
+    rules = [(path, read) for path in (*READ_ONLY_DIRS, *sorted(interpreter))]
+    rules += [("/proc", FS_READ_FILE | FS_READ_DIR), ("/sys", FS_READ_FILE | FS_READ_DIR),
+              ("/dev", FS_READ_FILE | FS_WRITE_FILE | FS_READ_DIR | FS_TRUNCATE | FS_IOCTL_DEV)]
+    return rules + [(path, -1) for path in OWN_DIRS]
+
+
+def limit_files():
+    """With Landlock, from here on this process and every process it starts open files only where
+    ``READ_ONLY_DIRS`` says, and (ABI >= 6) connect to no abstract socket bound outside. Returns
+    the ABI in force, 0 where the kernel has no Landlock (then nothing is limited)."""
+    abi = landlock_abi()
+    if abi == 0:
+        return 0
+    libc = _libc()
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    handled = FS_ABI1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) | (
+        FS_IOCTL_DEV if abi >= 5 else 0)
+    # struct landlock_ruleset_attr: handled_access_fs, handled_access_net (ABI 4), scoped (ABI 6).
+    attr = (ctypes.c_uint64 * 3)(handled, 0, SCOPE_ABSTRACT_UNIX_SOCKET if abi >= 6 else 0)
+    ruleset = libc.syscall(ctypes.c_long(LANDLOCK_CREATE_RULESET), ctypes.byref(attr),
+                           ctypes.c_size_t(8 if abi < 4 else 16 if abi < 6 else 24), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+
+    class PathBeneath(ctypes.Structure):  # struct landlock_path_beneath_attr (packed)
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    try:
+        for path, rights in _file_rules():
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this node
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    rights &= FS_FILE_RIGHTS
+                rule = PathBeneath(rights & handled, fd)
+                if libc.syscall(ctypes.c_long(LANDLOCK_ADD_RULE), ctypes.c_int(ruleset), ctypes.c_int(1),
+                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}")
+            finally:
+                os.close(fd)
+        if libc.syscall(ctypes.c_long(LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
 def seccomp_program(machine):
     """The BPF filter (a list of (code, jt, jf, k)) that refuses ``DENIED_SYSCALLS[machine]``."""
-    arch, always, self_only = DENIED_SYSCALLS[machine]
+    arch, always, self_only, unix_only = DENIED_SYSCALLS[machine]
     ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
     prog = [(ld_abs, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny),  # another ABI (i386 via int 0x80)
             (ld_abs, 0, 0, 0), (jge, 0, 1, 0x40000000), (ret, 0, 0, deny)]  # x32 numbers
     for nr in always.values():
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, deny)]
-    for nr in self_only.values():
-        # nr matches: load the low 32 bits of args[0] (the pid_t); 0 is the caller itself.
-        prog += [(jeq, 0, 4, nr), (ld_abs, 0, 0, 16), (jeq, 0, 1, 0), (ret, 0, 0, allow), (ret, 0, 0, deny)]
+    # nr matches: load the low 32 bits of args[0] (a pid_t, an int family: the kernel reads no
+    # more) and allow only the one value: 0 is the caller itself; AF_UNIX stays on this host.
+    for nr, only in [*((nr, 0) for nr in self_only.values()), *((nr, AF_UNIX) for nr in unix_only.values())]:
+        prog += [(jeq, 0, 4, nr), (ld_abs, 0, 0, 16), (jeq, 0, 1, only), (ret, 0, 0, allow), (ret, 0, 0, deny)]
     return prog + [(ret, 0, 0, allow)]
 
 
@@ -332,6 +423,7 @@ def _subject(code, lim, req, rep):
         os.open("/dev/null", os.O_RDONLY)  # fd 0: reads of stdin see its end
     except OSError:
         pass
+    limit_files()
     set_limits(lim)
     deny_other_processes()
     signal.signal(signal.SIGALRM, _alarm)

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from rlbatch.sandbox.harness import DENIED_SYSCALLS
+from rlbatch.sandbox.harness import DENIED_SYSCALLS, OWN_DIRS, READ_ONLY_DIRS, landlock_abi
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +90,28 @@ def resolve(isolation: str) -> str:
         if isolation == "namespaces":
             raise RuntimeError(f"sandbox.isolation=namespaces is not available on this node: {why}")
         log.warning("sandbox: namespaces unavailable (%s); falling back to isolation=process", why)
-    who = "nobody" if runs_as_nobody() else f"this worker's user (uid {os.geteuid()})"
-    log.warning("sandbox: isolation=process: executions run as %s with resource limits, a timeout and a scrubbed "
-                "environment, and cannot signal, trace or re-limit any other process; NOT isolated: the network "
-                "(an execution reaches every host this node reaches) and the file system (it reads and writes "
-                "whatever %s may: %s)", who, who,
-                "world-readable and world-writable files" if runs_as_nobody() else
-                "this user's files, the run directory and the data set included")
+    log.warning("sandbox: %s", process_mode_limits())
     return "process"
+
+
+def process_mode_limits() -> str:
+    """What the ``process`` mode contains on this node, and what it leaves open."""
+    who = "nobody" if runs_as_nobody() else f"this worker's user (uid {os.geteuid()})"
+    common = (f"isolation=process: executions run as {who} with resource limits, a timeout and a scrubbed "
+              "environment, cannot signal, trace or re-limit any other process, and open no socket but AF_UNIX "
+              "ones (no network, io_uring refused)")
+    abi = landlock_abi()
+    if abi:
+        own = ", ".join(d for d in OWN_DIRS if d != ".")
+        return (f"{common}; they open files only in their own directory and {own}, the device files in /dev "
+                f"and, read-only, the interpreter's, {', '.join(READ_ONLY_DIRS)}, /proc and /sys (Landlock ABI {abi}); NOT isolated: "
+                f"the file system beneath those directories (whatever {who} may read or write there: keep data "
+                f"sets and run directories elsewhere), AF_UNIX sockets {who} may connect to, and the node's "
+                "processes (visible in /proc)")
+    return (f"{common}; NOT isolated: the file system (this kernel has no Landlock: an execution reads and writes "
+            f"whatever {who} may: " + ("world-readable and world-writable files" if runs_as_nobody() else
+                                        "this user's files, the run directory and the data set included") +
+            f"), AF_UNIX sockets {who} may connect to, and the node's processes (visible in /proc)")
 
 
 def guard_worker() -> None:

@@ -14,8 +14,11 @@ import dataclasses
 import glob
 import json
 import os
+import secrets
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -24,11 +27,16 @@ from pathlib import Path
 import pytest
 
 from rlbatch.config.limits import Limits
+from rlbatch.sandbox.harness import DENIED_SYSCALLS, landlock_abi, seccomp_program
 from rlbatch.sandbox.runner import Job, Outcome, Sandbox
 
 SENTINEL_DIR = "/var/tmp/rlbatch-sandbox-sentinel"
 SENTINEL = os.path.join(SENTINEL_DIR, "keep.txt")
 SECRET = "sentinel-secret-4711"
+# A data set as a run keeps it: world-readable, in a directory of its own outside the system's.
+DATA_DIR = "/var/lib/rlbatch-sandbox-data"
+DATA = os.path.join(DATA_DIR, "problems.jsonl")
+LANDLOCK = landlock_abi()
 # Timeouts leave a loaded 2-core machine room: only the looping snippets reach them. A loop ends at
 # its test's alarm (5 s of wall time) or, on an idle machine, possibly at the CPU limit: both are
 # accepted for the loops (LOOPS), and the CPU limit is set above the alarm so the alarm usually wins.
@@ -43,6 +51,11 @@ def sandboxes() -> dict[str, Sandbox]:
     with open(SENTINEL, "w") as f:
         f.write(SECRET)
     os.chmod(SENTINEL, 0o644)
+    os.makedirs(DATA_DIR, exist_ok=True)
+    os.chmod(DATA_DIR, 0o755)
+    with open(DATA, "w") as f:
+        f.write(json.dumps({"test": "assert f(1) == 2", "secret": SECRET}) + "\n")
+    os.chmod(DATA, 0o644)
     boxes = {"namespaces": Sandbox(LIMITS, isolation_mode="auto"), "process": Sandbox(LIMITS, isolation_mode="process")}
     assert boxes["namespaces"].mode == "namespaces", "this machine allows user namespaces: auto must choose them"
     return boxes
@@ -85,10 +98,25 @@ HOSTILE: dict[str, tuple[str, list[str], str, int]] = {
                     ["assert True"], "error", 0),
     "opens many files": ("fs = [open('/dev/null') for _ in range(10000)]", ["assert True"], "error: OSError", 0),
     "tries the network (tcp)": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)",
-                                ["assert True"], "error: OSError", 0),
+                                ["assert True"], "error: PermissionError", 0),
+    "tries the network (udp)": ("import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', "
+                                "('1.1.1.1', 53))", ["assert True"], "error: PermissionError", 0),
+    "tries the network (ipv6)": ("import socket\nsocket.socket(socket.AF_INET6).connect(('::1', 22))", ["assert True"],
+                                 "error: PermissionError", 0),
     "tries the network (dns)": ("import socket\nsocket.getaddrinfo('pypi.org', 443)", ["assert True"], "error", 0),
     "tries loopback": ("import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 22))", ["assert True"],
-                       "error: OSError", 0),
+                       "error: PermissionError", 0),
+    "uses AF_UNIX socket pairs": ("import socket\na, b = socket.socketpair()\na.sendall(b'hi')\nassert b.recv(2) == b'hi'\n"
+                                  + GOOD, ["assert f(1) == 2"], "ok", 1),
+    "reads the data set": (f"def f(x):\n    return open('{DATA}').read()", ["assert f(1) == 2"],
+                           "error: PermissionError", 0),
+    "lists the data set's directory": (f"import os\ndef f(x):\n    return os.listdir('{DATA_DIR}')",
+                                       ["assert f(1) == 2"], "error: PermissionError", 0),
+    "uses a temporary file": ("import tempfile\ndef f(x):\n    with tempfile.TemporaryFile() as t:\n"
+                              "        t.write(str(x + 1).encode()); t.seek(0)\n        return int(t.read())",
+                              ["assert f(1) == 2"], "ok", 1),
+    "reads the standard library": ("import json, zoneinfo, sqlite3\ndef f(x):\n    return json.loads(str(x + 1))",
+                                   ["assert f(1) == 2"], "ok", 1),
     "writes outside its directory": (f"open('{SENTINEL}', 'w').write('owned')", ["assert True"], "error", 0),
     "deletes outside": (f"import shutil\nshutil.rmtree('{SENTINEL_DIR}')", ["assert True"], "error", 0),
     "writes the run directory": ("open(__import__('os').environ.get('RLBATCH_RUN_DIR', '/work') + '/x', 'w')",
@@ -226,7 +254,7 @@ HACKS: dict[str, tuple[str, list[str], str, int]] = {
 
 # Code that goes for the worker or the judge; it answers right only when every try was refused.
 FIND = snippet("""
-    import ctypes, os, resource, signal
+    import ctypes, os, resource, signal, socket
     def ppid_of(pid):
         with open(f'/proc/{pid}/stat') as fh:
             return int(fh.read().rsplit(')', 1)[1].split()[1])
@@ -253,10 +281,14 @@ ATTACKS: dict[str, str] = {
     "opens the judge's memory": "tried(open, f'/proc/{judge}/mem', 'rb')",
     "opens the judge's stdin": "tried(open, f'/proc/{judge}/fd/0', 'rb')",
     "leaves its process group": "tried(os.setsid)",
+    "opens a socket of another family": "for fam in (socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK):\n"
+                                        "    tried(socket.socket, fam, socket.SOCK_DGRAM)\n"
+                                        "tried(socket.socketpair, socket.AF_INET)",
+    "sets up io_uring": "tried(ctypes.CDLL(None).syscall, 425, 4, ctypes.create_string_buffer(120))",  # io_uring_setup
 }
 
-NOT_IN_PROCESS_MODE = {"tries the network (tcp)", "tries the network (dns)", "tries loopback",
-                       "reads other samples' scratch", "sees no host processes",
+NEEDS_LANDLOCK = {"reads the data set", "lists the data set's directory"}
+NOT_IN_PROCESS_MODE = {"reads other samples' scratch", "sees no host processes",
                        # RLIMIT_NPROC counts every process of `nobody` on the node: a bomb would starve the others
                        "fork bomb", "thread bomb",
                        # one loop is enough to show the process mode's timeout
@@ -300,6 +332,8 @@ def test_enough_hostile_snippets() -> None:
 @pytest.mark.parametrize("key", list(CASES), ids=[f"{m}-{n}" for m, n in CASES])
 def test_outcome(outcomes: dict[tuple[str, str], Outcome], key: tuple[str, str]) -> None:
     code, tests, reason, passed = CASES[key]
+    if key[1] in NEEDS_LANDLOCK and not LANDLOCK:
+        pytest.skip("this kernel has no Landlock: the file system is not limited (the log says so)")
     got = outcomes[key]
     assert got.passed == passed, (got, got.output)
     assert got.total == len(tests)
@@ -327,6 +361,125 @@ def test_worker_keeps_serving(sandboxes: dict[str, Sandbox], outcomes: dict[tupl
     for box in sandboxes.values():
         [again] = box.run_many([Job(GOOD, ["assert f(41) == 42", "assert f(x=1) == 2 and f(-1) is not None"])])
         assert (again.passed, again.reason) == (2, "ok"), again
+
+
+def test_no_connection_to_a_listener_on_this_host(sandboxes: dict[str, Sandbox]) -> None:
+    """A TCP listener on 127.0.0.1 in this process: code under test, in either mode, cannot reach
+    it (``socket()`` is refused for every family but AF_UNIX, so the node's loopback is as closed as
+    the rest of the network): the test that tried fails with the error, the others are judged as
+    usual, and the listener never saw a connection."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        connect = f"socket.create_connection(('127.0.0.1', {port}), timeout=30).sendall(b'owned')"
+        in_test = f"import socket\ndef f(x):\n    {connect}\n    return x + 1\ndef g(x):\n    return x\n"
+        at_import = f"import socket\n{connect}\n{GOOD}"
+        for mode, box in sandboxes.items():
+            got = box.run(Job(in_test, ["assert f(1) == 2", "assert g(1) == 1"]))
+            assert (got.passed, got.reason, got.tests) == (1, "error: PermissionError",
+                                                            ["error: PermissionError", "ok"]), (mode, got)
+            got = box.run(Job(at_import, ["assert f(1) == 2"]))
+            assert (got.passed, got.reason) == (0, "error: PermissionError"), (mode, got)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing ever queued to be accepted
+            listener.accept()
+
+
+def test_no_connection_to_an_abstract_socket_of_this_host(sandboxes: dict[str, Sandbox]) -> None:
+    """AF_UNIX stays open, but not to the node's abstract sockets (no path, no permissions): under
+    namespaces they are the network namespace's; in process mode Landlock (ABI >= 6) scopes them."""
+    if LANDLOCK < 6:
+        pytest.skip(f"Landlock ABI {LANDLOCK}: abstract sockets are scoped from ABI 6 (docs/sandbox.md)")
+    name = f"rlbatch-sandbox-{secrets.token_hex(8)}"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind("\0" + name)
+        listener.listen()
+        code = f"import socket\ndef f(x):\n    socket.socket(socket.AF_UNIX).connect('\\0{name}')\n    return x + 1\n"
+        for mode, box in sandboxes.items():
+            got = box.run(Job(code, ["assert f(1) == 2"]))
+            assert got.passed == 0 and got.reason.startswith("error: "), (mode, got)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+
+
+def _run_filter(prog: list[tuple[int, int, int, int]], arch: int, nr: int, arg0: int = 0) -> str:
+    """What the BPF program decides for one system call: a small interpreter of the four
+    instructions ``seccomp_program`` uses, over ``struct seccomp_data``."""
+    data = nr.to_bytes(4, "little") + arch.to_bytes(4, "little") + bytes(8) + arg0.to_bytes(8, "little")
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        pc += 1
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
+            acc = int.from_bytes(data[k:k + 4], "little")
+        elif code in (0x15, 0x35):  # BPF_JMP | BPF_JEQ / BPF_JGE, constant operand
+            pc += jt if (acc == k if code == 0x15 else acc >= k) else jf
+        elif code == 0x06:  # BPF_RET
+            return {0x7FFF0000: "allow", 0x00050001: "EPERM"}[k]
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+
+
+@pytest.mark.parametrize("machine", sorted(DENIED_SYSCALLS))
+def test_filter_program_per_machine(machine: str) -> None:
+    """The filter of every machine the sandbox knows, run on its table: sockets only for AF_UNIX
+    (the kernel reads the family as an int: the upper bits of the register change nothing),
+    io_uring and the calls on other processes refused, the caller's own pid allowed, another ABI
+    refused, everything else allowed."""
+    arch, always, self_only, unix_only = DENIED_SYSCALLS[machine]
+    prog = seccomp_program(machine)
+    af_unix, af_inet, af_inet6, af_netlink, af_packet = 1, 2, 10, 16, 17
+    for name in ("socket", "socketpair"):
+        nr = unix_only[name]
+        assert _run_filter(prog, arch, nr, af_unix) == "allow"
+        assert _run_filter(prog, arch, nr, (1 << 32) | af_unix) == "allow"
+        for family in (af_inet, af_inet6, af_netlink, af_packet, 0, (1 << 32) | af_inet, 0xFFFFFFFF):
+            assert _run_filter(prog, arch, nr, family) == "EPERM", (name, family)
+    for name in ("io_uring_setup", "io_uring_enter", "io_uring_register", "kill", "ptrace"):
+        assert _run_filter(prog, arch, always[name]) == "EPERM", name
+    assert _run_filter(prog, arch, self_only["prlimit64"], 0) == "allow"
+    assert _run_filter(prog, arch, self_only["prlimit64"], 1234) == "EPERM"
+    assert _run_filter(prog, arch, 0) == "allow"  # read (x86_64) / io_setup (aarch64)
+    assert _run_filter(prog, 0x40000003, unix_only["socket"], af_unix) == "EPERM"  # i386: socketcall and the rest
+    assert _run_filter(prog, arch, 0x40000000 | 41, af_unix) == "EPERM"  # x32 numbers
+    assert len(prog) < 4096  # BPF_MAXINSNS
+
+
+KERNEL_FILTER = snippet("""
+    import ctypes, errno, json, socket, sys
+    sys.path.insert(0, sys.argv[1])
+    from rlbatch.sandbox.harness import deny_other_processes
+    deny_other_processes()
+    got = {}
+    for name, family, kind in (("inet", socket.AF_INET, socket.SOCK_STREAM), ("inet udp", socket.AF_INET,
+                               socket.SOCK_DGRAM), ("inet6", socket.AF_INET6, socket.SOCK_STREAM),
+                               ("netlink", socket.AF_NETLINK, socket.SOCK_DGRAM), ("unix", socket.AF_UNIX,
+                               socket.SOCK_STREAM)):
+        try:
+            socket.socket(family, kind).close()
+            got[name] = "ok"
+        except OSError as exc:
+            got[name] = errno.errorcode[exc.errno]
+    a, b = socket.socketpair()
+    a.sendall(b"x")
+    got["unix pair"] = "ok" if b.recv(1) == b"x" else "broken"
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)
+    got["io_uring_setup"] = "ok" if libc.syscall(425, 4, params) >= 0 else errno.errorcode[ctypes.get_errno()]
+    print(json.dumps(got))
+    """)
+
+
+def test_filter_in_the_kernel() -> None:
+    """The filter installed for real (in a throwaway process): inet, inet6 and netlink sockets and
+    io_uring refused with EPERM, AF_UNIX sockets and socket pairs working."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip(f"no system call table for {os.uname().machine}")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", KERNEL_FILTER, repo], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == {"inet": "EPERM", "inet udp": "EPERM", "inet6": "EPERM", "netlink": "EPERM",
+                                       "unix": "ok", "unix pair": "ok", "io_uring_setup": "EPERM"}
 
 
 def test_plain_data_round_trip() -> None:
@@ -398,7 +551,13 @@ def test_namespaces_is_a_hard_requirement(monkeypatch: pytest.MonkeyPatch, caplo
         Sandbox(isolation_mode="namespaces")
     with caplog.at_level("WARNING", logger="rlbatch.sandbox.isolation"):
         assert Sandbox(isolation_mode="auto").mode == "process"
-    assert "NOT isolated: the network" in caplog.text and "the file system" in caplog.text
+    assert "open no socket but AF_UNIX ones (no network" in caplog.text, caplog.text
+    assert "NOT isolated: the file system" in caplog.text, caplog.text
+    caplog.clear()
+    monkeypatch.setattr(isolation, "landlock_abi", lambda: 0)
+    with caplog.at_level("WARNING", logger="rlbatch.sandbox.isolation"):
+        assert Sandbox(isolation_mode="process").mode == "process"
+    assert "NOT isolated: the file system (this kernel has no Landlock: an execution reads" in caplog.text, caplog.text
 
 
 def test_config_refuses_namespaces_the_node_lacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -177,7 +177,7 @@ def one_mode(mode: str) -> list[Check]:
                    f"reward {None if got is None else got['rewards']}, counts {None if got is None else got['counts']}"))
     err = worker.close()
     if mode == "process":
-        said = "NOT isolated: the network" in err and "the file system" in err
+        said = "(no network" in err and "NOT isolated: the file system" in err
         checks.append(("process: the worker's log says what is not isolated", said,
                        next((line.strip() for line in err.splitlines() if "NOT isolated" in line), err[-300:])[:400]))
     return checks
