@@ -33,16 +33,27 @@ def lora_problems(cfg: RLBatchConfig, engines: Sequence[RoleEngine]) -> list[str
         return problems
     if ALL_LINEAR in targets:
         return [*problems, f"model.lora.target_modules: {targets}: {ALL_LINEAR!r} stands alone"]
-    linear = _linear_names(cfg.model)
-    if linear is not None and (absent := [t for t in targets if t not in linear]):
+    layers = _linear_layers(cfg.model)
+    if layers is None:
+        return problems
+    linear, tied = layers
+    if absent := [t for t in targets if t not in linear]:
         problems.append(f"model.lora.target_modules: {absent} name no linear layer of the model; its linear layers: "
                         f"{sorted(linear)}")
+    if shared := [t for t in targets if t in tied]:
+        untie = ("set model.tie_word_embeddings=false" if not cfg.model.path
+                 else "or untie them in the model's config.json")
+        problems.append(f"model.lora.target_modules: {shared} share their weight with another module "
+                        f"({'; '.join(f'{t}: {tied[t]}' for t in shared)}): an adapter merged into a shared weight "
+                        f"reaches the inference engine as a different model than the trainer's; target other "
+                        f"modules, {untie}")
     return problems
 
 
-def _linear_names(model_cfg: ModelConfig) -> set[str] | None:
-    """The last names of the model's linear layers (built on meta: no memory), or None when the
-    model cannot be built here (its own checks say why)."""
+def _linear_layers(model_cfg: ModelConfig) -> tuple[set[str], dict[str, str]] | None:
+    """The last names of the model's linear layers, and those among them whose weight is another
+    module's too (an LM head tied to the input embedding) with that module's weight's name; built on
+    meta (no memory). None when the model cannot be built here (its own checks say why)."""
     import torch
 
     try:
@@ -61,7 +72,17 @@ def _linear_names(model_cfg: ModelConfig) -> set[str] | None:
                 model = tiny_skeleton(spec_from_model_config(model_cfg, vocab=char_vocab_size()))
     except Exception:  # noqa: BLE001 - the model's own checks report a model that does not build
         return None
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    linear, tied = set(), {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            last = name.rsplit(".", 1)[-1]
+            linear.add(last)
+            if others := [n for n in names.get(id(m.weight), []) if n != f"{name}.weight"]:
+                tied[last] = f"{name}.weight is {others[0]}"
+    return linear, tied
 
 
 def sync_problems(lora: LoraConfig, engines: Sequence[RoleEngine]) -> list[str]:

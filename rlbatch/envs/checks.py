@@ -5,11 +5,13 @@ names, code and other sections, on the typed config. Called by ``rlbatch.checks.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
 from rlbatch.config.parse import ROLE_WORDS
 from rlbatch.config.schema import RLBatchConfig
+from rlbatch.envs.episode import build_problem
 from rlbatch.envs.registry import UnknownName, resolve_env, resolve_tool
 from rlbatch.envs.tools import SYNTAXES
 
@@ -48,11 +50,14 @@ def env_problems(cfg: RLBatchConfig, load: bool = True) -> list[str]:
             resolve_tool(tool, load=load)
         except UnknownName as e:
             problems.append(f"env.tools: {e}")
-    if cls is not None and env.args:
+    if cls is not None:
         try:
             inspect.signature(cls).bind(**env.args)
         except TypeError as e:
             problems.append(f"env.args: {sorted(env.args)} do not fit {cls.__name__}{_signature(cls)}: {e}"[:400])
+        else:  # the values too: built once here as each episode builds it (a refused value would end every episode)
+            if load and (why := build_problem(functools.partial(cls, **env.args), env.step_timeout_s)) is not None:
+                problems.append(f"env.args: {dict(env.args)!r} refused by {cls.__name__}{_signature(cls)}: {why}"[:400])
     problems.extend(_limit_problems(cfg))
     return problems
 

@@ -24,6 +24,7 @@ in the sandbox's own killed-on-timeout processes (the ``python`` tool).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -78,6 +79,8 @@ class EpisodeSummary(TypedDict, total=False):
     reward: float
     env_seconds: float
     tool_calls: dict[str, int]
+    detail: str
+    """What ended it, in words (the env's error, the call that timed out); '' when it ended well."""
     worker: int
 
 
@@ -130,6 +133,22 @@ def _call(fn: Callable[..., T], *args: object, timeout: float) -> T:
     if error:
         raise _Raised(error[0])
     return value[0]
+
+
+def build_problem(make_env: Callable[[], object], timeout: float) -> str | None:
+    """Build one env as an episode does (under ``timeout``) and close it again: None, or what went
+    wrong in words. Validation's check that ``env.args`` are values the env's constructor takes."""
+    try:
+        env = _call(make_env, timeout=timeout)
+    except _Abandoned:
+        return f"building it took over {timeout} s"
+    except _Raised as e:
+        return f"building it raised {_said(e.error)}"
+    close = getattr(env, "close", None)
+    if callable(close):
+        with contextlib.suppress(_Abandoned, _Raised):
+            _call(close, timeout=timeout)
+    return None
 
 
 def _said(e: BaseException) -> str:
@@ -251,7 +270,7 @@ class Episode:
     def summary(self) -> EpisodeSummary:
         """What metrics count for this trajectory."""
         return {"turns": self.turns, "end": self.end, "reward": sum(self.rewards), "env_seconds": self.env_seconds,
-                "tool_calls": dict(self.tool_outcomes)}
+                "tool_calls": dict(self.tool_outcomes), "detail": self.detail}
 
     def _tools(self) -> dict[str, Tool]:
         own = getattr(self.env, "tools", None)

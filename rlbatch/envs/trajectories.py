@@ -150,6 +150,8 @@ class TrajectorySummary(TypedDict):
     the turn the reward followed, reward)."""
     worker: int | None
     """The env worker that hosted the episode; None: this rank's threads."""
+    detail: str
+    """What ended it, in words ('' when it ended well)."""
 
 
 def summary(traj: Trajectory) -> TrajectorySummary:
@@ -159,7 +161,7 @@ def summary(traj: Trajectory) -> TrajectorySummary:
             "observed": traj.observed, "env_seconds": float(info.get("env_seconds", 0.0)),
             "tool_calls": dict(info.get("tool_calls") or {}), "spans": spans(traj.loss_mask),
             "turn_rewards": [(n - 1, r) for n, r in zip(traj.reward_at, traj.rewards, strict=True) if n > 0 and r],
-            "worker": info.get("worker")}
+            "worker": info.get("worker"), "detail": str(info.get("detail") or "")}
 
 
 def spans(loss_mask: list[int]) -> list[tuple[int, int]]:
@@ -194,6 +196,25 @@ def turn_rewards_of(episodes: Mapping[int, TrajectorySummary], ids: list[int]) -
     if not episodes:
         return None
     return [[(int(i), float(r)) for i, r in episodes[sid].get("turn_rewards", ())] for sid in ids]
+
+
+FAILED_ENDS = ("error", "invalid", "timeout")
+"""End reasons of a trajectory its env failed: it raised, answered outside the contract, or
+outlived ``env.step_timeout_s``."""
+
+
+def all_failed(episodes: Mapping[int, TrajectorySummary]) -> str | None:
+    """When every trajectory of a generation round ended in a failure of its env (``FAILED_ENDS``),
+    the reason to stop the run, with the first failure's words; None otherwise. Training on such a
+    round learns nothing (every reward 0) and would hide an env that cannot run (env.args it
+    refuses, a service it cannot reach)."""
+    if not episodes or any(e["end"] not in FAILED_ENDS for e in episodes.values()):
+        return None
+    first = min(episodes)
+    ends = Counter(str(e["end"]) for e in episodes.values())
+    return (f"every trajectory of the round ({len(episodes)}) ended in a failure of env.name's environment "
+            f"({', '.join(f'{n} {r}' for r, n in sorted(ends.items()))}); the first (sample {first}): "
+            f"{episodes[first]['end']}: {episodes[first].get('detail') or 'no detail'}")
 
 
 def trajectory_stats(episodes: Mapping[int, TrajectorySummary]) -> dict[str, float]:

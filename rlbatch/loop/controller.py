@@ -23,6 +23,7 @@ from rlbatch.config.schema import RLBatchConfig, role_algo
 from rlbatch.data.synthetic import Sample
 from rlbatch.engines.defaults import SYNC_BUCKET_MB, SyncBuckets, max_tokens_per_micro_batch
 from rlbatch.engines.registry import spec_of
+from rlbatch.envs.trajectories import all_failed
 from rlbatch.loop.residency import RecordDict
 from rlbatch.models import lora
 from rlbatch.phases import PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
@@ -328,6 +329,8 @@ class PendingRollouts:
                         continue
                     self.pipe.produced(worker, sid, f, ro.prompt_len[sid] if f == "prompt" else ro.response_len[sid])
         self.done = True
+        if (failed := all_failed(ro.episodes)) is not None:
+            raise RuntimeError(failed)
         return ro
 
 

@@ -124,7 +124,7 @@ def test_episodes_go_to_the_worker_their_sample_id_picks_and_come_back_with_thei
         assert all(not h.episodes for h in hosts), "an ended episode is closed and forgotten on its worker"
         for sid, ep in episodes.items():
             assert ep.summary() == {"turns": 2, "end": "done", "reward": 2.0, "env_seconds": pytest.approx(
-                ep.summary()["env_seconds"]), "tool_calls": {}, "worker": sid % 3}
+                ep.summary()["env_seconds"]), "tool_calls": {}, "detail": "", "worker": sid % 3}
         assert [h.counts["episodes"] for h in hosts] == [4, 4, 4] and [h.counts["steps"] for h in hosts] == [8, 8, 8]
     finally:
         for h in hosts:

@@ -80,6 +80,10 @@ def test_the_planner_checks_the_form_of_a_plugin_path_without_importing_it(cfg: 
     ({"args": {"turn": 3}}, "env.args: ['turn'] do not fit RunningSum(turns: 'int' = 3, modulo: 'int' = 10, "
                             "scoring: 'str' = 'fraction'): got an unexpected keyword argument 'turn'"),
     ({"args": [1]}, "env.args: expected a mapping of keyword arguments, got [1]"),
+    ({"args": {"modulo": 11}}, "env.args: {'modulo': 11} refused by RunningSum(turns: 'int' = 3, modulo: 'int' = 10, "
+                               "scoring: 'str' = 'fraction'): building it raised ValueError: running_sum: modulo must "
+                               "be an integer in [2, 10]"),
+    ({"args": {"scoring": "most"}}, "env.args: {'scoring': 'most'} refused by RunningSum("),
     ({"tools": ["search"]}, "env.tools: 'search' is not a registered tool; registered: ['python']"),
     ({"tools": "python"}, "env.tools: expected a list of tool names, got str 'python'"),
     ({"tool_call_tags": ["<call>"]}, "env.tool_call_tags: expected [open, close], two non-blank strings"),

@@ -93,7 +93,8 @@ def test_a_failing_step_ends_the_trajectory_with_its_reason(behaviour: str, end:
     assert (first.observation, first.reward, first.done) == ("again", 0.5, False)
     last = ep.step("b")
     assert last.done and last.end == end and end in END_REASONS and last.info["detail"].startswith(detail), last
-    assert ep.summary() == {"turns": 2, "end": end, "reward": 0.5, "env_seconds": ep.env_seconds, "tool_calls": {}}
+    assert ep.summary() == {"turns": 2, "end": end, "reward": 0.5, "env_seconds": ep.env_seconds, "tool_calls": {},
+                            "detail": last.info["detail"]}
     with pytest.raises(RuntimeError, match="not running"):  # the rollout loop's bug, not the env's
         ep.step("c")
 

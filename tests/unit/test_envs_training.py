@@ -125,3 +125,37 @@ def test_the_reward_is_the_env_s_plus_the_weighted_reward_fn_and_the_step_metric
     assert stats["tokens/observed"] == sum(t.observed for t in trajectories)
     assert sum(v for k, v in stats.items() if k.startswith("env/end/")) == pytest.approx(1.0)
     assert stats["env/seconds"] > 0
+
+
+class Unreachable:
+    """An env whose every step fails (the service it asks is down)."""
+
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+
+    def reset(self, task: Any, seed: int) -> str:
+        return "3="
+
+    def step(self, action: str) -> Any:
+        raise ConnectionError("no route to the grader at 10.0.0.7")
+
+
+def test_a_round_in_which_every_trajectory_fails_stops_the_run_naming_the_first_failure() -> None:
+    """Every episode ending in its env's error would train on rewards of 0 and exit 0: the round's
+    rollouts refuse it instead (``all_failed``, raised by the controller when a round completes)."""
+    from rlbatch.engines.hf import HFArgs
+    from rlbatch.engines.hf.engine import HFInferenceEngine
+    from rlbatch.envs.trajectories import all_failed
+
+    cfg = compose(["experiment=multiturn", f"env.name={__name__}:Unreachable"])
+    tok = load_tokenizer(cfg.model)
+    engine = HFInferenceEngine(EngineContext("actor_infer", HFArgs(), cfg.model, cfg.algo, tok, torch.device("cpu"), seed=1))
+    played = MultiTurn(parsed(cfg), tok)(turns_of(engine), [list(tok("")["input_ids"])] * 4, SamplingParams(2),
+                                         [{}] * 4, [episode_seed(1, g) for g in (0, 0, 1, 1)], seed=3)
+    episodes = {k + 10: summary(t) for k, t in enumerate(played)}
+    assert all_failed(episodes) == (
+        "every trajectory of the round (4) ended in a failure of env.name's environment (4 error); the first "
+        "(sample 10): error: step raised ConnectionError: no route to the grader at 10.0.0.7")
+    episodes[12] = episodes[12] | {"end": "done", "detail": ""}
+    assert all_failed(episodes) is None  # one that ran: the env works, the policy has something to learn from
+    assert all_failed({}) is None  # single-turn rollouts

@@ -149,6 +149,22 @@ def test_lora_settings_are_checked_before_start(cfg: dict[str, Any]) -> None:
     assert any("unknown field(s) ['r']" in p for p in problems(set_(cfg, model__lora__r=8)))
 
 
+def test_a_target_whose_weight_is_shared_is_refused(cfg: dict[str, Any]) -> None:
+    """An LM head tied to the input embedding: its merged adapter would reach the inference engine as
+    another model than the trainer's (the engine reads the tied weight from the embedding). Refused
+    before start; untied, the head is an ordinary target."""
+    from rlbatch.checks.validate import check
+    from tests.unit.configs import problems, set_
+
+    assert problems(set_(cfg, model__lora__rank=8, model__lora__target_modules=["q_proj", "lm_head"])) == [
+        "model.lora.target_modules: ['lm_head'] share their weight with another module (lm_head: lm_head.weight is "
+        "model.embed_tokens.weight): an adapter merged into a shared weight reaches the inference engine as a "
+        "different model than the trainer's; target other modules, set model.tie_word_embeddings=false"]
+    check(set_(cfg, model__lora__rank=8, model__lora__target_modules=["q_proj", "lm_head"],
+               model__tie_word_embeddings=False))
+    check(set_(cfg, model__lora__rank=8))  # all-linear leaves the output layer out (PEFT)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2_moe"])
 @pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"], ["down_proj"]])
 def test_the_planners_adapter_count_is_pefts(arch: str, targets: list[str]) -> None:
