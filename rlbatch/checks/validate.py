@@ -10,6 +10,7 @@ config names.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -36,6 +37,7 @@ from rlbatch.config.schema import (
     ClusterConfig,
     RLBatchConfig,
 )
+from rlbatch.engines.registry import spec_of
 from rlbatch.envs.checks import env_problems
 from rlbatch.errors import ConfigError
 from rlbatch.phases import reference_is_actor_base
@@ -245,7 +247,8 @@ def _check_algo_vs_roles(cfg: RLBatchConfig, placement: Placement | None) -> lis
             problems.append("model.path: data.name=file needs a real model and tokenizer; set model.path=<local HF directory>")
     if placement is not None and "actor_train" in placement.roles:
         train = placement.roles["actor_train"]
-        dp = dict(train.mesh).get("dp", 1) * dict(train.mesh).get("cp", 1) if train.mesh else train.world_size
+        mesh = dict(train.mesh)  # samples split over the engine's data axes; a replica's tp/pp/cp ranks share theirs
+        dp = math.prod(mesh.get(a, 1) for a in spec_of(train.engine).data_axes) if mesh else train.world_size
         samples = algo.prompts_per_step * algo.samples_per_prompt
         parts = dp * algo.mini_batches * algo.grad_accum
         if samples % parts:
@@ -285,17 +288,11 @@ def _fit_problems(cfg: RLBatchConfig, placement: Placement) -> list[str]:
     prediction for this placement: every GPU (or, on a CPU profile, node) it would not fit, with
     the phase and the bytes needed and usable. Without one, or with only a few memory fields
     (vllm_rules reads those), nothing is predicted."""
-    hw_cfg = cfg.hardware
-    if hw_cfg is None:
-        return []
-    from rlbatch.plan.fit import hardware_from_config, predict_config
-
-    try:
-        hw = hardware_from_config(hw_cfg)
-    except ConfigError as e:
-        return list(e.problems)
+    hw = cfg.hardware.profile if cfg.hardware is not None else None
     if hw is None:
         return []
+    from rlbatch.plan.fit import predict_config
+
     return [f"hardware={hw.name}: {line}" for line in predict_config(cfg, placement, hw).problems]
 
 
@@ -333,7 +330,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(eval_problems(typed, runnable))
     problems.extend(lora_problems(typed, engines))
     problems.extend(cluster_problems(typed))  # what reaches the sbatch script
-    problems.extend(tracker_problems(plain, runnable))
+    problems.extend(tracker_problems(typed, runnable))
     if runnable:
         problems.extend(runnable_problems(plain, typed, engines))
     if train_run and not problems and placement is not None:  # the prediction needs a valid config

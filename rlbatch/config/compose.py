@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from rlbatch.config import CONF_DIR as CONF_DIR
 from rlbatch.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-"""rlbatch/conf/: the YAML presets, shipped inside the package (package data), so an installed
-rlbatch (wheel, ``pip install .``, editable) composes its config from any working directory."""
 CONFIG_NAME = "config"
 
 # Flags that need Hydra's own command line (sweeps, help, printing the config).
@@ -34,8 +31,26 @@ def _first_lines(text: str, n: int = 4) -> str:
     return "\n    ".join(lines[:n])
 
 
+def group_problems(overrides: list[str]) -> list[str]:
+    """Group choices (``hardware=h100_sxm``) that name a file outside their group's directory
+    (``hardware=../model/tiny``): Hydra would compose another group's preset into the section."""
+    out = []
+    for arg in overrides:
+        key, eq, value = arg.partition("=")
+        group = CONF_DIR / key.lstrip("+~")
+        if not eq or "/" in key or not value or not group.is_dir():
+            continue
+        if not (group / value).resolve().is_relative_to(group.resolve()):
+            presets = sorted(p.stem for p in group.glob("*.yaml"))
+            out.append(f"{key.lstrip('+~')}: {value!r} is not one of the presets in rlbatch/conf/{group.name}: "
+                       f"{presets}"[:300])
+    return out
+
+
 def compose(overrides: list[str]) -> Any:
     """The composed, resolved DictConfig for ``overrides`` (Hydra override syntax)."""
+    if problems := group_problems(overrides):
+        raise ConfigError(problems)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlbatch.config import CONF_DIR
 from rlbatch.config.bounds import Range, value_problem
-from rlbatch.config.compose import CONF_DIR
 from rlbatch.errors import ConfigError
 
 HARDWARE_DIR = CONF_DIR / "hardware"
@@ -153,8 +153,9 @@ def load_hardware(name: str, overrides: dict[str, Any] | None = None) -> Hardwar
     """Load ``rlbatch/conf/hardware/<name>.yaml`` (or a path to a YAML file) with field overrides."""
     import yaml
 
-    path = Path(name) if name.endswith((".yaml", ".yml")) else HARDWARE_DIR / f"{name}.yaml"
-    if not path.is_file():
+    given_file = name.endswith((".yaml", ".yml"))
+    path = Path(name) if given_file else HARDWARE_DIR / f"{name}.yaml"
+    if not (path.is_file() if given_file else name in available()):  # a name is a profile's, never a path
         raise ConfigError(f"hardware: no profile {name!r}; available: {available()} (or give a path to a .yaml)")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):

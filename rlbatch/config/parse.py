@@ -13,9 +13,11 @@ Roles are a mapping of role name to ``RoleConfig`` (any name: a CPU role is adde
 ``+roles.code_sandbox.world_size=8``); their fields are typed here, their placement (device
 mappings, backends, sizes) is ``rlbatch.placement.place``'s. What a value may contain beyond its
 type (the characters of a Slurm partition name, a reward function that imports) is the rules'
-(``rlbatch.checks``) on the typed config. The sections in ``CHECKED_BESIDE_USE`` (``trackers``,
-``logger``, ``plugins``, ``hardware``) are still checked by the code
-that reads them, in words of its own.
+(``rlbatch.checks``) on the typed config, and each tracker's (``rlbatch.trackers``) on its typed
+settings. The ``hardware`` section is a profile's name and fields, read into ``HardwareConfig``
+with the profile loaded (``rlbatch.config.hardware_section``); ``logger`` and ``trackers`` are
+refused in the words of ``rlbatch.config.tracker_shapes``. ``plugins`` alone is checked by the code
+that imports it, before the rest is read.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from rlbatch.algos.registry import (
     POLICY_LOSSES,
     Registry,
 )
+from rlbatch.config import tracker_shapes
 from rlbatch.config.bounds import RANGE, Range, numeric_type, value_problem
+from rlbatch.config.hardware_section import read_hardware
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import RLBatchConfig, RoleConfig
 from rlbatch.errors import ConfigError
@@ -55,6 +59,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbat
     "eval.data.name": ("synthetic", "file", "synthetic_code", "code_file", "none"),
     "sandbox.isolation": ("auto", "namespaces", "process"),
     "sandbox.scoring": ("fraction", "all"),
+    **tracker_shapes.CHOICES,
 }
 """Fields whose value is one of a few names."""
 
@@ -62,14 +67,10 @@ REGISTRIES: dict[str, Registry] = {r.field: r for r in (ADVANTAGES, POLICY_LOSSE
                                                         OFF_POLICY)}
 """Fields whose value names an entry of an algorithm registry (plugins may add entries)."""
 
-LOOSE = frozenset({"roles", "hardware", "trackers"})
-"""Sections whose keys are not the schema's fields (roles: any role name) or whose unknown keys are
-reported by the code that reads them (the planner's profile reader for hardware, the trackers'
-checks for trackers)."""
-CHECKED_BESIDE_USE = ("plugins", "logger", "hardware", "trackers.")
-"""Fields (and sections, ending in '.') whose strings, lists and mappings are checked by the code
-that uses them, in words of their own (module docstring): a value of the wrong type leaves the
-typed config at the default without a problem here."""
+CHECKED_BESIDE_USE = ("plugins",)
+"""Fields whose strings, lists and mappings are checked by the code that uses them, in words of its
+own (module docstring): a value of the wrong type leaves the typed config at the default without a
+problem here."""
 
 ROLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 ROLE_FIELDS = frozenset(f.name for f in dataclasses.fields(RoleConfig))
@@ -110,13 +111,15 @@ def _section(schema: type[T], node: Mapping[str, Any], key: str, problems: list[
     schema's default."""
     hints = typing.get_type_hints(schema)
     fields = {f.name: f for f in dataclasses.fields(schema)}  # type: ignore[arg-type]
-    if key.split(".")[0] not in LOOSE and (unknown := sorted(str(k) for k in node if k not in fields)):
-        problems.append(f"{key or 'config'}: unknown field(s) {unknown}; known fields: {sorted(fields)}"[:400])
+    if unknown := sorted(str(k) for k in node if k not in fields):
+        words = tracker_shapes.UNKNOWN_KEYS.get(key)
+        problems.append(words(unknown) if words is not None else
+                        f"{key or 'config'}: unknown field(s) {unknown}; known fields: {sorted(fields)}"[:400])
     values: dict[str, Any] = {}
     for name, f in fields.items():
         path = f"{key}.{name}" if key else name
-        if name == "roles" and schema is RLBatchConfig:  # no default placement under a config that names none
-            values[name] = _roles(node.get(name), problems)
+        if schema is RLBatchConfig and name in READERS:
+            values[name] = READERS[name](node.get(name), problems)
             continue
         if name not in node:
             continue
@@ -181,6 +184,7 @@ SHAPE_RULES: dict[str, tuple[Callable[[object], bool], Callable[[object], str]]]
     "env.observation_role": (lambda v: isinstance(v, str), lambda v: ROLE_WORDS.format(v)[:200]),
     "env.name": (lambda v: isinstance(v, str),
                  lambda v: f"env.name: {f'expected the name of a environment, got {type(v).__name__} {v!r}'[:200]}"),
+    **tracker_shapes.SHAPE_RULES,
 }
 """Fields whose values have a shape of their own (a pair of ports, a mapping of names), or whose
 problem says what the string is: what the value must be, and the problem's words."""
@@ -202,8 +206,10 @@ def _value(path: str, v: Any, hint: Any, f: dataclasses.Field[Any], problems: li
         return False, None
     if dataclasses.is_dataclass(hint):
         if not isinstance(v, Mapping):
+            own = tracker_shapes.NOT_A_MAPPING.get(path)
             words = SECTION_WORDS.get(path, "its fields")
-            problems.append(f"{path}: expected a mapping of {words}, got {type(v).__name__} {v!r}"[:200])
+            problems.append(own(v) if own is not None else
+                            f"{path}: expected a mapping of {words}, got {type(v).__name__} {v!r}"[:200])
             return False, None
         return True, _section(hint, v, path, problems)  # type: ignore[arg-type]
     if hint is bool:
@@ -311,3 +317,9 @@ def _roles(node: Any, problems: list[str]) -> dict[str, RoleConfig]:
                 values[f.name] = v
         out[name] = RoleConfig(**values)
     return out
+
+
+READERS: dict[str, Callable[[Any, list[str]], object]] = {"roles": _roles, "hardware": read_hardware}
+"""Sections of ``RLBatchConfig`` read by a reader of their own (given the section's value, None when
+absent): the roles (any name; no default placement under a config that names none) and the
+hardware profile."""

@@ -17,10 +17,12 @@ def _plain_roles() -> dict[str, Any]:
 
 
 HydraConfig = dataclasses.make_dataclass(
-    "HydraConfig", [("roles", dict[str, Any], dataclasses.field(default_factory=_plain_roles))], bases=(RLBatchConfig,))
+    "HydraConfig", [("roles", dict[str, Any], dataclasses.field(default_factory=_plain_roles)),
+                    ("hardware", dict[str, Any], dataclasses.field(default_factory=dict))], bases=(RLBatchConfig,))
 """The schema as Hydra composes it: roles as plain mappings, so a command line may add a role of
-any name (``+roles.code_sandbox.world_size=8``) and ``rlbatch.config.parse`` types and checks them
-with the rest."""
+any name (``+roles.code_sandbox.world_size=8``), and the hardware section as the fields of its
+profile (``hardware=h100_sxm``) or, without one, an empty mapping that ``+hardware.<field>=<value>``
+adds to; ``rlbatch.config.parse`` types and checks them with the rest."""
 
 
 def register() -> None:

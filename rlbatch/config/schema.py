@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlbatch.config.bounds import TIMEOUT_MAX_S, bounded
+from rlbatch.config.hardware_section import HardwareConfig
 from rlbatch.config.limits import Limits
 
 GPU_ROLES = ("actor_train", "actor_infer", "reference", "critic")
@@ -570,8 +571,9 @@ class RLBatchConfig:
     """Python modules imported (by name) before the configuration is validated and on every rank:
     each may register engines (``rlbatch.engines.registry.register``) or algorithm parts
     (``rlbatch.algos.registry``)."""
-    hardware: dict[str, Any] | None = None
-    """Hardware profile for the planner (rlbatch/conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths)."""
+    hardware: HardwareConfig | None = None
+    """Hardware profile for the planner (rlbatch/conf/hardware/<name>.yaml: FLOP/s, memory, bandwidths):
+    ``hardware=<name>``, its fields overridden by ``hardware.<field>=<value>`` (``HardwareConfig``)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     roles: dict[str, RoleConfig] = field(default_factory=default_roles)
     """Role name -> RoleConfig. See RoleConfig."""

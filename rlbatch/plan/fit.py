@@ -1,18 +1,13 @@
 """The prediction of one validated configuration: what ``python -m rlbatch.plan predict`` prints
 and what ``check(cfg)`` refuses at launch when the config names a hardware profile.
 
-``predict_config(plain, placement, hw)`` runs the planner on a composed config; ``hardware_from_config``
-reads the config's ``hardware`` section (``hardware=<profile>`` composes the profile's fields, and
-``hardware.<field>=<value>`` overrides one).
+``predict_config(cfg, placement, hw)`` runs the planner on a validated config; the profile of the
+config's ``hardware`` section is ``cfg.hardware.profile`` (``rlbatch.config.hardware_section``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from typing import Any
-
-from rlbatch.config.hardware import FIELDS, Hardware, available, hardware_from_dict, load_hardware
+from rlbatch.config.hardware import Hardware
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.models.shape import shape_from_config
 from rlbatch.placement import Placement
@@ -26,19 +21,6 @@ def mem_limit(cfg: RLBatchConfig) -> float | None:
     """cluster.mem_gb in bytes: the node memory a job may use, when the config limits it."""
     gb = cfg.cluster.mem_gb
     return float(gb) * 1e9 if gb else None
-
-
-def hardware_from_config(hw: Mapping[str, Any]) -> Hardware | None:
-    """The profile the ``hardware`` section describes: a profile ``name`` of rlbatch/conf/hardware with
-    its other fields as overrides, or a complete set of fields; None for a few fields without a
-    profile (only the memory figures vllm_rules reads)."""
-    data = dict(hw)
-    name = data.get("name")
-    if isinstance(name, str) and name in available():
-        return load_hardware(name, {k: v for k, v in data.items() if k != "name"})
-    if all(k in data for k, f in FIELDS.items() if f.default is dataclasses.MISSING):
-        return hardware_from_dict(data, "hardware")
-    return None
 
 
 def predict_config(cfg: RLBatchConfig, placement: Placement, hw: Hardware, prompt_len: float | None = None,

@@ -1,11 +1,12 @@
 """The tracker contract and its registry: what ``rlbatch.trackers.session`` drives, and how a tracker
 is found by the name of its section under ``trackers`` in the config.
 
-A tracker is built on the controller only, from its section's settings (a mapping with the fields of
-its schema dataclass, ``enabled`` among them) and the run directory. It creates its run the first
-time and reattaches to it, by the id the session kept in the run directory, on every later job of
-the same run. Nothing in the scheduler names a tracker: adding one is a module with a class that
-implements ``Tracker``, a dataclass for its settings in ``TrackersConfig``, and a ``register`` line.
+A tracker is built on the controller only, from its section's typed settings (its schema dataclass
+in ``TrackersConfig``, ``enabled`` among its fields) and the run directory. It creates its run the
+first time and reattaches to it, by the id the session kept in the run directory, on every later
+job of the same run. Nothing in the scheduler names a tracker: adding one is a module with a class
+that implements ``Tracker``, a dataclass for its settings in ``TrackersConfig``, and a ``register``
+line.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+from rlbatch.config.schema import TrackersConfig
 
 
 class Tracker(Protocol):
@@ -38,33 +41,50 @@ class Tracker(Protocol):
         ...
 
 
+class Settings(Protocol):
+    """What every tracker's settings have."""
+
+    enabled: bool
+
+
+S = TypeVar("S", bound=Settings)
+
+
+def no_problems(settings: object, run_dir: Path) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
-class TrackerSpec:
+class TrackerSpec(Generic[S]):
     name: str
     """Its section under ``trackers`` in the config (``trackers.<name>.enabled``)."""
     target: str
     """'module:Class' of the implementation, imported on the controller when enabled; the class
-    takes ``(settings: Mapping[str, Any], run_dir: Path)``."""
-    settings: type
-    """The schema dataclass of its section (unknown keys are refused before start)."""
-    problems: Callable[[Mapping[str, Any]], list[str]]
-    """The section's settings (defaults filled in) -> problems naming the field and the value."""
+    takes ``(settings: S, run_dir: Path)``."""
+    settings: Callable[[TrackersConfig], S]
+    """Its section of the typed config (``lambda t: t.wandb``)."""
+    problems: Callable[[S], list[str]]
+    """Its settings -> problems naming the field and the value (the parse refused the wrong types)."""
     package: str
     """The import name the implementation needs; an enabled tracker without it is refused."""
     install: str
     """What to install when ``package`` is missing."""
+    machine_problems: Callable[[S, Path], list[str]] = no_problems
+    """For a runnable check of an enabled tracker: what this machine and the run directory
+    (``run_dir``) would refuse (a file store that cannot be created)."""
 
 
-TRACKERS: dict[str, TrackerSpec] = {}
+TRACKERS: dict[str, TrackerSpec[Any]] = {}
+"""name -> spec; each spec's settings type is its own."""
 
 
-def register(spec: TrackerSpec) -> None:
+def register(spec: TrackerSpec[Any]) -> None:
     if spec.name in TRACKERS:
         raise ValueError(f"tracker {spec.name!r} is registered twice")
     TRACKERS[spec.name] = spec
 
 
-def build(spec: TrackerSpec, settings: Mapping[str, Any], run_dir: Path) -> Tracker:
+def build(spec: TrackerSpec[S], settings: S, run_dir: Path) -> Tracker:
     import importlib
 
     module, _, cls = spec.target.partition(":")

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from rlbatch.config.schema import MlflowConfig
+from rlbatch.config.tracker_shapes import nonempty_words, uri_words
+
 log = logging.getLogger(__name__)
 
 SERVER_SCHEMES = ("http", "https")
@@ -45,24 +48,43 @@ def store_path(uri: str | None, run_dir: Path) -> Path | None:
     return path if path.is_absolute() else run_dir / path
 
 
-def problems(s: Mapping[str, Any]) -> list[str]:
+def problems(s: MlflowConfig) -> list[str]:
+    """What MLflow's skinny client would refuse of settings of the right types."""
     out = []
-    uri = s.get("tracking_uri")
+    uri = s.tracking_uri
     if uri is not None:
-        parts = urlsplit(str(uri)) if isinstance(uri, str) else None
-        if parts is None or not str(uri).strip():
-            out.append(f"trackers.mlflow.tracking_uri: expected a path, a 'file:' URI or an 'http(s)://' server, got {uri!r}")
+        parts = urlsplit(uri)
+        if not uri.strip():
+            out.append(uri_words(uri))
         elif parts.scheme in SERVER_SCHEMES and not parts.netloc:
             out.append(f"trackers.mlflow.tracking_uri: {uri!r} names no host; expected 'http(s)://host:port'")
         elif parts.scheme not in ("", "file", *SERVER_SCHEMES):
             out.append(f"trackers.mlflow.tracking_uri: scheme {parts.scheme!r} of {uri!r} is not supported by the MLflow "
                        f"client rlbatch installs (mlflow-skinny: file stores and servers); use a path, a 'file:' URI "
                        f"or an 'http(s)://' server (a server may keep its runs in any database)")
-    for key, required in (("experiment", True), ("run_name", False)):
-        v = s.get(key)
-        if (v is not None or required) and (not isinstance(v, str) or not v.strip()):
-            out.append(f"trackers.mlflow.{key}: expected a non-empty string, got {v!r}")
+    out.extend(nonempty_words(f"trackers.mlflow.{key}", v) for key, v in (("experiment", s.experiment),
+                                                                          ("run_name", s.run_name))
+               if v is not None and not v.strip())
     return out
+
+
+def store_problems(s: MlflowConfig, run_dir: Path) -> list[str]:
+    """A file store that cannot be created: its path, or a directory above it, is a file."""
+    store = store_path(s.tracking_uri, run_dir)
+    if store is None:
+        return []
+    for path in (store, *store.parents):
+        try:
+            if not path.exists():
+                continue
+            if path.is_dir():
+                return []
+        except OSError:  # not ours to read (permissions): the run's own start says why
+            return []
+        where = "is a file" if path == store else f"lies under {path}, a file"
+        given = repr(s.tracking_uri) if s.tracking_uri is not None else f"unset ({store})"
+        return [f"trackers.mlflow.tracking_uri: {given}: the file store {store} {where}, not a directory"]
+    return []
 
 
 def flat_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -84,9 +106,9 @@ def metric_key(key: str) -> str:
 
 
 class MlflowTracker:
-    def __init__(self, settings: Mapping[str, Any], run_dir: Path) -> None:
+    def __init__(self, settings: MlflowConfig, run_dir: Path) -> None:
         self.s, self.run_dir = settings, run_dir
-        self.uri = settings.get("tracking_uri")
+        self.uri = settings.tracking_uri
         self.store = store_path(self.uri, run_dir)
         self.client: Any = None
         self.run_id: str | None = None
@@ -106,10 +128,10 @@ class MlflowTracker:
         if run_id is not None and self._reattach(run_id, flat):
             self.run_id = run_id
             return run_id
-        name = str(self.s["experiment"])
+        name = self.s.experiment
         exp = self.client.get_experiment_by_name(name)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
-        run = self.client.create_run(exp_id, run_name=self.s.get("run_name") or self.run_dir.name,
+        run = self.client.create_run(exp_id, run_name=self.s.run_name or self.run_dir.name,
                                      tags={"rlbatch.run_dir": str(self.run_dir)})
         self.run_id = run.info.run_id
         self._params(flat)
@@ -150,7 +172,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def where(self) -> str:
-        return f"experiment {self.s['experiment']!r} in {self.store.as_uri() if self.store is not None else self.uri}"
+        return f"experiment {self.s.experiment!r} in {self.store.as_uri() if self.store is not None else self.uri}"
 
     def finish(self, completed: bool) -> None:
         if self.client is not None and self.run_id is not None:

@@ -15,6 +15,7 @@ caught up when it answers; training never waits for it beyond the one call that 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlbatch.trackers.base import Tracker, TrackerSpec, build
-from rlbatch.trackers.checks import active, settings_of
+from rlbatch.config.schema import RLBatchConfig
+from rlbatch.trackers.base import Settings, Tracker, TrackerSpec, build
+from rlbatch.trackers.checks import active
 from rlbatch.trackers.registry import TRACKERS
 
 log = logging.getLogger(__name__)
@@ -41,13 +43,11 @@ def numbers(row: Mapping[str, Any]) -> dict[str, float]:
 HIDDEN = "<hidden>"
 
 
-def run_params(config: Mapping[str, Any]) -> dict[str, Any]:
+def run_params(config: RLBatchConfig) -> dict[str, Any]:
     """The config as a run's parameters, without the values of ``cluster.env``: the variables every
     rank gets may hold credentials (a token), which must not reach a tracker's server."""
-    out = dict(config)
-    cluster = out.get("cluster")
-    if isinstance(cluster, Mapping) and isinstance(cluster.get("env"), Mapping) and cluster["env"]:
-        out["cluster"] = dict(cluster) | {"env": {str(k): HIDDEN for k in cluster["env"]}}
+    out = dataclasses.asdict(config)
+    out["cluster"]["env"] = {k: HIDDEN for k in config.cluster.env}
     return out
 
 
@@ -67,8 +67,8 @@ def placement_params(placement: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class _Slot:
-    spec: TrackerSpec
-    settings: dict[str, Any]
+    spec: TrackerSpec[Any]
+    settings: Settings
     tracker: Tracker | None = None
     failing_since: int | None = None
     """The step at which it first failed (None: answering)."""
@@ -77,16 +77,14 @@ class _Slot:
 
 
 class Trackers:
-    def __init__(self, run_dir: Path, config: Mapping[str, Any], placement: Mapping[str, Any] | None,
+    def __init__(self, run_dir: Path, config: RLBatchConfig, placement: Mapping[str, Any] | None,
                  history: Sequence[Mapping[str, Any]], start: int) -> None:
-        """Start every enabled tracker of ``config['trackers']`` and give it the rows of ``history``
+        """Start every tracker ``config`` enables (``active``) and give it the rows of ``history``
         (the rows kept before the checkpoint this job resumes from, step < ``start``) it lacks."""
         self.run_dir, self.path, self.start = run_dir, run_dir / STATE, start
         self.state: dict[str, dict[str, Any]] = self._read()
-        section = config.get("trackers") or {}
         on = active(config)
-        self.slots = [_Slot(spec, settings_of(section.get(name) or {}, spec.settings))
-                      for name, spec in TRACKERS.items() if name in on]
+        self.slots = [_Slot(spec, spec.settings(config.trackers)) for name, spec in TRACKERS.items() if name in on]
         self.params = run_params(config) | ({"placement": placement_params(placement)} if placement else {})
         for slot in self.slots:
             self._catch_up(slot, history, start)
@@ -189,15 +187,14 @@ def _one_line(e: BaseException) -> str:
 def open_trackers(run_dir: Path, history: Sequence[Mapping[str, Any]], start: int) -> Trackers | None:
     """The trackers of the run in ``run_dir`` (its config.yaml and placement.json, as the launcher
     wrote them for this job); None when none is enabled."""
-    from omegaconf import OmegaConf
-
+    from rlbatch.config.load import load_config
     from rlbatch.runtime.rundir import CONFIG, PLACEMENT
 
     try:
-        config = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG), resolve=True)
+        config = load_config(run_dir / CONFIG)
     except FileNotFoundError:
         return None
-    if not isinstance(config, dict) or not active(plain := {str(k): v for k, v in config.items()}):
+    if not active(config):
         return None
     placement = json.loads((run_dir / PLACEMENT).read_text()) if (run_dir / PLACEMENT).exists() else None
-    return Trackers(run_dir, plain, placement, history, start)
+    return Trackers(run_dir, config, placement, history, start)

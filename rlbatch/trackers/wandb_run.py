@@ -15,32 +15,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-MODES = ("offline", "online")
+from rlbatch.config.schema import WandbConfig
+from rlbatch.config.tracker_shapes import nonempty_words
+
 TAG_MAX = 64
 NAME_FORBIDDEN = re.compile(r"[/\\#?%:]")
 """Characters W&B refuses in a project or entity name."""
 
 
-def problems(s: Mapping[str, Any]) -> list[str]:
+def problems(s: WandbConfig) -> list[str]:
+    """What W&B would refuse of settings of the right types (``mode`` is one of the schema's choices)."""
     out = []
-    if s.get("mode") not in MODES:
-        out.append(f"trackers.wandb.mode: {s.get('mode')!r} is not one of {list(MODES)}")
-    for key, required in (("project", True), ("entity", False), ("name", False)):
-        v = s.get(key)
-        if v is None and not required:
+    for key, v in (("project", s.project), ("entity", s.entity), ("name", s.name)):
+        if v is None:
             continue
-        if not isinstance(v, str) or not v.strip():
-            out.append(f"trackers.wandb.{key}: expected a non-empty string, got {v!r}")
+        if not v.strip():
+            out.append(nonempty_words(f"trackers.wandb.{key}", v))
         elif key != "name" and (bad := NAME_FORBIDDEN.search(v)):
             out.append(f"trackers.wandb.{key}: {v!r} holds {bad.group()!r}; W&B names may not contain / \\ # ? % :")
         elif len(v) > 128:
             out.append(f"trackers.wandb.{key}: {len(v)} characters, W&B takes at most 128")
-    tags = s.get("tags")
-    if not isinstance(tags, (list, tuple)):
-        out.append(f"trackers.wandb.tags: expected a list of strings, got {tags!r}")
-    else:
-        out.extend(f"trackers.wandb.tags[{i}]: expected a string of 1 to {TAG_MAX} characters, got {t!r}"
-                   for i, t in enumerate(tags) if not isinstance(t, str) or not 1 <= len(t) <= TAG_MAX)
+    out.extend(f"trackers.wandb.tags[{i}]: expected a string of 1 to {TAG_MAX} characters, got {t!r}"
+               for i, t in enumerate(s.tags) if not isinstance(t, str) or not 1 <= len(t) <= TAG_MAX)
     return out
 
 
@@ -50,7 +46,7 @@ def new_id() -> str:
 
 
 class WandbTracker:
-    def __init__(self, settings: Mapping[str, Any], run_dir: Path) -> None:
+    def __init__(self, settings: WandbConfig, run_dir: Path) -> None:
         self.s, self.run_dir = settings, run_dir
         self.run: Any = None
 
@@ -59,10 +55,10 @@ class WandbTracker:
 
         run_id = run_id or new_id()
         s = self.s
-        mode: Literal["offline", "online"] = "online" if s["mode"] == "online" else "offline"
+        mode: Literal["offline", "online"] = "online" if s.mode == "online" else "offline"
         self.run = wandb.init(
-            id=run_id, resume="allow", dir=str(self.run_dir), mode=mode, project=str(s["project"]),
-            entity=s.get("entity"), name=s.get("name") or self.run_dir.name, tags=list(s.get("tags") or []),
+            id=run_id, resume="allow", dir=str(self.run_dir), mode=mode, project=s.project,
+            entity=s.entity, name=s.name or self.run_dir.name, tags=list(s.tags),
             config=dict(params),
             # The controller's stdout is the run's log: W&B must not capture it. Its system monitor
             # would sample the controller's node alone; rlbatch's mem/ and host/ metrics cover every rank.
@@ -84,6 +80,6 @@ class WandbTracker:
     def where(self) -> str:
         if self.run is None:
             return ""
-        if self.s["mode"] == "offline":
+        if self.s.mode == "offline":
             return f"offline in {self.run_dir / 'wandb'} (upload: wandb sync --id {self.run.id} {self.run_dir / 'wandb'}/offline-run-*)"
         return str(self.run.url or "")

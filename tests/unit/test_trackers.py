@@ -20,6 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlbatch.checks.validate import check
+from rlbatch.config.tracker_shapes import TRACKER_NAMES
 from rlbatch.loop.metrics import Metrics
 from rlbatch.placement.io import save_placement
 from rlbatch.runtime.rundir import RunDir
@@ -169,14 +170,12 @@ class FlakyTracker:
 
 def test_a_failing_tracker_is_retried_with_backoff_and_caught_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setitem(TRACKERS, "flaky", TrackerSpec("flaky", f"{__name__}:FlakyTracker", FlakySettings,
-                                                       lambda s: [], package="json", install="-"))
+    monkeypatch.setitem(TRACKERS, "flaky", TrackerSpec("flaky", f"{__name__}:FlakyTracker",
+                                                       lambda t: FlakySettings(enabled=True), lambda s: [],
+                                                       package="json", install="-"))
     monkeypatch.setattr(FlakyTracker, "tries", [])
     monkeypatch.setattr(FlakyTracker, "logged", [])
     run = make_run(tmp_path)
-    cfg = OmegaConf.load(run / "config.yaml")
-    cfg.trackers = {"flaky": {"enabled": True}}
-    OmegaConf.save(cfg, run / "config.yaml")
     m = Metrics(RunDir(run), 12, 0)
     with caplog.at_level(logging.WARNING, logger="rlbatch.trackers"):
         for s in range(12):
@@ -217,6 +216,34 @@ def test_bad_tracker_settings_are_refused_naming_the_field(cfg: dict[str, Any], 
     assert problems(on) == ["trackers.wandb.enabled: the 'rlbatch_no_such_package' package is not installed here; "
                             "pip install 'rlbatch[trackers]' (or: pip install wandb)"]
     check(on, runnable=False)  # the planner does not judge this machine's packages
+
+
+def test_the_registry_has_a_tracker_for_each_section_of_the_schema() -> None:
+    """The parse knows the trackers by ``TrackersConfig``'s sections; the session by the registry."""
+    assert list(TRACKERS) == list(TRACKER_NAMES)
+
+
+def test_an_mlflow_file_store_under_a_file_is_refused_naming_the_path(cfg: dict[str, Any]) -> None:
+    """mkdir would fail at the run's start: the store's path, or a directory above it, is a regular
+    file (an absolute path, a 'file:' URI, or a relative one, under run_dir)."""
+    run_dir = Path(cfg["run_dir"])
+    run_dir.mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("not a directory")
+    on = set_(cfg, trackers__mlflow__enabled=True)
+    notes = run_dir / "notes.txt"
+    for uri, store, above in (("/etc/passwd/mlruns", "/etc/passwd/mlruns", "/etc/passwd"),
+                              (f"file://{notes}/a/mlruns", f"{notes}/a/mlruns", f"{notes}"),
+                              ("notes.txt/mlruns", f"{notes}/mlruns", f"{notes}")):
+        assert problems(set_(on, trackers__mlflow__tracking_uri=uri)) == [
+            f"trackers.mlflow.tracking_uri: {uri!r}: the file store {store} lies under {above}, a file, not a directory"]
+    assert problems(set_(on, trackers__mlflow__tracking_uri="notes.txt")) == [
+        f"trackers.mlflow.tracking_uri: 'notes.txt': the file store {run_dir}/notes.txt is a file, not a directory"]
+    (run_dir / "mlruns").write_text("")
+    assert problems(on) == [f"trackers.mlflow.tracking_uri: unset ({run_dir}/mlruns): the file store {run_dir}/mlruns "
+                            f"is a file, not a directory"]
+    check(set_(on, trackers__mlflow__tracking_uri="store/mlruns"))  # created under run_dir at the start
+    check(on, runnable=False)  # the planner does not judge this machine's filesystem
+    check(set_(cfg, trackers__mlflow__tracking_uri="/etc/passwd/mlruns"))  # not enabled: no store is made
 
 
 def test_a_tracker_whose_run_is_gone_starts_a_new_one_with_every_row(tmp_path: Path) -> None:

@@ -37,6 +37,16 @@ def test_the_default_experiment_is_runnable(cfg: dict[str, Any]) -> None:
     assert set(check(cfg).roles) == {"actor_train", "actor_infer", "reference", "reward"}
 
 
+def test_a_replicas_context_parallel_ranks_share_its_samples(cfg: dict[str, Any]) -> None:
+    """The batch splits over the engine's data axes only: a replica's cp ranks receive the same
+    samples (docs/fsdp.md), so 9 samples fit fsdp:d1c2 and not fsdp:d2."""
+    odd = {"algo__prompts_per_step": 3, "algo__samples_per_prompt": 3, "algo__mini_batches": 1, "algo__grad_accum": 1}
+    assert dict(check(set_(on_ranks(cfg, 2, "fsdp:d1c2", "hf:d2"), **odd)).roles["actor_train"].mesh)["cp"] == 2
+    assert problems(set_(on_ranks(cfg, 2, "fsdp:d2", "hf:d2"), **odd)) == [
+        "algo: a batch of prompts_per_step*samples_per_prompt = 9 samples cannot be split evenly into actor_train "
+        "dp=2 x mini_batches=1 x grad_accum=1 = 2 parts"]
+
+
 # ------------------------------------------------------------------------------------ engines
 
 
@@ -400,6 +410,19 @@ def test_a_plugin_that_fails_to_import_is_one_line(cfg: dict[str, Any], plugin_d
     assert problems(set_(cfg, plugins=["rlbatch_test_missing", "rlbatch_test_broken"])) == [
         "plugins: importing 'rlbatch_test_missing' failed: ModuleNotFoundError: No module named 'rlbatch_test_missing'",
         "plugins: importing 'rlbatch_test_broken' failed: RuntimeError: needs a licence server",
+    ]
+
+
+def test_a_plugin_that_exits_at_import_is_refused_by_name(cfg: dict[str, Any], plugin_dir: Path) -> None:
+    """A plugin that parses the command line at import exits with its own usage text: the launch
+    refuses it by name instead, with what it printed."""
+    (plugin_dir / "rlbatch_test_cli.py").write_text(
+        "import argparse\nargparse.ArgumentParser(prog='lab-tool').parse_args(['--bogus'])\n")
+    (plugin_dir / "rlbatch_test_quit.py").write_text("import sys\nsys.exit(0)\n")
+    assert problems(set_(cfg, plugins=["rlbatch_test_cli", "rlbatch_test_quit"])) == [
+        "plugins: importing 'rlbatch_test_cli' exited (SystemExit 2) instead of registering what it provides; "
+        "it printed: usage: lab-tool [-h] lab-tool: error: unrecognized arguments: --bogus",
+        "plugins: importing 'rlbatch_test_quit' exited (SystemExit 0) instead of registering what it provides",
     ]
 
 

@@ -5,13 +5,17 @@ profile nothing is predicted."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from rlbatch.checks.validate import check
 from rlbatch.config.compose import compose
-from rlbatch.config.hardware import load_hardware
+from rlbatch.config.hardware import available, load_hardware
+from rlbatch.config.hardware_section import HardwareConfig
+from rlbatch.config.parse import parse
 from rlbatch.errors import ConfigError
+from tests.unit.configs import default_config, problems
 from tests.unit.test_presets import refusal
 
 GiB = float(1 << 30)
@@ -67,3 +71,43 @@ def test_the_cpu_profile_checks_the_node_ram() -> None:
         check(compose(["hardware=cpu", "hardware.host_ram_bytes=1e9"]))
     assert len(e.value.problems) == 1 and re.match(
         r"hardware=cpu: host RAM: the busiest node needs [\d.]+ GiB .* > 0\.9 GiB per node", e.value.problems[0]), e.value.problems
+
+
+def test_a_hardware_choice_outside_the_profiles_is_refused_naming_them(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``hardware=../model/tiny`` names a file of another group: Hydra would compose the model's
+    fields into the hardware section, where nothing reads them."""
+    profiles = available()
+    assert refusal(capsys, ["hardware=../model/tiny"]) == [
+        f"hardware: '../model/tiny' is not one of the presets in rlbatch/conf/hardware: {profiles}"]
+    with pytest.raises(ConfigError, match=re.escape(f"hardware: no profile '../model/tiny'; available: {profiles}")):
+        load_hardware("../model/tiny")  # the planner's hardware=<name>
+    # The same section in a plain config (a run's config.yaml, the planner's candidates).
+    tiny = default_config(tmp_path) | {"hardware": {"path": None, "arch": "qwen2", "hidden_size": 64}}
+    (line,) = problems(tiny, runnable=False)
+    assert line.startswith(f"hardware: unknown field(s) ['arch', 'hidden_size']: not a hardware profile (a profile is "
+                           f"chosen with hardware=<name>, one of {profiles}); known fields: ['cache_bw', "), line
+    (line,) = problems(default_config(tmp_path) | {"hardware": {"name": "../model/tiny"}}, runnable=False)
+    assert line.startswith(f"hardware.name: '../model/tiny' is not a profile of rlbatch/conf/hardware (one of "
+                           f"{profiles}); a profile of its own gives every field, missing ['kind', "), line
+
+
+def test_memory_figures_without_a_profile_feed_the_vllm_checks_and_other_fields_are_refused() -> None:
+    """docs/planner.md: without a profile name, host_ram_bytes and hbm_bytes alone (they feed the
+    vLLM memory checks; nothing is predicted); any other field needs a profile."""
+    cfg = compose(["+hardware.hbm_bytes=40e9", "+hardware.host_ram_bytes=1e12"])
+    assert parse(cfg).config.hardware == HardwareConfig(None, host_ram_bytes=1e12, hbm_bytes=40e9)
+    check(cfg)
+    assert check(compose([])).num_gpus == 2 and parse(compose([])).config.hardware is None
+    with pytest.raises(ConfigError) as e:
+        check(compose(["+hardware.peak_flops=1e15"]))
+    assert e.value.problems == [
+        f"hardware: peak_flops=1000000000000000.0 without a profile name: without one only ['host_ram_bytes', "
+        f"'hbm_bytes'] are read (by the vLLM memory checks); a profile is chosen with hardware=<name>, one of "
+        f"{available()}, to predict with its fields"]
+    with pytest.raises(ConfigError) as e:
+        check(compose(["+hardware.hbm_bytes=-1"]))
+    assert e.value.problems == ["hardware.hbm_bytes: must be > 0, got -1"]
+    profile = parse(compose(["hardware=h100_sxm", "hardware.hbm_bytes=40e9"])).config.hardware
+    assert profile is not None and profile.profile == load_hardware("h100_sxm", {"hbm_bytes": 40e9})
+    assert profile.hbm_bytes == 40e9 and profile.host_ram_bytes == load_hardware("h100_sxm").host_ram_bytes

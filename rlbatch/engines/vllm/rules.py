@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-from collections.abc import Mapping
 
 from rlbatch.config.schema import LoraConfig, RLBatchConfig
 from rlbatch.engines.registry import parse_args
@@ -43,33 +42,13 @@ MiB = float(1 << 20)
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def _hardware(cfg: RLBatchConfig) -> dict[str, float]:
-    """host_ram_bytes / hbm_bytes from the ``hardware`` config (a profile name and/or fields)."""
-    hw = cfg.hardware
-    if not isinstance(hw, Mapping):
-        return {}
-    out: dict[str, float] = {}
-    if isinstance(hw.get("name"), str):
-        from rlbatch.config.hardware import load_hardware
-
-        try:
-            prof = load_hardware(hw["name"])
-        except ConfigError:
-            return {}
-        out = {"host_ram_bytes": prof.host_ram_bytes, "hbm_bytes": prof.hbm_bytes}
-    for k in ("host_ram_bytes", "hbm_bytes"):
-        if isinstance(hw.get(k), (int, float)) and not isinstance(hw.get(k), bool):
-            out[k] = float(hw[k])
-    return out
-
-
 def node_memory(cfg: RLBatchConfig) -> tuple[float, str] | None:
     """(bytes, where the figure comes from) of one node's memory, or None when unknown."""
     mem_gb = cfg.cluster.mem_gb
     if mem_gb is not None and mem_gb > 0:
         return mem_gb * float(1 << 30), f"cluster.mem_gb={mem_gb}"
-    if "host_ram_bytes" in (hw := _hardware(cfg)):
-        return hw["host_ram_bytes"], "the hardware config's host_ram_bytes"
+    if cfg.hardware is not None and cfg.hardware.host_ram_bytes is not None:
+        return cfg.hardware.host_ram_bytes, "the hardware config's host_ram_bytes"
     if cfg.cluster.name == "local":
         try:
             return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine"
@@ -81,8 +60,8 @@ def node_memory(cfg: RLBatchConfig) -> tuple[float, str] | None:
 def gpu_memory(cfg: RLBatchConfig) -> tuple[float, str] | None:
     """(bytes, source) of one GPU's memory: the hardware config, or this machine's first GPU
     (nvidia-smi) for cluster=local; None when unknown."""
-    if "hbm_bytes" in (hw := _hardware(cfg)):
-        return hw["hbm_bytes"], "the hardware config's hbm_bytes"
+    if cfg.hardware is not None and cfg.hardware.hbm_bytes is not None:
+        return cfg.hardware.hbm_bytes, "the hardware config's hbm_bytes"
     if cfg.cluster.name != "local":
         return None
     try:
