@@ -47,9 +47,25 @@ def group_problems(overrides: list[str]) -> list[str]:
     return out
 
 
+def syntax_problems(overrides: list[str]) -> list[str]:
+    """Each override Hydra's grammar refuses, named by its text and its place on the command line
+    (Hydra's own message quotes the offending characters only)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for i, arg in enumerate(overrides, 1):
+        try:
+            parser.parse_override(arg)
+        except HydraException as e:
+            out.append(f"overrides: {arg!r} (argument {i} of {len(overrides)}): {_first_lines(str(e), 2)}"[:400])
+    return out
+
+
 def compose(overrides: list[str]) -> Any:
     """The composed, resolved DictConfig for ``overrides`` (Hydra override syntax)."""
-    if problems := group_problems(overrides):
+    if problems := syntax_problems(overrides) or group_problems(overrides):
         raise ConfigError(problems)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir

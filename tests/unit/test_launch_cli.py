@@ -78,6 +78,13 @@ def test_override_syntax_errors_exit_2_without_traceback(tmp_path: Path, cli_env
         assert "overrides:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_syntax_error_names_the_override_it_is_in(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """Among several overrides, the one Hydra's grammar refuses is named with its text and place."""
+    proc = launch(["dry_run=true", "steps=3", "algo.lr=[1,", "seed=2"], tmp_path, cli_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "overrides: 'algo.lr=[1,' (argument 3 of 4): no viable alternative at input '[1,'" in proc.stderr, proc.stderr
+
+
 def test_documented_quoting_works_from_a_shell(tmp_path: Path, cli_env: dict[str, str]) -> None:
     command = (
         f"{sys.executable} -m rlbatch.launch dry_run=true"
