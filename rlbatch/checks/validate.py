@@ -75,7 +75,7 @@ def _code_task_problems(cfg: RLBatchConfig, strict: bool) -> list[str]:
             if not ok:
                 out.append(f"sandbox.isolation=namespaces: this node cannot give an execution its own namespaces ({why}); "
                            f"allow unprivileged user namespaces or run as root, or set sandbox.isolation=process "
-                           f"(the network and the file system are then not isolated)")
+                           f"(the file system is then isolated only where the kernel has Landlock; docs/sandbox.md)")
     return out
 
 
