@@ -214,8 +214,9 @@ def _value(v: str) -> str:
     return v if all(ch.isalnum() or ch in ":_.-" for ch in v) else f"'{v}'"
 
 
-def to_overrides(c: Candidate, cfg: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
-    """Hydra override lines for a candidate, and the plain config they produce."""
+def to_overrides(c: Candidate, cfg: Mapping[str, Any], typed: RLBatchConfig) -> tuple[list[str], dict[str, Any]]:
+    """Hydra override lines for a candidate, and the plain config they produce (``cfg`` with them;
+    ``typed``: ``cfg`` as the parse read it, what the lines are decided from)."""
     plain = copy.deepcopy(dict(cfg))
     lines = []
     for name, r in c.layout.roles.items():
@@ -227,8 +228,9 @@ def to_overrides(c: Candidate, cfg: Mapping[str, Any]) -> tuple[list[str], dict[
         lines.append(f"roles.{name}.backend={_value(str(r.backend))}")
         lines.append(f"roles.{name}.offload={'true' if r.offload else 'false'}")
         rc |= {"device_mapping": _mapping(r.ranks), "backend": str(r.backend), "offload": r.offload, "enabled": True}
+        given = typed.roles.get(name)
         for k in ("num_gpus_per_worker", "world_size"):
-            if rc.get(k) is not None:
+            if given is not None and getattr(given, k) is not None:
                 lines.append(f"roles.{name}.{k}=null")
                 rc[k] = None
         if c.budget and r.engine_args.get(BUDGET_KEY) == c.budget:
@@ -239,13 +241,12 @@ def to_overrides(c: Candidate, cfg: Mapping[str, Any]) -> tuple[list[str], dict[
         lines.append(f"++model.lora.rank={c.lora}")
         model = plain.setdefault("model", {})
         model["lora"] = dict(model.get("lora") or {}) | {"rank": c.lora}
-        if (ref := plain["roles"].get("reference")) and ref.get("enabled", True) is not False:
+        if typed.enabled("reference"):
             lines.append("roles.reference.enabled=false")  # the reference is the policy's base model
-            plain["roles"]["reference"] = dict(ref) | {"enabled": False}
-    cluster = plain.setdefault("cluster", {})
-    nodes = cluster.get("nodes")
+            plain["roles"]["reference"] = dict(plain["roles"]["reference"]) | {"enabled": False}
+    nodes = typed.cluster.nodes
     if nodes is not None and nodes * c.layout.gpus_per_node < c.layout.num_gpus:
-        cluster["nodes"] = c.layout.num_nodes
+        plain.setdefault("cluster", {})["nodes"] = c.layout.num_nodes
         lines.append(f"cluster.nodes={c.layout.num_nodes}")
     return lines, plain
 
@@ -283,7 +284,7 @@ def search(cfg: Mapping[str, Any], gpus: int, gpn: int, shape: ModelShape, w: Wo
     for c in scored:
         if len(best) >= top:
             break
-        c.overrides, plain = to_overrides(c, cfg)
+        c.overrides, plain = to_overrides(c, cfg, typed)
         try:
             check(plain, runnable=False)
         except ConfigError:
