@@ -1,6 +1,8 @@
 """Prepare a run directory inside an allocation you made yourself (no submitit):
 
     RUN_DIR=$(python -m rlbatch.launch.prepare cluster=slurm run_dir=$PWD/runs/$SLURM_JOB_ID [overrides])
+    exec {RLBATCH_LOCK_FD}<>"$RUN_DIR/rlbatch.lock"
+    python -m rlbatch.launch.joblock "$RUN_DIR" "$RLBATCH_LOCK_FD" || exit $?
     source "$RUN_DIR/rank_env.sh"
     srun --mpi=pmi2 --kill-on-bad-exit=1 python -u -m rlbatch.worker "$RUN_DIR"
 
@@ -8,7 +10,9 @@ Validates the config, writes config.yaml and placement.json, checks that the all
 nodes and tasks the placement needs, writes ``rank_env.sh`` (the export lines of the environment
 every rank gets, as the submitit launcher's sbatch script has them: ``cluster.env``,
 ``cluster.network_interface``, MPI's settings), and prints the run directory (only that, on
-stdout). Exit code 2 on a bad config or an allocation that does not fit; the values of
+stdout). The run directory's lock is handed to the job; the two lines after it take it for the
+job's whole life (the shell that runs them holds it: ``rlbatch.launch.joblock``). Exit code 2 on
+a bad config, a run directory another run holds, or an allocation that does not fit; the values of
 ``rank_env.sh`` are quoted, and one that would not stay on its line (a control character) is a
 bad config (``rlbatch.checks.cluster_rules``).
 """

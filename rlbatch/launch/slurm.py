@@ -20,6 +20,7 @@ from rlbatch.checks.cluster_rules import bad_char, parameter_problems
 from rlbatch.checks.validate import ENV_NAME
 from rlbatch.errors import ConfigError, ExitCode, report_config_error
 from rlbatch.launch.exit_codes import run_exit_code
+from rlbatch.launch.joblock import job_lock_lines, refusal_in
 from rlbatch.launch.rundir import prepare_run_dir
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import CPU_DEVICE_ENV, MPI_ENV, network_env
@@ -61,7 +62,8 @@ def sbatch_parameters(cfg: Any, placement: Placement, run_dir: Path) -> dict[str
     if c.container_mounts:
         srun_args.append(f"--container-mounts={c.container_mounts}")
     srun_args += [str(a) for a in c.srun_args]
-    setup = [str(line) for line in c.setup] + export_lines(rank_env(cfg, run_dir))
+    # The job takes the run directory's lock before any rank starts, and holds it until it ends.
+    setup = [str(line) for line in c.setup] + export_lines(rank_env(cfg, run_dir)) + job_lock_lines(sys.executable, run_dir)
     params: dict[str, Any] = {
         "job_name": c.job_name,
         "partition": c.partition,
@@ -128,6 +130,8 @@ def submit(cfg: Any, placement: Placement) -> int:
         print(f"rlbatch: cannot submit to Slurm here: {e}; nothing was submitted", file=sys.stderr)
         return 2
     executor.update_parameters(**sbatch_parameters(cfg, placement, run.path))
+    assert run.lock is not None
+    run.lock.submitting()  # the job may start before the hand-over below: it waits for it
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr before raising
             job = executor.submit(worker_main, str(run.path))
@@ -141,7 +145,6 @@ def submit(cfg: Any, placement: Placement) -> int:
         print(f"rlbatch: {why}; nothing was submitted", file=sys.stderr)
         return 2
     log = folder / f"{job.job_id}_0_log.out"
-    assert run.lock is not None
     run.lock.hand_over(str(job.job_id))  # a later launch asks Slurm whether this job still holds the run_dir
     print(f"submitted Slurm job {job.job_id}: {placement.world_size} processes on {placement.num_nodes} node(s)")
     print(f"  run_dir:  {run.path}")
@@ -171,7 +174,8 @@ def _scontrol(job_id: str) -> dict[str, str]:
 def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) -> int:
     """Wait for the job to leave the queue; returns the launcher's exit code (``ExitCode``): 0 when
     every rank exited cleanly after the last step, 3 or 4 when the run stopped early with a
-    checkpoint and was not requeued (the controller's status file says which)."""
+    checkpoint and was not requeued (the controller's status file says which), 2 when the job
+    refused to start because another run held the run directory (``rlbatch.launch.joblock``)."""
     last, host = None, ""
     try:
         while (seen := _squeue(job_id))[0]:
@@ -184,6 +188,10 @@ def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) 
         print(f"\nrlbatch: stopped following job {job_id}; it keeps running (scancel --signal=INT {job_id} stops it "
               f"after the step in progress, with a checkpoint)", file=sys.stderr)
         return int(ExitCode.STOPPED_NOW)
+    log = run.path / SUBMITIT_DIR / f"{job_id}_0_log.out"
+    if refused := refusal_in(log, job_id):  # another run held the run directory: its status files are not ours
+        print(f"job {job_id}: refused\n  {refused.removeprefix('rlbatch: ')}", file=sys.stderr)
+        return int(ExitCode.BAD_CONFIG)
     states = [run.read_status(r) for r in range(placement.world_size)]
     if all(st is not None and st["state"] == "exited" for st in states):
         code = run_exit_code(True, states[placement.controller_rank], stopped_now=False)
@@ -191,7 +199,6 @@ def follow(job_id: str, run: RunDir, placement: Placement, poll_s: float = 2.0) 
                                    f"checkpoint (exit code {int(code)}); launch again with run_dir={run.path} to resume"))
         return int(code)
     print(f"job {job_id}: failed", file=sys.stderr)
-    log = run.path / SUBMITIT_DIR / f"{job_id}_0_log.out"
     if all(st is None for st in states) and not log.exists():
         record = _scontrol(job_id)
         if record.get("JobState") == "CANCELLED":

@@ -11,7 +11,8 @@ ranks (read), and its lock.
 
 One run per run directory: the launcher's ``prepare_run_dir`` takes the lock (``lock_run_dir``,
 below) before it writes anything, so a second launch into a directory in use is refused, naming the
-holder, before it touches the first run's files.
+holder, before it touches the first run's files. A Slurm job takes it again when it starts, for its
+whole life (``rlbatch.launch.joblock``).
 
 Writes that record a rank's state must not fail the error path that makes them: on a full disk
 ``write_status`` falls back to rewriting the existing status file in place (its block is already
@@ -134,18 +135,27 @@ SQUEUE_TIMEOUT_S = 30.0
 class RunDirBusy(ConfigError):
     """Another run holds the run directory; the message names it and what to do."""
 
+    def __init__(self, problems: str | list[str], record: LockRecord | None = None, held: bool = False) -> None:
+        super().__init__(problems)
+        self.record: LockRecord = record if record is not None else {}
+        """The holder's record, as the lock file had it."""
+        self.held = held
+        """The kernel's lock is held by a live process (else the record alone refused)."""
+
 
 class LockRecord(TypedDict, total=False):
-    """The lock file's record of its holder (``_record``); empty when the directory is free."""
+    """The lock file's record of its holder (``holder_record``); empty when the directory is free."""
 
     host: str
     pid: int | None
     """None once handed over to a Slurm job (``RunDirLock.hand_over``)."""
     slurm_job: str | None
     since: float
+    submitting: bool
+    """Set by a submitter between sbatch and ``hand_over``: the job it submits may already start."""
 
 
-def _holder_text(rec: LockRecord) -> str:
+def holder_text(rec: LockRecord) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(rec.get("since", 0))))
     if rec.get("pid") is None and rec.get("slurm_job"):  # handed over to the job by its submitter
         return f"Slurm job {rec['slurm_job']} (submitted from host {rec.get('host', '?')}), since {since}"
@@ -197,10 +207,15 @@ class RunDirLock:
         os.pwrite(self.fd, data, 0)
         os.fsync(self.fd)
 
+    def submitting(self) -> None:
+        """Mark the record while this process submits a Slurm job: the job, started before the
+        hand-over, waits for it instead of refusing (``rlbatch.launch.joblock``)."""
+        self.write(_read_record(self.fd) | {"submitting": True})
+
     def hand_over(self, slurm_job: str) -> None:
         """The run goes on as Slurm job ``slurm_job``: record it as the holder and let go of the
         kernel's lock (a later launch asks Slurm whether the job is still queued or running)."""
-        self.write(_record(slurm_job) | {"pid": None})
+        self.write(holder_record(slurm_job) | {"pid": None})
         self._close()
 
     def release(self) -> None:
@@ -221,7 +236,8 @@ class RunDirLock:
             os.close(fd)  # the kernel's lock goes with the last descriptor
 
 
-def _record(slurm_job: str | None) -> LockRecord:
+def holder_record(slurm_job: str | None) -> LockRecord:
+    """This process as the holder: its host and pid, its Slurm job, now."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": slurm_job, "since": time.time()}
 
 
@@ -236,10 +252,10 @@ def _read_record(fd: int) -> LockRecord:
     return rec if isinstance(rec, dict) else {}
 
 
-def _busy(path: Path, rec: LockRecord, why: str) -> RunDirBusy:
+def _busy(path: Path, rec: LockRecord, why: str, held: bool = False) -> RunDirBusy:
     return RunDirBusy(
-        f"run_dir {path.parent} is in use by another run: {_holder_text(rec)}{why}. Wait for that run to end, "
-        f"stop it, or choose another run_dir (nothing of it was touched)")
+        f"run_dir {path.parent} is in use by another run: {holder_text(rec)}{why}. Wait for that run to end, "
+        f"stop it, or choose another run_dir (nothing of it was touched)", rec, held)
 
 
 def _stale_or_busy(path: Path, rec: LockRecord, slurm_job: str | None) -> RunDirBusy | None:
@@ -289,39 +305,54 @@ def _ranks_still_running(path: Path) -> RunDirBusy | None:
                       f"(kill {' '.join(str(pid) for _, pid in alive)}), or choose another run_dir")
 
 
+NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP})
+"""flock's errors on a filesystem without locks (Lustre mounted without -o flock)."""
+
+
+def take_lock(fd: int, path: Path, slurm_job: str | None) -> None:
+    """Take the kernel's lock on ``fd`` (the open lock file ``path``) and judge the record a
+    previous holder left, or raise RunDirBusy with the kernel's lock not taken.
+
+    ``slurm_job``: the Slurm job the taker belongs to (None outside an allocation); a record left
+    by the same job (its previous incarnation, before a requeue) does not block it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(path, _read_record(fd), "", held=True) from None
+    except OSError as e:  # no locks on this filesystem: the record alone
+        if e.errno not in NO_LOCKS:
+            raise
+        rec = _read_record(fd)
+        if rec.get("host") == socket.gethostname() and _alive(rec.get("pid")):
+            raise _busy(path, rec, " (this filesystem has no locks: the record says so)") from None
+        if problem := _stale_or_busy(path, rec, slurm_job):
+            raise problem from None
+        return
+    if problem := _stale_or_busy(path, _read_record(fd), slurm_job) or _ranks_still_running(path):
+        fcntl.flock(fd, fcntl.LOCK_UN)  # the descriptor may outlive this call (a job's batch shell holds it)
+        raise problem
+
+
 def lock_run_dir(run_dir: Path, slurm_job: str | None = None) -> RunDirLock:
     """Take ``<run_dir>/rlbatch.lock`` for this process (until it exits), or raise RunDirBusy.
 
     ``slurm_job``: the Slurm job this process belongs to (None outside an allocation); a record
     left by the same job (its previous incarnation, before a requeue) does not block it."""
     import atexit
-    import fcntl
 
     path = Path(run_dir) / LOCK
     if (held := _HELD.get(path)) is not None and held.fd >= 0:  # this process's already (a second launch call)
         return held
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _busy(path, _read_record(fd), "") from None
-        except OSError as e:  # no locks on this filesystem (Lustre without -o flock): the record alone
-            if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            rec = _read_record(fd)
-            if rec.get("host") == socket.gethostname() and _alive(rec.get("pid")):
-                raise _busy(path, rec, " (this filesystem has no locks: the record says so)") from None
-            if problem := _stale_or_busy(path, rec, slurm_job):
-                raise problem from None
-        else:
-            if problem := _stale_or_busy(path, _read_record(fd), slurm_job) or _ranks_still_running(path):
-                raise problem
+        take_lock(fd, path, slurm_job)
     except BaseException:
         os.close(fd)
         raise
     lock = RunDirLock(path, fd)
-    lock.write(_record(slurm_job))
+    lock.write(holder_record(slurm_job))
     atexit.register(lock.release)
     _HELD[path] = lock
     return lock

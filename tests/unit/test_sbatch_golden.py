@@ -88,7 +88,8 @@ HEADER_OPTIONS = {"cpus-per-task", "gres", "job-name", "nodes", "ntasks-per-node
 
 def structure_problems(text: str, cfg: Any) -> list[str]:
     """Where the script differs from its intended shape: one #SBATCH line per known option, and
-    exactly the setup lines, one export per rank variable, srun and the post-mortem as commands.
+    exactly the setup lines, one export per rank variable, the run directory's lock, srun and the
+    post-mortem as commands.
     A value that escaped its line shows up here as an extra or a changed line."""
     known = HEADER_OPTIONS | {str(k).replace("_", "-") for k in cfg.cluster.sbatch_args}
     options = [ln.removeprefix("#SBATCH --").split("=", 1)[0] for ln in text.split("\n") if ln.startswith("#SBATCH")]
@@ -96,8 +97,9 @@ def structure_problems(text: str, cfg: Any) -> list[str]:
     problems += [f"--{o} appears {options.count(o)} times" for o in set(options) if options.count(o) > 1]
     commands = [ln for ln in text.split("\n") if ln.strip() and not ln.lstrip().startswith("#")]
     setup = [ln for entry in cfg.cluster.setup for ln in str(entry).split("\n")]
-    expected = [*setup, *(f"export {k}=" for k in rank_env(cfg, Path(str(cfg.run_dir)))), "export SUBMITIT_EXECUTOR=slurm",
-                "srun --unbuffered --output ", "PYTHON -m rlbatch.runtime.postmortem "]
+    expected = [*setup, *(f"export {k}=" for k in rank_env(cfg, Path(str(cfg.run_dir)))),
+                "exec {RLBATCH_LOCK_FD}<>", "PYTHON -m rlbatch.launch.joblock ",  # the job's lock on the run_dir
+                "export SUBMITIT_EXECUTOR=slurm", "srun --unbuffered --output ", "PYTHON -m rlbatch.runtime.postmortem "]
     if len(commands) != len(expected) or not all(c.startswith(e) for c, e in zip(commands, expected, strict=False)):
         problems.append(f"commands {commands} are not the expected {expected}")
     return problems

@@ -16,6 +16,8 @@
 # setup
 export MPIR_CVAR_NOLOCAL=1
 export RLBATCH_RUN_DIR=/shared/runs/example
+exec {RLBATCH_LOCK_FD}<>/shared/runs/example/rlbatch.lock || exit 1
+PYTHON -m rlbatch.launch.joblock /shared/runs/example "$RLBATCH_LOCK_FD" || exit $?
 
 # command
 export SUBMITIT_EXECUTOR=slurm

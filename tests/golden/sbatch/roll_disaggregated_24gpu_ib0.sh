@@ -19,6 +19,8 @@ export NCCL_SOCKET_IFNAME=ib0
 export GLOO_SOCKET_IFNAME=ib0
 export NCCL_DEBUG=WARN
 export RLBATCH_RUN_DIR=/shared/runs/example
+exec {RLBATCH_LOCK_FD}<>/shared/runs/example/rlbatch.lock || exit 1
+PYTHON -m rlbatch.launch.joblock /shared/runs/example "$RLBATCH_LOCK_FD" || exit $?
 
 # command
 export SUBMITIT_EXECUTOR=slurm

@@ -32,6 +32,8 @@ export NCCL_SOCKET_IFNAME=ib0
 export GLOO_SOCKET_IFNAME=ib0
 export WANDB_NOTES='it'"'"'s "$HOME" `x` $(id)'
 export RLBATCH_RUN_DIR='/shared/runs/it'"'"'s my run'
+exec {RLBATCH_LOCK_FD}<>'/shared/runs/it'"'"'s my run/rlbatch.lock' || exit 1
+PYTHON -m rlbatch.launch.joblock '/shared/runs/it'"'"'s my run' "$RLBATCH_LOCK_FD" || exit $?
 
 # command
 export SUBMITIT_EXECUTOR=slurm
