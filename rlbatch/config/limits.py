@@ -10,12 +10,12 @@ from rlbatch.config.bounds import TIMEOUT_MAX_S, bounded
 Isolation = Literal["auto", "namespaces", "process"]
 """``namespaces``: fresh user, mount, pid, network, IPC and UTS namespaces (util-linux ``unshare``,
 needs unprivileged user namespaces or root), a read-only view of every mount, private tmpfs
-``/tmp``, no capabilities; as root the code also runs as ``nobody``. ``process``: a fresh process
-with the same resource limits, timeout, scrubbed environment and a private working directory, as
-``nobody`` when the worker is root, but the network and the file system as that user sees them
-(the log says so). Both: a seccomp filter keeps the code from signalling, tracing or re-limiting
-any other process (docs/sandbox.md). ``auto``: namespaces where the node allows them, else
-process (the log says which)."""
+``/tmp``, no capabilities; as root the code also runs as a uid of its own (one per execution, no
+account's). ``process``: a fresh process with the same resource limits, timeout, scrubbed
+environment and a private working directory, as a uid of its own when the worker is root, but the
+network and the file system as that user sees them (the log says so). Both: a seccomp filter keeps
+the code from signalling, tracing or re-limiting any other process (docs/sandbox.md). ``auto``:
+namespaces where the node allows them, else process (the log says which)."""
 
 
 @dataclass
@@ -36,7 +36,12 @@ class Limits:
     tmp_mb: int = bounded(64, ge=1)
     """Size of the private /tmp, /var/tmp and /dev/shm (namespaces isolation)."""
     processes: int = bounded(32, ge=1)
-    """Processes and threads (RLIMIT_NPROC; per user namespace, so per execution under namespaces)."""
+    """Processes and threads the code may have at once, itself included (RLIMIT_NPROC, which the
+    kernel counts per uid, and from Linux 5.14 per user namespace): the execution's own under a
+    root worker (each execution a uid of its own) and under namespaces (Linux >= 5.14). Otherwise
+    the executions run as the worker's user: each may start this many more than that user has
+    running when it starts, and the executions running at the same time share what is left
+    (docs/sandbox.md)."""
     open_files: int = bounded(64, ge=8, why="the interpreter's own")
     """Open file descriptors (RLIMIT_NOFILE)."""
     output_kb: int = bounded(16, ge=1, le=2**53 - 1, why="read as bytes in 63 bits")

@@ -384,8 +384,8 @@ class SandboxConfig:
     """'namespaces' (own user/mount/pid/network namespaces via util-linux unshare: no network, a
     read-only view of the node, private /tmp), 'process' (resource limits, a private directory, a
     seccomp filter that keeps the code from signalling or tracing other processes and from opening
-    any socket but AF_UNIX ones, Landlock's file-system limits where the kernel has them, and user
-    'nobody' when the worker runs as root; the node's processes and, without Landlock, its files
+    any socket but AF_UNIX ones, Landlock's file-system limits where the kernel has them, and a uid
+    of its own per execution when the worker runs as root; the node's processes and, without Landlock, its files
     are NOT isolated: the log says what is), or 'auto' (namespaces
     where the node allows them; the log says which is in force). 'namespaces' is a hard
     requirement: a node without them is refused, never a fallback. docs/sandbox.md."""

@@ -90,7 +90,7 @@ READ_ONLY_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"
 anything. Nothing else on the file system can be opened, listed, written or executed."""
 OWN_DIRS = (".", "/tmp", "/var/tmp", "/dev/shm")
 """Its working directory and the usual scratch places (private tmpfs under namespaces; the node's
-own in process mode, where ``tempfile`` falls back to ``/tmp`` for ``nobody``)."""
+own in process mode, where ``tempfile`` falls back to ``/tmp`` for another user than root)."""
 MAX_REPLY = 8 << 20
 """Largest reply the judge reads from the subject (a result bigger than this fails its test)."""
 GRACE_S = 2.0
@@ -268,7 +268,9 @@ def set_limits(lim):
     cap(resource.RLIMIT_AS, int(lim["memory_mb"]) << 20)
     cap(resource.RLIMIT_FSIZE, int(lim["file_mb"]) << 20)
     cap(resource.RLIMIT_NOFILE, int(lim["open_files"]))
-    cap(resource.RLIMIT_NPROC, int(lim["processes"]))
+    # ``nproc``, from the worker: limits.processes for the code plus the tasks of this uid that are
+    # not the code's (the judge, unshare; where the uid is shared, those running at the start).
+    cap(resource.RLIMIT_NPROC, int(lim["nproc"]))
 
 
 # -- plain data: the only values that cross from the subject to the judge ------------------------

@@ -88,31 +88,41 @@ class Sandbox:
 
     def run(self, job: Job) -> Outcome:
         start = time.perf_counter()
-        scratch = tempfile.mkdtemp(prefix="rlbatch-sandbox-")
+        user = isolation.lease()
+        group = None
         try:
-            return self._run(job, scratch, start)
+            scratch = tempfile.mkdtemp(prefix="rlbatch-sandbox-")
+            try:
+                outcome, group = self._run(job, scratch, start, user)
+                return outcome
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            user.release(group)
 
-    def _run(self, job: Job, scratch: str, start: float) -> Outcome:
+    def _run(self, job: Job, scratch: str, start: float, user: isolation.Lease) -> tuple[Outcome, int]:
+        """The outcome, and the execution's process group (killed; maybe not yet reaped)."""
         lim, nonce, tests = self.limits, secrets.token_hex(16), list(job.tests)
         namespaced = self.mode == "namespaces"
         work = os.path.join(scratch, "work")
         os.mkdir(work, 0o700)
         env = dict(isolation.SAFE_ENV, HOME="/tmp/work" if namespaced else work,
                    TMPDIR="/tmp/work" if namespaced else work)
-        if not namespaced and isolation.runs_as_nobody():
-            os.chown(work, isolation.NOBODY, isolation.NOBODY)
+        if not namespaced and user.uid is not None:
+            os.chown(work, user.uid, user.uid)
+        # The code's own processes and threads: the kernel counts every task of the uid.
+        limits = dict(lim.as_dict(), nproc=isolation.nproc_limit(self.mode, lim.processes, user))
         # Unlinked files: the execution reaches them by no path (in process mode the scratch
         # directory is on its file system), only through the descriptors it is given.
         with tempfile.TemporaryFile(dir=scratch) as out, tempfile.TemporaryFile(dir=scratch) as res:
             # Two frames: the harness forks the process that runs the code after reading the first
             # and before reading the second, so that process never holds the tests or the nonce.
-            public = {"code": job.code, "limits": lim.as_dict(), "isolate_fs": namespaced, "drop_caps": namespaced}
+            public = {"code": job.code, "limits": limits, "isolate_fs": namespaced, "drop_caps": namespaced}
             secret = {"nonce": nonce, "tests": tests, "result_fd": res.fileno()}
             payload = b"".join(len(b).to_bytes(8, "big") + b for b in (marshal.dumps(public, 4), marshal.dumps(secret, 4)))
             proc = subprocess.Popen(isolation.command(self.mode), stdin=subprocess.PIPE, stdout=out, stderr=out,
-                                    pass_fds=(res.fileno(),), cwd=work, env=env, start_new_session=True)
+                                    pass_fds=(res.fileno(),), cwd=work, env=env, start_new_session=True,
+                                    **user.popen_kwargs())
             timed_out = False
             try:
                 proc.communicate(payload, timeout=lim.timeout_s)
@@ -125,7 +135,8 @@ class Sandbox:
             output = out.read(lim.output_kb << 10).decode(errors="replace")
             res.seek(0)
             lines = res.read(1 << 20).decode(errors="replace").splitlines()
-        return _judge(lines, nonce, len(tests), proc.returncode, timed_out, output, time.perf_counter() - start)
+        return (_judge(lines, nonce, len(tests), proc.returncode, timed_out, output, time.perf_counter() - start),
+                proc.pid)
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:

@@ -16,17 +16,23 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rlbatch.config.limits import Limits
+from rlbatch.sandbox import isolation
 from rlbatch.sandbox.harness import DENIED_SYSCALLS, landlock_abi, seccomp_program
 from rlbatch.sandbox.runner import Job, Outcome, Sandbox
 
@@ -289,10 +295,12 @@ ATTACKS: dict[str, str] = {
 
 NEEDS_LANDLOCK = {"reads the data set", "lists the data set's directory"}
 NOT_IN_PROCESS_MODE = {"reads other samples' scratch", "sees no host processes",
-                       # RLIMIT_NPROC counts every process of `nobody` on the node: a bomb would starve the others
-                       "fork bomb", "thread bomb",
                        # one loop is enough to show the process mode's timeout
                        "loops at import", "sleeps", "burns cpu in a thread", "loops in one test only"}
+if isolation.shares_process_budget("process"):
+    # A worker that is not root: its executions share its uid's process budget, and a bomb would
+    # starve the others running at the same time (docs/sandbox.md).
+    NOT_IN_PROCESS_MODE |= {"fork bomb", "thread bomb"}
 LOOPS = ("never returns", "loops at import", "loops in one test only")
 LOOP_ENDS = ("timeout", "cpu time limit")
 
@@ -361,6 +369,136 @@ def test_worker_keeps_serving(sandboxes: dict[str, Sandbox], outcomes: dict[tupl
     for box in sandboxes.values():
         [again] = box.run_many([Job(GOOD, ["assert f(41) == 42", "assert f(x=1) == 2 and f(-1) is not None"])])
         assert (again.passed, again.reason) == (2, "ok"), again
+
+
+FORKS = snippet("""
+    import os
+    def f(x):
+        r, w = os.pipe()
+        n = 0
+        while n < 200:
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+            if pid == 0:
+                os.close(w)
+                os.read(r, 1)
+                os._exit(0)
+            n += 1
+        os.close(w)
+        for _ in range(n):
+            os.wait()
+        print('forked', n)
+        return n
+    """)
+"""Forks until refused, with every child alive, and says how many it got (all reaped again)."""
+
+
+def _budget_test(mode: str) -> str:
+    """The code's own processes: limits.processes, itself included. Where the uid is shared (a worker
+    that is not root) the count at its start is added and others may start more meanwhile: most of it."""
+    processes = LIMITS.processes
+    return f"assert f(0) >= {processes // 2}" if isolation.shares_process_budget(mode) else \
+        f"assert f(0) == {processes - 1}"
+
+
+def test_full_process_budget_beside_other_processes(sandboxes: dict[str, Sandbox]) -> None:
+    """More processes than limits.processes already running as `nobody` (under root; as this
+    worker's own user otherwise): each execution still forks exactly its own budget, no more (a
+    fork bomb stops there too), in either mode (most of it where the worker is not root and its
+    executions share its uid)."""
+    as_nobody: dict[str, Any] = {"user": isolation.NOBODY, "group": isolation.NOBODY, "extra_groups": []} \
+        if os.geteuid() == 0 else {}
+    holders = []
+    try:
+        for _ in range(LIMITS.processes + 8):
+            holders.append(subprocess.Popen(["sleep", "600"], **as_nobody))
+        got = {mode: box.run(Job(FORKS, [_budget_test(mode)])) for mode, box in sandboxes.items()}
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert {mode: (o.passed, o.reason) for mode, o in got.items()} == {mode: (1, "ok") for mode in sandboxes}, \
+        {mode: o.output for mode, o in got.items()}
+
+
+def _range_tasks() -> dict[int, list[int]]:
+    """uid -> pids of the processes whose real uid is in the executions' range."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        try:
+            status = Path(f"/proc/{name}/status").read_text()
+        except OSError:
+            continue
+        uid = int(status.split("\nUid:", 1)[1].split()[0]) if "\nUid:" in status else -1
+        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_COUNT:
+            out.setdefault(uid, []).append(int(name))
+    return out
+
+
+def _wait_for(what: str, check: Callable[[], Any], seconds: float = 90.0) -> Any:
+    deadline = time.monotonic() + seconds
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:.0f} s"
+        time.sleep(0.05)
+    return got
+
+
+WHOAMI = snippet("""
+    import os
+    def uid(x):
+        with open('/proc/self/uid_map') as fh:
+            inside, outside, count = fh.read().split()[:3]
+        return int(outside) if count == '1' else os.getuid()  # under namespaces: the uid outside
+    """)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["namespaces", "process"])
+def test_concurrent_executions_have_their_own_uid_and_budget(sandboxes: dict[str, Sandbox], mode: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a root worker: while one execution holds all its processes, another one runs under a
+    uid of its own from the range and forks its whole budget."""
+    if isolation.users() != "own":
+        pytest.skip(f"executions run as {isolation.users()}, not a uid of their own each (a worker that is not root)")
+    processes = LIMITS.processes
+    holds = f"import os, time\nfor _ in range({processes - 1}):\n    if os.fork() == 0:\n" \
+            "        time.sleep(600)\n        os._exit(0)\ntime.sleep(600)\n"
+    slow = Sandbox(dataclasses.replace(LIMITS, timeout_s=600.0, test_timeout_s=590.0), isolation_mode=mode)
+    leased: dict[int, int | None] = {}  # thread -> the uid its last execution got
+    lease = isolation.lease
+
+    def recorded() -> isolation.Lease:
+        user = lease()
+        leased[threading.get_ident()] = user.uid
+        return user
+
+    monkeypatch.setattr(isolation, "lease", recorded)
+    done: list[Outcome] = []
+    holder = threading.Thread(target=lambda: done.append(slow.run(Job(holds, ["assert True"]))))
+    holder.start()
+
+    def holding() -> int | None:
+        uid = leased.get(holder.ident or 0)
+        return uid if uid is not None and len(_range_tasks().get(uid, [])) > processes else None
+
+    try:
+        held = _wait_for("the holding execution's processes", lambda: not holder.is_alive() or holding())
+        assert holder.is_alive(), f"the holding execution ended: {done}"
+        got = sandboxes[mode].run(Job(FORKS + "\n" + WHOAMI, [
+            _budget_test(mode), f"assert uid(0) != {held}",
+            f"assert {isolation.UID_BASE} <= uid(0) < {isolation.UID_BASE + isolation.UID_COUNT}"]))
+    finally:
+        while holder.is_alive():  # it ends once its launcher is killed
+            for pid in _range_tasks().get(leased.get(holder.ident or 0) or -1, []):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            holder.join(timeout=0.05)
+    assert [o.passed for o in done] == [0], done
+    assert (got.passed, got.reason) == (3, "ok"), (got.output, got)
 
 
 def test_no_connection_to_a_listener_on_this_host(sandboxes: dict[str, Sandbox]) -> None:
@@ -544,8 +682,6 @@ def test_refuses_bad_limits() -> None:
 def test_namespaces_is_a_hard_requirement(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Asked for, namespaces that the node lacks are an error with the reason; ``auto`` falls back
     and the log says what the process mode leaves open."""
-    from rlbatch.sandbox import isolation
-
     monkeypatch.setattr(isolation, "namespaces_available", lambda: (False, "unshare: Operation not permitted"))
     with pytest.raises(RuntimeError, match="sandbox.isolation=namespaces is not available on this node: unshare"):
         Sandbox(isolation_mode="namespaces")
@@ -565,7 +701,6 @@ def test_config_refuses_namespaces_the_node_lacks(monkeypatch: pytest.MonkeyPatc
     from rlbatch.checks.validate import check
     from rlbatch.config.schema import RLBatchConfig
     from rlbatch.errors import ConfigError
-    from rlbatch.sandbox import isolation
 
     cfg = dataclasses.asdict(RLBatchConfig())
     cfg["run_dir"] = str(tmp_path / "run")
@@ -586,8 +721,6 @@ def test_config_refuses_namespaces_the_node_lacks(monkeypatch: pytest.MonkeyPatc
 def test_refuses_to_start_where_the_harness_cannot_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel without seccomp filters (here: the harness's prctl made to fail) would score every
     response 0; the sandbox refuses to start instead, with the harness's own error."""
-    from rlbatch.sandbox import isolation
-
     source = isolation._harness_source()
     broken = source.replace('    prog = seccomp_program(os.uname().machine)\n',
                             '    raise OSError(22, "prctl(PR_SET_SECCOMP): Invalid argument")\n')

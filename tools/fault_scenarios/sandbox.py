@@ -146,7 +146,8 @@ def one_mode(mode: str) -> list[Check]:
     as_nobody = mode == "process" and os.geteuid() == 0 and shutil.which("setpriv") is not None
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT)}
     worker = Worker(mode, as_nobody, env)
-    who = "as nobody, the code's own user" if as_nobody else f"as uid {os.geteuid()}"
+    who = "as nobody, the code's own user" if as_nobody else \
+        "as root, the code under a uid of its own per execution" if os.geteuid() == 0 else f"as uid {os.geteuid()}"
     if worker.hello is None or worker.hello.get("mode") != mode:
         err = worker.close()
         return [(f"{mode}: worker starts", False, f"{worker.hello}; stderr: {err[-800:]}")]
