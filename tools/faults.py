@@ -1,13 +1,13 @@
 """Faults a user meets, run against real launches on this machine, each with its checks.
 
     python tools/faults.py                    # every scenario
-    python tools/faults.py --only disk_full   # one (ctrl_c, disk_full, two_launches, sandbox)
+    python tools/faults.py --only disk_full   # one (ctrl_c, disk_full, hang, two_launches, sandbox)
     python tools/faults.py --work DIR --json PATH
 
 Each scenario is a module in ``tools/fault_scenarios/`` with ``scenario(work) -> [(check, ok,
 detail)]``: it starts ``python -m rlbatch.launch`` (the small default experiment, cluster=local)
 or the sandbox worker, does to it what a user or a hostile response would (Ctrl-C, a full disk,
-a second launch into the same run directory, code that attacks the sandbox), and reports what
+a rank that hangs, a second launch into the same run directory, code that attacks the sandbox), and reports what
 happened with the numbers. Exit code 1 when a check fails. The same behaviours are tested in
 CI by the tests each scenario names; this prints the evidence in one place.
 """

@@ -128,8 +128,9 @@ class ClusterConfig:
     port_range: list[int] = field(default_factory=lambda: [20000, 40000])
     """[low, high): torch.distributed rendezvous ports are derived from the job id in this range."""
     timeout_s: float = bounded(600.0, ge=1e-3, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
-    """Limit for every collective and control-plane wait; on expiry the error names the role,
-    the ranks and the operation."""
+    """Limit for the controller's wait for each phase's replies and for the collectives of the global
+    and weight-sync groups; on expiry the error names the phase, the role, the ranks and the
+    operation (README, "Timeouts: what ends a hang")."""
     startup_timeout_s: float = bounded(1800.0, gt=0, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
     """How long the controller waits for every rank to load its models and build its engines
     before the first step (a large checkpoint can take longer than one collective)."""

@@ -154,6 +154,12 @@ class Ledger:
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
+def phase_label(phase: str, roles: tuple[str, ...]) -> str:
+    """How errors name a phase command: "phase 'sync' of actor_train, actor_infer" (a phase that
+    only moves data names the roles it moves it to)."""
+    return f"phase '{phase}' of {', '.join(roles)}" if roles else f"phase '{phase}'"
+
+
 def token_imbalance(assign: dict[tuple[int, ...], list[int]], tokens: dict[int, int]) -> float:
     """Most tokens on one shard over the mean per shard (1: balanced)."""
     per = [sum(tokens[i] for i in ids) for ids in assign.values()]
@@ -187,7 +193,8 @@ class Pipeline:
         """Wait until every rank has built its engines (models loaded); return the seconds waited.
         Keeps start-up out of the first step's time."""
         start = time.perf_counter()
-        self.ctl.call(self.workers(), "ready", timeout_s=float(self.cfg.cluster.startup_timeout_s))
+        self.ctl.call(self.workers(), "ready", timeout_s=float(self.cfg.cluster.startup_timeout_s),
+                      label="start-up ('ready': building the engines; cluster.startup_timeout_s)")
         return time.perf_counter() - start
 
     def announce(self, phase: str) -> None:
@@ -245,7 +252,11 @@ class Pipeline:
                 "moves": [m for m in moves if r in (m.src, m.dst)]} | self._discard_on(r, discard)
             for r in ranks
         }
-        return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank), start, self.apart)
+        # The label names the phase and its roles in the errors of the call: a rank that does not
+        # answer in time is reported as stuck in this phase (``rlbatch.runtime.postmortem``).
+        label = phase_label(phase, roles)
+        return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank, label=label), start,
+                            self.apart)
 
     def produced(self, ranks: int | tuple[int, ...], sid: int, field: str, length: int) -> None:
         """``field`` of sample ``sid`` (``length`` values) is now held by ``ranks``."""

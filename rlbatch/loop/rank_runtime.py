@@ -9,6 +9,7 @@ registry and driven through the engine contract only (``rlbatch.engines.base``).
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import logging
 from collections.abc import Callable, Mapping
@@ -165,6 +166,19 @@ class RankRuntime:
 
     def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: Mapping[str, object] | None,
               drop: list[int] | None = None, discard: dict[str, list[str]] | None = None) -> PhaseReply:
+        # A phase still running here after cluster.timeout_s has, as a rule, outlived the
+        # controller's wait for it (the run is ending): the rank's threads' stacks go to its log,
+        # which tells a rank that hangs from one waiting in a collective for it. (A phase the
+        # controller waits for only later, such as a generation ahead of training, may run longer
+        # and leaves only this dump.) Cancelled when the phase returns.
+        faulthandler.dump_traceback_later(self.world.timeout_s, exit=False)
+        try:
+            return self._phase(phase, roles, moves, work, drop, discard)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: Mapping[str, object] | None,
+               drop: list[int] | None, discard: dict[str, list[str]] | None) -> PhaseReply:
         if drop:
             self.store.drop(drop)
         xfer = exchange(self.store, self.world.rank, moves)
@@ -326,7 +340,11 @@ class RankRuntime:
         bucketed broadcast over the sync group. Every trainer rank iterates its export to the end, in
         the same dtype: the gathers are collective over the trainer's ranks. ``form`` 'adapter': the
         trainer's adapters alone (``export_adapters``) into the engine's ``load_adapters``
-        (``rlbatch.models.lora.sync_form``); else its full weights."""
+        (``rlbatch.models.lora.sync_form``); else its full weights.
+
+        Fault points (tests, ``rlbatch.runtime.faults``): ``sync_send`` on the sending rank and
+        ``sync_recv`` on a receiving one, as the sync starts; ``sync_bucket`` before each bucket of
+        a broadcast."""
         assert spec.peer is not None
         train, infer = self.engines.get(spec.role), self.engines.get(spec.peer)
         wire = self.broadcast.wire_dtype
@@ -335,6 +353,10 @@ class RankRuntime:
             infer = AdapterSink(infer)
         export = (train.export_adapters if adapters else train.export_weights) if train is not None else None
         with export() if export is not None else nullcontext(None) as weights:
+            if self.world.rank == src:
+                maybe_fault("sync_send", self.world.rank)
+            elif infer is not None:
+                maybe_fault("sync_recv", self.world.rank)
             if local:
                 return {"bytes": float(load_in_process(weights, infer, wire))}
             if self.world.rank not in self.world.members[SYNC]:

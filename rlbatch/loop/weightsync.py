@@ -20,6 +20,11 @@ them by name, whatever either does inside.
   it. The sender copies each tensor into the bucket as it arrives and drops it: it holds the
   bucket and at most one unit.
 
+Every broadcast runs in the sync group, whose collectives time out after ``cluster.timeout_s``
+(``rlbatch.runtime.world``): a peer that never arrives ends the sync on this side with a
+CollectiveError naming the group, its ranks and the operation, while the controller's wait for the
+phase names the rank that did not answer.
+
 With ``model.lora`` and an inference engine that loads adapters (``EngineSpec.loads_adapters``), a
 sync moves the adapters alone (``rlbatch.models.lora.sync_form``): the trainer streams them
 (``export_adapters``) through the same two paths, and the engine receives them through
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from rlbatch.engines.base import WeightStream
+from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 
 
@@ -153,6 +159,7 @@ class WeightBroadcast:
                 flat = self._fill(tensors, j - i, flat, numel, dev, sender)
             if flat is None:
                 flat = self.staging(numel, dev)
+            maybe_fault("sync_bucket", world.rank)  # tests: a rank that stops mid-stream
             world.check("broadcast weights", SYNC, dist.broadcast, flat, src=src, group=world.groups[SYNC])
             if infer is not None and not loaded:
                 pos, chunk = 0, []

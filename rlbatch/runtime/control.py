@@ -32,7 +32,18 @@ REPLY_TAG = 12
 
 
 class ControlTimeout(TimeoutError):
-    """A control-plane wait expired."""
+    """A control-plane wait expired. ``peers``: the ranks that did not answer (a command's
+    ``Call.wait``), which the rank's status file records for the failure report
+    (``rlbatch.runtime.postmortem``); empty for a wait on no rank in particular."""
+
+    def __init__(self, message: str, peers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.peers = peers
+
+
+NO_REPLY = "no reply from"
+"""What a command's timeout says before it names the ranks that did not answer: "timed out after
+{s}s waiting for {label}: no reply from {ranks}" (the failure report reads the label back)."""
 
 
 SPIN_S = 1e-3
@@ -129,19 +140,20 @@ class Controller:
         """Per rank, the calls it has not answered yet, oldest first (it answers in that order)."""
 
     def call(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
-             per_rank: Mapping[int, Kwargs] | None = None, **kwargs: object) -> dict[int, Any]:
+             per_rank: Mapping[int, Kwargs] | None = None, label: str | None = None, **kwargs: object) -> dict[int, Any]:
         """Run ``cmd(**kwargs)`` (plus ``per_rank[r]``) on each rank; return {rank: result} (each
         handler's return value, unpickled: ``Call.wait``)."""
-        return self.send(ranks, cmd, timeout_s, per_rank, **kwargs).wait()
+        return self.send(ranks, cmd, timeout_s, per_rank, label, **kwargs).wait()
 
     def send(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
-             per_rank: Mapping[int, Kwargs] | None = None, **kwargs: object) -> Call:
+             per_rank: Mapping[int, Kwargs] | None = None, label: str | None = None, **kwargs: object) -> Call:
         """Send ``cmd`` and return at once; ``.wait()`` gathers the replies. Several calls may be
         in flight and be waited for in any order: a rank runs its commands and replies in the
-        order they were sent, so each reply is matched to the oldest call it has not answered."""
+        order they were sent, so each reply is matched to the oldest call it has not answered.
+        ``label``: what the command is, for its errors (a phase's name and roles); else ``'cmd'``."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         reqs = [self.comm.isend((cmd, {**kwargs, **(per_rank or {}).get(r, {})}), dest=r, tag=CMD_TAG) for r in ranks]
-        call = Call(self, list(ranks), cmd, timeout, reqs)
+        call = Call(self, list(ranks), cmd, timeout, reqs, label)
         for r in ranks:
             self.outstanding[r].append(call)
         return call
@@ -162,29 +174,37 @@ class Controller:
 class Call:
     """A command in flight."""
 
-    def __init__(self, ctl: Controller, ranks: list[int], cmd: str, timeout_s: float, reqs: list[MPI.Request]) -> None:
+    def __init__(self, ctl: Controller, ranks: list[int], cmd: str, timeout_s: float, reqs: list[MPI.Request],
+                 label: str | None = None) -> None:
         self.ctl, self.ranks, self.cmd, self.timeout_s, self.reqs = ctl, ranks, cmd, timeout_s, reqs
+        self.label = label or f"'{cmd}'"
         self.replies: dict[int, Any] = {}
         """Each rank's reply as unpickled: its handler's return value, whose type the command
         decides (the caller of ``wait`` knows it), or a RemoteError."""
 
     def wait(self) -> dict[int, Any]:
-        """{rank: result}; raises naming the rank when a handler failed there."""
+        """{rank: result}; raises naming the rank when a handler failed there. The deadline is
+        ``timeout_s`` from this call: a rank that has not answered by then (it hangs, or waits in a
+        collective for one that does) is named, with the command's label, in a ControlTimeout
+        whose ``peers`` are the ranks that did not answer."""
         def done() -> bool:
             self.ctl._collect()
             return len(self.replies) == len(self.ranks)
 
         def silent() -> str:
-            return f"'{self.cmd}': no reply from " + "; ".join(self.ctl.describe(r) for r in self.ranks if r not in self.replies)
+            return f"{self.label}: {NO_REPLY} " + "; ".join(self.ctl.describe(r) for r in self.ranks if r not in self.replies)
 
-        wait_until(done, self.timeout_s, silent)
+        try:
+            wait_until(done, self.timeout_s, silent)
+        except ControlTimeout as e:
+            raise ControlTimeout(str(e), tuple(r for r in self.ranks if r not in self.replies)) from None
         replies = self.replies
         for req in self.reqs:
             req.wait()
         failed = {r: v for r, v in replies.items() if isinstance(v, RemoteError)}
         if failed:
             r, err = next(iter(sorted(failed.items())))
-            raise RuntimeError(f"'{self.cmd}' failed on {self.ctl.describe(r)}:\n{err.traceback}")
+            raise RuntimeError(f"{self.label} failed on {self.ctl.describe(r)}:\n{err.traceback}")
         return replies
 
 

@@ -4,6 +4,8 @@
     RLBATCH_FAULT=raise:2:checkpoint   rank 2 raises during a checkpoint write
     RLBATCH_FAULT=hang:0:selftest      rank 0 hangs in the selftest's collectives
     RLBATCH_FAULT=kill:1:generate:3    rank 1 kills itself when it starts its 3rd generation
+    RLBATCH_FAULT=hang:1:sync_recv     rank 1 hangs as it starts to receive a weight sync
+    RLBATCH_FAULT=hang:1:sync_bucket:3 rank 1 hangs before the 3rd bucket of the weight syncs' broadcasts
     RLBATCH_FAULT=enospc:*:checkpoint_write   every rank finds the disk full from its first checkpoint write on
     RLBATCH_FAULT=enospc:0,1,3:checkpoint_write:2   ranks 0, 1 and 3 do, from their second one
 
@@ -14,6 +16,14 @@ every open that would allocate space (``O_CREAT``, ``O_APPEND``, ``O_TRUNC``; Py
 as it does on a full filesystem (its blocks are already allocated). Files opened before the fault
 point (the rank logs) keep working, unlike a real full disk; ``tools/fault_scenarios/disk_full.py``
 fills a real tmpfs for that. ``*`` targets every rank, ``0,1,3`` those ranks.
+
+Fault points (``maybe_fault(place, rank)``): ``generate`` (a rank starts its part of a generation),
+``sync_send`` and ``sync_recv`` (the sending rank and each receiving rank start a weight sync),
+``sync_bucket`` (before each bucket a rank of the sync group broadcasts or receives),
+``checkpoint``, ``checkpoint_write``, ``env_<op>`` (an env worker's requests) and ``selftest``.
+A ``hang`` never returns: what ends the run is the controller's wait for the phase
+(``cluster.timeout_s``), which names the phase and the ranks that did not answer (README.md,
+"Timeouts: what ends a hang").
 
 Read through the environment table (rlbatch.runtime.env); does nothing when unset.
 """

@@ -5,16 +5,20 @@
 When one rank dies, the others fail too: their collectives lose a peer, the controller stops
 hearing from them, the launcher tears them down. Those are consequences. The report names the
 cause first: a run directory missing on a node (its ranks could not even start), else a rank that
-failed with its own error, else the rank the launcher saw vanish first (killed by a signal or the
-OOM killer), else the ranks whose collectives or waits failed.
+failed with its own error, else the ranks that hung (the controller's wait for a phase expired
+naming them, and they neither answered nor failed: the launcher stopped them with the rest), else
+the rank the launcher saw vanish first (killed by a signal or the OOM killer), else the ranks whose
+collectives or waits failed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from rlbatch.placement import Placement
 from rlbatch.runtime.env import SchedulerEnv, expand_hostlist, read_env
@@ -22,6 +26,39 @@ from rlbatch.runtime.rundir import RunDir
 
 SECONDARY = ("CollectiveError", "ControlTimeout", "DistBackendError", "DistNetworkError")
 """Errors a rank gets because some other rank failed."""
+_WAITED = re.compile(r"timed out after (?P<secs>[0-9.]+)s waiting for (?P<what>.+?): no reply from ")
+"""A command's timeout, worded by ``rlbatch.runtime.control.Call.wait`` (``NO_REPLY``): how long, and
+for what. Not imported from there: this module runs where MPI must not start (after srun)."""
+
+
+def _error_type(st: dict[str, Any]) -> str:
+    """The unqualified class name of a failed rank's error ('CollectiveError')."""
+    return str(st.get("error", "")).split(":")[0].split(".")[-1]
+
+
+def _hung(p: Placement, status: dict[int, dict[str, Any] | None]) -> list[str]:
+    """Lines for the ranks that hung: named by a command's timeout on the controller (a
+    ControlTimeout's peers) and still running when the launcher stopped the job, so neither
+    answered nor failed. Ranks that failed collectives name as peers come first: another named
+    rank may only have been waiting for them in a collective (a rank still in a phase at the
+    timeout writes its stacks to its log: ``RankRuntime.phase``)."""
+    lines: list[str] = []
+    failed = [st for st in status.values() if st is not None and st.get("state") == "failed"]
+    suspects = {int(r) for st in failed if _error_type(st) in SECONDARY and _error_type(st) != "ControlTimeout"
+                for r in st.get("peers", ())}
+    for st in failed:
+        if _error_type(st) != "ControlTimeout" or not st.get("peers"):
+            continue
+        m = _WAITED.search(str(st.get("error", "")))
+        what, within = (m["what"], f"within {float(m['secs']):.0f}s") if m else ("a command", "in time")
+        stuck = [int(r) for r in st["peers"] if (status.get(int(r)) or {}).get("state") == "running"]
+        for r in sorted(stuck, key=lambda r: (r not in suspects, r)):
+            lines.append(f"{describe_rank(p, r)} hung in {what} on {(status[r] or {}).get('host')}: no answer {within} "
+                         f"and no error of its own; the launcher stopped it with the rest")
+    if len(lines) > 1:
+        lines.append("(a rank waiting in a collective for one that hangs does not answer either; ranks that failed "
+                     "collectives point at come first, and each rank's log ends with its stacks at the timeout)")
+    return lines
 
 
 def describe_rank(p: Placement, rank: int) -> str:
@@ -85,7 +122,7 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
             never.append(f"{who} never started (no status file)")
         elif st["state"] == "failed":
             line = f"{who} failed on {st.get('host')}: {st.get('error', '?')}"
-            if str(st.get("error", "")).split(":")[0].split(".")[-1] in SECONDARY:
+            if _error_type(st) in SECONDARY:
                 secondary.append(line)
                 suspects.update(int(r) for r in st.get("peers", ()))
             else:
@@ -94,6 +131,8 @@ def culprits(p: Placement, run: RunDir, first_exits: list[int] | None = None) ->
             silent.append(rank)
     if primary:
         return primary
+    if hung := _hung(p, status):
+        return hung + secondary
 
     def host(r: int) -> object:
         return (status[r] or {}).get("host")

@@ -6,6 +6,12 @@ happens in the same order everywhere. Spare Slurm slots get ``None`` and exit.
     control plane  MPI: ``comm`` (all processes, renumbered to world ranks) + one per role
     data plane     torch.distributed: the global group, one group per role, a DeviceMesh per GPU
                    role with named axes, and the actor_train -> actor_infer weight-sync group
+
+Collective timeouts: the global group and the weight-sync group time out after ``timeout_s``
+(``cluster.timeout_s``). The role groups, mesh axes and subgroups keep torch's defaults (30 minutes
+on gloo, 10 on NCCL): engines built at start-up run collectives in them while a peer is still
+building a slower engine, which only ``cluster.startup_timeout_s`` bounds. After start-up the
+controller's wait for each phase (``cluster.timeout_s``) ends a run whose collective hangs there.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class World:
     """DeviceMesh of every GPU role this process belongs to (hybrid MoE adds '<role>.ffn')."""
     device: torch.device
     timeout_s: float
+    """``cluster.timeout_s``: the global and the weight-sync groups' collective timeout."""
     members: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """World ranks of every role (and SYNC)."""
     subgroups: dict[str, dict[str, ProcessGroup]] = field(default_factory=dict)
@@ -89,9 +96,9 @@ class World:
             return fn(*args, **kwargs)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses on timeout
             ranks = self.members.get(role, ())
+            limit = f" after at most {self.timeout_s:.0f}s" if role == SYNC else ""  # the groups' timeouts: module doc
             raise CollectiveError(
-                f"{op} in group '{role}' (world ranks {list(ranks)}) failed on rank {self.rank} "
-                f"after at most {self.timeout_s:.0f}s: {e}",
+                f"{op} in group '{role}' (world ranks {list(ranks)}) failed on rank {self.rank}{limit}: {e}",
                 peers=tuple(r for r in ranks if r != self.rank),
             ) from e
 
@@ -228,9 +235,11 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
                 meshes[f"{name}.ffn"] = fmesh
     train, infer = p.roles.get("actor_train"), p.roles.get("actor_infer")
     if train is not None and infer is not None and infer.backend and infer.backend.kind is EngineKind.INFER:
-        # The first actor_train rank broadcasts full weights to every actor_infer rank.
+        # The first actor_train rank broadcasts full weights to every actor_infer rank. The group
+        # has timeout_s of its own (``new_group`` would give it torch's default, 30 minutes on gloo,
+        # 10 on NCCL): a broadcast whose peer never arrives fails on this side too, naming the group.
         members[SYNC] = tuple(sorted({train.gpu_ranks[0], *infer.gpu_ranks}))
-        groups[SYNC] = dist.new_group(list(members[SYNC]))
+        groups[SYNC] = dist.new_group(list(members[SYNC]), timeout=datetime.timedelta(seconds=timeout_s))
     return World(p, slot, comm, role_comms, groups, meshes, dev, timeout_s, members, more)
 
 

@@ -161,8 +161,8 @@ def _cause(out: str) -> str:
     """The line of a failed launch's output that says most about why: rlbatch's post-mortem names
     the rank that failed first and its error; else the last error-like line, else the last line."""
     lines = [line.strip() for line in out.splitlines() if line.strip()]
-    for line in lines:  # the post-mortem lists the ranks in the order they ended
-        if " failed on " in line:
+    for line in lines:  # the post-mortem names the cause first: a rank that failed, or one that hung
+        if " failed on " in line or " hung in " in line:
             return line
     return next((line for line in reversed(lines) if _CAUSE.search(line)), lines[-1] if lines else "no output")
 

@@ -3,14 +3,16 @@ streamed export: its units, its manifest, a colocated load that holds one unit a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from rlbatch.engines.base import Unit, WeightStream, layer_units
 from rlbatch.engines.flat import flatten_parameters, span
-from rlbatch.loop.weightsync import buckets, load_in_process
+from rlbatch.loop.weightsync import WeightBroadcast, buckets, load_in_process
 from tests.alive import Alive
 
 
@@ -103,3 +105,35 @@ def test_an_export_that_strays_from_its_manifest_is_refused() -> None:
         with pytest.raises(RuntimeError, match=what):
             WeightStream(manifest, good._produce).drain()
     assert [n for n, _ in WeightStream.of([("a", torch.zeros(2)), ("b", torch.ones(3))]).tensors(torch.bfloat16)] == ["a", "b"]
+
+
+class _Sink:
+    """An inference engine's side of a sync: what it loaded, bucket by bucket."""
+
+    def __init__(self) -> None:
+        self.loaded: list[list[str]] = []
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        self.loaded.append([n for n, _ in named])
+        return 0
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
+
+def test_a_rank_can_be_made_to_stop_before_any_bucket_of_the_stream(one_rank_mesh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault point ``sync_bucket`` comes before each bucket's broadcast: a test makes one rank
+    hang (or fail) mid-stream, after the buckets before it went through."""
+    import torch.distributed as dist
+
+    from rlbatch.runtime import faults
+    from rlbatch.runtime.world import SYNC
+
+    world = SimpleNamespace(rank=0, device=torch.device("cpu"), groups={SYNC: dist.group.WORLD},
+                            check=lambda op, role, fn, *a, **k: fn(*a, **k))
+    monkeypatch.setattr(faults, "_seen", {})
+    monkeypatch.setenv("RLBATCH_FAULT", "raise:0:sync_bucket:3")
+    sink = _Sink()
+    with pytest.raises(RuntimeError, match="injected fault on rank 0 at sync_bucket"):
+        WeightBroadcast()(world, _units([[300], [100, 200], [400], [5]]), sink, 0, 300 * 4)  # type: ignore[arg-type]
+    assert sink.loaded == [["u0.t0"], ["u1.t0", "u1.t1"]]  # buckets of 300 floats: [300], [100, 200], then [400]
