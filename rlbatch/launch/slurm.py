@@ -148,7 +148,7 @@ def submit(cfg: Any, placement: Placement) -> int:
     run.lock.hand_over(str(job.job_id))  # a later launch asks Slurm whether this job still holds the run_dir
     print(f"submitted Slurm job {job.job_id}: {placement.world_size} processes on {placement.num_nodes} node(s)")
     print(f"  run_dir:  {run.path}")
-    print(f"  job log:  {log}")
+    print(f"  job log:  {log}  (the controller logs a line per step there: tail -f {log})")
     print(f"  rank logs: {run.logs}/rank<r>.log")
     if not cfg.wait:
         return 0

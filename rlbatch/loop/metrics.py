@@ -98,6 +98,7 @@ class Metrics:
                     self.tb.add_scalar(k, v, row["step"])
         if self.trackers is not None:
             self.trackers.log(self.history)
+        log.info(progress_line(row, self.steps, self.history))  # the controller's log: tail -f shows each step
         if self.bar is not None:
             phases = " ".join(f"{k[5:]}={row[k]:.2f}s" for k in row if k.startswith("time/") and k not in ("time/offload", "time/reload"))
             held_out = f"eval_pass@1={row['eval/all/pass@1']:.3f} " if "eval/all/pass@1" in row else ""
@@ -114,6 +115,31 @@ class Metrics:
             plot_reward(self.history, self.run.path / CURVE)
         if any("eval/all/pass@1" in r for r in self.history):
             plot_eval(self.history, self.run.path / EVAL_CURVE)
+
+
+def progress_line(row: Row, steps: int, history: Sequence[Row]) -> str:
+    """One line per step for the controller's log (and so the Slurm output file): the step, its
+    reward, the held-out pass@1 when evaluated, its seconds by phase, and the time left at the mean
+    step time so far."""
+    step = int(row["step"])
+    parts = [f"step {step + 1}/{steps}", f"reward {float(row['reward_mean']):.3f}"]
+    if "eval/all/pass@1" in row:
+        parts.append(f"held-out pass@1 {float(row['eval/all/pass@1']):.3f}")
+    phases = ", ".join(f"{k[5:]} {float(row[k]):.1f}s" for k in row
+                       if k.startswith("time/") and k not in ("time/step", "time/offload", "time/reload"))
+    seconds = float(row.get("time/step", 0.0))
+    parts.append(f"{seconds:.1f}s" + (f" ({phases})" if phases else ""))
+    timed = [float(r["time/step"]) for r in history if "time/step" in r]
+    if timed and step + 1 < steps:
+        left = (steps - step - 1) * sum(timed) / len(timed)
+        parts.append(f"about {_duration(left)} left")
+    return "; ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def plot_reward(history: Sequence[Mapping[str, float]], path: Path) -> None:

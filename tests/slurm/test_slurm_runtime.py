@@ -265,6 +265,8 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(run_roo
     restarts = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     logs = "".join(p.read_text() for p in (run / "slurm").glob("*_log.out"))
     assert "signal SIGUSR2; checkpoint saved" in logs and "requeued" in logs and "resuming from" in logs
+    # what `tail -f` of the job log (named at submission) shows: one line per step, the controller's
+    assert "tail -f" in sub.stdout and re.search(rf"rlbatch\.loop\.metrics: step {steps}/{steps}; reward ", logs), logs[-3000:]
     assert "Restarts=1" in restarts or not restarts  # the record may already be purged (MinJobAge)
     whole = run_root / "whole"
     assert launch([f"run_dir={whole}", *args], run_root).returncode == 0
