@@ -171,7 +171,7 @@ def test_phases_started_apart_keep_their_records_out_of_every_step_wherever_they
     world = SimpleNamespace(placement=SimpleNamespace(world_size=3), comm=None, timeout_s=1.0, rank=0,
                             members={"actor_infer": (1,), "actor_train": (2,)})
     pipe = Pipeline(world, RLBatchConfig())  # type: ignore[arg-type]
-    pipe.ctl = SimpleNamespace(send=lambda ranks, cmd, per_rank: Replies(ranks, per_rank[ranks[0]]["phase"]))
+    pipe.ctl = SimpleNamespace(send=lambda ranks, cmd, per_rank, label="": Replies(ranks, per_rank[ranks[0]]["phase"]))
     ledger = Ledger()
     pipe.apart = ledger
     evaluating = pipe.start("generate", ("actor_infer",), {1: {}})

@@ -207,7 +207,7 @@ class Sent:
     def __init__(self) -> None:
         self.commands: list[tuple[str, dict[int, dict[str, Any]]]] = []
 
-    def send(self, ranks: list[int], name: str, per_rank: dict[int, dict[str, Any]]) -> Any:
+    def send(self, ranks: list[int], name: str, per_rank: dict[int, dict[str, Any]], label: str = "") -> Any:
         self.commands.append((per_rank[ranks[0]]["phase"], per_rank))
         return None
 
