@@ -122,6 +122,7 @@ def main() -> None:
     import torch
 
     from rlbatch.config.compose import compose
+    from rlbatch.config.parse import parsed
     from rlbatch.config.plain import to_plain
     from rlbatch.engines.base import EngineContext, SamplingParams, build_engine, turns_of
     from rlbatch.engines.hf import HFArgs
@@ -134,6 +135,7 @@ def main() -> None:
     cfg = compose(["experiment=multiturn", *(["model.num_heads=2", "model.num_kv_heads=1"] if args.engine == "vllm" else [])])
     plain = to_plain(cfg)
     plain["env"] |= {"name": "bench_slow_sum", "max_turns": 5, "args": {"slow": args.slow, "delay": args.delay}}
+    typed = parsed(plain)
     torch.set_num_threads(1)
     tok = load_tokenizer(cfg.model)
     engine_args = HFArgs() if args.engine == "hf" else VLLMArgs(kv_cache_mb=256, dtype="fp32")
@@ -148,10 +150,10 @@ def main() -> None:
     rates: dict[str, list[float]] = {"per-trajectory": [], "turn-barrier": []}
     tokens: dict[str, int] = {}
     for barrier in (False, True):  # untimed: the engine's first calls (vLLM warms up its kernels)
-        MultiTurn(plain, tok, barrier=barrier)(generator, [prompt] * n, params, [{}] * n, seeds, seed=-1)
+        MultiTurn(typed, tok, barrier=barrier)(generator, [prompt] * n, params, [{}] * n, seeds, seed=-1)
     for rep in range(args.repeats):
         for name, barrier in (("per-trajectory", False), ("turn-barrier", True)):
-            rollout = MultiTurn(plain, tok, barrier=barrier)
+            rollout = MultiTurn(typed, tok, barrier=barrier)
             start = time.perf_counter()
             done = rollout(generator, [prompt] * n, params, [{}] * n, seeds, seed=rep)
             seconds = time.perf_counter() - start

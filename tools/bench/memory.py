@@ -107,15 +107,15 @@ def planned(over: list[str]) -> dict[str, Any]:
     from rlbatch.checks.validate import check
     from rlbatch.config.compose import compose
     from rlbatch.config.hardware import load_hardware
-    from rlbatch.config.plain import to_plain
+    from rlbatch.config.parse import parsed
     from rlbatch.plan.fit import predict_config
     from rlbatch.plan.predict import rank_host_bytes
 
     cfg = compose(over)
-    plain = to_plain(cfg)
+    typed = parsed(cfg)
     # A random model over 151936 tokens almost never samples EOS: every response runs to the cap.
-    pred = predict_config(plain, check(cfg, runnable=False), load_hardware("cpu"),
-                          response_mean=float(plain["algo"]["max_new_tokens"]))
+    pred = predict_config(typed, check(cfg, runnable=False), load_hardware("cpu"),
+                          response_mean=float(typed.algo.max_new_tokens))
     gpu = next(g for g in pred.gpus if "actor_train" in g.roles)
     return {"per_rank": rank_host_bytes(pred, gpu), "node": pred.host_bytes, "params": pred.shape.params,
             "unit": 4.0 * max(pred.shape.layer_params, pred.shape.embedding_params)}
