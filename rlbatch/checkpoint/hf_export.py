@@ -24,7 +24,7 @@ from rlbatch.checkpoint.store import Checkpoint, CheckpointError, open_checkpoin
 
 if TYPE_CHECKING:
     from peft import PeftModel
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 """Module-wrapper prefixes (torch.compile, activation checkpointing, FSDP1) that are not HF names."""
@@ -97,6 +97,21 @@ def load_weights(dcp_dir: Path, model: torch.nn.Module, only_trained: bool = Fal
     return len(load)
 
 
+def adapter_base(path: str | None, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path,
+                 dtype: str) -> str:
+    """What an adapter export names as its base model (``base_model_name_or_path``): the model
+    directory the run started from, absolute; a random-initialised base has no directory, so it
+    is written beside the adapters (``out/base``, before they are applied) and named."""
+    if path is not None:
+        return str(Path(path).resolve())
+    from rlbatch.engines.model import DTYPES
+
+    where = out / "base"
+    base.save_pretrained(str(where), state_dict={k: v.to(DTYPES[dtype]) for k, v in base.state_dict().items()})
+    tokenizer.save_pretrained(where)
+    return str(where.resolve())
+
+
 def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp32", verify: bool = True,
               lora_as: str = "merged") -> Exported:
     """Write ``role``'s weights of the checkpoint ``src`` (or a run dir's newest) to ``out``. A
@@ -126,16 +141,19 @@ def export_hf(src: Path, out: Path, role: str = "actor_train", dtype: str = "fp3
     if HEADS.get(role) == "value":  # the critic: a token-classification model with one label
         base = value_model(base)
     adapters = role == "actor_train" and lora.enabled(cfg.model.lora)
+    out.mkdir(parents=True, exist_ok=True)
     if adapters:
         # the checkpoint holds the adapters; the base is rebuilt from the model's source
+        named_base = adapter_base(cfg.model.path, base, tokenizer, out, dtype) if lora_as == "adapter" else None
         peft = lora.adapt(base, cfg.model.lora)
         load_weights(d, peft, only_trained=True)
+        if named_base is not None:  # PeftModel / AutoPeftModelForCausalLM.from_pretrained find their base by it
+            peft.peft_config["default"].base_model_name_or_path = named_base
         model: PreTrainedModel | PeftModel = peft.merge_and_unload() if lora_as == "merged" else peft
     else:
         load_weights(d, base)
         model = base
     torch.nn.Module.to(model, DTYPES[dtype])  # the module cast as it is (no quantized weights here)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(out)
     (out / "rlbatch_export.json").write_text(json.dumps(

@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
 def _launch(argv: list[str]) -> int:
     from rlbatch.config.compose import compose, needs_hydra_cli
 
+    if "-h" in argv or "--help" in argv:
+        from rlbatch.launch.usage import usage
+
+        print(usage(), end="")
+        return int(ExitCode.FINISHED)
     if needs_hydra_cli(argv):
         from rlbatch.launch.sweep import hydra_cli
 

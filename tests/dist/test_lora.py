@@ -56,7 +56,7 @@ def check_reference_and_exports(run: Path, run_root: Path) -> None:
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
     from omegaconf import OmegaConf
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     from rlbatch.engines.model import load_model, load_tokenizer
@@ -65,10 +65,15 @@ def check_reference_and_exports(run: Path, run_root: Path) -> None:
     cfg = OmegaConf.load(run / "config.yaml")
     base = load_model(cfg.model, load_tokenizer(cfg.model), int(cfg.seed), torch.float32)  # the frozen base
     adapted = PeftModel.from_pretrained(base, run_root / "adapter")
+    # the adapter names its base (a random-initialised one is written beside it), so PEFT finds it alone
+    named = json.loads((run_root / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str((run_root / "adapter" / "base").resolve())
+    alone = AutoPeftModelForCausalLM.from_pretrained(run_root / "adapter")
     x = torch.tensor([[1, 5, 15, 6, 17, 9]])
     with torch.no_grad():
-        a, m = adapted(x).logits, merged(x).logits
+        a, m, b = adapted(x).logits, merged(x).logits, alone(x).logits
     assert float((a - m).abs().max()) <= 1e-4 * max(1.0, float(m.abs().max())), float((a - m).abs().max())
+    assert torch.equal(a, b)
     untrained = load_model(cfg.model, load_tokenizer(cfg.model), int(cfg.seed), torch.float32)
     with torch.no_grad():
         assert float((untrained(x).logits - m).abs().max()) > 1e-3  # the adapters moved the policy

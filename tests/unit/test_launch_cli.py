@@ -147,3 +147,19 @@ def test_plan_imports_no_engine(tmp_path: Path, cli_env: dict[str, str]) -> None
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_help_opens_with_rlbatch_usage_and_lists_every_preset(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    from rlbatch.launch.usage import groups
+
+    proc = launch(["--help"], tmp_path, cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m rlbatch.launch")
+    assert "powered by Hydra" not in proc.stdout
+    presets = groups()
+    assert {"algo", "experiment", "roles", "cluster"} <= set(presets)
+    for name, names in presets.items():
+        assert f"{name}:" in proc.stdout and all(n in proc.stdout for n in names)
+    assert not any(tmp_path.iterdir())  # nothing written
+    hydra = launch(["--hydra-help"], tmp_path, cli_env)
+    assert hydra.returncode == 0 and "Hydra" in hydra.stdout
