@@ -40,6 +40,7 @@ def check_allocation(nodes: int | None, ntasks: int | None, need_nodes: int, nee
 def main(argv: list[str]) -> int:
     import os
 
+    from rlbatch.checks.preflight import preflight
     from rlbatch.checks.validate import check
     from rlbatch.config.compose import compose
     from rlbatch.launch.rundir import prepare_run_dir
@@ -49,6 +50,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = compose(argv)
         placement = check(cfg)
+        preflight(cfg)
         env_nodes = os.environ.get("SLURM_JOB_NUM_NODES")
         env_tasks = os.environ.get("SLURM_NTASKS")
         check_allocation(int(env_nodes) if env_nodes else None, int(env_tasks) if env_tasks else None,

@@ -36,8 +36,12 @@ def launch(cfg: Any, placement: Placement) -> int:
 
 def _refusable(start: Callable[[Any, Placement], int], cfg: Any, placement: Placement) -> int:
     """``start(cfg, placement)``, or exit code 2 with the problems when it refuses before anything
-    starts: the run directory is another run's (its lock), or has no room for a checkpoint."""
+    starts: the heavy checks (``rlbatch.checks.preflight``: a chat template that disagrees with its
+    tokenizer), the run directory is another run's (its lock), or has no room for a checkpoint."""
+    from rlbatch.checks.preflight import preflight
+
     try:
+        preflight(cfg)
         return start(cfg, placement)
     except ConfigError as e:
         return report_config_error(e)

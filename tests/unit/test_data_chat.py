@@ -146,3 +146,25 @@ def test_layout_template_and_reward_routes_are_checked_before_start(cfg: dict[st
         "'rlbatch.rewards.math' has no attribute 'nope'"]
     check(set_(cfg, data__reward_fns={"openai/gsm8k": "rlbatch.rewards:gsm8k_match"}))
     check(set_(cfg, data__reward_fns=routes), runnable=False)  # the planner imports nothing
+
+
+def test_a_template_that_disagrees_with_its_tokenizer_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A Llama-style tokenizer adds a BOS to every text, but its template does not write one: the ranks
+    would encode one more token than apply_chat_template. The launcher refuses it (exit 2, the prompt and
+    the counts) before starting a rank or creating the run directory."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "model"
+    chat_tokenizer(CHATML, bos=True).save_pretrained(model)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    run_dir = tmp_path / "run"
+    args = ["experiment=smoke", "data.chat_template=true", f"model.path={model}", f"run_dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "rlbatch.launch", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "data.chat_template: prompt 0 of" in proc.stderr and "do not round-trip" in proc.stderr, proc.stderr
+    assert not run_dir.exists()
+    dry = subprocess.run([sys.executable, "-m", "rlbatch.launch", *args, "dry_run=true"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=180)
+    assert dry.returncode == 0, dry.stderr[-2000:]  # a dry run stays instant: it leaves the heavy checks out
