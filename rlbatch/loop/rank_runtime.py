@@ -37,7 +37,7 @@ from rlbatch.rewards.model import ModelScorer
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
 from rlbatch.runtime.faults import maybe_fault
-from rlbatch.runtime.world import SYNC, World
+from rlbatch.runtime.world import SYNC, World, as_collective_timeout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -163,6 +163,8 @@ class RankRuntime:
         """The engines are built: nothing long-lived is allocated after this."""
         frozen, secs = heap.settle()
         log.info("heap settled: %d objects frozen out of garbage collection in %.2fs", frozen, secs)
+        tightened = self.world.tighten_timeouts()  # start-up is over: collectives wait cluster.timeout_s
+        log.info("%d process groups now time out after %.0fs", tightened, self.world.timeout_s)
 
     def phase(self, phase: str, roles: tuple[str, ...], moves: list[Move], work: Mapping[str, object] | None,
               drop: list[int] | None = None, discard: dict[str, list[str]] | None = None) -> PhaseReply:
@@ -174,6 +176,13 @@ class RankRuntime:
         faulthandler.dump_traceback_later(self.world.timeout_s, exit=False)
         try:
             return self._phase(phase, roles, moves, work, drop, discard)
+        except RuntimeError as e:
+            peers = tuple(sorted({r for role in roles for r in self.world.members.get(role, ())} - {self.world.rank}))
+            timed_out = as_collective_timeout(e, f"phase '{phase}' of {', '.join(roles)}", self.world.rank, peers,
+                                              self.world.timeout_s)
+            if timed_out is None:
+                raise
+            raise timed_out from e
         finally:
             faulthandler.cancel_dump_traceback_later()
 
@@ -302,6 +311,7 @@ class RankRuntime:
         for name, per_sample in targets.items():
             for sid, value in zip(ids, per_sample, strict=True):
                 self.store.put(sid, name, torch.tensor(value, dtype=torch.float32))
+        maybe_fault("train", self.world.rank)  # tests: a rank of the trainer that hangs
         objective = self.objectives[spec.role]
         fields = [*spec.reads, *objective.reads, *targets]
         if self.cfg.algo.overlong_filter and objective.head == "lm":  # DAPO: truncated responses out of the loss

@@ -5,6 +5,7 @@
     RLBATCH_FAULT=hang:0:selftest      rank 0 hangs in the selftest's collectives
     RLBATCH_FAULT=kill:1:generate:3    rank 1 kills itself when it starts its 3rd generation
     RLBATCH_FAULT=hang:1:sync_recv     rank 1 hangs as it starts to receive a weight sync
+    RLBATCH_FAULT=hang:1:train         rank 1 hangs as it starts a training phase
     RLBATCH_FAULT=hang:1:sync_bucket:3 rank 1 hangs before the 3rd bucket of the weight syncs' broadcasts
     RLBATCH_FAULT=enospc:*:checkpoint_write   every rank finds the disk full from its first checkpoint write on
     RLBATCH_FAULT=enospc:0,1,3:checkpoint_write:2   ranks 0, 1 and 3 do, from their second one

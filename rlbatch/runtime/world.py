@@ -8,16 +8,20 @@ happens in the same order everywhere. Spare Slurm slots get ``None`` and exit.
                    role with named axes, and the actor_train -> actor_infer weight-sync group
 
 Collective timeouts: the global group and the weight-sync group time out after ``timeout_s``
-(``cluster.timeout_s``). The role groups, mesh axes and subgroups keep torch's defaults (30 minutes
-on gloo, 10 on NCCL): engines built at start-up run collectives in them while a peer is still
-building a slower engine, which only ``cluster.startup_timeout_s`` bounds. After start-up the
-controller's wait for each phase (``cluster.timeout_s``) ends a run whose collective hangs there.
+(``cluster.timeout_s``). The role groups, mesh axes and subgroups start with torch's defaults (30
+minutes on gloo, 10 on NCCL): engines built at start-up run collectives in them while a peer is
+still building a slower engine, which only ``cluster.startup_timeout_s`` bounds. Once this rank's
+engines are built, ``World.tighten_timeouts`` gives every group it is in ``timeout_s`` too, so a
+collective whose peer hangs fails on this side as well, within the time the controller's wait for
+the phase gives it. Groups an inference engine makes for itself (vLLM's, SGLang's tensor-parallel
+worlds) are the engine's; the controller's wait ends a hang there.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
@@ -48,6 +52,22 @@ class CollectiveError(RuntimeError):
     def __init__(self, message: str, peers: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.peers = peers
+
+
+COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms|Watchdog caught collective operation timeout|"
+                                r"wait timeout after \d+ms")
+"""How gloo and NCCL word a collective that outlived its group's timeout."""
+
+
+def as_collective_timeout(e: BaseException, what: str, rank: int, peers: tuple[int, ...],
+                          timeout_s: float) -> CollectiveError | None:
+    """``e`` as a CollectiveError naming ``peers`` when it is a collective's timeout inside an
+    engine (FSDP's, DeepSpeed's, Megatron's own calls), else None: the post-mortem then names the
+    peer that hung, not the rank that gave up waiting for it."""
+    if isinstance(e, CollectiveError) or not COLLECTIVE_TIMEOUT.search(str(e)):
+        return None
+    return CollectiveError(f"{what}: a collective timed out on rank {rank} after at most {timeout_s:.0f}s "
+                           f"waiting for ranks {list(peers)}: {e}", peers=peers)
 
 
 @dataclass
@@ -89,6 +109,31 @@ class World:
 
     def role_ranks(self, role: str) -> tuple[int, ...]:
         return self.members[role]
+
+    def own_groups(self) -> list[ProcessGroup]:
+        """Every process group this process is in: its roles', their mesh axes', their subgroups' and
+        the sync group, each once."""
+        found: dict[int, ProcessGroup] = {}
+        mine = set(self.roles) | ({SYNC} if self.rank in self.members.get(SYNC, ()) else set())
+        candidates = [g for name, g in self.groups.items() if name in mine]
+        for mesh in self.meshes.values():
+            candidates += [mesh.get_group(d) for d in range(mesh.ndim)]
+        for extra in self.subgroups.values():
+            candidates += list(extra.values())
+        for g in candidates:
+            if g is not None and dist.get_rank(g) >= 0:
+                found.setdefault(id(g), g)
+        return list(found.values())
+
+    def tighten_timeouts(self) -> int:
+        """Give every group of this process ``timeout_s`` (module doc): called once its engines are
+        built. Returns the number of groups set."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        groups = self.own_groups()
+        for g in groups:
+            _set_pg_timeout(datetime.timedelta(seconds=self.timeout_s), g)
+        return len(groups)
 
     def check(self, op: str, role: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run a collective; on failure or timeout raise an error naming role, ranks and op."""

@@ -92,3 +92,21 @@ def test_a_tensor_parallel_vllm_peer_that_hangs_ends_the_run_naming_it(run_root:
     lines, took = hang(run_root, fault, *VLLM_TP, timeout=540)
     assert any(ln.startswith(f"rank 2 (actor_infer[0]; GPU rank 2, node 0) hung in {phase} ") for ln in lines), lines
     assert took < TIMEOUT_S + MARGIN_S, f"the run ended {took:.0f}s after the rank hung"
+
+
+@pytest.mark.full
+def test_a_trainer_rank_that_hangs_ends_its_peers_collective_within_the_timeout(run_root: Path) -> None:
+    """Once the engines are built every group of a rank times out after cluster.timeout_s: rank 0's
+    FSDP collective, whose peer (rank 1) hangs as the train phase starts, fails on rank 0 too,
+    naming the role's group, instead of waiting torch's default 30 minutes."""
+    run = run_root / "run"
+    out = launch(["roles=colocated", "steps=1", f"cluster.timeout_s={TIMEOUT_S}", "algo.prompts_per_step=8",
+                  "algo.samples_per_prompt=4", f"run_dir={run}"], run_root, env={"RLBATCH_FAULT": "hang:1:train"},
+                 timeout=300)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    report = out.stderr[out.stderr.find("the run failed"):]
+    assert "rank 1 (actor_train[1]" in report and "hung in phase 'train'" in report, report
+    assert "process groups now time out after 20s" in rank_logs(run)
+    # rank 0 gave up waiting in FSDP's collective: secondary, naming rank 1
+    assert "rank 0 (actor_train[0]" in report and "CollectiveError: phase 'train' of actor_train" in report, report
+    assert "a collective timed out on rank 0 after at most 20s waiting for ranks [1]" in report, report
