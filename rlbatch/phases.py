@@ -64,7 +64,7 @@ TRAIN_STATE = ("params", "grads", "optimizer")
 
 PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("generate", "actor_infer", "generate", ("params", "kv_cache"), (),
-              ("prompt", "response", "behaviour_logprobs", "loss_mask"), Dispatch.WORKERS, "generate"),
+              ("prompt", "response", "behaviour_logprobs", "token_versions", "loss_mask"), Dispatch.WORKERS, "generate"),
     PhaseSpec("score", "reward", "score", ("params",), ("prompt", "response"), ("reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("execute", "code_sandbox", "score", (), ("response",), ("code_reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
@@ -84,7 +84,7 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
               overwrites=(("actor_infer", "params"),)),
     PhaseSpec("checkpoint", "actor_train", "checkpoint", ("params", "optimizer"), (), (), Dispatch.COLLECTIVE, "sync"),
     PhaseSpec("rollout_buffer", "actor_infer", "buffer", (), (),
-              ("prompt", "response", "behaviour_logprobs", "loss_mask"), Dispatch.WORKERS, "sync"),
+              ("prompt", "response", "behaviour_logprobs", "token_versions", "loss_mask"), Dispatch.WORKERS, "sync"),
 )}
 """Phase name -> its row. ``checkpoint`` acts for every trainable role on a rank (its role is the
 first of them; ``needs`` applies to each). A field a phase reads but no earlier phase of the step
@@ -96,7 +96,9 @@ only by a multi-turn rollout (``env.name``). ``base_logprobs`` writes the refere
 from the trained policy's base model, its adapters switched off (``model.lora``: no reference role
 is placed, ``reference_is_actor_base``). ``rollout_buffer``
 reads (into a checkpoint) or restores generated samples not yet trained on (asynchronous
-training, ``algo.max_staleness``)."""
+training, ``algo.max_staleness``). ``token_versions`` holds the policy version of the weights that
+sampled each response token (int64; they differ within a sample where weights land mid-generation,
+``algo.in_flight_updates``)."""
 
 PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs", "values", "advantages", "returns",
                     "loss_mask")

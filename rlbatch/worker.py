@@ -23,6 +23,7 @@ from pathlib import Path
 
 PROGRAMS = {
     "train": "rlbatch.loop.program",
+    "eval": "rlbatch.loop.evaluate_only",
     "selftest": "rlbatch.runtime.selftest",
 }
 """cfg.program -> module with controller(world, cfg, run) and handlers(world, cfg, run)."""

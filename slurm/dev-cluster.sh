@@ -5,6 +5,14 @@
 # this single Linux machine, as root, so the test-suite can run real
 # sbatch / srun / scontrol / scancel.  Intended for dev machines and CI only.
 #
+# Root every time, not once: every command (start, stop, status, restart)
+# refuses to run without it.  `start` installs packages the first time, and on
+# every start writes /etc/slurm (/etc/hosts and /dev/fakegpu* once), starts munged,
+# slurmctld and the two slurmd in mount/UTS namespaces of their own (unshare,
+# mount).  After a reboot or `stop`, start it again:
+#     sudo bash slurm/dev-cluster.sh start
+# While it is up, a non-root user's test run uses it (tests/tiers.py).
+#
 #   * Installs slurm-wlm and munge with apt-get when slurmctld/munged are
 #     missing (apt-get update first; quiet; no recommends).
 #   * Starts munged (--force), one slurmctld, and two slurmd "nodes" n1 and n2.
@@ -46,7 +54,8 @@
 set -euo pipefail
 
 DIR="${RLBATCH_DEVCLUSTER_DIR:-/var/lib/rlbatch-devcluster}"
-NODES=(n1 n2)
+NODES=(n1 n2)   # n1 .. n<count>: `start [count]` (set_nodes); the running cluster's count is in $DIR/etc/nodes
+MAX_NODES=16
 ETC=/etc/slurm
 CONF="$ETC/slurm.conf"
 CTLD_PORT="${RLBATCH_DEVCLUSTER_CTLD_PORT:-6817}"
@@ -60,6 +69,21 @@ log() { echo "dev-cluster: $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "must run as root"
+
+set_nodes() {  # count: NODES=(n1 .. n<count>)
+    local c=$1 i
+    if ! [[ "$c" =~ ^[0-9]+$ ]] || [ "$c" -lt 1 ] || [ "$c" -gt "$MAX_NODES" ]; then
+        die "the node count must be a whole number from 1 to $MAX_NODES, got '$c'"
+    fi
+    NODES=()
+    for i in $(seq 1 "$c"); do NODES+=("n$i"); done
+}
+
+saved_nodes() {  # the node count of the cluster `start` last configured (2 before any)
+    local c
+    c=$(cat "$DIR/etc/nodes" 2>/dev/null || true)
+    if [[ "$c" =~ ^[0-9]+$ ]] && [ "$c" -ge 1 ] && [ "$c" -le "$MAX_NODES" ]; then echo "$c"; else echo 2; fi
+}
 
 # ---------------------------------------------------------------- install --
 ensure_packages() {
@@ -169,27 +193,30 @@ SlurmdTimeout=60
 UnkillableStepTimeout=60
 CompleteWait=0
 MaxJobCount=10000
-NodeName=n1 NodeHostname=n1 NodeAddr=127.0.0.1 Port=17001 CPUs=16 Boards=1 SocketsPerBoard=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN
-NodeName=n2 NodeHostname=n2 NodeAddr=127.0.0.1 Port=17002 CPUs=16 Boards=1 SocketsPerBoard=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN
-PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
-    cat >"$DIR/etc/gres.conf" <<EOF
-$MARKER
-AutoDetect=off
-NodeName=n1 Name=gpu File=/dev/fakegpu[0-7]
-NodeName=n2 Name=gpu File=/dev/fakegpu[8-15]
-EOF
+    local k n
+    printf '%s\nAutoDetect=off\n' "$MARKER" >"$DIR/etc/gres.conf"
+    for k in "${!NODES[@]}"; do
+        n=${NODES[$k]}
+        echo "NodeName=$n NodeHostname=$n NodeAddr=127.0.0.1 Port=$((17001 + k)) CPUs=16 Boards=1 SocketsPerBoard=1 CoresPerSocket=16 ThreadsPerCore=1 RealMemory=$mem_mb Gres=gpu:8 State=UNKNOWN" >>"$DIR/etc/slurm.conf"
+        echo "NodeName=$n Name=gpu File=/dev/fakegpu[$((8 * k))-$((8 * k + 7))]" >>"$DIR/etc/gres.conf"
+    done
+    echo "PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO" >>"$DIR/etc/slurm.conf"
+    echo "${#NODES[@]}" >"$DIR/etc/nodes"
     install -m 0644 "$DIR/etc/slurm.conf" "$CONF"
     install -m 0644 "$DIR/etc/gres.conf" "$ETC/gres.conf"
 
     local i
-    for i in $(seq 0 15); do
+    for i in $(seq 0 $((8 * ${#NODES[@]} - 1))); do
         [ -e "/dev/fakegpu$i" ] || mknod "/dev/fakegpu$i" c 1 3
         chmod 0666 "/dev/fakegpu$i"
     done
     if ! grep -qE '^[[:space:]]*127\.0\.0\.1[[:space:]]+n1[[:space:]]+n2([[:space:]]|$)' /etc/hosts; then
         echo "127.0.0.1 n1 n2" >>/etc/hosts
     fi
+    for n in "${NODES[@]}"; do  # nodes beyond two: a line of their own
+        getent hosts "$n" >/dev/null || echo "127.0.0.1 $n" >>/etc/hosts
+    done
 }
 
 # ------------------------------------------------------------- processes --
@@ -290,11 +317,16 @@ cmd_start() {
     mkdir -p "$DIR"/{run,log,ctld/state,jobs}
     chmod 1777 "$DIR/jobs"
     ensure_packages
-    if pid_alive "$(ctld_pidfile)" slurmctld \
-        && pid_alive "$(slurmd_pidfile n1)" slurmd \
-        && pid_alive "$(slurmd_pidfile n2)" slurmd; then
+    local want=${#NODES[@]} up=1 n
+    if pid_alive "$(ctld_pidfile)" slurmctld && [ "$(saved_nodes)" != "$want" ]; then
+        log "running with $(saved_nodes) nodes: restarting with $want"
+        set_nodes "$(saved_nodes)"; cmd_stop >/dev/null; set_nodes "$want"
+    fi
+    pid_alive "$(ctld_pidfile)" slurmctld || up=0
+    for n in "${NODES[@]}"; do pid_alive "$(slurmd_pidfile "$n")" slurmd || up=0; done
+    if [ "$up" = 1 ]; then
         if all_idle; then
-            echo "dev-cluster: already running, both nodes idle"; summary; return 0
+            echo "dev-cluster: already running, all ${#NODES[@]} nodes idle"; summary; return 0
         fi
         if have_jobs && all_up; then
             echo "dev-cluster: already running (nodes busy with jobs)"; summary; return 0
@@ -305,7 +337,7 @@ cmd_start() {
     start_slurmctld
     # slurmctld restores saved node states ("idle") before the slurmds have
     # registered, so also wait for a SlurmdStartTime from this start.
-    local n since=$(($(date +%s) - 1))
+    local since=$(($(date +%s) - 1))
     for n in "${NODES[@]}"; do start_slurmd "$n"; done
 
     local deadline=$((SECONDS + START_TIMEOUT)) resumed=0 s state
@@ -375,7 +407,13 @@ cmd_stop() {
             done
         fi
     fi
-    for n in "${NODES[@]}"; do
+    local all=("${NODES[@]}") g
+    for g in "$DIR"/run/slurmd.n*.pid; do  # any node a start with another count left running
+        [ -e "$g" ] || continue
+        g=${g##*/slurmd.}; g=${g%.pid}
+        [[ " ${all[*]} " == *" $g "* ]] || all+=("$g")
+    done
+    for n in "${all[@]}"; do
         f=$(slurmd_pidfile "$n")
         if pid_alive "$f" slurmd; then
             pid=$(cat "$f")
@@ -408,9 +446,9 @@ cmd_status() {
 }
 
 case "${1:-}" in
-    start) cmd_start ;;
-    stop) cmd_stop ;;
-    status) cmd_status ;;
-    restart) cmd_stop; cmd_start ;;
-    *) echo "usage: $0 start|stop|status|restart" >&2; exit 2 ;;
+    start) set_nodes "${2:-2}"; cmd_start ;;
+    stop) set_nodes "$(saved_nodes)"; cmd_stop ;;
+    status) set_nodes "$(saved_nodes)"; cmd_status ;;
+    restart) set_nodes "$(saved_nodes)"; cmd_stop; set_nodes "${2:-$(saved_nodes)}"; cmd_start ;;
+    *) echo "usage: $0 start [nodes]|stop|status|restart [nodes]   (as root, every time: sudo bash $0 start; nodes: 2 unless given, 1-$MAX_NODES)" >&2; exit 2 ;;
 esac

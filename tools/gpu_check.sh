@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# rlbatch's GPU check: what the first GPU node must show, in one run of at most 8 minutes, with
+# rlbatch's GPU check: what the first GPU node must show, in one run of at most 420 s (7 minutes), with
 # every figure and log written under $OUT.
 #
 #   bash tools/gpu_check.sh                       # on a node with an NVIDIA GPU (GPU 0 is used)

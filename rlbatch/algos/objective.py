@@ -16,7 +16,7 @@ from torch import Tensor
 
 from rlbatch.algos import core
 from rlbatch.algos.offpolicy import importance_ratio, ratio_stats
-from rlbatch.algos.registry import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES
+from rlbatch.algos.registry import AGGREGATIONS, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES, SEQUENCE_CORRECTIONS
 from rlbatch.algos.split import loss_stat_factor, split_objective
 from rlbatch.algos.value import ValueObjective
 
@@ -64,6 +64,7 @@ class PolicyObjective:
         self.entropy_coef = float(algo.entropy_coef)
         name = str(getattr(algo, "off_policy", "none"))
         self.correction = OFF_POLICY.get(name) if name != "none" else None
+        self.sequence_level = name in SEQUENCE_CORRECTIONS
         self.reads: tuple[str, ...] = ("behaviour_logprobs",) if self.correction is not None else ()
         """Sample fields the objective reads beyond the train phase's own (``rlbatch.phases``)."""
         self.algo = algo
@@ -82,7 +83,7 @@ class PolicyObjective:
         if self.correction is not None:  # the sampler's policy differs from the trainer's: weigh or drop tokens
             ratio = importance_ratio(old, x.fields["behaviour_logprobs"])
             weight, keep = self.correction(ratio, mask, self.algo)
-            correction = ratio_stats(ratio, weight, keep, mask)
+            correction = ratio_stats(ratio, weight, keep, mask, self.sequence_level)
             advantages, mask = advantages * weight, mask * keep
         loss, clip = self.policy_loss(x.logp, old, advantages, mask, self.algo, self.agg)
         f = loss_stat_factor(self, mask)

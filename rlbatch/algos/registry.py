@@ -17,7 +17,8 @@ differs, a program; no engine changes.
                     as ``rlbatch.algos.estimators.Aggregation``, also trains under any micro-batch
                     split (``engine_args.max_tokens_per_micro_batch``) with the unsplit batch's loss
     OFF_POLICY      (ratio [B,T], mask, algo cfg) -> (weight [B,T], keep [B,T]): the correction for
-                    tokens sampled by another policy (ratio: old policy / behaviour policy)
+                    tokens sampled by another policy (ratio: old policy / behaviour policy, per
+                    token; a sequence-level entry reads the rows of ``mask``)
     LOOPS           the controller loop (the program) for algo.name
 """
 
@@ -88,7 +89,13 @@ OFF_POLICY = Registry("off-policy correction", "algo.off_policy", {
     "none": "rlbatch.algos.offpolicy:no_correction",
     "tis": "rlbatch.algos.offpolicy:truncated_is",
     "mask": "rlbatch.algos.offpolicy:ratio_mask",
+    "seq_tis": "rlbatch.algos.offpolicy:seq_truncated_is",
+    "seq_mask": "rlbatch.algos.offpolicy:seq_ratio_mask",
 })
+SEQUENCE_CORRECTIONS: set[str] = {"seq_tis", "seq_mask"}
+"""Off-policy corrections that weigh or drop whole sequences by their geometric-mean ratio (their
+statistics count a token as truncated against its sequence's ratio). A plugin adds the name of
+such a correction it registers."""
 LOOPS = Registry("algorithm (program)", "algo.name", {
     **{name: "rlbatch.loop.program:policy_gradient"
        for name in ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline")},

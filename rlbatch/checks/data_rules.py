@@ -5,6 +5,7 @@ comes with a chat template, a chat template with a model directory that has one 
 files: nothing is imported but the reward modules the config names); each ``data.reward_fns``
 route names a function callable as ``fn(completion, answer)``; and the file (name=file, where
 this machine sees it) has a usable record, with chat-message prompts only under a chat template.
+The prompts' length against ``data.max_prompt_tokens``: ``rlbatch.checks.prompt_rules``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from rlbatch.algos.registry import (
 from rlbatch.checks.cluster_rules import cluster_problems
 from rlbatch.checks.eval_rules import eval_problems
 from rlbatch.checks.lora_rules import lora_problems
+from rlbatch.checks.prompt_rules import prompt_length_problems
 from rlbatch.checks.runnable import (
     engine_args_problems,
     engine_rule_problems,
@@ -181,6 +182,49 @@ def _check_async(algo: AlgoConfig) -> list[str]:
     return problems
 
 
+def _check_in_flight(cfg: RLBatchConfig, placement: Placement | None) -> list[str]:
+    """``algo.in_flight_updates``: weights land while actor_infer generates, which needs generation
+    ahead of training on ranks of its own and an engine that pauses between decode steps."""
+    from rlbatch.models.lora import sync_form
+
+    algo, problems = cfg.algo, []
+    if algo.in_flight_kv not in ("keep", "recompute"):
+        problems.append(f"algo.in_flight_kv: {algo.in_flight_kv!r} is not one of 'keep', 'recompute'")
+    if not algo.in_flight_updates:
+        return problems
+    why = "algo.in_flight_updates: weights land mid-generation only"
+    if algo.max_staleness <= 0:
+        problems.append(f"{why} while generation runs ahead of training: set algo.max_staleness >= 1 (got "
+                        f"{algo.max_staleness})")
+    if cfg.env.name:
+        problems.append(f"{why} in single-turn generation; env.name={cfg.env.name!r} plays trajectories turn by "
+                        f"turn: set algo.in_flight_updates=false")
+    if placement is None or "actor_infer" not in placement.roles:
+        return problems
+    infer = placement.roles["actor_infer"]
+    spec = spec_of(infer.engine)
+    if not spec.loads_in_flight:
+        problems.append(f"{why} into an engine that pauses between decode steps; roles.actor_infer's engine "
+                        f"{infer.engine!r} generates each batch in one call (transformers' generate for hf, one "
+                        f"blocking request for sglang) with no point where weights can land: use vllm, or set "
+                        f"algo.in_flight_updates=false")
+    elif infer.num_gpus_per_worker > 1:
+        problems.append(f"{why} into one-rank workers: the {infer.num_gpus_per_worker} tensor-parallel ranks of a "
+                        f"vllm worker would each have to pause at the same engine step; use vllm:dN (t=1) or set "
+                        f"algo.in_flight_updates=false")
+    if sync_form(cfg.model.lora, spec.loads_adapters) == "adapter":
+        problems.append(f"{why} with full weights; model.lora syncs adapters alone into {infer.engine!r} (requests "
+                        f"in flight hold the previous adapter): set model.lora.sync=merged")
+    ranks = set(infer.gpu_ranks)
+    shared = sorted(r for r, rp in placement.roles.items()
+                    if r not in ("actor_infer", "reference") and rp.is_gpu and ranks & set(rp.gpu_ranks))
+    if shared:
+        problems.append(f"{why} on a disaggregated placement; actor_infer's GPUs {sorted(ranks)} are shared with "
+                        f"{', '.join(shared)}, whose phases would wait for its generation: give actor_infer GPUs of its "
+                        f"own or set algo.in_flight_updates=false")
+    return problems
+
+
 def _check_critic(cfg: RLBatchConfig) -> list[str]:
     """PPO's parts: a critic role, a value-based advantage estimator (and only with a critic), its
     settings in range, a loop it runs in (no dynamic sampling). Its engine's value head:
@@ -234,6 +278,7 @@ def _check_algo_vs_roles(cfg: RLBatchConfig, placement: Placement | None) -> lis
     problems.extend(_check_groups(algo))
     problems.extend(_check_critic(cfg))
     problems.extend(_check_async(algo))
+    problems.extend(_check_in_flight(cfg, placement))
     problems.extend(_check_reward_model(cfg))
     if algo.kl_coef > 0 and not cfg.enabled("reference") and not reference_is_actor_base(cfg.model.lora):
         problems.append(
@@ -328,6 +373,7 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(_code_task_problems(typed, train_run))
     problems.extend(_env_problems(typed, runnable, train_run, placement))
     problems.extend(eval_problems(typed, runnable))
+    problems.extend(prompt_length_problems(typed, runnable))
     problems.extend(lora_problems(typed, engines))
     problems.extend(cluster_problems(typed))  # what reaches the sbatch script
     problems.extend(tracker_problems(typed, runnable))

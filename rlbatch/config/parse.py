@@ -49,14 +49,18 @@ from rlbatch.errors import ConfigError
 from rlbatch.plugins import import_plugins
 
 CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbatch.algos.registry
-    "program": ("train", "selftest"),
+    "program": ("train", "eval", "selftest"),
     "cluster.name": ("local", "slurm"),
     "cluster.device": ("auto", "cuda", "cpu"),
     "cluster.preempt_signal": ("USR2", "TERM", "INT", "HUP", "URG", "XCPU"),
     "model.arch": ("qwen2", "llama", "qwen2_moe"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "data.name": ("synthetic", "file", "synthetic_code", "code_file", "none"),
-    "eval.data.name": ("synthetic", "file", "synthetic_code", "code_file", "none"),
+    "data.name": ("synthetic", "word_arithmetic", "file", "synthetic_code", "code_file", "none"),
+    "eval.data.name": ("synthetic", "word_arithmetic", "file", "synthetic_code", "code_file", "none"),
+    "data.prompt_too_long": ("refuse", "drop", "truncate"),
+    "eval.data.prompt_too_long": ("refuse", "drop", "truncate"),
+    "data.truncation_side": ("left", "right"),
+    "eval.data.truncation_side": ("left", "right"),
     "sandbox.isolation": ("auto", "namespaces", "process"),
     "sandbox.scoring": ("fraction", "all"),
     **tracker_shapes.CHOICES,

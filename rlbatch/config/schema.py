@@ -134,6 +134,12 @@ class ClusterConfig:
     startup_timeout_s: float = bounded(1800.0, gt=0, le=TIMEOUT_MAX_S, why="Python's waits overflow beyond it")
     """How long the controller waits for every rank to load its models and build its engines
     before the first step (a large checkpoint can take longer than one collective)."""
+    sync_check_every: int = bounded(50, ge=0, le=2**31 - 1)
+    """The checked sync (README, "Checked sync"): after the first weight sync of a synchronous run and the
+    sync of every N-th policy version, the inference engine's log-probs of a fixed probe must equal
+    the trainer's to the engine's tolerance, or the run stops naming the role, the step and the
+    numbers; 0: never. Each check costs a short generation and a forward (plus one before the first
+    step); runs with ``algo.max_staleness`` > 0 are not checked."""
     device: str = "auto"
     """'cuda', 'cpu', or 'auto' (cuda when available). On 'cpu', GPU ranks are logical."""
     preempt_signal: str = "USR2"
@@ -311,18 +317,37 @@ class AlgoConfig:
     weights it has, so no sample is trained on more than max_staleness policy versions after the
     one that generated it. 0: the synchronous loop. A placement whose actor_infer shares ranks
     with another GPU role runs synchronously (and says so once)."""
+    in_flight_updates: bool = False
+    """Weights land mid-generation (needs max_staleness > 0, actor_infer on GPUs of its own, an
+    engine that pauses between decode steps: vllm, one rank per worker): a weight sync no longer
+    waits for the generation in flight; the engine pauses between two engine steps, loads the new
+    weights and goes on with the same sequences, each token recording the policy version that
+    sampled it (docs/async.md)."""
+    in_flight_kv: str = "keep"
+    """With in_flight_updates, the KV cache of the sequences in flight when weights land: 'keep'
+    (computed under the old weights and reused, as PipelineRL and NeMo-RL do by default) or
+    'recompute' (vLLM preempts them and prefills prompt + tokens so far under the new weights)."""
     off_policy: str = "none"
     """Correction for tokens sampled by an older (or numerically different) policy, from
     ``rlbatch.algos.registry.OFF_POLICY``: 'none', 'tis' (truncated importance sampling with
-    tis_cap) or 'mask' (tokens whose ratio leaves [mask_ratio_low, mask_ratio_high] leave the loss).
-    The ratio is the trainer's policy before the step's updates over the behaviour log-probs the
-    inference engine returned."""
+    tis_cap), 'mask' (tokens whose ratio leaves [mask_ratio_low, mask_ratio_high] leave the loss),
+    'seq_tis' / 'seq_mask' (the same on each sequence's geometric-mean ratio, with seq_tis_cap /
+    [seq_mask_low, seq_mask_high]). The ratio is the trainer's policy before the step's updates
+    over the behaviour log-prob the inference engine returned with each token."""
     tis_cap: float = bounded(2.0, ge=1)
     """off_policy=tis: the importance weight's upper bound (>= 1)."""
     mask_ratio_low: float = bounded(0.5, gt=0, le=1)
     """off_policy=mask: tokens with a ratio below this leave the loss (in (0, 1])."""
     mask_ratio_high: float = bounded(2.0, ge=1)
     """off_policy=mask: tokens with a ratio above this leave the loss (>= 1)."""
+    seq_tis_cap: float = bounded(2.0, ge=1)
+    """off_policy=seq_tis: the upper bound (>= 1) of a sequence's weight, its geometric-mean ratio
+    exp(mean over its tokens of log r_t)."""
+    seq_mask_low: float = bounded(0.99, gt=0, le=1)
+    """off_policy=seq_mask: a sequence whose geometric-mean ratio is below this leaves the loss
+    (in (0, 1]; a per-token average, so far closer to 1 than mask_ratio_low)."""
+    seq_mask_high: float = bounded(1.01, ge=1)
+    """off_policy=seq_mask: a sequence whose geometric-mean ratio is above this leaves the loss (>= 1)."""
     overlong_filter: bool = False
     """DAPO's overlong filtering: a truncated response (max_new_tokens tokens, not ending with EOS) is
     kept out of the loss: its tokens weigh 0 and do not count in the aggregation's token count."""
@@ -375,6 +400,16 @@ class DataConfig:
     reward_fns: dict[str, str] = field(default_factory=dict)
     """data_source -> reward function ('module:function') for records from that source, e.g.
     {"openai/gsm8k": "rlbatch.rewards.math:gsm8k_match"}; other sources get reward_fn."""
+    max_prompt_tokens: int = bounded(0, ge=0)
+    """Longest prompt in tokens, as the ranks encode it (after the template and the chat template,
+    special tokens included); 0: no limit. What happens to a longer one: ``prompt_too_long``."""
+    prompt_too_long: str = "refuse"
+    """A prompt over ``max_prompt_tokens``: 'refuse' (the run does not start: its index, length and
+    the limit are named), 'drop' (left out of the data set, counted) or 'truncate' (cut to the
+    limit on ``truncation_side``, counted). docs/data.md, "Prompt length"."""
+    truncation_side: str = "left"
+    """Where 'truncate' cuts: 'left' keeps the end of the prompt (where the question and the
+    generation prompt usually are), 'right' keeps its start."""
 
 
 @dataclass
@@ -498,6 +533,12 @@ class EvalConfig:
     are all alike). top_p and max_new_tokens are the algorithm's."""
     correct_at: float = bounded(1.0, gt=0, why="a reward of 0 would count every response as correct")
     """A response counts as correct (pass@k) when its reward is at least this."""
+    checkpoint: str = ""
+    """program=eval: the checkpoint to evaluate: a checkpoint directory, or a run directory or its
+    ``checkpoints/`` (the newest complete one there); empty: the weights of ``model.path``."""
+    all_checkpoints: bool = False
+    """program=eval with a run or ``checkpoints/`` directory in ``checkpoint``: evaluate each of its
+    complete checkpoints, oldest first, instead of the newest only."""
 
 
 @dataclass
@@ -547,6 +588,27 @@ class TrackersConfig:
 
 
 @dataclass
+class WatchConfig:
+    """What a user sees of a run while it trains (docs/inspect.md): sample completions, the reward
+    plot, and the training batches kept for ``python -m rlbatch.inspect``."""
+
+    samples_every: int = bounded(10, ge=0)
+    """Write sample completions (prompt, response, reward, advantage; a trajectory's turns and end)
+    to <run_dir>/samples.jsonl, TensorBoard and the trackers at step 0, every N-th step after it and
+    the last step; 0: never."""
+    samples_per_step: int = bounded(4, ge=1, le=1024)
+    """Samples shown each such step: the step's first ones, in group order (a prompt's samples
+    together, so their rewards and advantages compare)."""
+    plot_every: int = bounded(10, ge=0)
+    """Redraw <run_dir>/reward_curve.png (and eval_curve.png) every N steps while the run trains;
+    0: only at the end."""
+    batch_every: int = bounded(0, ge=0)
+    """Keep the training batch of step 0 and every N-th step after it, as the trainer read it
+    (tokens, loss mask, behaviour log-probs, rewards, advantages), in <run_dir>/batches/step_<N>.pt;
+    0: never. Costs one read of the samples off the trainer's ranks on those steps."""
+
+
+@dataclass
 class RLBatchConfig:
     """One rlbatch run."""
 
@@ -563,7 +625,8 @@ class RLBatchConfig:
     resume: str = "auto"
     """'auto' (newest complete checkpoint in run_dir), 'never', or a checkpoint path."""
     program: str = "train"
-    """'train' runs RL; 'selftest' checks the placement on real processes (identity and collectives)."""
+    """'train' runs RL; 'eval' evaluates a checkpoint or model.path on the eval set without training
+    (docs/eval.md); 'selftest' checks the placement on real processes (identity and collectives)."""
     dry_run: bool = False
     """Print the placement and the sbatch script, start nothing."""
     wait: bool = False
@@ -593,6 +656,7 @@ class RLBatchConfig:
     settings under ``trackers.<name>``; ``trackers.<name>.enabled=true`` turns one on as well)."""
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)
 
     def enabled(self, role: str) -> bool:
         """Whether the config has ``role`` and leaves it on."""

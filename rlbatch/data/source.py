@@ -1,7 +1,8 @@
 """Where prompts come from: the built-in synthetic task or a jsonl/parquet file (``records``: flat
 records or verl's layout), rendered with the model's chat template when ``data.chat_template``.
 
-Both become a ``PromptStream``: seeded, shuffled epochs, resumable from its position.
+Both become a ``PromptStream``: seeded, shuffled epochs, resumable from its position, after the
+prompt-length guard (``data.max_prompt_tokens``: ``rlbatch.data.prompt_length``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from rlbatch.data.chat import ChatPrompts, chat_prompts
+from rlbatch.data.prompt_length import PromptCounts, guard, prompt_tokenizer
 from rlbatch.data.records import fill_template, read_records
 from rlbatch.data.synthetic import PromptStream, Sample, arithmetic_problems
 from rlbatch.errors import ConfigError
@@ -52,18 +54,22 @@ def fingerprint(problems: tuple[Sample, ...]) -> str:
 
 
 def problems_of(data_cfg: DataConfig, model_cfg: ModelConfig | None = None) -> tuple[Sample, ...]:
-    """The problem set ``data.name`` names: synthetic, file, synthetic_code, code_file or none; with
-    ``data.chat_template``, the prompts rendered with ``model.path``'s chat template."""
-    from rlbatch.data import code
+    """The problem set ``data.name`` names: synthetic, word_arithmetic, file, synthetic_code, code_file
+    or none; with ``data.chat_template``, the prompts rendered with ``model.path``'s chat template (a
+    word problem after ``data.template``)."""
+    from rlbatch.data import code, word_problems
 
     chat = chat_prompts(data_cfg, model_cfg)
     build = {"synthetic": lambda: arithmetic_problems(), "file": lambda: file_problems(data_cfg, chat),
+             "word_arithmetic": lambda: word_problems.word_problems(),
              "synthetic_code": lambda: code.synthetic_code_problems(),
              "code_file": lambda: code.code_file_problems(data_cfg),
              "none": lambda: (Sample("", ""),)}  # one empty task: an environment draws each episode from its seed
     if data_cfg.name not in build:
         raise ConfigError(f"data.name: {data_cfg.name!r} is not one of {sorted(build)}")
     problems = build[data_cfg.name]()
+    if data_cfg.name == "word_arithmetic":  # a question in words, filled into data.template as a file's is
+        problems = tuple(Sample(fill_template(str(data_cfg.template), s.prompt), s.answer) for s in problems)
     if chat is None or data_cfg.name in ("file", "none"):  # an env's rollout renders an empty task's opening
         return problems
     texts = chat.render_all([s.prompt for s in problems])
@@ -85,10 +91,25 @@ def split_holdout(problems: tuple[Sample, ...], n: int, seed: int) -> tuple[tupl
             tuple(p for i, p in enumerate(problems) if i in held))
 
 
+def guarded_problems(data_cfg: DataConfig, model_cfg: ModelConfig | None = None,
+                     field: str = "data") -> tuple[tuple[Sample, ...], PromptCounts]:
+    """``problems_of`` through the prompt-length guard (``data.max_prompt_tokens``,
+    ``data.prompt_too_long``; ``rlbatch.data.prompt_length``): the problems a run uses, and what the
+    guard dropped or truncated. ``field`` names the section in messages (``eval.data``)."""
+    problems = problems_of(data_cfg, model_cfg)
+    if not int(getattr(data_cfg, "max_prompt_tokens", 0) or 0) or data_cfg.name == "none":
+        return problems, PromptCounts(prompts=len(problems))
+    return guard(problems, data_cfg, prompt_tokenizer(model_cfg), field)
+
+
 def make_stream(data_cfg: DataConfig, seed: int, model_cfg: ModelConfig | None = None, holdout: int = 0,
-                holdout_seed: int = 0) -> tuple[PromptStream, str]:
+                holdout_seed: int = 0, counts: PromptCounts | None = None) -> tuple[PromptStream, str]:
     """The prompt stream and the dataset's fingerprint. ``model_cfg`` (``cfg.model``) gives the
     tokenizer whose chat template ``data.chat_template=true`` renders prompts with. ``holdout``
-    problems (``split_holdout``: eval.holdout, eval.holdout_seed) are left out of training."""
-    problems, _ = split_holdout(problems_of(data_cfg, model_cfg), holdout, holdout_seed)
+    problems (``split_holdout``: eval.holdout, eval.holdout_seed) are left out of training, after
+    the prompt-length guard; ``counts``, when given, is set to what the guard did."""
+    guarded, done = guarded_problems(data_cfg, model_cfg)
+    if counts is not None:
+        vars(counts).update(vars(done))
+    problems, _ = split_holdout(guarded, holdout, holdout_seed)
     return PromptStream(problems, seed=seed), fingerprint(problems)

@@ -61,6 +61,9 @@ class SamplingParams:
     top_p: float = 1.0
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
+    version: int = 0
+    """The policy version of the weights the engine holds as the generation starts: its tokens carry
+    it (and, where weights land mid-generation, the version of each load after it)."""
 
 
 @dataclass
@@ -70,6 +73,10 @@ class Generation:
 
     tokens: list[int]
     logprobs: list[float]
+    versions: list[int] = field(default_factory=list)
+    """The policy version of the weights that sampled each token (``SamplingParams.version``, or a
+    later one loaded mid-generation); empty from an engine that records none: every token is of
+    ``SamplingParams.version``."""
 
 
 @dataclass

@@ -63,6 +63,9 @@ class EngineSpec:
     ``rlbatch.engines.defaults.max_tokens_per_micro_batch``) it packs each micro-batch's samples
     into one unpadded row, the LM head only at scored positions: what the planner models."""
 
+    loads_in_flight: bool = False
+    """Weights can land while it generates (``algo.in_flight_updates``): it pauses between engine
+    steps, loads them and goes on with the same sequences, recording each token's policy version."""
     trains_adapters: bool = False
     """It trains low-rank adapters of the model (``model.lora``) and exports them merged
     (``export_weights``) or alone (``export_adapters``, for an engine that ``loads_adapters``)."""
@@ -81,6 +84,12 @@ class EngineSpec:
     ``model.lora`` policy's weight sync moves the adapters alone (``model.lora.sync``): the trainer
     streams them through its ``export_adapters``, the engine takes them through its
     ``load_adapters(named) -> bytes`` (PEFT's names, in buckets, as ``load_weights`` takes weights)."""
+    sync_check_floor: float = 1e-2
+    """An inference engine's floor for the checked sync (``rlbatch.loop.synccheck``): the mean
+    |log-prob difference| from the trainer's, over the probe's tokens, that a sync may always show
+    (its tolerance is the larger of this and a multiple of the pair's mismatch measured before
+    training). Set it above what the engine's numerics alone give against a trainer that holds the
+    same weights, in the precision it runs at; the generous default suits an engine never measured."""
 
     @property
     def built(self) -> bool:

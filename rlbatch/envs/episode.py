@@ -287,6 +287,8 @@ class Episode:
         self.rewards.append(reward)
         if done:
             self.end = "done"
+            if info.get("detail"):  # the env's own words on how it ended (docs/agents.md)
+                self.detail = " ".join(str(info["detail"]).split())[:500]
         elif self.turns >= self.limits.max_turns:
             self.end, self.detail = "max_turns", f"{self.turns} actions, env.max_turns={self.limits.max_turns}"
             info = {**info, "detail": self.detail}

@@ -9,8 +9,9 @@ rewards, stats) and a per-rank PhaseRecord for the metrics.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -28,13 +29,14 @@ from rlbatch.loop.residency import RecordDict
 from rlbatch.models import lora
 from rlbatch.phases import PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
-from rlbatch.runtime.control import Call, Controller
-from rlbatch.runtime.dataplane import Move
+from rlbatch.runtime.control import Call, Controller, StatsLog
+from rlbatch.runtime.dataplane import Move, Traffic
 from rlbatch.runtime.postmortem import describe_rank
 from rlbatch.runtime.world import World, gpu_device_type
 
 if TYPE_CHECKING:
     from rlbatch.envs.trajectories import TrajectorySummary
+    from rlbatch.loop.samples import Shown
 
 PhaseOutput = Any
 """A phase's output on one rank: what its op returns there (``RankRuntime``'s ``_<op>``), unpickled.
@@ -52,6 +54,7 @@ class Sampling(TypedDict, total=False):
     temperature: float
     top_p: float
     seed: int
+    version: int
 
 
 class PhaseReply(TypedDict):
@@ -75,13 +78,17 @@ class Rollouts:
     prompt_len: dict[int, int]
     response_len: dict[int, int]
     version: int = 0
-    """The policy version (actor updates synced to the inference engine) that generated them."""
+    """The policy version (actor updates synced to the inference engine) the generation started with."""
     sources: list[str] = field(default_factory=list)
     """Each sample's data source, in ``ids`` order (``data.reward_fns`` routes by it); empty when
     the dataset names none."""
     episodes: dict[int, TrajectorySummary] = field(default_factory=dict)
     """A run with an environment: each sample's trajectory summary (its reward, turns, end reason,
     ...: ``rlbatch.envs.trajectories.summary``); empty for single-turn samples."""
+    versions: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Each sample's (oldest, newest) token version: the policy versions of the weights that sampled
+    its first and last tokens (they differ where weights landed mid-generation). A sample missing
+    here is of ``version`` throughout."""
 
     def __post_init__(self) -> None:
         if not any(self.sources):  # a dataset that names no source (or names none of these)
@@ -89,6 +96,10 @@ class Rollouts:
 
     def source_of(self) -> dict[int, str]:
         return dict(zip(self.ids, self.sources, strict=True)) if self.sources else {}
+
+    def oldest(self, sid: int) -> int:
+        """The policy version of sample ``sid``'s oldest token: what its staleness is judged by."""
+        return self.versions.get(sid, (self.version, self.version))[0]
 
 
 def split_even(items: list[int], parts: int) -> list[list[int]]:
@@ -104,18 +115,18 @@ def split_even(items: list[int], parts: int) -> list[list[int]]:
 
 def assign_local_first(ids: list[int], ranks: tuple[int, ...], holder: dict[int, int]) -> dict[int, list[int]]:
     """Even split over ``ranks``, keeping each sample on the rank that holds it where possible."""
-    quota = [len(x) for x in split_even(ids, len(ranks))]
+    quota = dict(zip(ranks, (len(x) for x in split_even(ids, len(ranks))), strict=True))
     out: dict[int, list[int]] = {r: [] for r in ranks}
-    left = []
+    left: deque[int] = deque()
     for sid in ids:
         r = holder.get(sid)
-        if r is not None and r in out and len(out[r]) < quota[ranks.index(r)]:
+        if r is not None and r in out and len(out[r]) < quota[r]:
             out[r].append(sid)
         else:
             left.append(sid)
-    for k, r in enumerate(ranks):
-        while len(out[r]) < quota[k]:
-            out[r].append(left.pop(0))
+    for r in ranks:
+        while len(out[r]) < quota[r]:
+            out[r].append(left.popleft())
     return out
 
 
@@ -130,12 +141,13 @@ def balance_tokens(ids: list[int], tokens: dict[int, int], shards: int, mini_bat
     out: list[list[int]] = [[] for _ in range(shards)]
     for mb in split_even(ids, mini_batches):
         quota = [len(x) for x in split_even(mb, shards)]
-        load = [0] * shards
         parts: list[list[int]] = [[] for _ in range(shards)]
+        room = [(0, k) for k in range(shards) if quota[k] > 0]  # (tokens, shard) of shards with room: a heap
         for sid in sorted(mb, key=lambda i: (-tokens[i], order[i])):
-            k = min((k for k in range(shards) if len(parts[k]) < quota[k]), key=lambda k: (load[k], k))
+            load, k = heapq.heappop(room)  # the fewest tokens, then the first shard: log(shards) a sample
             parts[k].append(sid)
-            load[k] += tokens[sid]
+            if len(parts[k]) < quota[k]:
+                heapq.heappush(room, (load + tokens[sid], k))
         for k in range(shards):
             out[k] += sorted(parts[k], key=order.__getitem__)
     return out
@@ -182,6 +194,10 @@ class Pipeline:
         self.records: list[RecordDict] = []
         self.phase_seconds: dict[str, float] = {}
         self.started = 0
+        self.data_traffic = Traffic()
+        """Rank-to-rank messages and bytes of the data moves this controller has ordered."""
+        self.stats = StatsLog.from_env()
+        """Where each step's start is recorded with the traffic so far (``tools/bench/scale.py``)."""
         self.overwritten_next: dict[str, set[str]] = {}
         """Role -> state kinds whose next use overwrites them (``announce``): an offload before then
         may discard them."""
@@ -245,11 +261,17 @@ class Pipeline:
         (phases on samples of their own, kept ``apart``, may be waited for later)."""
         start = time.perf_counter()
         moves = self._moves(need or {})
-        ranks = sorted(set(work) | {m.src for m in moves} | {m.dst for m in moves})
+        self.data_traffic.add(moves)
+        moves_of: dict[int, list[Move]] = defaultdict(list)  # each rank's moves, one pass over them
+        for m in moves:
+            moves_of[m.src].append(m)
+            if m.dst != m.src:
+                moves_of[m.dst].append(m)
+        ranks = sorted(set(work) | set(moves_of))
         discard = self._discardable(phase, roles) if work else {}
         per_rank = {
             r: {"phase": phase, "roles": roles, "work": work.get(r), "drop": self.pending_drop.pop(r, None),
-                "moves": [m for m in moves if r in (m.src, m.dst)]} | self._discard_on(r, discard)
+                "moves": moves_of.get(r, [])} | self._discard_on(r, discard)
             for r in ranks
         }
         # The label names the phase and its roles in the errors of the call: a rank that does not
@@ -280,6 +302,8 @@ class Pipeline:
 
     def begin_step(self) -> None:
         self.records, self.phase_seconds = [], {}
+        if self.stats is not None:
+            self.stats.mark(self.ctl.traffic, data_messages=self.data_traffic.messages, data_bytes=self.data_traffic.bytes)
 
 
 class PendingPhase:
@@ -332,7 +356,7 @@ class PendingRollouts:
         ro = self.rollouts
         for worker, ids in self.ids_of.items():
             for sid in ids:
-                ro.prompt_len[sid], ro.response_len[sid], *episode = out[worker[0]][sid]
+                ro.prompt_len[sid], ro.response_len[sid], ro.versions[sid], *episode = out[worker[0]][sid]
                 if episode:
                     ro.episodes[sid] = episode[0]
                 for f in self.spec.writes:
@@ -352,6 +376,8 @@ class Scores:
         self.pending, self.ids = pending, ids
 
         self.counts: dict[str, int] = {}
+        self.shown: dict[int, Shown] = {}
+        """The samples asked for with ``show``, as text (once ``result()`` returned)."""
 
     def result(self) -> torch.Tensor:
         """The rewards; ``counts`` then holds the scorers' per-step counts, summed over ranks."""
@@ -360,6 +386,7 @@ class Scores:
         for o in outs:
             for k, v in o["counts"].items():
                 self.counts[k] = self.counts.get(k, 0) + v
+            self.shown |= o.get("shown", {})
         return torch.tensor([merged[i] for i in self.ids], dtype=torch.float32)
 
 
@@ -432,7 +459,8 @@ class Role:
             ids = [first_id + i * n + k for i in prompt_idx for k in range(n)]
             ids_of[tuple(self.placement.workers[w])] = ids
             sampling: Sampling = {"max_new_tokens": int(a.max_new_tokens), "temperature": float(a.temperature),
-                                  "top_p": float(a.top_p), "seed": seed * 1_000_003 + w, **(override or {})}
+                                  "top_p": float(a.top_p), "seed": seed * 1_000_003 + w, "version": version,
+                                  **(override or {})}
             episodes = self._episodes(prompts, prompt_idx, n, first_id)
             for r in self.placement.workers[w]:
                 work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)],
@@ -440,7 +468,7 @@ class Role:
         pending = self.pipe.start(spec.name, (self.name,), work)
         total = range(len(prompts) * n)
         sources = [str(getattr(prompts[i // n], "data_source", "")) for i in total]
-        ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version, sources)
+        ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version, sources=sources)
         return PendingRollouts(self.pipe, spec, pending, ids_of, ro)
 
     def _episodes(self, prompts: Sequence[Sample], prompt_idx: list[int], n: int, first_id: int,
@@ -465,14 +493,18 @@ class Role:
         need = {r: (ids, fields) for sh, ids in self._assign(ro).items() for r in sh}
         return self.pipe.start("receive", (self.name,), {}, need)
 
-    def score(self, ro: Rollouts) -> Scores:
+    def score(self, ro: Rollouts, show: Sequence[int] = ()) -> Scores:
         """Start scoring and return at once: phases started next run alongside it where they are
-        on other ranks (a CPU reward role scores while the actor ranks compute log-probs)."""
+        on other ranks (a CPU reward role scores while the actor ranks compute log-probs). ``show``:
+        samples whose text the scoring ranks send back too (``Scores.shown``: ``rlbatch.loop.samples``)."""
         spec = phase_for(self.name, "score")
         answer, source = dict(zip(ro.ids, ro.answers, strict=True)), ro.source_of()
         parts = split_even(ro.ids, len(self.ranks))
+        shown = set(show)
         work = {r: {"ids": ids, "answers": [answer[i] for i in ids]} | ({"sources": [source[i] for i in ids]} if source else {})
                 | ({"env_rewards": [float(ro.episodes[i]["reward"]) for i in ids]} if ro.episodes else {})
+                | ({"show": {i: ro.episodes[i]["spans"] if ro.episodes else None for i in ids if i in shown}}
+                   if shown & set(ids) else {})
                 for r, ids in zip(self.ranks, parts, strict=True)}
         need = {r: (ids, list(spec.reads)) for r, ids in zip(self.ranks, parts, strict=True)}
         return Scores(self.pipe.start(spec.name, (self.name,), work, need), ro.ids)
@@ -588,7 +620,9 @@ class Role:
         """The extra fields this role's training objective reads (built once, not every step)."""
         return tuple(objective_for(self.name, role_algo(self.name, self.pipe.cfg.algo)).reads)
 
-    def sync_weights(self, infer: Role) -> None:
+    def sync_weights(self, infer: Role, version: int = 0) -> None:
+        """Weights to ``infer``; ``version``: the policy version they are (recorded on the tokens
+        sampled with them where they land mid-generation, ``algo.in_flight_updates``)."""
         spec = phase_for(self.name, "sync")
         train_ranks, infer_ranks = set(self.ranks), set(infer.ranks)
         local = infer_ranks <= train_ranks
@@ -597,7 +631,7 @@ class Role:
         # A LoRA policy's sync moves the adapters alone where the inference engine loads them.
         form = lora.sync_form(self.pipe.cfg.model.lora, spec_of(infer.placement.engine).loads_adapters)
         src = min(self.ranks)
-        work = {r: {"src": src, "local": local, "bucket_bytes": bucket, "form": form or "merged"}
+        work = {r: {"src": src, "local": local, "bucket_bytes": bucket, "form": form or "merged", "version": version}
                 for r in train_ranks | infer_ranks}
         out = self.pipe.run(spec.name, (self.name, infer.name), work)
         # The bytes the sync moved (the most any rank sent or loaded) ride on the sender's record of

@@ -33,7 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.data.source import problems_of, split_holdout
+from rlbatch.data.prompt_length import PromptCounts
+from rlbatch.data.source import guarded_problems, split_holdout
 from rlbatch.data.synthetic import Sample
 from rlbatch.loop.controller import Ledger, PendingRollouts, Pipeline, Role
 from rlbatch.loop.metrics import Row
@@ -168,31 +169,41 @@ class Evaluation:
     steps, as on a placement that shares the inference ranks: a checkpoint never precedes the rows
     of its steps."""
 
-    def __init__(self, pipe: Pipeline, cfg: RLBatchConfig, start: int) -> None:
+    def __init__(self, pipe: Pipeline, cfg: RLBatchConfig, start: int, standalone: bool = False) -> None:
+        """``standalone``: no training around it (``program=eval``, ``rlbatch.loop.evaluate_only``):
+        the held-out set is read whatever ``eval.every`` and ``eval.at_start`` say, and only ``run``
+        is called."""
         self.pipe, self.cfg, self.e = pipe, cfg, cfg.eval
-        self.enabled = int(self.e.every) > 0 or bool(self.e.at_start)
+        self.enabled = standalone or int(self.e.every) > 0 or bool(self.e.at_start)
         self.problems: tuple[Sample, ...] = ()
+        self.prompt_counts = PromptCounts()
+        """What the prompt-length guard did to the held-out set (``eval.data.max_prompt_tokens``)."""
         self.pending: Pending | None = None
         self.initial: dict[str, float] = {}
         self.overlaps = False
         if not self.enabled:
             return
         if int(self.e.holdout):  # the training data's held-out problems (make_stream leaves them out)
-            problems = split_holdout(problems_of(cfg.data, cfg.model), int(self.e.holdout), int(self.e.holdout_seed))[1]
+            guarded, _ = guarded_problems(cfg.data, cfg.model)
+            problems = split_holdout(guarded, int(self.e.holdout), int(self.e.holdout_seed))[1]
         else:
-            problems = problems_of(self.e.data, cfg.model)
+            problems, self.prompt_counts = guarded_problems(self.e.data, cfg.model, "eval.data")
         limit = int(self.e.max_prompts)
         self.problems = problems[:limit] if limit else problems
         self.infer = Role(pipe, "actor_infer")
         self.scoring = Scoring(pipe, cfg)
         self.roles = (self.infer.name, *(role.name for role, _ in self.scoring.roles))
         self.overlaps = alongside_others({r: pipe.world.members.get(r, ()) for r in pipe.p.roles}, self.roles)
+        what = (f"evaluation: {len(self.problems)} prompts x {int(self.e.samples_per_prompt)} samples "
+                f"(temperature {float(self.e.temperature)})")
+        if standalone:
+            print(what, flush=True)
+            return
         when = [f"every {int(self.e.every)} steps and after the last"] if int(self.e.every) > 0 else []
         when += ["before the first step"] if self.e.at_start else []
         where = ("alongside the next step's training (the inference and scoring ranks are their own)" if self.overlaps
                  else "between steps (the inference or scoring ranks are shared with training)")
-        print(f"evaluation: {len(self.problems)} prompts x {int(self.e.samples_per_prompt)} samples "
-              f"(temperature {float(self.e.temperature)}), {' and '.join(when)}, {where}", flush=True)
+        print(f"{what}, {' and '.join(when)}, {where}", flush=True)
         if self.e.at_start and start == 0:  # the initial weights, into step 0's row: alongside step 0, or now
             if self.overlaps:
                 self.pending = Pending(0)
@@ -304,4 +315,5 @@ class Evaluation:
         return eval_metrics(rewards.tolist(), sources, lengths, n, float(self.e.correct_at)) | {
             "eval/updates": float(p.updates), "eval/seconds": sum(p.ledger.phase_seconds.values()),
             "eval/overlapped": float(p.overlapped),
-            "eval/overlap_seconds": overlap_seconds(p.ledger.records, records, self.roles)}
+            "eval/overlap_seconds": overlap_seconds(p.ledger.records, records, self.roles)
+        } | self.prompt_counts.metrics("eval/data")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlbatch.loop.residency import RecordDict
+from rlbatch.loop.samples import keep_before
 from rlbatch.runtime.rundir import RunDir
 from rlbatch.trackers.session import open_trackers
 
@@ -61,8 +63,9 @@ def reduce_records(records: Sequence[RecordDict]) -> dict[str, float]:
 
 
 class Metrics:
-    def __init__(self, run: RunDir, steps: int, start: int = 0, tensorboard: bool = True) -> None:
-        self.run = run
+    def __init__(self, run: RunDir, steps: int, start: int = 0, tensorboard: bool = True, plot_every: int = 0) -> None:
+        """``plot_every``: redraw the curves every N steps while the run trains (0: at ``close`` only)."""
+        self.run, self.plot_every = run, plot_every
         self.path = run.path / METRICS
         self.history: list[Row] = []
         self.tb: SummaryWriter | None = None
@@ -75,10 +78,8 @@ class Metrics:
                 log.warning("tensorboard is not importable: no event files will be written")
         self.steps, self.start = steps, start
         self.bar: tqdm[int] | None = None
-        if self.path.exists():  # resuming: keep the rows before the checkpoint, drop any after it
-            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.history = [r for r in rows if r["step"] < start]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        # resuming: keep the rows before the checkpoint, drop any after it (a line cut by a crash too)
+        self.history = keep_before(self.path, start)
         # W&B and MLflow (trackers.*), on the controller only: this object lives nowhere else.
         self.trackers = open_trackers(run.path, self.history, start)
 
@@ -99,6 +100,8 @@ class Metrics:
         if self.trackers is not None:
             self.trackers.log(self.history)
         log.info(progress_line(row, self.steps, self.history))  # the controller's log: tail -f shows each step
+        if self.plot_every and (int(row["step"]) + 1) % self.plot_every == 0:
+            self.plot()
         if self.bar is not None:
             phases = " ".join(f"{k[5:]}={row[k]:.2f}s" for k in row if k.startswith("time/") and k not in ("time/offload", "time/reload"))
             held_out = f"eval_pass@1={row['eval/all/pass@1']:.3f} " if "eval/all/pass@1" in row else ""
@@ -111,6 +114,10 @@ class Metrics:
             self.tb.close()
         if self.trackers is not None:
             self.trackers.close(completed=bool(self.history) and self.history[-1]["step"] >= self.steps - 1)
+        self.plot()
+
+    def plot(self) -> None:
+        """Draw the reward curve (and the held-out evaluation's) from the rows so far."""
         if self.history:
             plot_reward(self.history, self.run.path / CURVE)
         if any("eval/all/pass@1" in r for r in self.history):
@@ -142,23 +149,46 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def plot_reward(history: Sequence[Mapping[str, float]], path: Path) -> None:
+def value_limits(values: Iterable[float]) -> tuple[float, float]:
+    """The y-range of a plot of ``values``: the unit range (with a margin) when every value lies in
+    [0, 1] (a pass rate reads best against it), else the values' own range with 5% margins, so a
+    reward model's scores and negative shaped rewards are never cut. Non-finite values are left out."""
+    finite = [float(v) for v in values if math.isfinite(float(v))]
+    if not finite or (min(finite) >= 0.0 and max(finite) <= 1.0):
+        return -0.02, 1.02
+    lo, hi = min(finite), max(finite)
+    pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
+    return lo - pad, hi + pad
+
+
+def plot_reward(history: Sequence[Mapping[str, float]], path: Path) -> tuple[float, float]:
+    """The mean reward per step (and the mean shaped reward, where shaping changed it: DAPO's
+    overlong penalty, a KL penalty in the reward) into ``path``; returns the y-range drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in history]
+    series = {"reward_mean": [float(r["reward_mean"]) for r in history]}
+    shaped = [float(r.get("reward_shaped_mean", r["reward_mean"])) for r in history]
+    if shaped != series["reward_mean"]:
+        series["reward_shaped_mean"] = shaped
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, [r["reward_mean"] for r in history], marker="o", markersize=3)
+    for (name, values), marker in zip(series.items(), ("o", "x"), strict=False):
+        ax.plot(steps, values, marker=marker, markersize=3, label=name)
     ax.set_xlabel("step")
-    ax.set_ylabel("reward_mean")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("reward")
+    ax.set_ylim(*value_limits(v for values in series.values() for v in values))
     ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(loc="best")
     ax.set_title("rlbatch: mean reward per step")
     fig.tight_layout()
     fig.savefig(path)
+    limits = ax.get_ylim()
     plt.close(fig)
+    return float(limits[0]), float(limits[1])
 
 
 def plot_eval(history: Sequence[Mapping[str, float]], path: Path) -> None:
@@ -175,7 +205,7 @@ def plot_eval(history: Sequence[Mapping[str, float]], path: Path) -> None:
     ax.plot(updates, [r["eval/all/pass@1"] for r in rows], marker="o", markersize=3, label="pass@1")
     ax.plot(updates, [r["eval/all/mean_reward"] for r in rows], marker="x", markersize=3, label="mean reward")
     ax.set_xlabel("policy updates")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(*value_limits([*(r["eval/all/pass@1"] for r in rows), *(r["eval/all/mean_reward"] for r in rows)]))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title("rlbatch: held-out evaluation")

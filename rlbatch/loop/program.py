@@ -23,16 +23,20 @@ from rlbatch.algos.advantages import Actions, overlong_penalty, zero_variance_gr
 from rlbatch.algos.registry import ADVANTAGES, LOOPS
 from rlbatch.algos.value import explained_variance
 from rlbatch.config.schema import RLBatchConfig
+from rlbatch.data.prompt_length import PromptCounts
 from rlbatch.data.source import make_stream
-from rlbatch.loop.ahead import GenerationQueue, async_plan
+from rlbatch.loop.ahead import GenerationQueue, async_plan, staleness_stats
+from rlbatch.loop.batches import BatchLog
 from rlbatch.loop.checkpointing import Checkpointer
 from rlbatch.loop.controller import Pipeline, Role, Rollouts
 from rlbatch.loop.evaluation import Evaluation
 from rlbatch.loop.metrics import Metrics, step_row
 from rlbatch.loop.preemption import Preemption
 from rlbatch.loop.rank_runtime import RankRuntime
+from rlbatch.loop.samples import SampleLog
 from rlbatch.loop.sampling import dynamic_batch
 from rlbatch.loop.scoring import Scoring
+from rlbatch.loop.synccheck import SyncCheck
 from rlbatch.phases import phase_for, reference_is_actor_base
 from rlbatch.runtime import heap
 from rlbatch.runtime.env import read_env
@@ -75,8 +79,9 @@ class Loop:
         self.actor_infer, self.actor_train = Role(self.pipe, "actor_infer"), Role(self.pipe, "actor_train")
         self.reference = Role(self.pipe, "reference") if "reference" in world.placement.roles else None
         self.scoring = Scoring(self.pipe, cfg)
+        self.prompt_counts = PromptCounts()  # data.max_prompt_tokens: what the guard did, in every row
         self.data, fingerprint = make_stream(cfg.data, int(cfg.seed), cfg.model, int(cfg.eval.holdout),
-                                             int(cfg.eval.holdout_seed))
+                                             int(cfg.eval.holdout_seed), counts=self.prompt_counts)
         # model.lora: the reference is the policy's base model, its adapters off, on actor_train's ranks
         self.base_reference = self.reference is None and reference_is_actor_base(cfg.model.lora)
         if self.base_reference and self.a.kl_coef > 0:
@@ -90,16 +95,24 @@ class Loop:
                      *([self.critic] if self.critic is not None else [])]
         k, rider = async_plan(self.pipe, self.actor_infer, used_reference, int(self.a.max_staleness))
         self.queue = GenerationQueue(self.actor_infer, consumers, self.scoring, self.data, cfg, k, rider)
-        self.ckpt = Checkpointer(self.pipe, run, cfg, self.data, fingerprint, parts=(self.queue,))
+        # the checked sync (cluster.sync_check_every): a probe after the synchronous loop's syncs
+        self.sync_check = SyncCheck(self.pipe, self.actor_train, self.actor_infer, cfg, self.data, k == 0)
+        self.ckpt = Checkpointer(self.pipe, run, cfg, self.data, fingerprint, parts=(self.queue, self.sync_check))
         self.start = self.ckpt.resume()
+        if self.start == 0:
+            self.sync_check.calibrate()  # both engines hold the weights they loaded: their own mismatch
         self.version = self.queue.version
         """The policy version: actor updates so far."""
         self.evaluation = Evaluation(self.pipe, cfg, self.start)  # at_start (start 0): the initial weights, now
         heap.settle()  # the controller's long-lived objects exist now: keep them out of collections
         if self.start > 0:
-            self.actor_train.sync_weights(self.actor_infer)  # inference weights are not checkpointed
+            self.actor_train.sync_weights(self.actor_infer, self.version)  # inference weights are not checkpointed
+            self.sync_check.after_sync(self.start - 1, self.version)
         self.preemption = Preemption(cfg.cluster, read_env())
-        self.metrics = Metrics(run, int(cfg.steps), self.start, tensorboard=TENSORBOARD in cfg.logger)
+        self.metrics = Metrics(run, int(cfg.steps), self.start, tensorboard=TENSORBOARD in cfg.logger,
+                               plot_every=int(cfg.watch.plot_every))
+        self.samples = SampleLog(run.path, cfg.watch, int(cfg.steps), self.start, self.metrics)  # samples.jsonl
+        self.batches = BatchLog(run.path, cfg.watch, str(self.a.name))  # batches/step_<N>.pt
         self.n = int(self.a.samples_per_prompt)
         self.reuse_batch = self.a.mini_batches > 1 or self.a.epochs > 1
         self.stop: str | None = None
@@ -108,6 +121,8 @@ class Loop:
     def steps(self) -> Iterator[int]:
         for step in self.metrics.progress(range(self.start, int(self.cfg.steps))):
             self.pipe.begin_step()
+            self.step = step
+            self.scoring.show, self.scoring.shown = self.samples.wanted(step), {}
             self.t0, self.t0_wall = time.perf_counter(), time.time()
             yield step
             if self.stop:
@@ -122,15 +137,12 @@ class Loop:
     def train_actor(self, rollouts: Rollouts, targets: dict[str, torch.Tensor | list[torch.Tensor]],
                     ) -> dict[str, float]:
         """One batch of actor updates; the rollouts' staleness (policy versions between the one
-        that generated them and the one trained) is checked against max_staleness and logged."""
-        staleness = self.version - rollouts.version
-        if not 0 <= staleness <= self.queue.k:
-            raise RuntimeError(f"samples {rollouts.ids[0]}..{rollouts.ids[-1]} were generated by policy version "
-                               f"{rollouts.version} and would train version {self.version}: staleness {staleness} "
-                               f"is outside [0, algo.max_staleness={self.queue.k}]")
+        that generated their oldest token and the one trained) is checked against max_staleness and
+        logged (min, mean, max over the samples; ``stale_dropped``: samples left out past it)."""
+        staleness = staleness_stats(rollouts, self.version, self.queue.k)  # by each sample's oldest token
         stats = self.actor_train.train(rollouts, targets)
         self.version += 1
-        return stats | {"staleness": float(staleness)}
+        return stats | staleness | {"stale_dropped": float(self.queue.dropped)}
 
     def sync_follows(self) -> None:
         """Nothing reads the inference engine's weights before this step's sync overwrites them:
@@ -144,8 +156,9 @@ class Loop:
         """The actor's weights to the inference engine (which finishes the generation it runs first,
         and a held-out evaluation of the weights it replaces)."""
         self.evaluation.before_sync()
-        self.actor_train.sync_weights(self.actor_infer)
+        self.actor_train.sync_weights(self.actor_infer, self.version)
         self.queue.synced(self.version)
+        self.sync_check.after_sync(self.step, self.version)  # when due: the inference engine computes our policy
 
     def log_probs(self, rollouts: Rollouts) -> list[torch.Tensor] | None:
         """The reference's log-probs (for a KL penalty) and the policy's before this step's updates
@@ -179,21 +192,27 @@ class Loop:
         return Actions(masks, turn_rewards_of(rollouts.episodes, rollouts.ids)) if masks is not None else None
 
     def end_step(self, step: int, rollouts: Rollouts, generated: torch.Tensor, stats: dict[str, float],
-                 extra: dict[str, float]) -> None:
+                 extra: dict[str, float],
+                 trained: tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]] | None = None) -> None:
         """Drop the step's samples, log its row (reward_mean: over every sample generated this
         step), checkpoint when due, and decide whether to stop. The held-out evaluation of the
         weights just synced, when due, goes into the row (``rlbatch.loop.evaluation``): run
         now, or where the placement allows alongside the next step, the row then written at the
-        next step's end, before that step's (a step whose checkpoint is saved is evaluated now)."""
-        self.pipe.forget(rollouts.ids)
+        next step's end, before that step's (a step whose checkpoint is saved is evaluated now).
+        ``trained``: the batch's rewards and advantages, for the samples shown (``watch``)."""
         for held in self.evaluation.finished(self.pipe.records):  # the row of the step before, evaluated meanwhile
             self.metrics.log(held)
+        if trained is not None:  # before the samples are dropped: a kept batch is read off the trainer's ranks
+            self.batches.after_training(step, self.actor_train, rollouts, trained[0])
+        rewards, advantages = trained if trained is not None else (generated, None)
+        self.samples.record(step, rollouts, rewards, advantages, self.scoring.shown)
+        self.pipe.forget(rollouts.ids)
         last = step == int(self.cfg.steps) - 1
         saving = last or bool(self.cfg.save_every and (step + 1) % int(self.cfg.save_every) == 0)
         extra = extra | self.evaluation.after_step(step, self.version, self.pipe.records, defer=not saving)
         step_s = time.perf_counter() - self.t0
         row = step_row(step, generated, rollouts, stats, self.pipe.phase_seconds, self.pipe.records, step_s,
-                       self.t0_wall) | extra
+                       self.t0_wall) | extra | self.prompt_counts.metrics()
         self.stop = None if last else self.preemption.reason_to_stop(step_s, self.ckpt.last_save_s)
         ready = self.evaluation.hold(row, now=bool(self.stop))  # None: it waits for an evaluation
         if ready is not None:
@@ -206,6 +225,7 @@ class Loop:
         ran every step), which the controller's status file records for the launcher."""
         self.pipe.ctl.shutdown(self.pipe.workers())
         self.metrics.close()
+        self.samples.close()
         if self.stop:
             print(f"stopping after step {self.metrics.history[-1]['step'] if self.metrics.history else '?'}: "
                   f"{self.stop}; checkpoint saved", flush=True)
@@ -246,7 +266,7 @@ def policy_gradient(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, 
         stats = loop.train_actor(rollouts, {target: advantages})
         loop.sync()
         extra |= advantage_stats(advantages) | kl_stats(kl) | {"reward_shaped_mean": float(shaped.mean())}
-        loop.end_step(step, rollouts, generated, stats, extra)
+        loop.end_step(step, rollouts, generated, stats, extra, (rewards, advantages))
     return loop.finish()
 
 
@@ -282,5 +302,5 @@ def ppo(world: World, cfg: RLBatchConfig, run: RunDir) -> dict[str, str]:
                 *((actions.take(values), actions.take(returns)) if actions is not None else (values, returns))),
             "critic/returns_mean": float(torch.cat(returns).mean()) if returns else 0.0,
             "critic/warmup": float(not actor_trains)}
-        loop.end_step(step, rollouts, rewards, stats, extra)
+        loop.end_step(step, rollouts, rewards, stats, extra, (rewards, advantages))
     return loop.finish()

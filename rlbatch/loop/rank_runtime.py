@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, Protocol, TypeAlias, TypedDict
 
 import torch
 
@@ -30,13 +30,13 @@ from rlbatch.engines.registry import spec_of
 from rlbatch.loop.controller import PhaseReply, Sampling
 from rlbatch.loop.residency import Residency
 from rlbatch.loop.scorers import build_scorer
-from rlbatch.loop.weightsync import AdapterSink, WeightBroadcast, load_in_process
+from rlbatch.loop.weightsync import AdapterSink, InFlightSync, WeightBroadcast, landing, load_in_process
 from rlbatch.phases import PHASES, PhaseSpec
 from rlbatch.rewards import RewardError, Scorer
 from rlbatch.rewards.model import ModelScorer
 from rlbatch.runtime import heap
 from rlbatch.runtime.dataplane import Move, SampleStore, exchange
-from rlbatch.runtime.faults import maybe_fault
+from rlbatch.runtime.faults import DropFirst, fault_at, maybe_fault
 from rlbatch.runtime.world import SYNC, World, as_collective_timeout
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from rlbatch.envs.base import Task
     from rlbatch.envs.trajectories import MultiTurn, TrajectorySummary
+    from rlbatch.loop.samples import Shown
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,23 @@ class Service(Protocol):
     def close(self) -> None: ...
 
 
-Generated: TypeAlias = "tuple[int, int] | tuple[int, int, TrajectorySummary]"
-"""A sample generated, for the controller: (prompt length, response length), and in a run with an
-environment the trajectory's summary (``rlbatch.envs.trajectories.summary``)."""
+Generated: TypeAlias = "tuple[int, int, tuple[int, int]] | tuple[int, int, tuple[int, int], TrajectorySummary]"
+"""A sample generated, for the controller: (prompt length, response length, (oldest, newest) policy
+version of its tokens), and in a run with an environment the trajectory's summary
+(``rlbatch.envs.trajectories.summary``)."""
+
+
+def token_versions(versions: list[int], length: int, version: int) -> torch.Tensor:
+    """The policy version of each of a response's ``length`` tokens: the engine's record, or, from an
+    engine that records none, ``version`` (the one the generation started with) for every token."""
+    if versions and len(versions) != length:
+        raise RuntimeError(f"generate: the engine recorded {len(versions)} token versions for {length} tokens")
+    return torch.tensor(versions or [version] * length, dtype=torch.long)
+
+
+def version_span(versions: torch.Tensor, version: int) -> tuple[int, int]:
+    """(oldest, newest) of a response's token versions; ``version`` for both when it has no token."""
+    return (int(versions.min()), int(versions.max())) if versions.numel() else (version, version)
 
 
 class ScoreOutput(TypedDict):
@@ -66,6 +81,8 @@ class ScoreOutput(TypedDict):
     """Reward by sample id."""
     counts: dict[str, int]
     """The scorer's counts (for the step's metrics)."""
+    shown: NotRequired[dict[int, Shown]]
+    """The samples the controller asked to see, as text (``rlbatch.loop.samples``)."""
 
 
 def role_model(role: str, cfg: RLBatchConfig, policy_tokenizer: PreTrainedTokenizerBase,
@@ -147,6 +164,9 @@ class RankRuntime:
         self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
+        self.in_flight = (InFlightSync(world, self.broadcast, min(world.members["actor_train"]))
+                          if cfg.algo.in_flight_updates and world.rank in world.members.get(SYNC, ()) else None)
+        """``algo.in_flight_updates``: syncs land between the engine steps of a generation."""
         self.ops: dict[str, Callable[..., object]] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
                                     "base_logprobs": self._logprobs, "values": self._values, "train": self._train,
                                     "sync": self._sync, "checkpoint": self._checkpoint, "buffer": self._buffer}
@@ -210,13 +230,17 @@ class RankRuntime:
         as_tensor = {text: torch.tensor(t, dtype=torch.long) for text, t in tokens.items()}
         if tasks is not None and seeds is not None:
             return self._roll_out(spec, ids, [tokens[text] for text in prompts], sampling, tasks, seeds)
-        generations = self.engines[spec.role].generate([tokens[text] for text in prompts], SamplingParams(**sampling))
+        params = SamplingParams(**sampling)
+        with landing(self.engines[spec.role], self.in_flight):
+            generations = self.engines[spec.role].generate([tokens[text] for text in prompts], params)
         out: dict[int, Generated] = {}
         for sid, text, gen in zip(ids, prompts, generations, strict=True):
+            versions = token_versions(gen.versions, len(gen.tokens), params.version)
             self.store.put(sid, "prompt", as_tensor[text])
             self.store.put(sid, "response", torch.tensor(gen.tokens, dtype=torch.long))
             self.store.put(sid, "behaviour_logprobs", torch.tensor(gen.logprobs, dtype=torch.float32))
-            out[sid] = (len(tokens[text]), len(gen.tokens))
+            self.store.put(sid, "token_versions", versions)
+            out[sid] = (len(tokens[text]), len(gen.tokens), version_span(versions, params.version))
         return out
 
     def _roll_out(self, spec: PhaseSpec, ids: list[int], prompts: list[list[int]], sampling: Sampling,
@@ -250,14 +274,18 @@ class RankRuntime:
         for sid, traj in zip(ids, done, strict=True):
             for name, value in sample_fields(traj).items():
                 self.store.put(sid, name, value)
-            out[sid] = (len(traj.prompt), len(traj.response), summary(traj))
+            versions = token_versions([], len(traj.response), params.version)  # turns are not interrupted
+            self.store.put(sid, "token_versions", versions)
+            out[sid] = (len(traj.prompt), len(traj.response), version_span(versions, params.version), summary(traj))
         return out
 
     def _score(self, spec: PhaseSpec, ids: list[int], answers: list[str], sources: list[str] | None = None,
-               env_rewards: list[float] | None = None) -> ScoreOutput:
+               env_rewards: list[float] | None = None, show: dict[int, list[tuple[int, int]] | None] | None = None,
+               ) -> ScoreOutput:
         """This rank's scorer for the phase's role: ``{"rewards": {sid: float}, "counts": {name: int}}``.
         A rule or sandbox scorer reads the decoded responses; a reward model the prompts too. In a run
-        with an environment, ``env_rewards`` are the trajectories' (the reward role's scorer reads them)."""
+        with an environment, ``env_rewards`` are the trajectories' (the reward role's scorer reads them).
+        ``show``: samples to send back as text too (``shown``), each with its trajectory's spans or None."""
         responses = [self.store.samples[sid]["response"] for sid in ids]
         completions = [str(self.tokenizer.decode(r.tolist(), skip_special_tokens=False)) for r in responses]
         scorer = self.scorers[spec.role]
@@ -271,7 +299,18 @@ class RankRuntime:
                 rewards, counts = scorer(completions, answers, sources)
         except RewardError as e:  # name the sample the run knows, not its place in this rank's share
             raise e.for_sample(ids[e.index]) from e
-        return {"rewards": dict(zip(ids, rewards, strict=True)), "counts": counts}
+        out: ScoreOutput = {"rewards": dict(zip(ids, rewards, strict=True)), "counts": counts}
+        if show:
+            from rlbatch.loop.samples import decode_shown
+
+            def decode(tokens: list[int]) -> str:
+                return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
+
+            text = dict(zip(ids, completions, strict=True))
+            out["shown"] = {sid: decode_shown(decode, held["prompt"].tolist() if "prompt" in held else None,
+                                              held["response"].tolist(), spans, text[sid])
+                            for sid, spans in show.items() for held in [self.store.samples[sid]]}
+        return out
 
     def _per_token(self, spec: PhaseSpec, ids: list[int]) -> list[torch.Tensor]:
         """Run the engine's method named by the phase's op (logprobs, base_logprobs, values) on
@@ -344,7 +383,8 @@ class RankRuntime:
         maybe_fault("checkpoint", self.world.rank)
         return out
 
-    def _sync(self, spec: PhaseSpec, src: int, local: bool, bucket_bytes: int, form: str = "merged") -> dict[str, float]:
+    def _sync(self, spec: PhaseSpec, src: int, local: bool, bucket_bytes: int, form: str = "merged",
+              version: int = 0) -> dict[str, float]:
         """Trainer -> inference engine, streamed one gathered unit at a time in the inference engine's
         dtype (``rlbatch.loop.weightsync``). Colocated: each unit loaded in process; otherwise a
         bucketed broadcast over the sync group. Every trainer rank iterates its export to the end, in
@@ -354,7 +394,11 @@ class RankRuntime:
 
         Fault points (tests, ``rlbatch.runtime.faults``): ``sync_send`` on the sending rank and
         ``sync_recv`` on a receiving one, as the sync starts; ``sync_bucket`` before each bucket of
-        a broadcast."""
+        a broadcast; ``drop`` at ``sync_recv`` leaves the sync's first tensor unloaded there.
+
+        ``version``: the policy version sent. With ``algo.in_flight_updates`` the sender first
+        notifies the inference ranks, and one that was generating took the sync between two engine
+        steps already (``rlbatch.loop.weightsync.InFlightSync``)."""
         assert spec.peer is not None
         train, infer = self.engines.get(spec.role), self.engines.get(spec.peer)
         wire = self.broadcast.wire_dtype
@@ -365,10 +409,14 @@ class RankRuntime:
         with export() if export is not None else nullcontext(None) as weights:
             if self.world.rank == src:
                 maybe_fault("sync_send", self.world.rank)
-            elif infer is not None:
-                maybe_fault("sync_recv", self.world.rank)
+            elif infer is not None and fault_at("sync_recv", self.world.rank) == "drop":  # the first tensor not loaded
+                infer = DropFirst(infer)
             if local:
                 return {"bytes": float(load_in_process(weights, infer, wire))}
+            if self.in_flight is not None and self.world.rank == src:
+                self.in_flight.notify(version, bucket_bytes)
+            elif self.in_flight is not None and infer is not None:
+                return {"bytes": float(self.in_flight.receive(infer)[1])}
             if self.world.rank not in self.world.members[SYNC]:
                 if weights is not None:
                     weights.drain(wire)

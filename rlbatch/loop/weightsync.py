@@ -25,6 +25,10 @@ Every broadcast runs in the sync group, whose collectives time out after ``clust
 CollectiveError naming the group, its ranks and the operation, while the controller's wait for the
 phase names the rank that did not answer.
 
+With ``algo.in_flight_updates`` (``InFlightSync``) a sync lands on an inference rank between two
+engine steps of the generation it runs, instead of after it: the sender first sends each inference
+rank a notice over MPI, and a generating rank that finds it joins the broadcast there.
+
 With ``model.lora`` and an inference engine that loads adapters (``EngineSpec.loads_adapters``), a
 sync moves the adapters alone (``rlbatch.models.lora.sync_form``): the trainer streams them
 (``export_adapters``) through the same two paths, and the engine receives them through
@@ -33,13 +37,18 @@ sync moves the adapters alone (``rlbatch.models.lora.sync_form``): the trainer s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
 from rlbatch.engines.base import WeightStream
+from rlbatch.runtime.control import wait_until
 from rlbatch.runtime.faults import maybe_fault
 from rlbatch.runtime.world import SYNC, World
 
@@ -197,3 +206,111 @@ class WeightBroadcast:
             pos += t.numel()
             del t  # copied: not held while the next tensor is gathered
         return into
+
+
+# -- in-flight updates (``algo.in_flight_updates``) ---------------------------------------------
+
+NOTICE_TAG = 31
+"""MPI tag of the notice the sender sends each inference rank as an in-flight sync begins."""
+
+
+@dataclass(frozen=True)
+class SyncNotice:
+    """What an inference rank needs to join a sync it was not sent the command of yet."""
+
+    version: int
+    """The policy version of the weights being sent."""
+    bucket_bytes: int
+
+
+class LoadsInFlight(Protocol):
+    """An inference engine that takes weights between two of its engine steps
+    (``EngineSpec.loads_in_flight``): while ``between_steps`` is set, its ``generate`` calls it before
+    every engine step; a call that returns a version has loaded that version's weights (through the
+    engine's ``load_weights``), and the tokens of the steps after it carry that version."""
+
+    between_steps: Callable[[], int | None] | None
+
+
+class InFlightSync:
+    """A weight sync that lands on an inference rank wherever the rank is: between two engine steps
+    of a generation (``poll``), or, when it is not generating, in the sync phase itself (``receive``).
+
+    The sender (the trainer's first rank) sends every other rank of the sync group a ``SyncNotice``
+    over MPI (``notify``) and then broadcasts as usual. A generating rank finds the notice between
+    two engine steps and joins the broadcast there, so the sync never waits for the generation; the
+    sync phase, which reaches the rank after the generation, then answers with what was received
+    (``taken``, in order: with max_staleness >= 2 several syncs may land during one generation). A
+    rank that is not generating waits for the notice in the sync phase and joins as before."""
+
+    def __init__(self, world: World, broadcast: WeightBroadcast, src: int) -> None:
+        self.world, self.broadcast, self.src = world, broadcast, src
+        self._notice: MPI.Request | None = None
+        self._sent: list[MPI.Request] = []
+        self.taken: deque[tuple[int, int]] = deque()
+        """(version, bytes) of the syncs received mid-generation whose sync phase has not run yet."""
+
+    def notify(self, version: int, bucket_bytes: int) -> None:
+        """On the sender, as a sync begins: the notice to every inference rank (sent without waiting;
+        the broadcast that follows cannot finish before each rank has taken it)."""
+        for req in self._sent:
+            req.wait()
+        notice = SyncNotice(version, bucket_bytes)
+        self._sent = [self.world.comm.isend(notice, dest=r, tag=NOTICE_TAG)
+                      for r in self.world.members[SYNC] if r != self.src]
+
+    def _posted(self) -> MPI.Request:
+        if self._notice is None:
+            self._notice = self.world.comm.irecv(source=self.src, tag=NOTICE_TAG)
+        return self._notice
+
+    def _take(self) -> SyncNotice | None:
+        done, notice = self._posted().test()
+        if not done:
+            return None
+        self._notice = None
+        assert isinstance(notice, SyncNotice)
+        return notice
+
+    def poll(self, infer: WeightSink) -> int | None:
+        """Between two engine steps: when a sync has begun, receive it into ``infer`` now and return
+        its version; else None at once."""
+        notice = self._take()
+        if notice is None:
+            return None
+        nbytes = self.broadcast(self.world, None, infer, self.src, notice.bucket_bytes)
+        self.taken.append((notice.version, nbytes))
+        return notice.version
+
+    def receive(self, infer: WeightSink) -> tuple[int, int]:
+        """In the sync phase on an inference rank: the (version, bytes) of the oldest sync taken
+        mid-generation, or, when none was, this one, received now."""
+        if self.taken:
+            return self.taken.popleft()
+        box: list[SyncNotice] = []
+
+        def arrived() -> bool:
+            notice = self._take()
+            if notice is not None:
+                box.append(notice)
+            return bool(box)
+
+        wait_until(arrived, self.world.timeout_s, lambda: f"the notice of a weight sync from rank {self.src}")
+        nbytes = self.broadcast(self.world, None, infer, self.src, box[0].bucket_bytes)
+        return box[0].version, nbytes
+
+
+@contextmanager
+def landing(engine: object, sync: InFlightSync | None) -> Iterator[None]:
+    """While a generation runs on ``engine``: syncs land between its engine steps (``sync.poll``),
+    when in-flight updates are on (``sync`` given) and the engine takes them; else nothing."""
+    if sync is None or not hasattr(engine, "between_steps"):
+        yield
+        return
+    target = cast("LoadsInFlight", engine)
+    sink = cast("WeightSink", engine)
+    target.between_steps = lambda: sync.poll(sink)
+    try:
+        yield
+    finally:
+        target.between_steps = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlbatch.placement.table import compress
+from rlbatch.plan.control import control_line
 from rlbatch.plan.predict import Prediction
 
 
@@ -94,7 +95,8 @@ def time_section(p: Prediction) -> str:
         rows.append((t.name, ",".join(t.roles), secs(t.seconds), secs(t.reload_s), secs(t.offload_s),
                      f"{secs(t.start)} - {secs(t.end)}", big))
     return (f"time per phase ({p.hardware.name}; reload and offload run at the start of a phase):\n" + table(rows) +
-            f"\nstep: {secs(p.step_s)}   (offload {secs(p.offload_s)}, reload {secs(p.reload_s)} in total)")
+            f"\nstep: {secs(p.step_s)}   (offload {secs(p.offload_s)}, reload {secs(p.reload_s)} in total)"
+            f"\n{control_line(p.layout.num_gpus, p.step_s)}")
 
 
 def report(p: Prediction) -> str:

@@ -14,10 +14,14 @@ instead of holding the core until the scheduler preempts it (milliseconds).
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import resource
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from mpi4py import MPI
@@ -127,17 +131,71 @@ def send_obj(comm: MPI.Comm, obj: object, dest: int, tag: int) -> None:
     comm.send(obj, dest=dest, tag=tag)
 
 
+STATS_ENV = "RLBATCH_CONTROL_STATS"
+"""A file the controller appends a snapshot to at each step's start (``StatsLog``), and counts the
+bytes of its messages for; unset (the default): messages only, no file."""
+
+
+@dataclass
+class Traffic:
+    """What went through the controller: commands sent, replies received, and (with STATS_ENV set)
+    their pickled bytes. Messages are always counted (an integer add per message); bytes only where
+    asked for, since counting them pickles each message a second time."""
+
+    commands: int = 0
+    command_bytes: int = 0
+    replies: int = 0
+    reply_bytes: int = 0
+
+
+def _rss_kb() -> int:
+    """This process's resident memory now (kB); 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    except OSError:
+        return 0
+
+
+class StatsLog:
+    """Snapshots of the controller's process and traffic, one JSON line each, appended to the file
+    STATS_ENV names (``tools/bench/scale.py`` reads them)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @classmethod
+    def from_env(cls) -> StatsLog | None:
+        path = os.environ.get(STATS_ENV)
+        return cls(path) if path else None
+
+    def mark(self, traffic: Traffic, **extra: object) -> None:
+        """Append a snapshot: wall (a monotonic clock and the epoch) and CPU seconds, memory (RSS
+        now and at its peak, kB), ``traffic`` and ``extra`` (the data plane's counts)."""
+        row = {"t": time.perf_counter(), "wall": time.time(), "cpu_s": time.process_time(), "rss_kb": _rss_kb(),
+               "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **asdict(traffic), **extra}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 class Controller:
     """The controller's end of the control plane: send a command to ranks, gather their replies.
 
     Every call is bounded by a timeout; a rank that does not answer in time is named (rank,
     roles, node) in the error. That bound is the watchdog for ranks that hang instead of dying.
+
+    Replies are taken as they arrive from any rank (one probe per poll, whatever the number of
+    ranks waited for), and matched to the oldest call their rank has not answered.
     """
 
     def __init__(self, comm: MPI.Comm, timeout_s: float, describe: Callable[[int], str] = str) -> None:
         self.comm, self.timeout_s, self.describe = comm, timeout_s, describe
         self.outstanding: dict[int, deque[Call]] = defaultdict(deque)
         """Per rank, the calls it has not answered yet, oldest first (it answers in that order)."""
+        self.traffic = Traffic()
+        self.count_bytes = bool(os.environ.get(STATS_ENV))
+        self.probes = 0
+        """Probes for a reply so far (each poll of a wait makes one, plus one per reply it takes)."""
 
     def call(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
              per_rank: Mapping[int, Kwargs] | None = None, label: str | None = None, **kwargs: object) -> dict[int, Any]:
@@ -152,20 +210,39 @@ class Controller:
         order they were sent, so each reply is matched to the oldest call it has not answered.
         ``label``: what the command is, for its errors (a phase's name and roles); else ``'cmd'``."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        reqs = [self.comm.isend((cmd, {**kwargs, **(per_rank or {}).get(r, {})}), dest=r, tag=CMD_TAG) for r in ranks]
+        reqs = []
+        for r in ranks:
+            msg = (cmd, {**kwargs, **(per_rank or {}).get(r, {})})
+            reqs.append(self.comm.isend(msg, dest=r, tag=CMD_TAG))
+            if self.count_bytes:
+                self.traffic.command_bytes += len(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+        self.traffic.commands += len(reqs)
         call = Call(self, list(ranks), cmd, timeout, reqs, label)
         for r in ranks:
             self.outstanding[r].append(call)
         return call
 
     def _collect(self) -> None:
-        """Take every reply that has arrived and hand it to the call it answers."""
-        for r, calls in self.outstanding.items():
-            while calls:
-                msg = self.comm.improbe(source=r, tag=REPLY_TAG)
-                if msg is None:
-                    break
-                calls.popleft().replies[r] = msg.recv()
+        """Take every reply that has arrived, from any rank, and hand it to the call it answers
+        (its rank's oldest unanswered one: a rank replies in order, and MPI keeps one sender's
+        messages in order)."""
+        status = MPI.Status()
+        while True:
+            self.probes += 1
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=REPLY_TAG)
+            if msg is None:
+                return
+            value = msg.recv(status=status)
+            r = status.Get_source()
+            calls = self.outstanding.get(r)
+            if not calls:
+                raise RuntimeError(f"a reply from {self.describe(r)} that answers no command sent to it")
+            calls.popleft().replies[r] = value
+            if not calls:
+                del self.outstanding[r]
+            self.traffic.replies += 1
+            if self.count_bytes:
+                self.traffic.reply_bytes += len(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
 
     def shutdown(self, ranks: list[int] | tuple[int, ...]) -> None:
         self.call(ranks, "shutdown")

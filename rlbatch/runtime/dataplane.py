@@ -128,6 +128,23 @@ def _unpack(store: SampleStore, m: Move, fields: list[str], flat: torch.Tensor) 
             pos += lens[j]
 
 
+@dataclass
+class Traffic:
+    """What ``exchange`` of some moves sends rank to rank, counted where the moves are made: one
+    message per dtype part of a move between two ranks (``_parts``), and its bytes."""
+
+    messages: int = 0
+    bytes: int = 0
+
+    def add(self, moves: list[Move]) -> None:
+        for m in moves:
+            if m.src == m.dst:
+                continue
+            for dtype, fields in _parts(m):
+                self.messages += 1
+                self.bytes += _size(m, fields) * torch.empty(0, dtype=dtype).element_size()
+
+
 def exchange(store: SampleStore, rank: int, moves: list[Move]) -> dict[str, float]:
     """Do this rank's part of ``moves``: post every send and receive (CPU buffers), then wait for all."""
     start = time.perf_counter()

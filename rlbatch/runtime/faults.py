@@ -9,6 +9,7 @@
     RLBATCH_FAULT=hang:1:sync_bucket:3 rank 1 hangs before the 3rd bucket of the weight syncs' broadcasts
     RLBATCH_FAULT=enospc:*:checkpoint_write   every rank finds the disk full from its first checkpoint write on
     RLBATCH_FAULT=enospc:0,1,3:checkpoint_write:2   ranks 0, 1 and 3 do, from their second one
+    RLBATCH_FAULT=drop:1:sync_recv     rank 1's inference engine loads every tensor of each weight sync but the first
 
 ``enospc`` fills the disk for this process, as far as Python can see it: from the fault point on,
 every open that would allocate space (``O_CREAT``, ``O_APPEND``, ``O_TRUNC``; Python's ``open``,
@@ -22,6 +23,10 @@ Fault points (``maybe_fault(place, rank)``): ``generate`` (a rank starts its par
 ``sync_send`` and ``sync_recv`` (the sending rank and each receiving rank start a weight sync),
 ``sync_bucket`` (before each bucket a rank of the sync group broadcasts or receives),
 ``checkpoint``, ``checkpoint_write``, ``env_<op>`` (an env worker's requests) and ``selftest``.
+``drop`` is carried out by the caller, which ``fault_at`` tells by returning it: at
+``sync_recv`` the rank's inference engine receives the sync through ``DropFirst``, which leaves the
+first tensor of it unloaded (a weight the sync did not move: what the checked sync,
+``rlbatch.loop.synccheck``, must catch). Elsewhere it does nothing.
 A ``hang`` never returns: what ends the run is the controller's wait for the phase
 (``cluster.timeout_s``), which names the phase and the ranks that did not answer (README.md,
 "Timeouts: what ends a hang").
@@ -37,9 +42,13 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlbatch.runtime.env import read_env
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 _seen: dict[str, int] = {}
@@ -77,17 +86,23 @@ def fill_disk() -> None:
 
 
 def maybe_fault(where: str, rank: int) -> None:
+    fault_at(where, rank)
+
+
+def fault_at(where: str, rank: int) -> str | None:
+    """Inject the fault ``RLBATCH_FAULT`` names if it targets this rank and place (``maybe_fault``);
+    returns its kind when the caller carries it out (``drop``), else None."""
     spec = read_env().fault
     if not spec:
-        return
+        return None
     kind, _, rest = spec.partition(":")
     target, _, place = rest.partition(":")
     place, _, nth = place.partition(":")
     if (target != "*" and rank not in {int(t) for t in target.split(",")}) or (place and place != where):
-        return
+        return None
     _seen[where] = _seen.get(where, 0) + 1
     if nth and _seen[where] != int(nth):
-        return
+        return None
     log.warning("injecting fault %r at %s", spec, where)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -97,3 +112,35 @@ def maybe_fault(where: str, rank: int) -> None:
         time.sleep(10**6)
     elif kind == "enospc":
         fill_disk()
+    return kind if kind == "drop" else None
+
+
+class WeightLoader(Protocol):
+    """What a weight sync loads into (``rlbatch.loop.weightsync.WeightSink``)."""
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None: ...
+
+
+class DropFirst:
+    """The ``drop`` fault: a weight sink that loads every tensor of one sync into ``sink`` but the
+    first, which keeps the value it had. It gives no views of the engine's memory, so a broadcast
+    lands in staging and every bucket passes through ``load_weights``."""
+
+    def __init__(self, sink: WeightLoader) -> None:
+        self.sink = sink
+        self.dropped: str | None = None
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        kept = []
+        for name, tensor in named:
+            if self.dropped is None:
+                self.dropped = name
+                log.warning("fault 'drop': %s is not loaded by this sync", name)
+                continue
+            kept.append((name, tensor))
+        return self.sink.load_weights(kept)
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None

@@ -11,10 +11,10 @@ line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from rlbatch.config.schema import TrackersConfig
 
@@ -38,6 +38,16 @@ class Tracker(Protocol):
     def finish(self, completed: bool) -> None:
         """Close the run: ``completed`` when the run reached its last step, else it stopped early
         (preemption, walltime) and a later job may reattach."""
+        ...
+
+
+@runtime_checkable
+class ShowsSamples(Protocol):
+    """A tracker that also shows sample completions (``rlbatch.loop.samples``) as a table."""
+
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Step ``step``'s shown samples, each a row of samples.jsonl; called before the step's
+        numbers (``log``) and after the previous step's."""
         ...
 
 

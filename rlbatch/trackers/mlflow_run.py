@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -170,6 +170,11 @@ class MlflowTracker:
         metrics = [Metric(metric_key(k), float(v), ms, step) for k, v in values.items()]
         for i in range(0, len(metrics), 1000):  # MLflow's most metrics per log_batch call
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """The step's shown samples as the artifact samples/step_<step>.jsonl."""
+        self.client.log_text(self.run_id, "".join(json.dumps(dict(r)) + "\n" for r in rows),
+                             f"samples/step_{step:06d}.jsonl")
 
     def where(self) -> str:
         return f"experiment {self.s.experiment!r} in {self.store.as_uri() if self.store is not None else self.uri}"

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbatch.config.schema import RLBatchConfig
-from rlbatch.trackers.base import Settings, Tracker, TrackerSpec, build
+from rlbatch.trackers.base import Settings, ShowsSamples, Tracker, TrackerSpec, build
 from rlbatch.trackers.checks import active
 from rlbatch.trackers.registry import TRACKERS
 
@@ -86,6 +86,8 @@ class Trackers:
         on = active(config)
         self.slots = [_Slot(spec, spec.settings(config.trackers)) for name, spec in TRACKERS.items() if name in on]
         self.params = run_params(config) | ({"placement": placement_params(placement)} if placement else {})
+        self.samples_failed: set[str] = set()
+        """Trackers whose ``log_samples`` failed (warned about once)."""
         for slot in self.slots:
             self._catch_up(slot, history, start)
 
@@ -96,6 +98,22 @@ class Trackers:
             step = int(history[-1]["step"])
             for slot in self.slots:
                 self._catch_up(slot, history, step)
+
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Give step ``step``'s shown samples to each tracker that shows them (``ShowsSamples``)
+        and answers now, unless it already has the step (a resumed run's earlier job logged it).
+        A failure is warned about once per tracker; samples.jsonl keeps every row."""
+        for slot in self.slots:
+            name, tracker = slot.spec.name, slot.tracker
+            if (tracker is None or slot.failing_since is not None or not isinstance(tracker, ShowsSamples)
+                    or step <= self._last(name)):
+                continue
+            try:
+                tracker.log_samples(step, rows)
+            except Exception as e:  # noqa: BLE001 - a tracker must never fail the run
+                if name not in self.samples_failed:
+                    self.samples_failed.add(name)
+                    log.warning("trackers.%s: logging samples failed: %s; samples.jsonl has them", name, _one_line(e))
 
     def close(self, completed: bool) -> None:
         for slot in self.slots:

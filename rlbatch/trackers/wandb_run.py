@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import secrets
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +38,18 @@ def problems(s: WandbConfig) -> list[str]:
     out.extend(f"trackers.wandb.tags[{i}]: expected a string of 1 to {TAG_MAX} characters, got {t!r}"
                for i, t in enumerate(s.tags) if not isinstance(t, str) or not 1 <= len(t) <= TAG_MAX)
     return out
+
+
+SAMPLE_COLUMNS = ("id", "prompt", "response", "answer", "reward", "advantage", "response_tokens", "source", "end",
+                  "detail", "turns")
+"""The columns of the samples table: the fields of a samples.jsonl row (``rlbatch.loop.samples``)."""
+
+
+def _cell(v: object) -> object:
+    """A table cell: numbers and text as they are, a trajectory's turns as one text."""
+    if isinstance(v, list):
+        return "\n".join(f"[{t.get('by', '')}] {t.get('text', '')}" if isinstance(t, dict) else str(t) for t in v)
+    return v
 
 
 def new_id() -> str:
@@ -68,6 +80,14 @@ class WandbTracker:
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self.run.log(dict(values), step=step)
+
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """The step's shown samples as the ``samples`` table (W&B keeps one per step)."""
+        import wandb
+
+        cols: list[str | int] = [c for c in SAMPLE_COLUMNS if any(c in r for r in rows)]
+        table = wandb.Table(columns=cols, data=[[_cell(r.get(str(c), "")) for c in cols] for r in rows])
+        self.run.log({"samples": table}, step=step)
 
     def finish(self, completed: bool) -> None:
         if self.run is None:

@@ -85,3 +85,19 @@ def test_an_inference_rank_killed_while_generating_ahead_ends_the_job_fast_and_i
     report = out.stderr[out.stderr.find("the run failed"):]
     assert "rank 1 (actor_infer[0]" in report, report[-3000:]
     assert elapsed < 150, f"the job took {elapsed:.0f}s to end"
+
+
+@pytest.mark.full
+@pytest.mark.timeout(1200)
+def test_weights_land_mid_generation_with_vllm_on_a_rank_of_its_own(run_root: Path) -> None:
+    """``algo.in_flight_updates`` on vLLM's CPU build: every sync goes through the notice and the
+    inference rank's poll (or its sync phase, when the generation ended first), the run ends, and
+    the staleness bound by each sample's oldest token holds with nothing dropped."""
+    run = run_root / "run"
+    out = launch([*ASYNC, "roles.actor_infer.backend=vllm:d1", "model.num_heads=2", "model.num_kv_heads=1",
+                  "algo.in_flight_updates=true", "steps=3", f"run_dir={run}"], run_root, timeout=1100)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = rows(run)
+    assert [x["step"] for x in r] == [0, 1, 2]
+    assert all(0.0 <= x["train/staleness_min"] <= x["train/staleness"] <= x["train/staleness_max"] <= 1.0 for x in r)
+    assert all(x["train/stale_dropped"] == 0.0 and 0.0 <= x["train/mixed_version_frac"] <= 1.0 for x in r)

@@ -120,7 +120,7 @@ def test_importance_ratio_and_the_registered_corrections() -> None:
     assert torch.allclose(weight, torch.tensor([[1.0, math.exp(-1.0), 2.0]])) and keep.eq(1).all()
     weight, keep = ratio_mask(ratio, mask, algo)
     assert weight.eq(1).all() and keep.tolist() == [[1.0, 0.0, 0.0]]  # e^-1 < 0.5 and e^1.5 > 2 leave
-    assert OFF_POLICY.names() == ["mask", "none", "tis"]
+    assert OFF_POLICY.names() == ["mask", "none", "seq_mask", "seq_tis", "tis"]
 
 
 def test_tis_weighs_each_token_of_the_policy_loss() -> None:
@@ -187,7 +187,7 @@ def test_async_settings_are_validated(tmp_path: Path) -> None:
     check(config(tmp_path, max_staleness=2, off_policy="tis"))
     assert problems(config(tmp_path, max_staleness=-1)) == ["algo.max_staleness: must be >= 0, got -1"]
     assert problems(config(tmp_path, off_policy="icepop")) == [
-        "algo.off_policy: 'icepop' is not a registered off-policy correction; registered: ['mask', 'none', 'tis']"]
+        "algo.off_policy: 'icepop' is not a registered off-policy correction; registered: ['mask', 'none', 'seq_mask', 'seq_tis', 'tis']"]
     assert problems(config(tmp_path, tis_cap=0.5)) == ["algo.tis_cap: must be >= 1, got 0.5"]
     (line,) = problems(config(tmp_path, max_staleness=1, dynamic_sampling=True))
     assert line.startswith("algo.max_staleness: asynchronous generation (1 steps ahead) is not built for DAPO")
@@ -303,7 +303,7 @@ def test_a_checkpoint_keeps_every_buffered_generation_whether_or_not_the_referen
     with max_staleness=2) is written again with its samples, and loads as still lacking them."""
     from rlbatch.loop.ahead import ROLLOUTS_FILE, Rider
 
-    generated = ("prompt", "response", "behaviour_logprobs")
+    generated = ("prompt", "response", "behaviour_logprobs", "token_versions")
     where = {(sid, f): 1 for sid in range(4) for f in generated} | {(sid, "ref_logprobs"): 2 for sid in (0, 1)}
     reads: list[tuple[int, list[int], list[str]]] = []
 

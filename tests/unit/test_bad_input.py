@@ -61,6 +61,7 @@ CROSS_FIELD: dict[tuple[str, Any], str] = {
     ("algo.mini_batches", INT_MAX): "algo: a batch of prompts_per_step*samples_per_prompt = ",
     ("algo.grad_accum", INT_MAX): "algo: a batch of prompts_per_step*samples_per_prompt = ",
     ("algo.overlong_buffer", INT_MAX): f"algo.overlong_buffer: {INT_MAX} tokens is longer than algo.max_new_tokens",
+    ("data.max_prompt_tokens", INT_MAX): f"data.max_prompt_tokens: {INT_MAX} prompt tokens + algo.max_new_tokens",
 }
 """Values in a field's own range that a rule tying it to other fields refuses (with the defaults of
 the others), each with the start of that rule's message."""

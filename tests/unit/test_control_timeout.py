@@ -8,6 +8,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 
 from rlbatch.checks.validate import check
 from rlbatch.config.compose import compose
@@ -24,10 +25,12 @@ class Sent:
 
 
 class Message:
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
+    def __init__(self, obj: object, source: int) -> None:
+        self.obj, self.source = obj, source
 
-    def recv(self) -> object:
+    def recv(self, status: MPI.Status | None = None) -> object:
+        if status is not None:
+            status.Set_source(self.source)
         return self.obj
 
 
@@ -44,9 +47,10 @@ class Comm:
         return Sent()
 
     def improbe(self, source: int, tag: int) -> Message | None:
-        if tag == REPLY_TAG and source in self.pending:
-            self.pending.discard(source)
-            return Message({"xfer": {}})
+        if tag == REPLY_TAG and self.pending and source in (MPI.ANY_SOURCE, *self.pending):
+            rank = min(self.pending) if source == MPI.ANY_SOURCE else source
+            self.pending.discard(rank)
+            return Message({"xfer": {}}, rank)
         return None
 
 

@@ -62,7 +62,7 @@ def test_every_rank_of_an_inference_worker_holds_what_it_generated_and_drops_it_
     pipe = Pipeline.__new__(Pipeline)
     pipe.where, pipe.length, pipe.pending_drop = {}, {}, defaultdict(list)
     ro = Rollouts([0, 1], ["a", "a"], 2, {}, {})
-    pending = SimpleNamespace(result=lambda: {2: {0: (3, 5), 1: (3, 4)}})
+    pending = SimpleNamespace(result=lambda: {2: {0: (3, 5, (0, 0)), 1: (3, 4, (0, 0))}})
     PendingRollouts(pipe, phase_for("actor_infer", "generate"), pending, {(2, 3): [0, 1]}, ro).result()  # type: ignore[arg-type]
     assert ro.prompt_len == {0: 3, 1: 3} and ro.response_len == {0: 5, 1: 4}
     assert pipe.where[(0, "response")] == {2, 3} and pipe.holder([0, 1]) == {0: 2, 1: 2}

@@ -143,6 +143,20 @@ def test_max_turns_ends_a_trajectory_that_never_finishes() -> None:
     assert ep.rewards == [1.0, 1.0, 1.0]  # the last turn's reward is kept
 
 
+def test_an_envs_own_detail_on_done_reaches_the_summary() -> None:
+    class Resigns:
+        def reset(self, task: Mapping[str, Any], seed: int) -> str:
+            return "0"
+
+        def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+            return "", 0.0, True, {"detail": "the answer\n  was never given"}
+
+    ep = Episode(Resigns, EpisodeLimits(max_turns=3, step_timeout_s=TIMEOUT_S))
+    ep.start({}, 0)
+    assert ep.step("1").end == "done"
+    assert ep.summary()["detail"] == "the answer was never given"  # one line, as the controller logs it
+
+
 def test_the_rollout_loop_ends_a_trajectory_over_its_context_budget() -> None:
     ep = Episode(RunningSum)
     ep.start({}, 0)

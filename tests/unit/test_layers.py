@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("trackers",),
     ("checks",),
     ("loop",),
-    ("launch", "worker", "export", "plan.cli", "plan.search", "plan.measure", "plan.__main__"),
+    ("launch", "worker", "export", "inspect", "plan.cli", "plan.search", "plan.measure", "plan.__main__"),
 ]
 """Bottom to top: rlbatch's packages (and top-level modules) by layer. A module named on its own
 stands apart from its package: the engine registry and the engines' defaults are the vocabulary

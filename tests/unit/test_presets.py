@@ -78,6 +78,8 @@ REFUSED: dict[tuple[str, str], list[str]] = {
     # on CPU: SGLang's CPU engine needs the stand-ins for sgl_kernel (tests/stand_ins, not loaded
     # here); on a GPU beside vLLM: SGLang lives in an environment of its own (docs/sglang.md)
     ("experiment", "arithmetic_sglang"): ["roles.actor_infer.backend: 'sglang:d2' "],
+    # a real model: model.path=$(python -m rlbatch.models.bring smollm2) (docs/real-models.md)
+    ("experiment", "smollm2_arithmetic"): ["data.chat_template: true needs model.path"],
     ("roles", "areal_16gpu"): ["roles.actor_infer.backend: 'sglang:d2t4' "],
     ("roles", "areal_4rank"): ["roles.actor_infer.backend: 'sglang:t2' "],
     **({("roles", name): CPU_HEAD_DIM for name in ("roll_colocated_8gpu", "roll_disaggregated_8gpu",

@@ -215,9 +215,10 @@ class Sent:
 @pytest.fixture
 def pipe() -> Any:
     from rlbatch.loop.controller import Pipeline
+    from rlbatch.runtime.dataplane import Traffic
 
     p = object.__new__(Pipeline)
-    p.ctl, p.where, p.length, p.started = Sent(), {}, {}, 0
+    p.ctl, p.where, p.length, p.started, p.data_traffic = Sent(), {}, {}, 0, Traffic()
     p.pending_drop, p.overwritten_next = {}, {}
     p.world = SimpleNamespace(members={"actor_infer": (0, 1), "actor_train": (0, 1), "reference": (0, 1), "reward": (2,)})
     return p

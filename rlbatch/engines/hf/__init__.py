@@ -19,5 +19,6 @@ class HFArgs:
     """Prefill each distinct prompt of a call once and decode its samples on the selected cache."""
 
 
+# sync_check_floor: the trainers' transformers forward on the same weights; fp32 on CPU differs by ~1e-7
 register(EngineSpec("hf", EngineKind.INFER, HFArgs, "rlbatch.engines.hf.engine:HFInferenceEngine", dims="d",
-                    cost="rlbatch.engines.hf.cost:HFCost"))
+                    cost="rlbatch.engines.hf.cost:HFCost", sync_check_floor=1e-4))

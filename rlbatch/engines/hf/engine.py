@@ -116,7 +116,7 @@ class HFInferenceEngine(StashedState):
             elif sp.stop_strings:
                 while row and row[-1] == pad:  # finished early through a stop string
                     row.pop()
-            out.append(Generation(row, lp[: len(row)]))
+            out.append(Generation(row, lp[: len(row)], [sp.version] * len(row)))
         return out
 
     def _shared_prompt_cache(self, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor) -> Cache | None:

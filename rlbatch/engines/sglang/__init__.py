@@ -40,4 +40,5 @@ class SGLangArgs:
 # its first rank (SGLang spawns the t scheduler processes itself).
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.sglang.engine:build", dims="dt",
                     reserves_device_share=True, cost="rlbatch.engines.sglang.cost:SGLangCost",
-                    rules="rlbatch.engines.sglang.rules:sglang_problems"))
+                    rules="rlbatch.engines.sglang.rules:sglang_problems",
+                    sync_check_floor=1e-2))  # its own kernels, as vllm's

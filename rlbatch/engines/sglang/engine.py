@@ -246,7 +246,7 @@ class SGLangEngine:
         self._reseed(params.seed)
         outputs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=[dict(sampling)] * len(prompts),
                                        return_logprob=True)
-        generations = [_generation(o) for o in outputs]
+        generations = [_generation(o, params.version) for o in outputs]
         if self.followers:
             from rlbatch.runtime.control import send_obj  # MPI: not at import (SGLang's processes import this module)
 
@@ -379,10 +379,11 @@ class SGLangFollower:
         return Transfer()
 
 
-def _generation(output: SGLangOutput) -> Generation:
-    """One SGLang output as a ``Generation``: its tokens and the log-prob of each."""
+def _generation(output: SGLangOutput, version: int) -> Generation:
+    """One SGLang output as a ``Generation``: its tokens, the log-prob of each, and its version (the
+    engine loads weights only between generations: every token is of the version it started with)."""
     tokens = [int(t) for t in output["output_ids"]]
     steps = output["meta_info"]["output_token_logprobs"]
     if [int(s[1]) for s in steps] != tokens:
         raise RuntimeError(f"sglang engine: log-probs for tokens {[s[1] for s in steps][:5]}, generated {tokens[:5]}")
-    return Generation(tokens, [float(s[0]) for s in steps])
+    return Generation(tokens, [float(s[0]) for s in steps], [version] * len(tokens))

@@ -44,7 +44,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, TypedDict, cast
 
@@ -191,6 +191,7 @@ class _LLMArgs(TypedDict, total=False):
     kv_cache_memory_bytes: int
     gpu_memory_utilization: float
     enable_sleep_mode: bool
+    async_scheduling: bool
 
 
 class _AdapterArg(TypedDict, total=False):
@@ -203,6 +204,12 @@ class VLLMEngine:
     adapter_version = 0
     """The policy version whose adapters vLLM generates with (0: none yet, the base model)."""
     _lora_request: LoRARequest | None = None
+    _stale_prefix = False
+    """Weights were loaded while requests held the prefix cache, which vLLM could not reset then."""
+    between_steps: Callable[[], int | None] | None = None
+    """Set while a generation may take weights mid-way (``algo.in_flight_updates``,
+    ``rlbatch.loop.weightsync.landing``): called before every engine step; a call that returns a
+    version has loaded that version's weights (through ``load_weights``)."""
 
     def __init__(self, ctx: EngineContext) -> None:
         a: VLLMArgs = ctx.args
@@ -210,6 +217,11 @@ class VLLMEngine:
         self.on_cpu = ctx.device.type != "cuda"
         dtype = model_dtype(ctx.model.dtype, ctx.device) if a.dtype == "auto" else _DTYPE_NAMES[a.dtype]
         self.tp_ranks, self.tp_rank = tp_peers(ctx.mesh)
+        self.updates_in_flight = bool(ctx.algo.in_flight_updates)
+        self.recompute_kv = ctx.algo.in_flight_kv == "recompute"
+        """Weights landed mid-generation: the sequences in flight are prefilled again under them
+        (vLLM's ``reset_prefix_cache(reset_running_requests=True)``), else their KV cache is kept."""
+        self._requests = 0  # serial of the requests of in-flight generations
         self.world = PrivateWorld()
         self._turns: set[int] = set()  # keys of turn requests in flight (``submit``, ``poll``)
         # this engine loads adapters (its EngineSpec.loads_adapters)
@@ -255,6 +267,8 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = (a.kv_cache_mb or CPU_KV_CACHE_MB) << 20
         if not self.on_cpu:
             kwargs |= {"gpu_memory_utilization": a.gpu_memory_utilization, "enable_sleep_mode": True}
+        if self.updates_in_flight:  # no step queued ahead: the tokens of a step are of the weights it started with
+            kwargs["async_scheduling"] = False
         # Engine core in this process (no background process to ship weights to).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         start = time.perf_counter()
@@ -301,6 +315,11 @@ class VLLMEngine:
 
         self._check_no_partial_sync()
         self._check_awake()
+        if self._stale_prefix:  # nothing runs now: the blocks of the previous weights can go
+            with self.world.active():
+                self._stale_prefix = self.llm.reset_prefix_cache() is False
+        if self.between_steps is not None:
+            return self._generate_in_flight(prompts, params, self.between_steps)
         groups: dict[tuple[int, ...], list[int]] = {}  # distinct prompt -> positions in ``prompts``
         for i, p in enumerate(prompts):
             groups.setdefault(tuple(p), []).append(i)
@@ -316,9 +335,49 @@ class VLLMEngine:
         out: list[Generation | None] = [None] * len(prompts)
         for rows, result in zip(units, outputs, strict=True):
             for row, completion in zip(rows, sorted(result.outputs, key=lambda c: c.index), strict=True):
-                out[row] = _generation(completion)
+                out[row] = _generation(completion, [params.version] * len(completion.token_ids))
         assert all(g is not None for g in out)
         return out  # type: ignore[return-value]
+
+    def _generate_in_flight(self, prompts: list[list[int]], params: SamplingParams,
+                            between_steps: Callable[[], int | None]) -> list[Generation]:
+        """``generate`` with weights landing between engine steps: each sample one request (each
+        with its own output, the prefix cache still sharing a group's prompt), driven step by step.
+        Before each step ``between_steps`` may load new weights; the tokens a step samples carry the
+        version of the weights it ran with. The sequences in flight go on from their KV cache as it
+        is, or, with ``algo.in_flight_kv=recompute``, are preempted and prefilled again (prompt and
+        tokens so far) under the new weights."""
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        sampling = _sampling(params, 1)  # cumulative outputs: the tokens so far after every step
+        rows: dict[str, int] = {}
+        torch.manual_seed(params.seed)  # vLLM's sampler draws from the process RNG
+        with self.world.active():
+            for row, prompt in enumerate(prompts):
+                self._requests += 1
+                rid = f"gen-{self._requests}"
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), sampling, **self._adapter())
+                rows[rid] = row
+        version = params.version
+        stamps: dict[str, list[int]] = {rid: [] for rid in rows}
+        done: dict[str, CompletionOutput] = {}
+        while len(done) < len(rows):
+            landed = between_steps()  # outside vLLM's world: a sync's broadcast runs in the program's
+            with self.world.active():
+                if landed is not None:
+                    version = landed
+                    if self.recompute_kv:
+                        self.llm.reset_prefix_cache(reset_running_requests=True)
+                for result in engine.step():
+                    if result.request_id not in rows:
+                        continue
+                    completion = cast("RequestOutput", result).outputs[0]
+                    got = stamps[result.request_id]
+                    got += [version] * (len(completion.token_ids) - len(got))
+                    if result.finished:
+                        done[result.request_id] = completion
+        return [_generation(done[rid], stamps[rid]) for rid in sorted(rows, key=rows.__getitem__)]
 
     # -- turns: requests that join and leave the running batch (rlbatch.engines.base.Turns) -------
 
@@ -346,7 +405,8 @@ class VLLMEngine:
                         key = int(result.request_id.removeprefix("turn-"))
                         self._turns.discard(key)
                         # a generating model's output (vLLM types ``step`` for pooling models too)
-                        out.append((key, _generation(cast("RequestOutput", result).outputs[0])))
+                        completion = cast("RequestOutput", result).outputs[0]
+                        out.append((key, _generation(completion, [])))
                 if out or not block:
                     break
         return out
@@ -375,7 +435,8 @@ class VLLMEngine:
             if last:
                 self._received = set()
                 self._weights_lost = False
-                self.llm.reset_prefix_cache()
+                # refused while requests hold blocks (weights landed mid-generation): done before the next
+                self._stale_prefix = self.llm.reset_prefix_cache() is False
         return sum(t.numel() * t.element_size() for _, t in chunk)
 
     def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
@@ -528,10 +589,14 @@ def _sampling(params: SamplingParams, n: int, seed: int | None = None, final_onl
                      output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
 
 
-def _generation(completion: CompletionOutput) -> Generation:
-    """A vLLM completion as a ``Generation``: its tokens and the log-prob of each."""
+def _generation(completion: CompletionOutput, versions: list[int]) -> Generation:
+    """A vLLM completion as a ``Generation``: its tokens, the log-prob of each, and the policy
+    version of each (empty: not recorded)."""
     tokens = list(completion.token_ids)
-    return Generation(tokens, [_logprob(step, tok) for tok, step in zip(tokens, completion.logprobs or [], strict=True)])
+    if versions and len(versions) != len(tokens):
+        raise RuntimeError(f"vllm engine: {len(versions)} token versions recorded for {len(tokens)} tokens")
+    return Generation(tokens, [_logprob(step, tok) for tok, step in zip(tokens, completion.logprobs or [], strict=True)],
+                      versions)
 
 
 def _logprob(step: LogprobsOnePosition | None, token: int) -> float:

@@ -1,0 +1,180 @@
+"""What the controller's work and traffic grow with: the number of ranks, linearly, never their
+square; the samples' lengths, not at all (the samples themselves move rank to rank). Counted, not
+timed: MPI probes made while waiting, commands and replies and their pickled bytes
+(``rlbatch.runtime.control.Traffic``), and the data plane's rank-to-rank messages and bytes
+(``rlbatch.runtime.dataplane.Traffic``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from mpi4py import MPI
+
+from rlbatch.config.schema import RLBatchConfig
+from rlbatch.loop.controller import Pipeline
+from rlbatch.runtime.control import REPLY_TAG, STATS_ENV, Controller
+from rlbatch.runtime.dataplane import Move, Traffic
+
+
+class Sent:
+    def wait(self) -> None:
+        pass
+
+
+class Reply:
+    def __init__(self, obj: object, source: int) -> None:
+        self.obj, self.source = obj, source
+
+    def recv(self, status: MPI.Status | None = None) -> object:
+        if status is not None:
+            status.Set_source(self.source)
+        return self.obj
+
+
+class Comm:
+    """The controller's communicator: every rank answers each command with an empty phase reply,
+    but a reply is found only by a probe that comes after ``silent`` probes which could have found
+    it and did not (the rank is still working): probes for its rank, or for any source."""
+
+    def __init__(self, silent: int = 0) -> None:
+        self.silent, self.probes = silent, 0
+        self.commands: list[tuple[int, tuple[str, dict[str, object]]]] = []
+        self.pending: list[int] = []
+        self.looked: dict[int, int] = {}
+        """Probes so far that could have found each rank's reply."""
+
+    def isend(self, obj: tuple[str, dict[str, object]], dest: int, tag: int) -> Sent:
+        self.commands.append((dest, obj))
+        self.pending.append(dest)
+        return Sent()
+
+    def improbe(self, source: int, tag: int) -> Reply | None:
+        self.probes += 1
+        assert tag == REPLY_TAG
+        candidates = self.pending if source == MPI.ANY_SOURCE else [r for r in self.pending if r == source]
+        for r in candidates:
+            self.looked[r] = self.looked.get(r, 0) + 1
+        ready = [r for r in candidates if self.looked[r] > self.silent]
+        if not ready:
+            return None
+        self.pending.remove(ready[0])
+        return Reply({"xfer": {"seconds": 0.0}}, ready[0])
+
+
+@pytest.mark.parametrize("ranks", [8, 512])
+def test_waiting_for_every_rank_probes_once_a_poll_whatever_the_number_of_ranks(ranks: int) -> None:
+    """A phase of the whole world: while it runs, each poll of the wait is one probe (it was one per
+    rank still working: at 4096 ranks, polled every millisecond through a 30 s phase, 10^8 probes),
+    and each reply one more."""
+    comm = Comm(silent=200)
+    ctl = Controller(comm, timeout_s=60.0)  # type: ignore[arg-type]
+    replies = ctl.call(list(range(ranks)), "phase")
+    assert len(replies) == ranks
+    assert comm.probes <= 200 + ranks + 1, comm.probes
+    assert ctl.traffic.commands == ctl.traffic.replies == ranks
+    assert ctl.outstanding == {}
+
+
+def pipeline(ranks: int, comm: Comm) -> Pipeline:
+    """A controller over ``ranks`` worker ranks (the controller is rank ``ranks``)."""
+    world = SimpleNamespace(placement=SimpleNamespace(world_size=ranks + 1), comm=comm, timeout_s=60.0, rank=ranks,
+                            members={"actor_train": tuple(range(ranks)), "actor_infer": tuple(range(ranks))})
+    return Pipeline(world, RLBatchConfig())  # type: ignore[arg-type]
+
+
+def hand_over(ranks: int, per_rank: int, length: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+              ) -> tuple[Pipeline, Comm]:
+    """One step's hand-over: every rank generated ``per_rank`` samples of ``length`` tokens, and each
+    is trained on by the next rank (a receive phase of the whole world)."""
+    monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats.jsonl"))
+    comm = Comm()
+    pipe = pipeline(ranks, comm)
+    need: dict[int, tuple[list[int], list[str]]] = {}
+    for r in range(ranks):
+        ids = [r * per_rank + k for k in range(per_rank)]
+        for sid in ids:
+            pipe.produced(r, sid, "prompt", 20)
+            pipe.produced(r, sid, "response", length)
+            pipe.produced(r, sid, "behaviour_logprobs", length)
+        need[(r + 1) % ranks] = (ids, ["prompt", "response", "behaviour_logprobs"])
+    pipe.start("receive", ("actor_train",), {}, need).result()
+    pipe.begin_step()
+    return pipe, comm
+
+
+def test_each_rank_is_sent_its_own_moves_and_the_controller_traffic_is_linear_in_ranks(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    small, comm = hand_over(8, 4, 64, monkeypatch, tmp_path)
+    for dest, (_, kwargs) in comm.commands:
+        moves = kwargs["moves"]
+        assert isinstance(moves, list) and moves and all(dest in (m.src, m.dst) for m in moves)
+        assert len(moves) == 2  # what it sends on, what it receives
+    large, _ = hand_over(512, 4, 64, monkeypatch, tmp_path)
+    for pipe, ranks in ((small, 8), (large, 512)):
+        t = pipe.ctl.traffic
+        assert (t.commands, t.replies) == (ranks, ranks)
+        # rank to rank: per pair one int64 message (prompt + response) and one float32 one
+        assert pipe.data_traffic.messages == 2 * ranks
+        assert pipe.data_traffic.bytes == ranks * 4 * ((20 + 64) * 8 + 64 * 4)
+    per_rank_small = small.ctl.traffic.command_bytes / 8
+    per_rank_large = large.ctl.traffic.command_bytes / 512
+    assert per_rank_large < 1.25 * per_rank_small, (per_rank_small, per_rank_large)
+    rows = [json.loads(line) for line in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    assert [(r["commands"], r["data_messages"]) for r in rows] == [(8, 16), (512, 1024)]
+
+
+def test_the_controller_traffic_does_not_grow_with_response_length(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """The controller knows each sample's length, never its tokens or log-probs: 64 times longer
+    responses move 64 times more bytes rank to rank and the same through the controller (an int's
+    pickle is a few bytes longer)."""
+    short, _ = hand_over(16, 4, 64, monkeypatch, tmp_path)
+    long, _ = hand_over(16, 4, 64 * 64, monkeypatch, tmp_path)
+    assert long.data_traffic.bytes > 40 * short.data_traffic.bytes
+    samples = 16 * 4
+    assert long.ctl.traffic.command_bytes <= short.ctl.traffic.command_bytes + 2 * 2 * samples
+    assert long.ctl.traffic.reply_bytes == short.ctl.traffic.reply_bytes
+
+
+def test_data_plane_traffic_counts_one_message_per_dtype_per_pair() -> None:
+    t = Traffic()
+    t.add([Move(0, 1, [5, 6], ["response", "old_logprobs"], [[3, 3], [4, 4]]),
+           Move(2, 2, [7], ["response"], [[9]]),  # held already: nothing moves
+           Move(1, 0, [8], ["advantages"], [[10]])])
+    assert (t.messages, t.bytes) == (3, 7 * 8 + 7 * 4 + 10 * 4)
+
+
+def _balance_by_scanning(ids: list[int], tokens: dict[int, int], shards: int, mini_batches: int) -> list[list[int]]:
+    """The assignment ``balance_tokens`` makes, found by scanning every shard for each sample."""
+    from rlbatch.loop.controller import split_even
+
+    order = {sid: k for k, sid in enumerate(ids)}
+    out: list[list[int]] = [[] for _ in range(shards)]
+    for mb in split_even(ids, mini_batches):
+        quota = [len(x) for x in split_even(mb, shards)]
+        load, parts = [0] * shards, [[] for _ in range(shards)]  # type: ignore[var-annotated]
+        for sid in sorted(mb, key=lambda i: (-tokens[i], order[i])):
+            k = min((k for k in range(shards) if len(parts[k]) < quota[k]), key=lambda k: (load[k], k))
+            parts[k].append(sid)
+            load[k] += tokens[sid]
+        for k in range(shards):
+            out[k] += sorted(parts[k], key=order.__getitem__)
+    return out
+
+
+@pytest.mark.parametrize(("samples", "shards", "mini_batches"), [(64, 8, 2), (37, 5, 3), (6, 16, 1), (512, 64, 4)])
+def test_token_balancing_takes_the_lightest_shard_with_room_without_scanning_them_all(
+        samples: int, shards: int, mini_batches: int) -> None:
+    """The shard for each sample comes off a heap (log shards a sample, where scanning every shard
+    made a step's balancing samples x shards: quadratic in ranks); the assignment is the scan's."""
+    import random
+
+    from rlbatch.loop.controller import balance_tokens
+
+    rng = random.Random(samples * shards)
+    ids = list(range(100, 100 + samples))
+    tokens = {i: rng.choice([rng.randint(1, 50), 17]) for i in ids}  # ties included
+    assert balance_tokens(ids, tokens, shards, mini_batches) == _balance_by_scanning(ids, tokens, shards, mini_batches)
