@@ -107,3 +107,23 @@ def test_training_in_fp16_is_refused_before_start_and_a_forward_only_role_may_ru
     c["model"]["dtype"] = "bf16"
     c["roles"]["actor_train"]["backend"] = "megatron:d2"
     check(c)
+
+
+def test_a_model_type_the_weight_mapping_does_not_know_is_refused_before_start(tmp_path: Path) -> None:
+    import json
+
+    model = tmp_path / "gemma"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "gemma", "architectures": ["GemmaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 32}))
+    c = dataclasses.asdict(RLBatchConfig())
+    c["run_dir"], c["model"]["path"] = str(tmp_path / "run"), str(model)
+    c["roles"]["actor_train"]["backend"] = "megatron:d2"
+    with pytest.raises(ConfigError) as e:
+        check(c)
+    assert ("roles.actor_train.backend: the megatron engine converts qwen2, llama, qwen2_moe models "
+            "(rlbatch/engines/megatron/convert.py); model.path is a 'gemma' model; use fsdp or deepspeed for it"
+            ) in e.value.problems, e.value.problems
+    c["roles"]["actor_train"]["backend"] = "fsdp:d2"
+    check(c)  # transformers builds it for fsdp

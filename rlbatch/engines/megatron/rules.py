@@ -21,6 +21,9 @@ from rlbatch.errors import ConfigError
 from rlbatch.osinfo import on_cpu
 from rlbatch.placement.backend import ParallelDims, RoleEngine
 
+CONVERTED_ARCHS = ("qwen2", "llama", "qwen2_moe")
+"""The Hugging Face ``model_type``s whose weight names ``convert`` maps onto megatron-core's GPTModel."""
+
 
 def megatron_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: Any = None,
                       train_run: bool = True) -> list[str]:
@@ -38,6 +41,10 @@ def megatron_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: 
         spec = spec_from_config(cfg.model)
     except (ConfigError, OSError, ValueError, TypeError):  # the model checks report it
         return problems
+    if spec.arch not in CONVERTED_ARCHS:
+        return problems + [f"roles.{e.role}.backend: the megatron engine converts {', '.join(CONVERTED_ARCHS)} models "
+                           f"(rlbatch/engines/megatron/convert.py); model.path is a {spec.arch!r} model; use fsdp or "
+                           f"deepspeed for it" for e in mine]
     for e in mine:
         b, d = e.backend, e.backend.dims  # a hybrid spec's dims: attn's
         field = f"roles.{e.role}.backend"
