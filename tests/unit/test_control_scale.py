@@ -17,21 +17,7 @@ from rlbatch.config.schema import RLBatchConfig
 from rlbatch.loop.controller import Pipeline
 from rlbatch.runtime.control import REPLY_TAG, STATS_ENV, Controller
 from rlbatch.runtime.dataplane import Move, Traffic
-
-
-class Sent:
-    def wait(self) -> None:
-        pass
-
-
-class Reply:
-    def __init__(self, obj: object, source: int) -> None:
-        self.obj, self.source = obj, source
-
-    def recv(self, status: MPI.Status | None = None) -> object:
-        if status is not None:
-            status.Set_source(self.source)
-        return self.obj
+from tests.unit.mpi_stand_ins import Message, Sent
 
 
 class Comm:
@@ -51,7 +37,7 @@ class Comm:
         self.pending.append(dest)
         return Sent()
 
-    def improbe(self, source: int, tag: int) -> Reply | None:
+    def improbe(self, source: int, tag: int) -> Message | None:
         self.probes += 1
         assert tag == REPLY_TAG
         candidates = self.pending if source == MPI.ANY_SOURCE else [r for r in self.pending if r == source]
@@ -61,7 +47,7 @@ class Comm:
         if not ready:
             return None
         self.pending.remove(ready[0])
-        return Reply({"xfer": {"seconds": 0.0}}, ready[0])
+        return Message({"xfer": {"seconds": 0.0}}, ready[0])
 
 
 @pytest.mark.parametrize("ranks", [8, 512])

@@ -17,21 +17,7 @@ from rlbatch.placement import Placement
 from rlbatch.runtime.control import REPLY_TAG, Controller, ControlTimeout
 from rlbatch.runtime.postmortem import culprits, describe_rank
 from rlbatch.runtime.rundir import RunDir
-
-
-class Sent:
-    def wait(self) -> None:
-        pass
-
-
-class Message:
-    def __init__(self, obj: object, source: int) -> None:
-        self.obj, self.source = obj, source
-
-    def recv(self, status: MPI.Status | None = None) -> object:
-        if status is not None:
-            status.Set_source(self.source)
-        return self.obj
+from tests.unit.mpi_stand_ins import Message, Sent
 
 
 class Comm:

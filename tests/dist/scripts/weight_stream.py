@@ -113,7 +113,7 @@ def sync(engines: dict, wire: torch.dtype, local: bool, bucket_bytes: int = 256 
     """One sync phase on this rank, as the rank runtime runs it; returns what its all-gathers did."""
     world = SimpleNamespace(rank=comm.rank, device=cpu, groups={SYNC: dist.group.WORLD}, members={SYNC: (0, 1)},
                             check=lambda op, role, fn, *a, **k: fn(*a, **k))
-    rt = SimpleNamespace(engines=engines, world=world, broadcast=WeightBroadcast(wire))
+    rt = SimpleNamespace(engines=engines, world=world, broadcast=WeightBroadcast(wire), in_flight=None)
     with Gathers() as gathers:
         RankRuntime._sync(rt, SPEC, src=0, local=local, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
     return gathers
