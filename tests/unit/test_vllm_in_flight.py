@@ -6,12 +6,15 @@ sampled from the new weights over the old weights' cache; with ``in_flight_kv=re
 sequences are prefilled again and their log-probs are exactly the new weights'. Tokens before the
 load are the old weights' either way.
 
-One engine serves the module (vLLM takes ~30-60 s to start on a loaded 2-core machine)."""
+One engine, in a process of its own (vLLM takes ~30-60 s to start on a loaded 2-core machine)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,22 +38,32 @@ LAND_AT = 5
 """The engine step before which the sync lands."""
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    store = tmp_path_factory.mktemp("world") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    cfg = compose([*MODEL, "algo.in_flight_updates=true", "algo.max_staleness=1"])
-    algo = cfg.algo
-    tok = load_tokenizer(cfg.model)
-    engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, algo, tok,
-                                      torch.device("cpu"), seed=SEED))
-    old = load_model(cfg.model, tok, SEED).eval()
-    g = torch.Generator().manual_seed(11)
-    new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in old.named_parameters()]
-    yield SimpleNamespace(cfg=cfg, tok=tok, engine=engine, old=old, new=new)
-    engine.close()
-    dist.destroy_process_group()
+def test_in_a_process_of_its_own() -> None:
+    """vLLM's one-rank world is left to process exit (``VLLMEngine.close``): a second engine in a
+    process that built one before (tests/unit/test_vllm_engine.py's) cannot start, so this runs
+    ``main`` in a fresh interpreter."""
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+                        "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=840, env=env, cwd=root)
+    assert out.returncode == 0 and "in-flight checks passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:  # the program's world exists first, as on a rank
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        cfg = compose([*MODEL, "algo.in_flight_updates=true", "algo.max_staleness=1"])
+        tok = load_tokenizer(cfg.model)
+        engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, cfg.algo, tok,
+                                          torch.device("cpu"), seed=SEED))
+        old = load_model(cfg.model, tok, SEED).eval()
+        g = torch.Generator().manual_seed(11)
+        new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in old.named_parameters()]
+        a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_and_the_kv_is_kept_or_recomputed(
+            SimpleNamespace(cfg=cfg, tok=tok, engine=engine, old=old, new=new))
+        engine.close()
+        print("in-flight checks passed", flush=True)
+    os._exit(0)  # vLLM's one-rank world is left to process exit
 
 
 def _generate_with_a_sync_landing(engine: VLLMEngine, prompts: list[list[int]],
@@ -92,7 +105,7 @@ def _split_by_version(gens: list[Generation], got: torch.Tensor, want: torch.Ten
     return gap
 
 
-def test_a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_and_the_kv_is_kept_or_recomputed(
+def a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_and_the_kv_is_kept_or_recomputed(
         setup: Any) -> None:
     tok, engine, old, new = setup.tok, setup.engine, setup.old, setup.new
     prompts = [tok.encode(f"{k}+{k}=") for k in range(4)] * 2
@@ -131,3 +144,7 @@ def test_a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_an
     for i, g in enumerate(gens):
         got[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
     assert _split_by_version(gens, got, _forward_logprobs(new_model, tok, prompts, gens), 4) < 1e-4
+
+
+if __name__ == "__main__":
+    main()
