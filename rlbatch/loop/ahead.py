@@ -11,9 +11,11 @@ continues the uninterrupted one bitwise:
 
 The inference ranks run their commands in order: ..., generate(s+k), sync(s), ...: a weight sync
 waits for the generation started before it and never interrupts one, and the trainer trains
-step s while step s+k generates. Before that generation starts, the ranks that work on step s's
-samples (trainer, reference, critic, scorers) take them off the inference ranks, so none of their
-phases waits on a rank that is generating.
+step s while step s+k generates. (With ``algo.in_flight_updates`` the weights land during that
+generation, and the controller collects the inference ranks' answer to the sync later:
+``Pipeline.settle``, which a checkpoint's part here waits for first.) Before that generation
+starts, the ranks that work on step s's samples (trainer, reference, critic, scorers) take them off
+the inference ranks, so none of their phases waits on a rank that is generating.
 
 Generation runs ahead past the run's last step as well (k generations the run does not train
 on), so that a finished run extended with a larger ``steps`` continues exactly as if it had been
@@ -240,7 +242,11 @@ class GenerationQueue:
     # --- checkpoint part: the generations not trained on yet --------------------------------------
 
     def save(self, stage: Path) -> ControllerState:
-        """Write the generations of the steps after this one into ``stage``; the controller's state."""
+        """Write the generations of the steps after this one into ``stage``; the controller's state.
+        First every outstanding answer (an in-flight sync's, ``Pipeline.settle``; the loop settles
+        before the checkpoint starts, this keeps any other caller to it): a checkpoint holds only
+        what every rank has confirmed."""
+        self.infer.pipe.settle()
         if not self.ahead:
             return {"policy_version": self.version}
         entries = []

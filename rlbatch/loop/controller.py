@@ -201,6 +201,9 @@ class Pipeline:
         self.overwritten_next: dict[str, set[str]] = {}
         """Role -> state kinds whose next use overwrites them (``announce``): an offload before then
         may discard them."""
+        self.deferred: list[PendingPhase] = []
+        """Phases whose answers the loop collects later (``settle``), oldest first: the inference
+        ranks' part of an in-flight sync (``Role.sync_weights`` with ``defer``)."""
 
     def workers(self) -> list[int]:
         return [r for r in range(self.p.world_size) if r != self.world.rank]
@@ -258,7 +261,8 @@ class Pipeline:
               need: dict[int, tuple[list[int], list[str]]] | None = None) -> PendingPhase:
         """Start a phase without waiting for it. Phases started after it may run alongside it on
         other ranks, so they must not need its results; ``result()`` them in the order started
-        (phases on samples of their own, kept ``apart``, may be waited for later)."""
+        (phases on samples of their own, kept ``apart``, may be waited for later, and so may a
+        phase that moves no samples and whose answer nothing reads, kept in ``deferred``)."""
         start = time.perf_counter()
         moves = self._moves(need or {})
         self.data_traffic.add(moves)
@@ -279,6 +283,15 @@ class Pipeline:
         label = phase_label(phase, roles)
         return PendingPhase(self, phase, moves, self.ctl.send(ranks, "phase", per_rank=per_rank, label=label), start,
                             self.apart)
+
+    def settle(self) -> None:
+        """Wait for every deferred phase's answer, oldest first (its records go to the step in
+        progress). Before a checkpoint, at the end of the run and before the next sync: a phase
+        whose answer is outstanding may still fail, and a rank answers its commands in order, so
+        once it has answered a later one its answer to the deferred one is in hand already."""
+        while self.deferred:
+            self.deferred[0].result()  # kept until answered: a wait that times out leaves it outstanding
+            self.deferred.pop(0)
 
     def produced(self, ranks: int | tuple[int, ...], sid: int, field: str, length: int) -> None:
         """``field`` of sample ``sid`` (``length`` values) is now held by ``ranks``."""
@@ -620,9 +633,16 @@ class Role:
         """The extra fields this role's training objective reads (built once, not every step)."""
         return tuple(objective_for(self.name, role_algo(self.name, self.pipe.cfg.algo)).reads)
 
-    def sync_weights(self, infer: Role, version: int = 0) -> None:
+    def sync_weights(self, infer: Role, version: int = 0, defer: bool = False) -> None:
         """Weights to ``infer``; ``version``: the policy version they are (recorded on the tokens
-        sampled with them where they land mid-generation, ``algo.in_flight_updates``)."""
+        sampled with them where they land mid-generation, ``algo.in_flight_updates``).
+
+        ``defer`` (in-flight updates, the two roles on ranks of their own): returns once the
+        trainer's ranks have sent the weights. The inference ranks take them between two engine
+        steps of the generation they run, but answer the sync command only after that generation;
+        their answer is left to ``Pipeline.settle`` (``Pipeline.deferred``). The sync goes out as two
+        commands, one to each side, sent together: each rank still runs its commands in the order
+        sent, so nothing the controller sends the inference ranks later overtakes the sync."""
         spec = phase_for(self.name, "sync")
         train_ranks, infer_ranks = set(self.ranks), set(infer.ranks)
         local = infer_ranks <= train_ranks
@@ -633,11 +653,17 @@ class Role:
         src = min(self.ranks)
         work = {r: {"src": src, "local": local, "bucket_bytes": bucket, "form": form or "merged", "version": version}
                 for r in train_ranks | infer_ranks}
-        out = self.pipe.run(spec.name, (self.name, infer.name), work)
+        roles = (self.name, infer.name)
+        if defer and not train_ranks & infer_ranks:
+            sending = self.pipe.start(spec.name, roles, {r: w for r, w in work.items() if r in train_ranks})
+            self.pipe.deferred.append(
+                self.pipe.start(spec.name, roles, {r: w for r, w in work.items() if r in infer_ranks}))
+            out = sending.result()
+        else:
+            out = self.pipe.run(spec.name, roles, work)
         # The bytes the sync moved (the most any rank sent or loaded) ride on the sender's record of
-        # the phase, which the step's metrics reduce (``sync/bytes``).
+        # the phase, which the step's metrics reduce (``sync/bytes``). The sender's answer holds them.
         moved = max((float(o.get("bytes", 0.0)) for o in out.values()), default=0.0)
         rec = next((r for r in reversed(self.pipe.records) if r["phase"] == spec.name and r["rank"] == src), None)
         if rec is not None:
             rec["sync_bytes"] = rec.get("sync_bytes", 0.0) + moved
-

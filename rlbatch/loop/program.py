@@ -154,9 +154,16 @@ class Loop:
 
     def sync(self) -> None:
         """The actor's weights to the inference engine (which finishes the generation it runs first,
-        and a held-out evaluation of the weights it replaces)."""
+        and a held-out evaluation of the weights it replaces).
+
+        With ``algo.in_flight_updates`` the weights land during the generation in flight, and the
+        loop goes on as soon as the trainer has sent them: the inference ranks' answer, which comes
+        after that generation, is collected at the next sync, before a checkpoint (the generation
+        queue's part of it) and at the end of the run (``Pipeline.settle``)."""
         self.evaluation.before_sync()
-        self.actor_train.sync_weights(self.actor_infer, self.version)
+        self.pipe.settle()  # the previous sync's answer: in hand, the inference ranks answer in order
+        self.actor_train.sync_weights(self.actor_infer, self.version,
+                                      defer=bool(self.a.in_flight_updates) and self.queue.k > 0)
         self.queue.synced(self.version)
         self.sync_check.after_sync(self.step, self.version)  # when due: the inference engine computes our policy
 
@@ -218,11 +225,13 @@ class Loop:
         if ready is not None:
             self.metrics.log(ready)
         if saving or self.stop:
+            self.pipe.settle()  # a checkpoint waits for every outstanding answer (an in-flight sync's)
             self.ckpt.save(step, self.stop or ("end of run" if last else "save_every"))
 
     def finish(self) -> dict[str, str]:
         """Shut the ranks down; returns how the loop ended (``Preemption.outcome``: empty when it
         ran every step), which the controller's status file records for the launcher."""
+        self.pipe.settle()  # every answer in before the ranks go: a sync still outstanding may fail
         self.pipe.ctl.shutdown(self.pipe.workers())
         self.metrics.close()
         self.samples.close()

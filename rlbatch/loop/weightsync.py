@@ -27,7 +27,9 @@ phase names the rank that did not answer.
 
 With ``algo.in_flight_updates`` (``InFlightSync``) a sync lands on an inference rank between two
 engine steps of the generation it runs, instead of after it: the sender first sends each inference
-rank a notice over MPI, and a generating rank that finds it joins the broadcast there.
+rank a notice over MPI, and a generating rank that finds it joins the broadcast there. The
+controller waits only for the trainer's side of such a sync; the inference ranks' answer, which
+comes after their generation, it collects later (``rlbatch.loop.controller.Pipeline.settle``).
 
 With ``model.lora`` and an inference engine that loads adapters (``EngineSpec.loads_adapters``), a
 sync moves the adapters alone (``rlbatch.models.lora.sync_form``): the trainer streams them

@@ -92,7 +92,8 @@ def test_an_inference_rank_killed_while_generating_ahead_ends_the_job_fast_and_i
 def test_weights_land_mid_generation_with_vllm_on_a_rank_of_its_own(run_root: Path) -> None:
     """``algo.in_flight_updates`` on vLLM's CPU build: every sync goes through the notice and the
     inference rank's poll (or its sync phase, when the generation ended first), the run ends, and
-    the staleness bound by each sample's oldest token holds with nothing dropped."""
+    the staleness bound by each sample's oldest token holds with nothing dropped. The controller
+    does not wait for the inference rank's answer to a sync: it collects it during the next step."""
     run = run_root / "run"
     out = launch([*ASYNC, "roles.actor_infer.backend=vllm:d1", "model.num_heads=2", "model.num_kv_heads=1",
                   "algo.in_flight_updates=true", "steps=3", f"run_dir={run}"], run_root, timeout=1100)
@@ -101,3 +102,10 @@ def test_weights_land_mid_generation_with_vllm_on_a_rank_of_its_own(run_root: Pa
     assert [x["step"] for x in r] == [0, 1, 2]
     assert all(0.0 <= x["train/staleness_min"] <= x["train/staleness"] <= x["train/staleness_max"] <= 1.0 for x in r)
     assert all(x["train/stale_dropped"] == 0.0 and 0.0 <= x["train/mixed_version_frac"] <= 1.0 for x in r)
+    # Step s's sync record from the inference rank lands on step s+1's timeline, where it starts
+    # before step s+1 trains: the rank runs that sync command when its generation ends, before the
+    # data move that step s+1's training follows. A sync the controller waited for would be on
+    # step s's own timeline, and every sync record of a step would start after its training.
+    assert all(x["at/sync/start"] < x["at/train/start"] for x in r[1:]), [(x["at/sync/start"], x["at/train/start"])
+                                                                          for x in r]
+    assert r[0]["at/sync/start"] > r[0]["at/train/start"]  # step 0's: the trainer's side alone

@@ -316,7 +316,7 @@ def test_a_checkpoint_keeps_every_buffered_generation_whether_or_not_the_referen
                 for r, w in work.items()}
 
     pipe = SimpleNamespace(holder=lambda ids, field="response": {i: where[(i, field)] for i in ids if (i, field) in where},
-                           run=run)
+                           run=run, settle=lambda: None)  # no answer outstanding (an in-flight sync's)
     infer = SimpleNamespace(pipe=pipe, name="actor_infer")
     reference = SimpleNamespace(name="reference")
     cfg = SimpleNamespace(seed=0, algo=SimpleNamespace(prompts_per_step=1, samples_per_prompt=2))

@@ -1,6 +1,7 @@
 """Asynchronous against synchronous training on the same disaggregated placement, in one run.
 
     python tools/bench/async.py [--steps 40] [--staleness 1,2] [--infer vllm:d1] [--out .bench-runs/async]
+    python tools/bench/async.py --in-flight [--workload long-tail]   # sync vs async vs async + in-flight updates
 
 The placement is ``roles=disaggregated``: actor_train on one rank, actor_infer on another, the
 reward on a CPU worker, and the reference (``--reference``) on the inference rank, where
@@ -16,6 +17,17 @@ step's compilation are kept out). The reward is followed too: the step at which 
 that learns slower is visible. Writes results.json and timeline.png (each setting's per-step
 phase seconds: generation on the inference rank against training on the trainer) under
 --out, and ends with one line: ``async speedup: N.NNx`` (staleness 1 against synchronous).
+
+``--in-flight`` compares three settings in one run: synchronous, asynchronous (staleness 1) and
+asynchronous with weights landing mid-generation (``algo.in_flight_updates=true``, staleness 1),
+all on the same placement, and ends with ``in-flight speedup: N.NNx`` (against synchronous), after
+the same figure against asynchronous.
+
+``--workload long-tail``: the default task with up to ``--long-tail-tokens`` (128) new tokens. The
+random-initialised policy stops at its end-of-sequence token about once in the vocabulary's 18
+tokens, so response lengths are about geometric: most samples end within a few dozen tokens and a
+few run several times longer, and each batch's generation waits for its longest. The table reports
+each setting's median mean and longest response (``len``, ``max``), so the tail is visible.
 """
 
 from __future__ import annotations
@@ -53,7 +65,28 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / ".bench-runs" / "async")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override for every launch")
-    return p.parse_args()
+    p.add_argument("--workload", choices=("default", "long-tail"), default="default",
+                   help="long-tail: up to --long-tail-tokens new tokens, lengths about geometric (a few samples "
+                        "much longer than the rest)")
+    p.add_argument("--long-tail-tokens", type=int, default=128)
+    p.add_argument("--in-flight", action="store_true",
+                   help="compare synchronous, asynchronous and asynchronous with in-flight weight updates")
+    a = p.parse_args()
+    if a.workload == "long-tail":
+        a.max_new_tokens = a.long_tail_tokens
+    return a
+
+
+Setting = tuple[str, int, list[str]]
+"""A launch of the comparison: its name, its max_staleness and its own overrides."""
+
+
+def settings_of(a: argparse.Namespace) -> list[Setting]:
+    """The settings compared: synchronous and each staleness, or with ``--in-flight`` synchronous,
+    asynchronous and asynchronous with in-flight updates (staleness 1)."""
+    if a.in_flight:
+        return [("sync", 0, []), ("async", 1, []), ("async+in-flight", 1, ["algo.in_flight_updates=true"])]
+    return [(f"max_staleness={k}", k, []) for k in [0, *(int(x) for x in a.staleness.split(",") if x)]]
 
 
 def overrides(a: argparse.Namespace, staleness: int) -> list[str]:
@@ -66,8 +99,9 @@ def overrides(a: argparse.Namespace, staleness: int) -> list[str]:
     return out + (["algo.off_policy=tis"] if staleness else [])
 
 
-def launch(a: argparse.Namespace, staleness: int, run_dir: Path) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "rlbatch.launch", *overrides(a, staleness), f"run_dir={run_dir}", "resume=never"]
+def launch(a: argparse.Namespace, staleness: int, run_dir: Path, extra: list[str] | None = None) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "rlbatch.launch", *overrides(a, staleness), *(extra or []), f"run_dir={run_dir}",
+           "resume=never"]
     print("$", " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -84,7 +118,7 @@ def summary(rows: list[dict[str, Any]], warmup: int, threshold: float) -> dict[s
     reached = next((k for k in range(2, len(reward)) if sum(reward[k - 2 : k + 1]) / 3 >= threshold), None)
     med = {k: statistics.median(r.get(k, 0.0) for r in timed)
            for k in ("time/step", "time/generate", "time/ref_logprobs", "time/train", "overlap/generate_train",
-                     "idle/actor_infer", "idle/actor_train")}
+                     "idle/actor_infer", "idle/actor_train", "response_len_mean", "tokens/response_max")}
     return {"samples_per_s": samples / seconds, "median": med, "reward_first": reward[0], "reward_last": reward[-1],
             "reached_step": reached,
             "reached_samples": None if reached is None else sum(r["samples"] for r in rows[: reached + 1]),
@@ -125,19 +159,20 @@ def plot(results: dict[str, list[list[dict[str, Any]]]], path: Path, reference_r
 def main() -> None:
     a = parse()
     a.out.mkdir(parents=True, exist_ok=True)
-    settings = [0, *(int(x) for x in a.staleness.split(",") if x)]
-    runs: dict[str, list[list[dict[str, Any]]]] = {f"max_staleness={k}": [] for k in settings}
+    settings = settings_of(a)
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name, _, _ in settings}
     for rep in range(a.repeats):
-        for k in settings:
-            runs[f"max_staleness={k}"].append(launch(a, k, a.out / f"k{k}-r{rep}"))
+        for name, k, extra in settings:
+            tag = name.replace("max_staleness=", "k").replace("+", "-")
+            runs[name].append(launch(a, k, a.out / f"{tag}-r{rep}", extra))
     results = {}
     for name, reps in runs.items():
         each = [summary(rows, a.warmup, a.threshold) for rows in reps]
         results[name] = {"runs": each, "samples_per_s": statistics.median(e["samples_per_s"] for e in each)}
-    print(f"\nworkload: {' '.join(overrides(a, 0))}  (samples/s over steps {a.warmup}..{a.steps - 1}, "
+    print(f"\nworkload ({a.workload}): {' '.join(overrides(a, 0))}  (samples/s over steps {a.warmup}..{a.steps - 1}, "
           f"median of {a.repeats} launch(es) per setting)")
     print(f"{'setting':18} {'samples/s':>9} {'step s':>7} {'gen s':>6} {'ref s':>6} {'train s':>7} {'overlap':>7} "
-          f"{'idle inf':>8} {'idle trn':>8} {'reward':>13} {f'>= {a.threshold} at':>14} staleness")
+          f"{'idle inf':>8} {'idle trn':>8} {'len':>5} {'max':>4} {'reward':>13} {f'>= {a.threshold} at':>14} staleness")
     for name, res in results.items():
         e = res["runs"][0]
         m = e["median"]
@@ -145,14 +180,21 @@ def main() -> None:
         print(f"{name:18} {res['samples_per_s']:9.1f} {m['time/step']:7.2f} {m['time/generate']:6.2f} "
               f"{m['time/ref_logprobs']:6.2f} "
               f"{m['time/train']:7.2f} {m['overlap/generate_train']:7.2f} {m['idle/actor_infer']:8.2f} "
-              f"{m['idle/actor_train']:8.2f} {e['reward_first']:5.2f} -> {e['reward_last']:4.2f} {at:>14} "
-              f"{e['staleness']}")
-    (a.out / "results.json").write_text(json.dumps({"workload": overrides(a, 0), "results": results}, indent=1))
+              f"{m['idle/actor_train']:8.2f} {m['response_len_mean']:5.1f} {m['tokens/response_max']:4.0f} "
+              f"{e['reward_first']:5.2f} -> {e['reward_last']:4.2f} {at:>14} {e['staleness']}")
+    (a.out / "results.json").write_text(json.dumps({"workload": overrides(a, 0), "settings": settings,
+                                                    "results": results}, indent=1))
     plot(runs, a.out / "timeline.png", 1 if a.reference == "inference" else 0)
-    base = results["max_staleness=0"]["samples_per_s"]
-    for k in settings[1:]:
-        print(f"max_staleness={k}: {results[f'max_staleness={k}']['samples_per_s'] / base:.2f}x synchronous")
-    if 1 in settings:
+    base = results[settings[0][0]]["samples_per_s"]
+    if a.in_flight:
+        fast = results["async+in-flight"]["samples_per_s"]
+        print(f"async: {results['async']['samples_per_s'] / base:.2f}x synchronous")
+        print(f"in-flight vs async: {fast / results['async']['samples_per_s']:.2f}x")
+        print(f"in-flight speedup: {fast / base:.2f}x")
+        return
+    for name, _, _ in settings[1:]:
+        print(f"{name}: {results[name]['samples_per_s'] / base:.2f}x synchronous")
+    if "max_staleness=1" in results:
         print(f"async speedup: {results['max_staleness=1']['samples_per_s'] / base:.2f}x")
 
 
