@@ -61,15 +61,15 @@ def problems_of(data_cfg: DataConfig, model_cfg: ModelConfig | None = None) -> t
 
     chat = chat_prompts(data_cfg, model_cfg)
     build = {"synthetic": lambda: arithmetic_problems(), "file": lambda: file_problems(data_cfg, chat),
-             "word_arithmetic": lambda: word_problems.word_problems(),
+             # a question in words, filled into data.template as a file's is
+             "word_arithmetic": lambda: tuple(Sample(fill_template(str(data_cfg.template), s.prompt), s.answer)
+                                              for s in word_problems.word_problems()),
              "synthetic_code": lambda: code.synthetic_code_problems(),
              "code_file": lambda: code.code_file_problems(data_cfg),
              "none": lambda: (Sample("", ""),)}  # one empty task: an environment draws each episode from its seed
     if data_cfg.name not in build:
         raise ConfigError(f"data.name: {data_cfg.name!r} is not one of {sorted(build)}")
     problems = build[data_cfg.name]()
-    if data_cfg.name == "word_arithmetic":  # a question in words, filled into data.template as a file's is
-        problems = tuple(Sample(fill_template(str(data_cfg.template), s.prompt), s.answer) for s in problems)
     if chat is None or data_cfg.name in ("file", "none"):  # an env's rollout renders an empty task's opening
         return problems
     texts = chat.render_all([s.prompt for s in problems])

@@ -1,15 +1,17 @@
 """What the inference engines that run inside a rank's process share (vLLM, SGLang): the caller's
 random streams kept across an engine's start, the names a trainer exports, a worker's
-tensor-parallel peers."""
+tensor-parallel peers; the weight and state side of an engine with no model (``NoModelInference``)."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
+
+from rlbatch.engines.offload import Transfer
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,3 +54,26 @@ def tp_peers(mesh: DeviceMesh | None) -> tuple[tuple[int, ...], int]:
         return (mesh.get_rank() if mesh is not None else 0,), 0
     sub = mesh["tp"]
     return tuple(int(r) for r in sub.mesh.flatten().tolist()), int(sub.get_local_rank())
+
+
+class NoModelInference:
+    """The inference contract's weight and state side with no model behind it: a sync's tensors are
+    counted (``loaded_bytes``) and dropped, nothing is held on a device. Engines that only make up
+    responses (``SleepInferenceEngine``, the tests' echo engine) add ``generate``."""
+
+    state_kinds: tuple[str, ...] = ()
+    loaded_bytes: int = 0
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.loaded_bytes += nbytes
+        return nbytes
+
+    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        return None
+
+    def offload(self, kinds: Iterable[str]) -> Transfer:
+        return Transfer()
+
+    def reload(self, kinds: Iterable[str]) -> Transfer:
+        return Transfer()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,3 +53,14 @@ def sync_in_buckets(engine: Any, named: list[tuple[str, torch.Tensor]], bucket_e
             chunk.append((name, view))
             pos += t.numel()
         engine.load_weights(chunk)
+
+
+def run_in_a_process_of_its_own(script: str, passed: str) -> None:
+    """Run the test file ``script`` as a program (its ``main``) in a fresh interpreter and check it
+    printed ``passed``: vLLM's one-rank world stays until process exit (``VLLMEngine.close``), so a
+    second engine cannot start in a process that built one."""
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+                        "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=840, env=env, cwd=root)
+    assert out.returncode == 0 and passed in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

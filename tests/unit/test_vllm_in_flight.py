@@ -11,10 +11,7 @@ One engine, in a process of its own (vLLM takes ~30-60 s to start on a loaded 2-
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,6 +27,7 @@ from rlbatch.engines.batch import pack, response_logits
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.vllm import VLLMArgs
 from rlbatch.engines.vllm.engine import VLLMEngine
+from tests.unit.infer_checks import run_in_a_process_of_its_own  # noqa: E402
 
 SEED = 1
 MODEL = ["model.num_heads=2", "model.num_kv_heads=1"]  # vLLM's CPU attention needs head_dim >= 32
@@ -42,11 +40,7 @@ def test_in_a_process_of_its_own() -> None:
     """vLLM's one-rank world is left to process exit (``VLLMEngine.close``): a second engine in a
     process that built one before (tests/unit/test_vllm_engine.py's) cannot start, so this runs
     ``main`` in a fresh interpreter."""
-    root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-                        "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=840, env=env, cwd=root)
-    assert out.returncode == 0 and "in-flight checks passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    run_in_a_process_of_its_own(__file__, "in-flight checks passed")
 
 
 def main() -> None:

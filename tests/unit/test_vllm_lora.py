@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,6 +28,7 @@ from rlbatch.engines.vllm import VLLMArgs
 from rlbatch.engines.vllm.engine import VLLMEngine
 from rlbatch.loop.weightsync import AdapterSink, load_in_process
 from rlbatch.models import lora
+from tests.unit.infer_checks import run_in_a_process_of_its_own  # noqa: E402
 
 SEED = 1
 MODEL = ["model.num_heads=2", "model.num_kv_heads=1", "model.lora.rank=16", "model.lora.alpha=32"]
@@ -42,11 +40,7 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 def test_adapter_sync_in_a_process_of_its_own() -> None:
     import vllm  # noqa: F401  (installed by make venv: its absence is a broken install, not a skip)
 
-    root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-                        "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=840, env=env, cwd=root)
-    assert out.returncode == 0 and "adapter sync checks passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    run_in_a_process_of_its_own(__file__, "adapter sync checks passed")
 
 
 def main() -> None:

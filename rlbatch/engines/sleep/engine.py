@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlbatch.engines.base import CheckpointState, EngineContext, Generation, Sample, SamplingParams, WeightStream
+from rlbatch.engines.inference import NoModelInference
 from rlbatch.engines.offload import Transfer
 from rlbatch.engines.sleep import SleepArgs, SleepTrainArgs
 
@@ -22,36 +23,19 @@ def _nap(seconds: float) -> None:
         time.sleep(seconds)
 
 
-class SleepInferenceEngine:
-    state_kinds: tuple[str, ...] = ()
-
+class SleepInferenceEngine(NoModelInference):
     def __init__(self, ctx: EngineContext) -> None:
         args: SleepArgs = ctx.args if isinstance(ctx.args, SleepArgs) else SleepArgs()
         self.seconds, self.tokens = args.seconds, args.response_tokens
         self.eos = int(ctx.tokenizer.eos_token_id)
         filler = ctx.tokenizer.convert_tokens_to_ids("0")  # a digit: the reward parses the response
         self.filler = filler if isinstance(filler, int) else self.eos
-        self.loaded_bytes = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         _nap(self.seconds)
         n = min(self.tokens, params.max_new_tokens)
         tokens = [self.filler] * (n - 1) + [self.eos]
         return [Generation(list(tokens), [0.0] * n) for _ in prompts]
-
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        self.loaded_bytes += nbytes
-        return nbytes
-
-    def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
-        return None
-
-    def offload(self, kinds: Iterable[str]) -> Transfer:
-        return Transfer()
-
-    def reload(self, kinds: Iterable[str]) -> Transfer:
-        return Transfer()
 
 
 class SleepTrainEngine:
