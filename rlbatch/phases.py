@@ -62,23 +62,32 @@ class PhaseSpec:
 
 TRAIN_STATE = ("params", "grads", "optimizer")
 
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw")
+"""Fields ``generate`` writes only for a prompt with images (a vision-language policy,
+``rlbatch.data.images``): the processor's ``pixel_values`` (flattened) and ``image_grid_thw``
+(three per image); the phases that run the policy on the samples read them."""
+
 PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
     PhaseSpec("generate", "actor_infer", "generate", ("params", "kv_cache"), (),
-              ("prompt", "response", "behaviour_logprobs", "token_versions", "loss_mask"), Dispatch.WORKERS, "generate"),
+              ("prompt", "response", "behaviour_logprobs", "token_versions", "loss_mask", *IMAGE_FIELDS),
+              Dispatch.WORKERS, "generate"),
     PhaseSpec("score", "reward", "score", ("params",), ("prompt", "response"), ("reward",), Dispatch.RANKS, "reward"),
     PhaseSpec("execute", "code_sandbox", "score", (), ("response",), ("code_reward",), Dispatch.RANKS, "reward"),
-    PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
+    PhaseSpec("ref_logprobs", "reference", "logprobs", ("params",), ("prompt", "response", *IMAGE_FIELDS), ("ref_logprobs",),
               Dispatch.SHARDS, "logprobs"),
-    PhaseSpec("base_logprobs", "actor_train", "base_logprobs", ("params",), ("prompt", "response"), ("ref_logprobs",),
+    PhaseSpec("base_logprobs", "actor_train", "base_logprobs", ("params",), ("prompt", "response", *IMAGE_FIELDS),
+              ("ref_logprobs",),
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("values", "critic", "values", ("params",), ("prompt", "response"), ("values",),
               Dispatch.SHARDS, "logprobs"),
-    PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response"), ("old_logprobs",),
+    PhaseSpec("old_logprobs", "actor_train", "logprobs", ("params",), ("prompt", "response", *IMAGE_FIELDS),
+              ("old_logprobs",),
               Dispatch.SHARDS, "logprobs"),
     PhaseSpec("critic_train", "critic", "train", TRAIN_STATE, ("prompt", "response", "values", "reward", "loss_mask"),
               (), Dispatch.SHARDS, "train"),
     PhaseSpec("train", "actor_train", "train", TRAIN_STATE,
-              ("prompt", "response", "old_logprobs", "ref_logprobs", "reward", "loss_mask"), (), Dispatch.SHARDS,
+              ("prompt", "response", "old_logprobs", "ref_logprobs", "reward", "loss_mask", *IMAGE_FIELDS), (),
+              Dispatch.SHARDS,
               "train"),
     PhaseSpec("sync", "actor_train", "sync", ("params",), (), (), Dispatch.COLLECTIVE, "sync", peer="actor_infer",
               overwrites=(("actor_infer", "params"),)),

@@ -135,4 +135,8 @@ def main(run_dir: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m rlbatch.worker <run_dir>")
+    from rlbatch.runtime import zygote
+
+    if zygote.enabled():  # RLBATCH_FORKSERVER=1: this process stands for a rank forked from the node's zygote
+        sys.exit(zygote.stub(sys.argv, "rlbatch.worker:main"))
     sys.exit(main(sys.argv[1]))

@@ -44,7 +44,7 @@ def _chat_problems(data: DataConfig, model: ModelConfig) -> list[str]:
     return [] if template_file(d) is not None else [no_template_reason(path)]
 
 
-def _file_problems(data: DataConfig) -> list[str]:
+def _file_problems(data: DataConfig, model: ModelConfig) -> list[str]:
     """The records of data.path, read as the run reads them: at least one usable, and chat messages
     only under a chat template."""
     from rlbatch.data.records import read_records
@@ -65,6 +65,11 @@ def _file_problems(data: DataConfig) -> list[str]:
     if chats and not data.chat_template:
         return [f"data.path: {path}: the prompts ('{keys.prompt}') of {chats} of its {len(records)} usable records are "
                 f"chat messages; set data.chat_template=true to render them with the model's chat template"]
+    if with_images := sum(bool(r.images) for r in records):
+        from rlbatch.checks.vlm_rules import image_data_problem
+
+        problem = image_data_problem(str(path), with_images, len(records), model)
+        return [problem] if problem else []
     return []
 
 
@@ -82,5 +87,5 @@ def data_problems(data: DataConfig, model: ModelConfig, reward_role: bool = True
     problems += _routes_problems(data, reward_role)
     problems += _chat_problems(data, model)
     if not problems:
-        problems += _file_problems(data)
+        problems += _file_problems(data, model)
     return problems

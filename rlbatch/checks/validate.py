@@ -31,6 +31,7 @@ from rlbatch.checks.runnable import (
     role_engines,
     runnable_problems,
 )
+from rlbatch.checks.vlm_rules import image_task_problems, vlm_problems
 from rlbatch.config.parse import parse
 from rlbatch.config.plain import to_plain
 from rlbatch.config.schema import (
@@ -190,6 +191,10 @@ def _check_in_flight(cfg: RLBatchConfig, placement: Placement | None) -> list[st
     algo, problems = cfg.algo, []
     if algo.in_flight_kv not in ("keep", "recompute"):
         problems.append(f"algo.in_flight_kv: {algo.in_flight_kv!r} is not one of 'keep', 'recompute'")
+    if algo.partial_rollouts and not (algo.in_flight_updates and algo.max_staleness >= 2):
+        problems.append(f"algo.partial_rollouts: samples go on across steps under the weights that land mid-generation "
+                        f"and one step's more staleness: set algo.in_flight_updates=true (got "
+                        f"{algo.in_flight_updates}) and algo.max_staleness >= 2 (got {algo.max_staleness})")
     if not algo.in_flight_updates:
         return problems
     why = "algo.in_flight_updates: weights land mid-generation only"
@@ -375,6 +380,8 @@ def check(cfg: Any, runnable: bool = True) -> Placement:
     problems.extend(eval_problems(typed, runnable))
     problems.extend(prompt_length_problems(typed, runnable))
     problems.extend(lora_problems(typed, engines))
+    problems.extend(vlm_problems(typed, engines))
+    problems.extend(image_task_problems(typed, runnable))
     problems.extend(cluster_problems(typed))  # what reaches the sbatch script
     problems.extend(tracker_problems(typed, runnable))
     if runnable:

@@ -192,7 +192,9 @@ class ModelConfig:
     arch: str = "qwen2"
     """Architecture of a random-initialised model when no path is given: 'qwen2' (q/k/v biases),
     'llama' (no biases) or 'qwen2_moe' (Qwen2 attention; every layer's MLP a Mixture of Experts:
-    routed experts and a gated shared expert)."""
+    routed experts and a gated shared expert); 'qwen2_vl' / 'qwen2_5_vl': a vision-language model
+    (Qwen2-VL / Qwen2.5-VL), its language model the Qwen2 decoder of the fields below, its vision
+    tower ``rlbatch.models.vlm.VisionSpec``'s (docs/vlm.md)."""
     hidden_size: int = bounded(64, ge=1)
     """Random-init model: hidden size."""
     intermediate_size: int = bounded(256, ge=1)
@@ -222,6 +224,10 @@ class ModelConfig:
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp16' or 'fp32'."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full fine-tuning (``lora.rank`` > 0)."""
+    train_vision: bool = False
+    """Vision-language model: train the vision tower too. False: its parameters (``model.visual.*``)
+    stay frozen (no gradient, no optimizer state), the patch merger included; the language model
+    trains either way."""
 
 
 @dataclass
@@ -323,6 +329,11 @@ class AlgoConfig:
     waits for the generation in flight; the engine pauses between two engine steps, loads the new
     weights and goes on with the same sequences, each token recording the policy version that
     sampled it (docs/async.md)."""
+    partial_rollouts: bool = False
+    """With in_flight_updates (and max_staleness >= 2): the inference engine keeps its requests
+    across steps. A step's batch is the first prompts_per_step groups to finish; longer samples go
+    on generating, under the weights that land meanwhile, into a later step's batch. Generation
+    runs one step ahead; a sample whose oldest token is past max_staleness is dropped (docs/async.md)."""
     in_flight_kv: str = "keep"
     """With in_flight_updates, the KV cache of the sequences in flight when weights land: 'keep'
     (computed under the old weights and reused, as PipelineRL and NeMo-RL do by default) or

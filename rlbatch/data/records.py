@@ -76,6 +76,8 @@ class Record:
     prompt: Prompt
     answer: str
     data_source: str
+    images: tuple[bytes, ...] = ()
+    """Encoded images of the prompt, one per ``<image>`` placeholder (``rlbatch.data.images``)."""
 
 
 @dataclass
@@ -216,9 +218,14 @@ def _source(value: object, key: str) -> tuple[str | None, str | None]:
     return value, None
 
 
-def parse_records(rows: list[tuple[int, Row]], keys: Keys) -> tuple[list[Record], Skipped]:
-    """The usable records, and those skipped with the reason and row of each."""
+def parse_records(rows: list[tuple[int, Row]], keys: Keys, base: Path | None = None) -> tuple[list[Record], Skipped]:
+    """The usable records, and those skipped with the reason and row of each. A record's images
+    (``images``, paths relative to ``base``) must match its placeholders: a ConfigError names every
+    record where they do not, or where an image cannot be read."""
+    from rlbatch.data.images import IMAGES_KEY, ImageError, count_problem, record_images
+
     out: list[Record] = []
+    refused: list[str] = []
     skipped = Skipped(total=len(rows))
     for row, r in rows:
         if isinstance(r, _Unreadable):
@@ -241,7 +248,18 @@ def parse_records(rows: list[tuple[int, Row]], keys: Keys) -> tuple[list[Record]
             skipped.add(why, row)
             continue
         assert prompt is not None and answer is not None and source is not None
-        out.append(Record(row, prompt, answer, source))
+        try:
+            images = record_images(r.get(IMAGES_KEY), base)
+        except ImageError as e:
+            refused.append(f"record {row}: {e}")
+            continue
+        if (mismatch := count_problem(row, prompt, len(images))) is not None:
+            refused.append(mismatch)
+            continue
+        out.append(Record(row, prompt, answer, source, images))
+    if refused:
+        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+        raise ConfigError([f"data.path: {p}" for p in refused[:5]] + ([f"data.path: {more.strip()}"] if more else []))
     return out, skipped
 
 
@@ -261,7 +279,7 @@ def read_records(data_cfg: RecordsConfig) -> tuple[list[Record], Skipped, Keys]:
     if not rows:
         raise ConfigError(f"data.path: {path} has no records")
     keys = resolve_keys(data_cfg, rows[0][1])
-    records, skipped = parse_records(rows, keys)
+    records, skipped = parse_records(rows, keys, Path(path).expanduser().parent)
     if not records:
         raise ConfigError(f"data.path: {path}: none of its {len(rows)} records is usable ({skipped.summary()}); "
                           f"fields read: prompt '{keys.prompt}', answer '{keys.answer}' (data.prompt_key, "

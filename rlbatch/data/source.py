@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from rlbatch.data.chat import ChatPrompts, chat_prompts
+from rlbatch.data.images import images_key
 from rlbatch.data.prompt_length import PromptCounts, guard, prompt_tokenizer
 from rlbatch.data.records import fill_template, read_records
 from rlbatch.data.synthetic import PromptStream, Sample, arithmetic_problems
@@ -36,7 +37,7 @@ def file_problems(data_cfg: DataConfig, chat: ChatPrompts | None = None) -> tupl
     template = str(data_cfg.template)
     prompts = [fill_template(template, r.prompt) if isinstance(r.prompt, str) else r.prompt for r in records]
     texts = chat.render_all(prompts) if chat is not None else [str(p) for p in prompts]
-    return tuple(Sample(t, r.answer, r.data_source) for t, r in zip(texts, records, strict=True))
+    return tuple(Sample(t, r.answer, r.data_source, r.images) for t, r in zip(texts, records, strict=True))
 
 
 def fingerprint(problems: tuple[Sample, ...]) -> str:
@@ -49,6 +50,9 @@ def fingerprint(problems: tuple[Sample, ...]) -> str:
         if s.data_source:  # a dataset without sources keeps the digest it had before they existed
             h.update(b"\2")
             h.update(s.data_source.encode())
+        if s.images:  # likewise a dataset without images
+            h.update(b"\3")
+            h.update(images_key(s.images))
         h.update(b"\1")
     return f"{len(problems)}:{h.hexdigest()[:16]}"
 
@@ -57,13 +61,15 @@ def problems_of(data_cfg: DataConfig, model_cfg: ModelConfig | None = None) -> t
     """The problem set ``data.name`` names: synthetic, word_arithmetic, file, synthetic_code, code_file
     or none; with ``data.chat_template``, the prompts rendered with ``model.path``'s chat template (a
     word problem after ``data.template``)."""
-    from rlbatch.data import code, word_problems
+    from rlbatch.data import code, shapes, word_problems
 
     chat = chat_prompts(data_cfg, model_cfg)
     build = {"synthetic": lambda: arithmetic_problems(), "file": lambda: file_problems(data_cfg, chat),
              # a question in words, filled into data.template as a file's is
              "word_arithmetic": lambda: tuple(Sample(fill_template(str(data_cfg.template), s.prompt), s.answer)
                                               for s in word_problems.word_problems()),
+             "vlm_shapes": lambda: tuple(Sample(fill_template(str(data_cfg.template), s.prompt), s.answer, images=s.images)
+                                         for s in shapes.vlm_shapes()),
              "synthetic_code": lambda: code.synthetic_code_problems(),
              "code_file": lambda: code.code_file_problems(data_cfg),
              "none": lambda: (Sample("", ""),)}  # one empty task: an environment draws each episode from its seed

@@ -24,6 +24,9 @@ class Sample:
     prompt: str
     answer: str
     data_source: str = ""
+    images: tuple[bytes, ...] = ()
+    """Encoded images (PNG, JPEG) of a vision-language prompt, one per ``<image>`` placeholder of
+    ``prompt``, in order (``rlbatch.data.images``)."""
 
 
 def arithmetic_problems(op: Op = "+", max_operand: int = 9, modulo: int | None = 10) -> tuple[Sample, ...]:

@@ -30,13 +30,14 @@ Two ways to compute the logits that score those tokens, the same numbers either 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlbatch.algos.core import chunked_logprobs, token_logprobs
+from rlbatch.data.images import model_inputs
 from rlbatch.engines.defaults import worth_sharing
 from rlbatch.phases import PER_TOKEN_FIELDS
 
@@ -46,11 +47,94 @@ if TYPE_CHECKING:
     from rlbatch.engines.ulysses import Slice
 
 
+RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""A vision-language model's ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw)``:
+([3, 1, L] multimodal positions, rope deltas) of one sequence."""
+
+
+@dataclass(frozen=True)
+class Vision:
+    """What packing needs of a vision-language model (Qwen2-VL, Qwen2.5-VL): where its image tokens
+    are, and its own multimodal rotary positions."""
+
+    image_token_id: int
+    rope_index: RopeIndex
+
+
+def vision_of(model: torch.nn.Module) -> Vision | None:
+    """``Vision`` of a transformers vision-language model (inside PEFT's or FSDP's wrapper or not),
+    None for a text model."""
+    inner = getattr(model, "model", None)
+    inner = getattr(inner, "model", inner) if not hasattr(inner, "get_rope_index") else inner  # PEFT: one more level
+    token = getattr(getattr(model, "config", None), "image_token_id", None)
+    if inner is None or token is None or not hasattr(inner, "get_rope_index"):
+        return None
+    return Vision(int(token), inner.get_rope_index)
+
+
+@dataclass
+class Images:
+    """The images of a batch's samples, in sample order, as the model's forward takes them."""
+
+    pixel_values: torch.Tensor    # [patches, C*T*P*P]
+    image_grid_thw: torch.Tensor  # [images, 3]
+    image_token_id: int
+    token_types: torch.Tensor | None = None
+    """``mm_token_type_ids`` of the call's ``input_ids``: 1 at the prompts' image tokens, 0 elsewhere
+    (a response may hold the image token too: the policy can sample it; it is no image there)."""
+
+    def forward_kwargs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The image arguments of a call on ``input_ids``."""
+        types = self.token_types if self.token_types is not None else (input_ids == self.image_token_id).long()
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw, "mm_token_type_ids": types}
+
+
+def image_token_types(prompt: torch.Tensor, response_len: int, image_token_id: int) -> torch.Tensor:
+    """A sample's ``mm_token_type_ids`` over its prompt and ``response_len`` response tokens: 1 at the
+    prompt's image tokens only."""
+    return torch.cat([(prompt == image_token_id).long(), torch.zeros(response_len, dtype=torch.long)])
+
+
+def _kwargs(images: Images | None, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return images.forward_kwargs(input_ids) if images is not None else {}
+
+
+@contextlib.contextmanager
+def image_placeholders(model: torch.nn.Module, images: Images | None) -> Iterator[None]:
+    """Within it, ``model`` (a transformers vision-language model) puts its image features where
+    ``images.token_types`` says, the prompts' image tokens, rather than at every image token of
+    the ids: a sampled response may hold the image token too, which is text there (transformers
+    would count it as a placeholder and refuse the call: more tokens than image features)."""
+    inner = getattr(model, "model", None)
+    if images is None or images.token_types is None or not hasattr(inner, "get_placeholder_mask"):
+        yield
+        return
+    types = images.token_types.bool()
+
+    def placeholders(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                     image_features: torch.Tensor | None = None, video_features: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        at = types.to(inputs_embeds.device)[..., None].expand_as(inputs_embeds)
+        if image_features is not None and int(types.sum()) * inputs_embeds.shape[-1] != image_features.numel():
+            raise ValueError(f"the prompts hold {int(types.sum())} image tokens and their images give "
+                             f"{image_features.numel() // inputs_embeds.shape[-1]} image features")
+        return at, torch.zeros_like(at)
+
+    inner.get_placeholder_mask = placeholders  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        del inner.get_placeholder_mask  # type: ignore[union-attr]
+
+
 @dataclass
 class Full:
     input_ids: torch.Tensor       # [B, L] prompt + response, right-padded
     attention_mask: torch.Tensor  # [B, L]
     index: torch.Tensor           # [B, R] the position whose logits score each response token
+    images: Images | None = None
+    """A vision-language batch's images: the model computes its multimodal positions from the ids,
+    the right-padding mask and the grids."""
 
 
 @dataclass
@@ -76,6 +160,10 @@ class Flat:
     """``rlbatch.engines.ulysses.Slice`` when this is one rank's slice of a row split over a
     context-parallel group (``ulysses.split``): the forward runs inside ``ulysses.over`` and
     ``spread`` sums the group's kept outputs; None for a whole row."""
+    images: Images | None = None
+    """A vision-language row's images; its ``position_ids`` are then [4, 1, N]: row 0 the restarting
+    text positions (what transformers reads the sample boundaries from), rows 1-3 each sample's
+    multimodal positions (its model's ``get_rope_index``), back to back."""
 
     def forward_kwargs(self) -> dict[str, torch.Tensor | int | bool]:
         """What a model call on this row takes: the ids and restarting positions, no attention mask
@@ -83,7 +171,8 @@ class Flat:
         mask), and the boundaries that a model on ``rlbatch.engines.attention.VARLEN`` reads instead."""
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
                 "cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
-                "max_length_q": self.max_length, "max_length_k": self.max_length}
+                "max_length_q": self.max_length, "max_length_k": self.max_length,
+                **_kwargs(self.images, self.input_ids)}
 
 
 @dataclass
@@ -131,13 +220,17 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
 
 
-def distinct_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[list[int], torch.Tensor]:
-    """The first sample of each distinct prompt, and for every sample its prompt's index there."""
-    index: dict[tuple[int, ...], int] = {}
+def distinct_prompts(prompts: Sequence[torch.Tensor | Sequence[int]],
+                     images: Sequence[bytes] | None = None) -> tuple[list[int], torch.Tensor]:
+    """The first sample of each distinct prompt, and for every sample its prompt's index there.
+    ``images``: each prompt's images' key (``rlbatch.data.images.images_key``): prompts with equal
+    ids and different images (of one size: the same number of image tokens) are distinct."""
+    index: dict[tuple[tuple[int, ...], bytes], int] = {}
     firsts: list[int] = []
     group = []
     for b, p in enumerate(prompts):
-        g = index.setdefault(tuple(p.tolist() if isinstance(p, torch.Tensor) else p), len(firsts))
+        ids = tuple(p.tolist() if isinstance(p, torch.Tensor) else p)
+        g = index.setdefault((ids, images[b] if images is not None else b""), len(firsts))
         if g == len(firsts):
             firsts.append(b)
         group.append(g)
@@ -145,12 +238,20 @@ def distinct_prompts(prompts: Sequence[torch.Tensor | Sequence[int]]) -> tuple[l
 
 
 def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.device,
-         share_prompts: bool = False, flat: bool = False) -> Packed:
+         share_prompts: bool = False, flat: bool = False, vision: Vision | None = None) -> Packed:
     """One batch built with a few vectorised writes (no per-sample tensor ops). With ``flat`` the
     inputs are one ``Flat`` row of all the samples: one model call, as for the padded forms, so
     every dp rank of a sharded model makes as many calls as the others (how many tokens a
     micro-batch holds is decided before, ``rlbatch.engines.training``). Else, with
-    ``share_prompts``, ``Shared`` when prompts repeat enough to pay (``worth_sharing``), else ``Full``."""
+    ``share_prompts``, ``Shared`` when prompts repeat enough to pay (``worth_sharing``), else ``Full``.
+
+    ``vision`` (a vision-language model): samples carrying images (``rlbatch.data.images``) give
+    their images to the forward and, flat, their multimodal positions; a batch with images is never
+    ``Shared`` (its prompt pass would need the images' positions and rope deltas: not built)."""
+    images, grids = _images(samples, vision)
+    if images is not None:
+        share_prompts = False
+        images = Images(images.pixel_values.to(device), images.image_grid_thw.to(device), images.image_token_id)
     prompts, responses = [s["prompt"] for s in samples], [s["response"] for s in samples]
     plen = torch.tensor([t.shape[0] for t in prompts])
     rlen = torch.tensor([t.shape[0] for t in responses])
@@ -166,14 +267,55 @@ def pack(samples: list[dict[str, torch.Tensor]], pad_id: int, device: torch.devi
     inputs: Full | Shared | Flat | None = None
     if flat:
         inputs = _flat(prompts, responses, plen, rlen, R, device)
+        if images is not None:
+            assert vision is not None
+            inputs.position_ids = _mrope_positions(inputs, prompts, responses, grids, vision).to(device)
+            types = [image_token_types(p, max(len(r) - 1, 0), vision.image_token_id)
+                     for p, r in zip(prompts, responses, strict=True)]
+            inputs.images = replace(images, token_types=torch.cat(types)[None].to(device))
     elif share_prompts:
         firsts, group = distinct_prompts(prompts)
         if worth_sharing(len(firsts), B):
             inputs = _shared(prompts, plen, rlen, targets, firsts, group, pad_id, device)
     if inputs is None:
         inputs = _full(prompts, responses, plen, rlen, pad_id, device)
+        if images is not None:
+            L = inputs.input_ids.shape[1]
+            at_prompt = torch.arange(L, device=device)[None, :] < plen.to(device)[:, None]
+            inputs.images = replace(images, token_types=((inputs.input_ids == images.image_token_id) & at_prompt).long())
     return Packed(inputs, targets.to(device), mask.to(device), {f: t.to(device) for f, t in fields.items()},
                   adv.to(device) if adv is not None else None, rlen.tolist())
+
+
+def _images(samples: list[dict[str, torch.Tensor]], vision: Vision | None,
+            ) -> tuple[Images | None, list[torch.Tensor | None]]:
+    """The batch's images (None when no sample has any) and each sample's image grid (None: none)."""
+    per = [model_inputs(s) for s in samples] if vision is not None else []
+    found = [p for p in per if p is not None]
+    if not found:
+        return None, [None] * len(samples)
+    assert vision is not None
+    return (Images(torch.cat([p[0] for p in found]), torch.cat([p[1] for p in found]), vision.image_token_id),
+            [p[1] if p is not None else None for p in per])
+
+
+def _mrope_positions(x: Flat, prompts: list[torch.Tensor], responses: list[torch.Tensor],
+                     grids: list[torch.Tensor | None], vision: Vision) -> torch.Tensor:
+    """[4, 1, N] position ids of a flat row: row 0 its restarting text positions, rows 1-3 each
+    sample's multimodal positions over its run (prompt, response but its last token): the model's
+    own ``get_rope_index`` for a sample with images, its text positions on all three axes without."""
+    text = x.position_ids.cpu()
+    rows = []
+    for p, r, grid in zip(prompts, responses, grids, strict=True):
+        seq = torch.cat([p, r[:-1]]).long()[None]
+        if grid is None:
+            rows.append(torch.arange(seq.shape[1])[None, None].expand(3, 1, -1))
+        else:
+            types = image_token_types(p, seq.shape[1] - len(p), vision.image_token_id)[None].int()
+            pos, _ = vision.rope_index(seq, mm_token_type_ids=types, image_grid_thw=grid)
+            rows.append(pos.to(torch.long))
+    mrope = torch.cat(rows, dim=2) if rows else torch.zeros(3, 1, 0, dtype=torch.long)
+    return torch.cat([text[None], mrope], dim=0)
 
 
 def _full(prompts: list[torch.Tensor], responses: list[torch.Tensor], plen: torch.Tensor, rlen: torch.Tensor,
@@ -265,7 +407,8 @@ def response_logits(model: torch.nn.Module, batch: Packed) -> torch.Tensor:
     x = batch.inputs
     assert not isinstance(x, Flat), "flat inputs keep no [B, R, V] logits: use response_logprobs"
     if isinstance(x, Full):
-        logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
+        with image_placeholders(model, x.images):
+            logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask, **_kwargs(x.images, x.input_ids)).logits
         return logits.gather(1, x.index[:, :, None].expand(-1, -1, logits.shape[-1]))
     suffix = x.suffix_ids.shape[1] > 0
     last, cache = prompt_cache(model, x.prefix_ids, x.prefix_mask, x.group if suffix else None)
@@ -284,7 +427,7 @@ def flat_outputs(model: torch.nn.Module, x: Flat, lm: bool) -> torch.Tensor:
     cheap everywhere) read there. One call through the model's own forward (FSDP's and DeepSpeed's
     hooks gather the parameters there) with no attention mask and no cache: what makes
     transformers confine attention to each sample."""
-    with x.cp.over() if x.cp is not None else contextlib.nullcontext():
+    with x.cp.over() if x.cp is not None else contextlib.nullcontext(), image_placeholders(model, x.images):
         if lm:
             return model(**x.forward_kwargs(), logits_to_keep=x.keep).logits[0]
         return model(**x.forward_kwargs()).logits[0, x.keep]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import torch
 
 from rlbatch.models import lora
+from rlbatch.models.spec import vlm_arch
 from rlbatch.models.weights import (
     SafetensorsFiles,
     Tensors,
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 
     from rlbatch.config.schema import ModelConfig
     from rlbatch.engines.base import EngineContext
+    from rlbatch.models.spec import ModelSpec
+    from rlbatch.models.vlm import ImageOnly
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -52,6 +55,8 @@ def model_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer; a random-init vision-language model's is the character tokenizer with
+    Qwen2-VL's vision tokens added (``rlbatch.models.vlm.add_vision_tokens``)."""
     if model_cfg.path:
         from transformers import AutoTokenizer
 
@@ -61,7 +66,44 @@ def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
         return tok
     from rlbatch.data.tokenizer import build_char_tokenizer
 
-    return build_char_tokenizer()
+    char = build_char_tokenizer()
+    if vlm_arch(model_cfg) is not None:
+        from rlbatch.models.vlm import add_vision_tokens
+
+        add_vision_tokens(char)
+    return char
+
+
+def load_processor(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> ImageOnly:
+    """The image-text processor of a vision-language policy (``rlbatch.models.vlm``): ``model.path``'s
+    (its tokenizer, PIL image processor and chat template), or for a random-init model ``tokenizer``
+    (``load_tokenizer``'s) with the default ``VisionSpec``'s image processor."""
+    from rlbatch.models.vlm import VisionSpec, build_processor
+    from rlbatch.models.vlm import load_processor as load_dir_processor
+
+    arch = vlm_arch(model_cfg)
+    if arch is None:
+        raise ValueError(f"model: {model_cfg.path or model_cfg.arch} is not a vision-language model")
+    if model_cfg.path:
+        return load_dir_processor(model_cfg.path)
+    return build_processor(tokenizer, VisionSpec(), "qwen2_5_vl" if arch == "qwen2_5_vl" else "qwen2_vl")
+
+
+VISION_PREFIX = "model.visual."
+"""Where a Qwen2-VL / Qwen2.5-VL model (transformers 5, in memory) keeps its vision tower, the patch
+merger included."""
+
+
+def freeze_vision(model: torch.nn.Module, train_vision: bool) -> list[str]:
+    """Unless ``train_vision``, the vision tower's parameters (``VISION_PREFIX``, under PEFT's or
+    FSDP's wrappers too) get requires_grad False, so they get no gradient and an optimizer built
+    from the trainable parameters holds no state for them. The names frozen."""
+    if train_vision:
+        return []
+    frozen = [(n, p) for n, p in model.named_parameters() if f".{VISION_PREFIX}" in f".{n}"]
+    for _, p in frozen:
+        p.requires_grad_(False)
+    return [n for n, _ in frozen]
 
 
 def load_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
@@ -77,7 +119,7 @@ def load_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed:
         try:
             sk = model_skeleton(model_cfg, tokenizer, seed)
         except _ReadWhole:
-            return _from_pretrained(str(model_cfg.path), dtype)
+            return _from_pretrained(str(model_cfg.path), dtype, vlm_arch(model_cfg) is not None)
         cast_params(sk.model, dtype)
         if not on_meta_by_default():
             sk.materialise(torch.device("cpu"))
@@ -92,16 +134,33 @@ def load_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed:
     from rlbatch.models.tiny import build_tiny_model
 
     spec = spec_from_model_config(model_cfg, vocab=len(tokenizer))
-    tiny_model = build_tiny_model(spec, seed, tokenizer)
+    if (arch := vlm_arch(model_cfg)) is not None:
+        tiny_model = _tiny_vlm(spec, tokenizer, arch, seed)
+    else:
+        tiny_model = build_tiny_model(spec, seed, tokenizer)
     module: torch.nn.Module = tiny_model  # transformers' ``to`` (a functools.wraps) is untyped to mypy
     module.to(dtype)  # in place: ``to`` returns the model itself
     return tiny_model
 
 
-def _from_pretrained(path: str, dtype: torch.dtype) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
+def _tiny_vlm(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, arch: str, seed: int) -> PreTrainedModel:
+    """A random-init vision-language model: ``spec``'s decoder, the default ``VisionSpec`` tower (on
+    meta under ``torch.device("meta")``, as ``build_tiny_model``)."""
+    from rlbatch.models.vlm import VisionSpec, build_tiny_vlm
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return build_tiny_vlm(spec, VisionSpec(), tokenizer, "qwen2_5_vl" if arch == "qwen2_5_vl" else "qwen2_vl", seed)
+
+
+def _auto_class(vlm: bool) -> type[_BaseAutoModelClass]:
+    """The transformers auto class of the policy: a causal LM, or for a vision-language model
+    (``AutoModelForCausalLM`` refuses Qwen2-VL's config) the image-text-to-text one."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+
+
+def _from_pretrained(path: str, dtype: torch.dtype, vlm: bool = False) -> PreTrainedModel:
+    model = _auto_class(vlm).from_pretrained(path, dtype=dtype)
     for t in [*model.parameters(), *model.buffers()]:
         if not t.untyped_storage().resizable():  # memory-mapped from safetensors: own a copy,
             t.data = t.data.clone()               # so offload can free and re-grow it
@@ -246,14 +305,22 @@ def _directory_skeleton(auto_class: type[_BaseAutoModelClass], config: Pretraine
 def model_skeleton(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> Skeleton[PreTrainedModel]:
     """``load_model``'s causal LM as a ``Skeleton`` (fp32): a directory's files, or the seeded random
     init of the config's ``ModelSpec``."""
+    vlm = vlm_arch(model_cfg)
     if model_cfg.path:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        return _directory_skeleton(AutoModelForCausalLM, AutoConfig.from_pretrained(model_cfg.path), model_cfg.path)
+        return _directory_skeleton(_auto_class(vlm is not None), AutoConfig.from_pretrained(model_cfg.path),
+                                   model_cfg.path)
     from rlbatch.models.spec import spec_from_model_config
     from rlbatch.models.tiny import tiny_skeleton
 
-    model = tiny_skeleton(spec_from_model_config(model_cfg, vocab=len(tokenizer)), tokenizer)
+    spec = spec_from_model_config(model_cfg, vocab=len(tokenizer))
+    if vlm is not None:
+        from rlbatch.models.vlm import VisionSpec, vlm_skeleton
+
+        model = vlm_skeleton(spec, VisionSpec(), tokenizer, "qwen2_5_vl" if vlm == "qwen2_5_vl" else "qwen2_vl")
+    else:
+        model = tiny_skeleton(spec, tokenizer)
     return Skeleton(model, random_init(model, seed))
 
 

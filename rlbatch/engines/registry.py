@@ -84,6 +84,10 @@ class EngineSpec:
     ``model.lora`` policy's weight sync moves the adapters alone (``model.lora.sync``): the trainer
     streams them through its ``export_adapters``, the engine takes them through its
     ``load_adapters(named) -> bytes`` (PEFT's names, in buckets, as ``load_weights`` takes weights)."""
+    needs_torch_world: bool = True
+    """Its ranks need the torch.distributed world (process groups, device meshes, collectives). A run
+    none of whose engines does (and whose weight sync stays within each rank) starts none, and
+    moves its samples over MPI (``rlbatch.runtime.world.needs_torch_world``)."""
     sync_check_floor: float = 1e-2
     """An inference engine's floor for the checked sync (``rlbatch.loop.synccheck``): the mean
     |log-prob difference| from the trainer's, over the probe's tokens, that a sync may always show

@@ -24,6 +24,13 @@ trained yet (tokens, behaviour log-probs, the policy version that generated them
 the data position after their prompts; resume puts them back on an inference rank and goes on.
 Rewards are computed when a step takes its samples, so none are buffered.
 
+With ``algo.partial_rollouts`` the inference engine keeps its samples across steps: generation
+runs one step ahead, each generate command adds the next step's prompts to the samples the engine
+holds and answers with the first ``prompts_per_step`` whole groups to finish, whichever step's
+prompts they are; the longer samples stay in flight, under the weights that land meanwhile, for a
+later step (``max_staleness`` >= 2 bounds how long; docs/async.md, "Partial rollouts"). The samples
+in flight are not part of a checkpoint.
+
 The reference is frozen, so its log-probs of a generation do not depend on when they are taken.
 Where the reference's ranks are the inference ranks (each of its shards inside one inference
 worker), they are taken there right after each generation, queued behind it (``Rider``): the
@@ -43,7 +50,7 @@ from rlbatch.checkpoint.files import ControllerState
 from rlbatch.checkpoint.store import CheckpointError
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.synthetic import PromptStream
-from rlbatch.loop.controller import PendingPhase, PendingRollouts, Pipeline, Role, Rollouts, split_even
+from rlbatch.loop.controller import Kept, PendingPhase, PendingRollouts, Pipeline, Role, Rollouts, split_even
 from rlbatch.loop.scoring import Scoring
 from rlbatch.phases import TRAJECTORY_FIELDS, phase_for
 
@@ -151,14 +158,19 @@ def staleness_stats(ro: Rollouts, version: int, k: int) -> dict[str, float]:
 
 
 class Ahead:
-    """A step's generation under way, and the rider's log-probs queued behind it."""
+    """A step's generation under way, and the rider's log-probs queued behind it (with partial
+    rollouts, whose samples are known only once the generation answers, queued then)."""
 
     def __init__(self, gen: PendingRollouts, rider: Rider | None) -> None:
         self.gen = gen
-        self.riding = (rider, *rider.start(gen)) if rider is not None else None
+        self.rider = rider
+        self.riding = (rider, *rider.start(gen)) if rider is not None and gen.kept is None else None
 
     def result(self) -> Rollouts:
         ro = self.gen.result()
+        if self.rider is not None and self.gen.kept is not None and self.riding is None:
+            self.riding = (self.rider, *self.rider.start(self.gen))
+            self.rider = None
         if self.riding is not None:
             rider, pending, assign = self.riding
             pending.result()
@@ -169,17 +181,27 @@ class Ahead:
 
 class GenerationQueue:
     """The generations started and not yet trained on, by step; ``take(step)`` hands out a step's
-    rollouts (with scoring started) and keeps ``k`` steps generating ahead."""
+    rollouts (with scoring started) and keeps ``k`` steps generating ahead. ``partial``
+    (``algo.partial_rollouts``): one step ahead, with the engine keeping samples across steps."""
 
     def __init__(self, actor_infer: Role, consumers: list[Role], scoring: Scoring, data: PromptStream,
                  cfg: RLBatchConfig, k: int,
-                 rider: Rider | None = None) -> None:
+                 rider: Rider | None = None, partial: bool = False) -> None:
         self.infer, self.scoring, self.data = actor_infer, scoring, data
         self.k, self.rider = k, rider
         self.consumers = [c for c in consumers if rider is None or c is not rider.role]
         self.also = (rider.field,) if rider is not None else ()
         """Fields made on the inference ranks beside the generated ones (the rider's)."""
         self.prompts, self.n, self.seed = int(cfg.algo.prompts_per_step), int(cfg.algo.samples_per_prompt), int(cfg.seed)
+        self.kept: Kept | None = {} if partial and k > 0 else None
+        """Partial rollouts: the samples started and not yet returned (``Role.start_generate``)."""
+        self.depth = 1 if self.kept is not None else k
+        """Steps generated ahead: ``k``, or with partial rollouts 1 (the rest of the bound is the time
+        a sample may stay in flight across steps)."""
+        self.submitted = 0
+        """Partial rollouts: the step whose prompts go into the engine next (prompts run a step
+        ahead of the generation that returns a step's batch, so the engine always holds more
+        samples than one batch: a long one stays behind while shorter ones fill the batch)."""
         self.ahead: dict[int, Ahead | Rollouts] = {}
         self.unridden: set[int] = set()
         """Restored steps whose samples lack the rider's field (saved by a run where it did not ride)."""
@@ -190,8 +212,16 @@ class GenerationQueue:
 
     def _start(self, step: int) -> None:
         per_step = self.prompts * self.n
-        gen = self.infer.start_generate(self.data.next_batch(self.prompts), self.n, first_id=step * per_step,
-                                        seed=self.seed * 100_003 + step, version=self.version)
+        seed = self.seed * 100_003 + step
+        if self.kept is None:
+            gen = self.infer.start_generate(self.data.next_batch(self.prompts), self.n, first_id=step * per_step,
+                                            seed=seed, version=self.version)
+        else:  # the prompts up to step + 1's into the engine (at the start two steps'), one step's groups out
+            first = max(self.submitted, step)
+            prompts = [s for _ in range(first, step + 2) for s in self.data.next_batch(self.prompts)]
+            self.submitted = step + 2
+            gen = self.infer.start_generate(prompts, self.n, first_id=first * per_step, seed=seed,
+                                            version=self.version, kept=self.kept, take=self.prompts)
         self.ahead[step] = Ahead(gen, self.rider)
 
     def take(self, step: int, behind: Callable[[], None] | None = None) -> Rollouts:
@@ -199,7 +229,7 @@ class GenerationQueue:
         more work to queue on the inference ranks (a held-out evaluation), started once the step's
         samples are on their way off them, as before a generation ahead, so that no phase of the
         step waits for it there."""
-        for j in range(step, step + max(self.k, 1)):  # start-up: steps step .. step+k-1
+        for j in range(step, step + max(self.depth, 1)):  # start-up: steps step .. step+depth-1
             if j not in self.ahead:
                 self._start(j)
         got = self.ahead.pop(step)
@@ -211,8 +241,8 @@ class GenerationQueue:
             return rollouts
         moving: list[PendingPhase] = [role.receive(rollouts, self.also) for role in self.consumers]
         self.scoring.start(rollouts)
-        if self.k:
-            self._start(step + self.k)  # past the last step too: a run extended later goes on exactly
+        if self.depth:
+            self._start(step + self.depth)  # past the last step too: a run extended later goes on exactly
         if behind is not None:
             behind()
         for m in moving:
@@ -298,5 +328,6 @@ class GenerationQueue:
                 pipe.produced(leader, sid, name, len(value))
         for entry in saved["entries"]:
             self.ahead[int(entry["step"])] = Rollouts(**entry["rollouts"])
+            self.submitted = max(self.submitted, int(entry["step"]) + 1)
             if self.rider is not None and any(self.rider.field not in f for f in entry["samples"].values()):
                 self.unridden.add(int(entry["step"]))

@@ -13,9 +13,9 @@ import heapq
 import time
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypeAlias, TypedDict
 
 import torch
 
@@ -27,7 +27,7 @@ from rlbatch.engines.registry import spec_of
 from rlbatch.envs.trajectories import all_failed
 from rlbatch.loop.residency import RecordDict
 from rlbatch.models import lora
-from rlbatch.phases import PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
+from rlbatch.phases import IMAGE_FIELDS, PHASES, TRAJECTORY_FIELDS, PhaseSpec, phase_for
 from rlbatch.placement import RolePlacement
 from rlbatch.runtime.control import Call, Controller, StatsLog
 from rlbatch.runtime.dataplane import Move, Traffic
@@ -100,6 +100,10 @@ class Rollouts:
     def oldest(self, sid: int) -> int:
         """The policy version of sample ``sid``'s oldest token: what its staleness is judged by."""
         return self.versions.get(sid, (self.version, self.version))[0]
+
+
+Kept: TypeAlias = "dict[int, tuple[str, str]]"
+"""Partial rollouts: the samples started and not yet returned, by id: (answer, data source)."""
 
 
 def split_even(items: list[int], parts: int) -> list[list[int]]:
@@ -358,24 +362,38 @@ class PendingRollouts:
     what the worker generated; its first rank answers and is the one read from)."""
 
     def __init__(self, pipe: Pipeline, spec: PhaseSpec, pending: PendingPhase, ids_of: dict[tuple[int, ...], list[int]],
-                 rollouts: Rollouts) -> None:
+                 rollouts: Rollouts, kept: Kept | None = None) -> None:
         self.pipe, self.spec, self.pending, self.ids_of, self.rollouts = pipe, spec, pending, ids_of, rollouts
+        self.kept = kept
         self.done = False
 
     def result(self) -> Rollouts:
         if self.done:
             return self.rollouts
         out = self.pending.result()
+        if self.kept is not None:  # partial rollouts: the samples each worker answered with
+            self.ids_of = {w: sorted(out[w[0]]) for w in self.ids_of}
+            ids = [sid for part in self.ids_of.values() for sid in part]
+            missing = [sid for sid in ids if sid not in self.kept]
+            if missing:
+                raise RuntimeError(f"generate: the inference ranks returned samples {missing[:5]} that are not in "
+                                   f"flight ({len(missing)} of {len(ids)}): each sample is returned once")
+            known = [self.kept.pop(sid) for sid in ids]
+            self.rollouts = replace(self.rollouts, ids=ids, answers=[a for a, _ in known],
+                                    sources=[s for _, s in known] if self.rollouts.sources else [])
         ro = self.rollouts
         for worker, ids in self.ids_of.items():
             for sid in ids:
-                ro.prompt_len[sid], ro.response_len[sid], ro.versions[sid], *episode = out[worker[0]][sid]
-                if episode:
-                    ro.episodes[sid] = episode[0]
+                ro.prompt_len[sid], ro.response_len[sid], ro.versions[sid], *rest = out[worker[0]][sid]
+                episode = rest[0] if rest else None  # a trajectory's summary (a run with an environment)
+                extra = rest[1] if len(rest) > 1 else {}  # lengths of the image fields of a prompt with images
+                if episode is not None:
+                    ro.episodes[sid] = episode
+                lengths = {"prompt": ro.prompt_len[sid], **extra}
                 for f in self.spec.writes:
-                    if f in TRAJECTORY_FIELDS and not episode:
+                    if (f in TRAJECTORY_FIELDS and episode is None) or (f in IMAGE_FIELDS and f not in lengths):
                         continue
-                    self.pipe.produced(worker, sid, f, ro.prompt_len[sid] if f == "prompt" else ro.response_len[sid])
+                    self.pipe.produced(worker, sid, f, lengths.get(f, ro.response_len[sid]))
         self.done = True
         if (failed := all_failed(ro.episodes)) is not None:
             raise RuntimeError(failed)
@@ -458,14 +476,19 @@ class Role:
         return self.start_generate(prompts, n, first_id, seed, version).result()
 
     def start_generate(self, prompts: Sequence[Sample], n: int, first_id: int, seed: int, version: int = 0,
-                       override: Sampling | None = None) -> PendingRollouts:
+                       override: Sampling | None = None, kept: Kept | None = None,
+                       take: int | None = None) -> PendingRollouts:
         """Start generating ``n`` samples of each prompt (ids from ``first_id``, in group order)
         on the role's workers; ``result()`` waits for the Rollouts. ``version``: the policy version
         of the weights the engine holds, recorded on the rollouts. ``override``: sampling settings
-        in place of the algorithm's (evaluation's temperature)."""
+        in place of the algorithm's (evaluation's temperature). ``kept`` (partial rollouts): the
+        samples started and not yet returned, by id; the new ones join them, and the workers answer
+        with the first ``take`` whole groups to finish (each its share; default: one per prompt
+        given), which may be earlier phases' samples; the rest stay in their engines."""
         spec = phase_for(self.name, "generate")
         a = self.pipe.cfg.algo
         groups = split_even(list(range(len(prompts))), self.placement.world_size)
+        takes = [len(t) for t in split_even(list(range(len(prompts) if take is None else take)), len(groups))]
         work: dict[int, Work] = {}
         ids_of: dict[tuple[int, ...], list[int]] = {}
         for w, prompt_idx in enumerate(groups):
@@ -475,14 +498,21 @@ class Role:
                                   "top_p": float(a.top_p), "seed": seed * 1_000_003 + w, "version": version,
                                   **(override or {})}
             episodes = self._episodes(prompts, prompt_idx, n, first_id)
+            partial: dict[str, object] = {"take": takes[w], "group": n} if kept is not None else {}
+            # a vision-language prompt's images, once per prompt in the message (pickled by reference)
+            pictures = [list(getattr(prompts[i], "images", ())) for i in prompt_idx]
+            images = {"images": [p for p in pictures for _ in range(n)]} if any(pictures) else {}
             for r in self.placement.workers[w]:
                 work[r] = {"ids": ids, "prompts": [prompts[i].prompt for i in prompt_idx for _ in range(n)],
-                           "sampling": sampling} | episodes
+                           "sampling": sampling} | episodes | partial | images
         pending = self.pipe.start(spec.name, (self.name,), work)
         total = range(len(prompts) * n)
         sources = [str(getattr(prompts[i // n], "data_source", "")) for i in total]
         ro = Rollouts([first_id + i for i in total], [prompts[i // n].answer for i in total], n, {}, {}, version, sources=sources)
-        return PendingRollouts(self.pipe, spec, pending, ids_of, ro)
+        if kept is not None:
+            kept.update((sid, (answer, source)) for sid, answer, source in
+                        zip(ro.ids, ro.answers, sources, strict=True))
+        return PendingRollouts(self.pipe, spec, pending, ids_of, ro, kept)
 
     def _episodes(self, prompts: Sequence[Sample], prompt_idx: list[int], n: int, first_id: int,
                   ) -> dict[str, object]:

@@ -94,7 +94,8 @@ class Loop:
         consumers = [self.actor_train, *([used_reference] if used_reference else []),
                      *([self.critic] if self.critic is not None else [])]
         k, rider = async_plan(self.pipe, self.actor_infer, used_reference, int(self.a.max_staleness))
-        self.queue = GenerationQueue(self.actor_infer, consumers, self.scoring, self.data, cfg, k, rider)
+        self.queue = GenerationQueue(self.actor_infer, consumers, self.scoring, self.data, cfg, k, rider,
+                                     partial=bool(self.a.partial_rollouts))
         # the checked sync (cluster.sync_check_every): a probe after the synchronous loop's syncs
         self.sync_check = SyncCheck(self.pipe, self.actor_train, self.actor_infer, cfg, self.data, k == 0)
         self.ckpt = Checkpointer(self.pipe, run, cfg, self.data, fingerprint, parts=(self.queue, self.sync_check))

@@ -28,6 +28,7 @@ from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import spec_of
 from rlbatch.loop.controller import PhaseReply, Sampling
+from rlbatch.loop.partial import PartialRollouts
 from rlbatch.loop.residency import Residency
 from rlbatch.loop.scorers import build_scorer
 from rlbatch.loop.weightsync import AdapterSink, InFlightSync, WeightBroadcast, landing, load_in_process
@@ -55,10 +56,12 @@ class Service(Protocol):
     def close(self) -> None: ...
 
 
-Generated: TypeAlias = "tuple[int, int, tuple[int, int]] | tuple[int, int, tuple[int, int], TrajectorySummary]"
+Generated: TypeAlias = ("tuple[int, int, tuple[int, int]] | tuple[int, int, tuple[int, int], TrajectorySummary]"
+                         " | tuple[int, int, tuple[int, int], None, dict[str, int]]")
 """A sample generated, for the controller: (prompt length, response length, (oldest, newest) policy
 version of its tokens), and in a run with an environment the trajectory's summary
-(``rlbatch.envs.trajectories.summary``)."""
+(``rlbatch.envs.trajectories.summary``); for a prompt with images, no summary and the lengths of
+its image fields (``rlbatch.phases.IMAGE_FIELDS``)."""
 
 
 def token_versions(versions: list[int], length: int, version: int) -> torch.Tensor:
@@ -145,6 +148,8 @@ class RankRuntime:
         self.scorers = scorers(world, cfg)
         self.multi_turn: MultiTurn | None = None
         """Episodes of a run with an environment (``rlbatch.envs.trajectories.MultiTurn``), once needed."""
+        self.partial = PartialRollouts()
+        """``algo.partial_rollouts``: the prompts of the samples the inference engine keeps across phases."""
         order = build_order(world)
         self.residency = Residency({r: p.roles[r].offload for r in order}, world.device)
         for role in order:
@@ -153,7 +158,8 @@ class RankRuntime:
             ctx = EngineContext(role, rp.args, model, role_algo(role, cfg.algo),
                                 tokenizer, world.device, int(cfg.seed), world.meshes.get(role),
                                 role in TRAINABLE_ROLES, HEADS.get(role, "lm"),
-                                {"role": world.groups[role], **world.subgroups.get(role, {})}, world.comm)
+                                {**({"role": world.groups[role]} if role in world.groups else {}),  # none without a torch world
+                                 **world.subgroups.get(role, {})}, world.comm)
             self.engines[role] = build_engine(rp.engine, ctx)
             put_away = self.residency.add(role, self.engines[role])
             log.info("built %s engine for %s%s", rp.engine, role,
@@ -210,7 +216,7 @@ class RankRuntime:
                drop: list[int] | None, discard: dict[str, list[str]] | None) -> PhaseReply:
         if drop:
             self.store.drop(drop)
-        xfer = exchange(self.store, self.world.rank, moves)
+        xfer = exchange(self.store, self.world.rank, moves, self.world.data_comm, self.world.timeout_s)
         if work is None:
             return {"xfer": xfer}
         spec = PHASES[phase]
@@ -220,27 +226,63 @@ class RankRuntime:
 
     def _generate(self, spec: PhaseSpec, ids: list[int], prompts: list[str], sampling: Sampling,
                   tasks: list[Task] | None = None, seeds: list[int] | None = None,
-                  ) -> dict[int, Generated]:
+                  take: int | None = None, group: int = 1,
+                  images: list[list[bytes]] | None = None) -> dict[int, Generated]:
         """One response per sample: ``{sid: (prompt length, response length)}``. With ``tasks`` and
         ``seeds`` (a run with an environment) each sample is a trajectory played to its end
-        (``_roll_out``)."""
+        (``_roll_out``). With ``take`` (``algo.partial_rollouts``) the samples join those the
+        engine keeps from earlier phases, and the first ``take`` whole groups of ``group`` to finish
+        are the answer (``rlbatch.loop.partial``); the rest stay in the engine."""
         maybe_fault("generate", self.world.rank)
+        if images is not None and any(images):  # a vision-language policy's prompts with their images
+            return self._generate_images(spec, ids, prompts, images, SamplingParams(**sampling))
         unique = list(dict.fromkeys(prompts))  # a group's samples share their prompt: encode it once
         tokens = dict(zip(unique, self.tokenizer(unique)["input_ids"], strict=True))
         as_tensor = {text: torch.tensor(t, dtype=torch.long) for text, t in tokens.items()}
         if tasks is not None and seeds is not None:
             return self._roll_out(spec, ids, [tokens[text] for text in prompts], sampling, tasks, seeds)
         params = SamplingParams(**sampling)
-        with landing(self.engines[spec.role], self.in_flight):
-            generations = self.engines[spec.role].generate([tokens[text] for text in prompts], params)
+        if take is not None:
+            done = self.partial.generate(self.engines[spec.role], self.in_flight, ids, [tokens[t] for t in prompts],
+                                         [as_tensor[t] for t in prompts], params, group, take)
+        else:
+            with landing(self.engines[spec.role], self.in_flight):
+                generations = self.engines[spec.role].generate([tokens[text] for text in prompts], params)
+            done = [(sid, as_tensor[text], gen) for sid, text, gen in zip(ids, prompts, generations, strict=True)]
         out: dict[int, Generated] = {}
-        for sid, text, gen in zip(ids, prompts, generations, strict=True):
+        for sid, prompt, gen in done:
             versions = token_versions(gen.versions, len(gen.tokens), params.version)
-            self.store.put(sid, "prompt", as_tensor[text])
+            self.store.put(sid, "prompt", prompt)
             self.store.put(sid, "response", torch.tensor(gen.tokens, dtype=torch.long))
             self.store.put(sid, "behaviour_logprobs", torch.tensor(gen.logprobs, dtype=torch.float32))
             self.store.put(sid, "token_versions", versions)
-            out[sid] = (len(tokens[text]), len(gen.tokens), version_span(versions, params.version))
+            out[sid] = (len(prompt), len(gen.tokens), version_span(versions, params.version))
+        return out
+
+    def _generate_images(self, spec: PhaseSpec, ids: list[int], prompts: list[str], images: list[list[bytes]],
+                         params: SamplingParams) -> dict[int, Generated]:
+        """``_generate`` of prompts with images (``rlbatch.data.images``): each distinct prompt, text
+        and images, through the model's processor once; every sample holds its prompt's ids and
+        image fields (``pixel_values``, ``image_grid_thw``) beside the generated ones."""
+        from rlbatch.data.images import PromptEncoder
+        from rlbatch.engines.model import load_processor
+
+        encoder = getattr(self, "image_prompts", None) or PromptEncoder(
+            self.tokenizer, lambda: load_processor(self.cfg.model, self.tokenizer))
+        self.image_prompts = encoder
+        encoded = encoder.encode(prompts, images)
+        with landing(self.engines[spec.role], self.in_flight):
+            generations = self.engines[spec.role].generate([e[0] for e in encoded], params, images=images)
+        out: dict[int, Generated] = {}
+        for sid, (prompt, fields), gen in zip(ids, encoded, generations, strict=True):
+            versions = token_versions(gen.versions, len(gen.tokens), params.version)
+            for name, value in {"prompt": torch.tensor(prompt, dtype=torch.long), **fields}.items():
+                self.store.put(sid, name, value)
+            self.store.put(sid, "response", torch.tensor(gen.tokens, dtype=torch.long))
+            self.store.put(sid, "behaviour_logprobs", torch.tensor(gen.logprobs, dtype=torch.float32))
+            self.store.put(sid, "token_versions", versions)
+            out[sid] = (len(prompt), len(gen.tokens), version_span(versions, params.version), None,
+                        {name: len(value) for name, value in fields.items()})
         return out
 
     def _roll_out(self, spec: PhaseSpec, ids: list[int], prompts: list[list[int]], sampling: Sampling,

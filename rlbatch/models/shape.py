@@ -9,12 +9,15 @@ Mixture-of-Experts variants.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 from rlbatch.config.schema import ModelConfig
-from rlbatch.models.spec import ModelSpec, spec_from_config, spec_from_hf_config
+from rlbatch.models.spec import ModelSpec, VisionTower, spec_from_config, spec_from_hf_config, vision_from_hf_config
 
 OPS_PER_LAYER_FWD = 150
 """Op-equivalents of host work one eager HF Qwen2/Llama decoder layer costs in a forward pass
@@ -29,6 +32,91 @@ OPS_PER_MODEL_FWD = 130
 (0.75 ms of a 1-token forward on the cpu profile)."""
 
 
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The size the Qwen2-VL image processor resizes a height x width image to: each side rounded to a
+    multiple of ``factor`` (patch x merge), the area scaled into [min_pixels, max_pixels], aspect kept
+    (transformers' ``smart_resize``, without transformers)."""
+    if min(height, width) < 1 or max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image {height}x{width}: sides must be >= 1 with an aspect ratio of at most 200")
+    h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+class VisionShape(VisionTower):
+    """A ``VisionTower`` with its parameter and FLOP counts (transformers' Qwen2-VL / Qwen2.5-VL vision
+    modules: a bias-free Conv3d patch embedding, ``depth`` blocks, a patch merger)."""
+
+    @classmethod
+    def of(cls, tower: VisionTower, out_hidden: int) -> VisionShape:
+        """``tower`` with its merger's output width set (``out_hidden``: the language model's hidden when 0)."""
+        return cls(**{f.name: getattr(tower, f.name) for f in fields(tower)} | {"out_hidden": tower.out_hidden or out_hidden})
+
+    @property
+    def patch_width(self) -> int:
+        """Values of one patch (``pixel_values``' row): channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def _mlp(self) -> int:
+        """A block's MLP weights (Qwen2-VL: fc1, fc2; Qwen2.5-VL: gate, up, down)."""
+        return (3 if self.arch == "qwen2_5_vl" else 2) * self.hidden * self.ffn
+
+    @property
+    def _merger(self) -> int:
+        """The merger's weights: merge^2 patches concatenated, a square layer, then to out_hidden."""
+        wide = self.hidden * self.merge_size ** 2
+        return wide * wide + wide * self.out_hidden
+
+    @property
+    def block_params(self) -> int:
+        h = self.hidden
+        norms = 2 * (2 * h if self.arch == "qwen2_vl" else h)  # LayerNorm has a bias, RMSNorm not
+        mlp_bias = 2 * self.ffn + h if self.arch == "qwen2_5_vl" else self.ffn + h
+        return norms + 4 * h * h + 4 * h + self._mlp + mlp_bias
+
+    @property
+    def params(self) -> int:
+        wide = self.hidden * self.merge_size ** 2
+        merger = (2 * self.hidden if self.arch == "qwen2_vl" else self.hidden) + self._merger + wide + self.out_hidden
+        return self.patch_width * self.hidden + self.depth * self.block_params + merger
+
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors: patch embedding; per block 2 norms (4 with LayerNorm biases), qkv and
+        proj (weight, bias), the MLP's linears (weight, bias); the merger's norm and two linears."""
+        lnorm = self.arch == "qwen2_vl"
+        block = (4 if lnorm else 2) + 4 + 2 * (2 if lnorm else 3)
+        return 1 + self.depth * block + (2 if lnorm else 1) + 4
+
+    def tokens(self, height: int, width: int, min_pixels: int | None = None, max_pixels: int | None = None) -> int:
+        """Language-model tokens of a height x width image (``rlbatch.models.vlm.VisionSpec.tokens``),
+        the resize bounds the tower's unless given."""
+        f = self.patch_size * self.merge_size
+        h, w = smart_resize(height, width, f, min_pixels or self.min_pixels, max_pixels or self.max_pixels)
+        return (h // f) * (w // f)
+
+    def fwd_flops(self, patches: float) -> float:
+        """Forward FLOPs of the tower on one image of ``patches`` patches (``tokens`` x merge^2): 2 per
+        weight and patch, and attention (4 x hidden per query and key) over every patch of the image
+        in Qwen2-VL's blocks and Qwen2.5-VL's full-attention blocks, within windows of
+        (window_size / patch_size)^2 patches in Qwen2.5-VL's others."""
+        h = self.hidden
+        if self.arch == "qwen2_5_vl":
+            full = len(self.full_attention_blocks) if self.full_attention_blocks is not None else 1
+            window = min(patches, (self.window_size / self.patch_size) ** 2)
+        else:
+            full, window = self.depth, patches
+        attention = 4.0 * h * patches * (full * patches + (self.depth - full) * window)
+        linear = 2.0 * patches * (self.patch_width * h + self.depth * (4 * h * h + self._mlp))
+        return linear + attention + 2.0 * patches / self.merge_size ** 2 * self._merger
+
+
 class ModelShape(ModelSpec):
     """A ``ModelSpec`` with the counts the planner needs. Dense when ``experts == 0``."""
 
@@ -37,6 +125,16 @@ class ModelShape(ModelSpec):
         return cls(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
     # -- parameters -------------------------------------------------------------------------
+    @property
+    def tower(self) -> VisionShape | None:
+        """A vision-language model's vision tower with its counts; None for a text model."""
+        return VisionShape.of(self.vision, self.hidden) if self.vision is not None else None
+
+    @property
+    def vision_params(self) -> int:
+        """Parameters of the vision tower (patch merger included); 0 for a text model."""
+        return self.tower.params if self.tower is not None else 0
+
     @property
     def attn_params(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -99,9 +197,9 @@ class ModelShape(ModelSpec):
 
     @property
     def params(self) -> int:
-        """All parameters (a tied lm head counted once)."""
+        """All parameters (a tied lm head counted once; a vision tower included)."""
         head = 0 if self.tied else self.embedding_params
-        return self.layers * self.layer_params + self.hidden + self.embedding_params + head
+        return self.layers * self.layer_params + self.hidden + self.embedding_params + head + self.vision_params
 
     @property
     def active_params(self) -> int:
@@ -115,7 +213,8 @@ class ModelShape(ModelSpec):
     def largest_module_params(self) -> int:
         """Largest single module's own parameters (DeepSpeed's 'largest layer'): usually the embedding."""
         q = self.heads * self.head_dim
-        return max(self.embedding_params, self.hidden * max(self.ffn, self.moe_ffn, q))
+        merger = self.tower._merger if self.tower is not None else 0
+        return max(self.embedding_params, self.hidden * max(self.ffn, self.moe_ffn, q), merger)
 
     @property
     def tensors(self) -> int:
@@ -125,16 +224,18 @@ class ModelShape(ModelSpec):
         mlp = 3 if self.gated else 2
         if self.experts:  # routed (2), router, shared expert, its gate
             mlp = 2 + 1 + (mlp if self.shared_ffn else 0) + (1 if self.shared_gate else 0)
-        return self.layers * (attn + mlp + 2) + 2 + (0 if self.tied else 1)
+        vision = self.tower.tensors if self.tower is not None else 0
+        return self.layers * (attn + mlp + 2) + 2 + (0 if self.tied else 1) + vision
 
     # -- compute and KV cache ---------------------------------------------------------------
     @property
     def matmul_params(self) -> int:
         """N of the FLOP counts: the active weights a token is multiplied by. The lm head counts
         (even when tied to the input embedding, it is a vocab x hidden matmul); the input
-        embedding (a lookup) and the norms do not; q/k/v biases do (a few thousand)."""
+        embedding (a lookup) and the norms do not; q/k/v biases do (a few thousand). A vision tower's
+        weights multiply image patches, not tokens (``VisionShape.fwd_flops``)."""
         norms = self.layers * 2 * self.hidden + self.hidden
-        return self.active_params - (0 if self.tied else self.embedding_params) - norms
+        return self.active_params - (0 if self.tied else self.embedding_params) - norms - self.vision_params
 
     def fwd_flops_per_token(self, ctx: float) -> float:
         """Forward FLOPs of one token attending to ``ctx`` earlier tokens: 2 per matmul weight
@@ -152,7 +253,7 @@ class ModelShape(ModelSpec):
         """HBM bytes a decode step of ``batch`` sequences at context ``ctx`` reads at least: every
         weight once (an untied input embedding only by the rows it looks up: not counted) and
         the KV cache of every sequence. Over HBM bandwidth, the floor of the step time."""
-        weights = self.active_params - (0 if self.tied else self.embedding_params)
+        weights = self.active_params - (0 if self.tied else self.embedding_params) - self.vision_params
         return weights * dtype_bytes + batch * ctx * self.kv_bytes_per_token(dtype_bytes)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> float:
@@ -165,6 +266,7 @@ class ModelShape(ModelSpec):
             "kv_heads": self.kv_heads, "head_dim": self.head_dim, "ffn": self.ffn, "vocab": self.vocab,
             "tied": self.tied, "experts": self.experts, "experts_per_token": self.experts_per_token,
             "params": self.params, "active_params": self.active_params,
+            **({"vision_params": self.vision_params} if self.vision is not None else {}),
         }
 
 
@@ -176,4 +278,14 @@ def shape_from_hf_config(cfg: Mapping[str, Any], name: str = "config.json") -> M
 def shape_from_config(model: ModelConfig | Mapping[str, Any], vocab: int | None = None) -> ModelShape:
     """The shape of ``cfg.model``: its config.json when ``path`` is set, else the random-init fields
     with ``vocab`` tokens (the built-in tokenizer's vocabulary when None), as the engines build it."""
-    return ModelShape.of(spec_from_config(model, vocab))
+    spec = spec_from_config(model, vocab)
+    fields_ = dict(model.items()) if isinstance(model, Mapping) else dict(vars(model))
+    path = fields_.get("path")
+    if path and spec.vision is not None:  # the resize bounds are the image processor's
+        pre = Path(str(path)).expanduser() / "preprocessor_config.json"
+        if pre.is_file():
+            config = json.loads((Path(str(path)).expanduser() / "config.json").read_text())
+            spec = replace(spec, vision=vision_from_hf_config(config, json.loads(pre.read_text())))
+    elif not path and spec.vision is None and spec.arch in ("qwen2_vl", "qwen2_5_vl"):
+        spec = replace(spec, vision=VisionTower(arch=spec.arch))  # a random-init VLM: VisionSpec's defaults
+    return ModelShape.of(spec)

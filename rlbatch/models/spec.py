@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,90 @@ from rlbatch.errors import ConfigError
 BUILDABLE_ARCHS = ("qwen2", "llama", "qwen2_moe")
 """Architectures ``rlbatch.models.tiny`` builds from a spec (random-init models)."""
 
+VLM_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+"""Vision-language architectures (``rlbatch.models.vlm``): a random-init one's language model is the
+Qwen2 decoder of the same ``model.*`` fields (``arch`` kept so the engines know to build the VLM),
+its vision tower ``rlbatch.models.vlm.VisionSpec``'s defaults; a ``model.path`` is one when its
+config.json's ``model_type`` is."""
+
+VISION_TOKEN_COUNT = 4
+"""Tokens a random-init VLM's tokenizer gains (``rlbatch.models.vlm.VISION_TOKENS``): its vocabulary
+is the character tokenizer's plus these."""
+
+
+def vlm_arch(model: Any) -> str | None:
+    """The vision-language architecture of a ``ModelConfig`` (or a mapping of its fields):
+    'qwen2_vl' / 'qwen2_5_vl', None for a text model. ``model.arch`` of a random-init model,
+    ``model.path``'s config.json ``model_type`` (None when there is no config.json to read)."""
+    m = _fields(model)
+    if not m.get("path"):
+        arch = str(m.get("arch") or "")
+        return arch if arch in VLM_ARCHS else None
+    file = Path(str(m["path"])).expanduser() / "config.json"
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(model_type) if model_type in VLM_ARCHS else None
+
 _GATED_ACTS = ("silu", "swiglu", "swish")
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A Qwen2-VL / Qwen2.5-VL vision tower and its image processor's resize bounds, for counting
+    (``rlbatch.models.shape.VisionShape``). The defaults are ``rlbatch.models.vlm.VisionSpec``'s:
+    the tower of a random-init VLM."""
+
+    arch: str = "qwen2_vl"
+    """'qwen2_vl' (LayerNorm, GELU MLP, full attention) or 'qwen2_5_vl' (RMSNorm, SwiGLU MLP,
+    windowed attention but in ``full_attention_blocks``)."""
+    depth: int = 2
+    hidden: int = 32
+    heads: int = 2
+    ffn: int = 64
+    out_hidden: int = 0
+    """Width of the merger's output (the language model's hidden); 0: the language model's."""
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    window_size: int = 112
+    full_attention_blocks: tuple[int, ...] | None = None
+    """Qwen2.5-VL: blocks attending over the whole image; None: the last one."""
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 64
+
+
+HUB_MIN_PIXELS, HUB_MAX_PIXELS = 56 * 56, 28 * 28 * 16384
+"""The resize bounds of the published Qwen2-VL / Qwen2.5-VL ``preprocessor_config.json`` files: what a
+model directory without one is taken to use."""
+
+
+def vision_from_hf_config(cfg: Mapping[str, Any], preprocessor: Mapping[str, Any] | None = None) -> VisionTower | None:
+    """The vision tower of a Qwen2-VL / Qwen2.5-VL ``config.json`` mapping (None for a text model),
+    with the resize bounds of its ``preprocessor_config.json`` mapping when given. Qwen2-VL's
+    ``vision_config`` names the tower's width ``embed_dim`` (its ``hidden_size`` is the merger's
+    output), Qwen2.5-VL's ``hidden_size`` (output ``out_hidden_size``)."""
+    arch = str(cfg.get("model_type", ""))
+    v = cfg.get("vision_config")
+    if arch not in ("qwen2_vl", "qwen2_5_vl") or not isinstance(v, Mapping):
+        return None
+    pre: Mapping[str, Any] = preprocessor or {}
+    size: Mapping[str, Any] = pre["size"] if isinstance(pre.get("size"), Mapping) else {}
+    tower = VisionTower(
+        arch=arch, depth=int(v["depth"]), heads=int(v["num_heads"]), patch_size=int(v.get("patch_size", 14)),
+        merge_size=int(v.get("spatial_merge_size", 2)), temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        in_channels=int(v.get("in_chans") or v.get("in_channels") or 3),
+        min_pixels=int(pre.get("min_pixels") or size.get("shortest_edge") or HUB_MIN_PIXELS),
+        max_pixels=int(pre.get("max_pixels") or size.get("longest_edge") or HUB_MAX_PIXELS))
+    if arch == "qwen2_vl":
+        width = int(v["embed_dim"])
+        return replace(tower, hidden=width, ffn=int(float(v.get("mlp_ratio", 4)) * width), out_hidden=int(v["hidden_size"]))
+    full = v.get("fullatt_block_indexes")
+    return replace(tower, hidden=int(v["hidden_size"]), ffn=int(v["intermediate_size"]),
+                   out_hidden=int(v.get("out_hidden_size") or 0), window_size=int(v.get("window_size", 112)),
+                   full_attention_blocks=tuple(int(b) for b in full) if full is not None else None)
 
 
 @dataclass(frozen=True)
@@ -69,6 +152,8 @@ class ModelSpec:
     """Std of the initial weights of a random-initialised model."""
     name: str = field(default="model", compare=False)
     """For reports: the model directory's name, or ``<arch>-h<hidden>-l<layers>``."""
+    vision: VisionTower | None = None
+    """A vision-language model's vision tower (the decoder above is its language model); None: text only."""
 
 
 def char_vocab_size() -> int:
@@ -92,8 +177,9 @@ def spec_from_model_config(model: Any, vocab: int | None = None) -> ModelSpec:
     if problems := field_problems(m, ModelConfig, "model"):  # a size < 1 would build a broken model, or none
         raise ConfigError(problems)
     arch, h, heads, kv = str(m["arch"]), int(m["hidden_size"]), int(m["num_heads"]), int(m["num_kv_heads"])
-    if arch not in BUILDABLE_ARCHS:
-        problems.append(f"model.arch: {arch!r} cannot be random-initialised; expected one of {BUILDABLE_ARCHS}")
+    if arch not in BUILDABLE_ARCHS + VLM_ARCHS:
+        problems.append(f"model.arch: {arch!r} cannot be random-initialised; expected one of "
+                        f"{BUILDABLE_ARCHS + VLM_ARCHS}")
     if h % heads:
         problems.append(f"model.hidden_size {h} must divide evenly into model.num_heads {heads} heads")
     elif (h // heads) % 2:  # the rotary embedding turns pairs of a head's dimensions
@@ -113,7 +199,8 @@ def spec_from_model_config(model: Any, vocab: int | None = None) -> ModelSpec:
     layers = int(m["num_layers"])
     return ModelSpec(
         layers=layers, hidden=h, heads=heads, kv_heads=kv, head_dim=h // heads, ffn=int(m["intermediate_size"]),
-        vocab=vocab if vocab is not None else char_vocab_size(), tied=bool(m["tie_word_embeddings"]),
+        vocab=vocab if vocab is not None else char_vocab_size() + (VISION_TOKEN_COUNT if arch in VLM_ARCHS else 0),
+        tied=bool(m["tie_word_embeddings"]),
         qkv_bias=arch.startswith("qwen2"), arch=arch, max_positions=int(m["max_position_embeddings"]),
         initializer_range=float(m["initializer_range"]), name=f"{arch}-h{h}-l{layers}", **moe,
     )
@@ -122,6 +209,10 @@ def spec_from_model_config(model: Any, vocab: int | None = None) -> ModelSpec:
 def spec_from_hf_config(cfg: Mapping[str, Any], name: str = "hf") -> ModelSpec:
     """The model of a Hugging Face ``config.json`` mapping (Llama, Qwen2, Mistral, Qwen2-MoE, Mixtral ...)."""
     try:
+        vision = vision_from_hf_config(cfg)
+        if vision is not None and isinstance(cfg.get("text_config"), Mapping):  # transformers >= 5 nests the LM
+            tie = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", False))
+            cfg = {**cfg["text_config"], "model_type": cfg["model_type"], "tie_word_embeddings": tie}
         h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
         model_type = str(cfg.get("model_type", ""))
@@ -143,7 +234,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any], name: str = "hf") -> ModelSpec:
             arch=model_type or "llama", max_positions=int(cfg.get("max_position_embeddings") or 2048),
             rope_theta=float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
             norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-            initializer_range=float(cfg.get("initializer_range") or 0.02), name=name,
+            initializer_range=float(cfg.get("initializer_range") or 0.02), name=name, vision=vision,
         )
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"model.path: {name}/config.json lacks or mangles a field rlbatch needs: {e}") from None

@@ -46,6 +46,14 @@ from transformers import (
 )
 from transformers.processing_utils import ProcessorMixin
 
+from rlbatch.data.images import (  # noqa: F401 (re-exported: the model's tokens beside the model)
+    IMAGE_PAD,
+    IMAGE_PLACEHOLDER,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    VISION_TOKENS,
+)
 from rlbatch.models.spec import ModelSpec, hf_config_kwargs
 
 if TYPE_CHECKING:
@@ -55,13 +63,6 @@ if TYPE_CHECKING:
 VLMArch = Literal["qwen2_vl", "qwen2_5_vl"]
 VLM_ARCHS: tuple[VLMArch, ...] = ("qwen2_vl", "qwen2_5_vl")
 
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
-VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
-"""Qwen2-VL's special tokens: an image is ``<|vision_start|>`` + one ``<|image_pad|>`` per merged patch
-+ ``<|vision_end|>`` (the processor repeats the pad); the video pad is only named, never used here."""
-
-IMAGE_PLACEHOLDER = "<image>"
-"""Where an image goes in a prompt's text (verl's parquet layout)."""
 
 IMAGE_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -286,7 +287,21 @@ def build_tiny_vlm(text: ModelSpec, vision: VisionSpec, tokenizer: PreTrainedTok
     in float32. ``text.vocab`` must hold the tokenizer's ids (``len(tokenizer)`` once the vision tokens
     are added). Weights as ``rlbatch.models.tiny.build_tiny_model`` draws them (each tensor from its
     name and ``seed``; the caller's RNG left alone); under ``torch.device("meta")`` shapes only."""
-    from rlbatch.models.weights import allocate, materialise, on_meta_by_default, params_on_meta, random_init
+    from rlbatch.models.weights import allocate, materialise, on_meta_by_default, random_init
+
+    model = vlm_skeleton(text, vision, tokenizer, arch, attn_implementation)
+    if on_meta_by_default():
+        return model
+    allocate(model, torch.device("cpu"))
+    materialise(model, random_init(model, seed))
+    return model
+
+
+def vlm_skeleton(text: ModelSpec, vision: VisionSpec, tokenizer: PreTrainedTokenizerBase,
+                 arch: VLMArch = "qwen2_vl", attn_implementation: Literal["eager", "sdpa"] = "sdpa") -> PreTrainedModel:
+    """``build_tiny_vlm``'s model with its parameters on the meta device and its buffers real (what a
+    sharded engine fills shard by shard, as ``rlbatch.models.tiny.tiny_skeleton``)."""
+    from rlbatch.models.weights import params_on_meta
 
     if text.vocab < len(tokenizer):
         raise ValueError(f"text vocab {text.vocab} < {len(tokenizer)} tokens of the tokenizer (vision tokens included)")
@@ -297,8 +312,4 @@ def build_tiny_vlm(text: ModelSpec, vision: VisionSpec, tokenizer: PreTrainedTok
         model = cls(cfg)
     model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                                                eos_token_id=tokenizer.eos_token_id)
-    if on_meta_by_default():
-        return model
-    allocate(model, torch.device("cpu"))
-    materialise(model, random_init(model, seed))
     return model

@@ -90,12 +90,13 @@ def fit(points: Sequence[Point], source: str = "") -> ControlModel:
     return ControlModel(a, b, c, source)
 
 
-MEASURED = ControlModel(0.01253, 0.0, 0.00021984, "fit of the controller's CPU a step at 4-32 ranks, "
+MEASURED = ControlModel(0.011886, 0.0, 0.00006494, "fit of the controller's CPU a step at 8-256 ranks, "
                                                   "docs/benchmarks.md 'Scale'")
 """The fit of docs/benchmarks.md's scale table (``tools/bench/scale.py``, 2026-12-07, a 2-core VM): the
-controller's CPU seconds a step at 4, 8, 16 and 32 ranks. Measured on 2 cores shared by up to 34
-processes, where the controller also polls longer while it waits for them: an upper bound, and an
-extrapolation beyond 32 ranks."""
+controller's CPU seconds a step at 8, 16, 32, 64, 128 and 256 ranks (light ranks: no torch.distributed
+world, forked from a zygote per node; backed-off waits). Measured on 2 cores shared by up to 258 ranks
+and other work (load average up to 260), where the controller's CPU time includes what sharing the
+cores costs it: an upper bound for a node with a core per process, extrapolated beyond 256 ranks."""
 
 
 def control_line(ranks: int, step_s: float, model: ControlModel = MEASURED) -> str:

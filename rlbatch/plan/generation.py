@@ -53,13 +53,14 @@ def generate(r: RoleLayout, mem: RoleMemory, shape: ModelShape, w: Workload, e: 
     split = tp * pp
     # Prefill: every prompt token once, weights read once. The hf engine runs each distinct prompt
     # but its last token once, then the last token of every row (one more model call per wave).
-    shared = cost.shares_prompts(r, w, seqs, False)
+    shared = not w.image_tokens and cost.shares_prompts(r, w, seqs, False)  # hf shares no prompt with images
     if shared:
         tokens = w.distinct_prompts(seqs) * max(w.prompt_len - 1, 0) + seqs
     else:
         tokens = seqs * w.prompt_len
     traffic = traffic_per_token(shape, e, tp) / pp
-    roof = max(tokens * shape.fwd_flops_per_token(w.prompt_len / 2) / split / rt.flops,
+    images = w.distinct_prompts(seqs) if shared else seqs  # a vision tower runs on each prompt's images
+    roof = max((tokens * shape.fwd_flops_per_token(w.prompt_len / 2) + images * w.vision_flops) / split / rt.flops,
                (weights + tokens * traffic) / rt.bw)
     lk = tp_link(layout, r, hw)
     comm_s = 2 * shape.layers / pp * comm.all_reduce(tokens * shape.hidden * e, tp, lk)

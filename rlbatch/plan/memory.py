@@ -24,7 +24,7 @@ from rlbatch.models.shape import ModelShape
 from rlbatch.plan import activations as act
 from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import RoleLayout
-from rlbatch.plan.passes import cut, varlen_rows
+from rlbatch.plan.passes import adapted, cut, varlen_rows
 from rlbatch.plan.workload import Workload
 
 COPIED = ("params", "grads", "optimizer")
@@ -78,6 +78,21 @@ def load_bytes(r: RoleLayout, shape: ModelShape, e: int, hw: Hardware) -> float:
     return cost_of(r.engine).load_bytes(r, shape, e, hw)
 
 
+def frozen_tower(r: RoleLayout, shape: ModelShape, w: Workload, state: dict[str, float], notes: list[str],
+                 forward_only: bool) -> None:
+    """A vision-language model trained with its vision tower frozen (``model.train_vision=false``,
+    the default): the tower's parameters are held but get no gradients and no optimizer state, so
+    the engine's full-model grads and optimizer terms shrink by its share (in place)."""
+    if forward_only or not shape.vision_params or w.train_vision or adapted(r, w):
+        return
+    keep = 1.0 - shape.vision_params / shape.params
+    for kind in ("grads", "optimizer"):
+        if kind in state:
+            state[kind] *= keep
+    notes.append(f"{r.name}: vision tower frozen: {shape.vision_params / 1e6:.1f}M of {shape.params / 1e6:.1f}M "
+                 f"parameters get no gradients or optimizer state")
+
+
 def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hardware, forward_only: bool) -> RoleMemory:
     """fsdp / deepspeed / megatron: weights, grads and Adam state by sharding; activations by
     micro-batch, or under a token budget by the largest packed row (the passes' ``Cut``)."""
@@ -87,6 +102,7 @@ def train_engine(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     cost = cost_of(b.engine)
     held = cost.held(r, shape, w, e, forward_only)
     state, layers_held, notes = held.state, held.layers_held, list(held.notes)
+    frozen_tower(r, shape, w, state, notes, forward_only)
     fwd_buffers, train_buffers, step_temp = held.fwd_buffers, held.train_buffers, held.step_temp
     sp = cost.sequence_parallel(r)
     vt = cost.vocab_split(r)  # the logits' split over tp ranks

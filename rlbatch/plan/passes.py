@@ -36,10 +36,10 @@ def pass_tokens(r: RoleLayout, w: Workload, mb: int, s: float) -> tuple[float, f
     shares prompts (its cost model's ``shares_prompts``: rlbatch's fsdp engine) runs each distinct
     prompt once with only its last position's logits, then the responses (all but their last token)
     on its cache: two model calls (``rlbatch.engines.batch``); otherwise every sequence runs whole,
-    logits at every position."""
+    logits at every position. Prompts with images are never shared (their multimodal positions)."""
     distinct = w.distinct_prompts(mb)
     trained = r.name in TRAINABLE_ROLES  # as the ranks decide which engines train (and recompute)
-    if cost_of(r.engine).shares_prompts(r, w, mb, trained):
+    if not w.image_tokens and cost_of(r.engine).shares_prompts(r, w, mb, trained):
         suffix = mb * max(w.response_max - 1, 0)
         return distinct * w.prompt_len + suffix, distinct + suffix, 2
     return mb * s, mb * s, 1

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from rlbatch.placement.table import compress
 from rlbatch.plan.control import control_line
 from rlbatch.plan.predict import Prediction
+from rlbatch.plan.workload import DEFAULT_IMAGE_SIDE
 
 
 def size(n: float) -> str:
@@ -51,7 +52,21 @@ def _header(p: Prediction) -> str:
         f"step batch: {w.sequences} sequences x ({w.prompt_len:g} prompt + {w.response_mean:.3g} mean / "
         f"{w.response_max} max response tokens), {w.mini_batches} mini-batch(es) x {w.epochs} epoch(s), "
         f"grad_accum {w.grad_accum}"
+        + _vision_line(p)
     )
+
+
+def _vision_line(p: Prediction) -> str:
+    """A vision-language model's images: tokens per prompt and the tower's share of the parameters."""
+    s, w, tower = p.shape, p.workload, p.shape.tower
+    if tower is None:
+        return ""
+    state = "trained" if w.train_vision else "frozen: no gradients or optimizer state"
+    side = DEFAULT_IMAGE_SIDE
+    image = f"; image size assumed {side}x{side}, its tokens added to the text's" if w.images_assumed else ""
+    return (f"\nvision tower ({tower.arch}): {count(s.vision_params)} params, {100 * s.vision_params / s.params:.1f}% of "
+            f"the model, {state}; {w.image_tokens:g} image tokens per prompt ({w.image_patches:g} patches, "
+            f"{w.vision_flops / 1e9:.3g} GFLOP forward{image})")
 
 
 def memory_section(p: Prediction) -> str:

@@ -62,7 +62,9 @@ its own namespaces): ~0.05 s on the cpu profile's VM (tools/bench/sandbox.py; do
 
 
 def _fwd_ops(shape: ModelShape, p: int) -> int:
-    return math.ceil(shape.layers / p) * OPS_PER_LAYER_FWD + OPS_PER_MODEL_FWD
+    # a vision tower's blocks (on the first stage) cost about a decoder layer's host work each
+    tower = shape.tower.depth + 1 if shape.tower is not None else 0
+    return (math.ceil(shape.layers / p) + tower) * OPS_PER_LAYER_FWD + OPS_PER_MODEL_FWD
 
 
 def _dp_link(layout: Layout, r: RoleLayout, hw: Hardware) -> tuple[int, comm.Link]:
@@ -138,6 +140,7 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     mult = _train_mult(r, w) if train else 1.0
     tokens, rows, models = cut.tokens, cut.rows, cut.models
     flops = calls * tokens * shape.fwd_flops_per_token(w.seq_len / 2) * mult / (t * p)
+    flops += repeats * seqs * tower_flops(r, w, train) / (t * p)  # prompts with images are never shared
     vocab = 1 if r.name in HEADS else shape.vocab
     rows *= calls
     # Weights are read once per model call (and again in backward); activations stream through
@@ -159,6 +162,13 @@ def forward_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     overlapped, exposed = _engine_comm(r, shape, e, hw, layout, mb, s, train)
     return _finish(r, shape, w, e, hw, layout, train, tensors, opt_bytes, rt, calls, roof, ops, samples,
                    overlapped, exposed)
+
+
+def tower_flops(r: RoleLayout, w: Workload, train: bool) -> float:
+    """FLOPs of a vision-language model's vision tower on one sequence's images in a pass: its
+    forward, and in training its backward only when the tower trains (a frozen tower's inputs need
+    no gradient either)."""
+    return w.vision_flops * (_train_mult(r, w) if train and w.train_vision else 1.0)
 
 
 def _train_mult(r: RoleLayout, w: Workload) -> float:
@@ -189,6 +199,7 @@ def _packed_pass(r: RoleLayout, shape: ModelShape, w: Workload, e: int, hw: Hard
     varlen = varlen_rows(e)  # attention within each sample, no mask; else over the whole row
     ctx = w.prompt_len + w.response_mean if varlen else row
     flops = (tokens * (shape.fwd_flops_per_token(ctx) - lm_head) + head * 2.0 * vocab * shape.hidden) * mult / (t * p)
+    flops += repeats * seqs * tower_flops(r, w, train) / (t * p)
     passes = 2 if train else 1
     mask = 0.0 if varlen else row * row * (1 + 2 * e * math.ceil(shape.layers / p))  # written once, read per layer
     byts = calls * passes * (e * shape.params / (t * p) + mask) + passes * tokens * traffic_per_token(shape, e, t) / p

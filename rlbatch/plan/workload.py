@@ -26,6 +26,9 @@ DEFAULT_PROMPT_LEN = 512
 DEFAULT_RESPONSE_MEAN_FRAC = 0.6
 """Assumed mean response length as a fraction of max_new_tokens when --response-mean is not given:
 RL responses run long-tailed, with the longest at the cap and the mean well below it."""
+DEFAULT_IMAGE_SIDE = 448
+"""Assumed side in pixels of a vision-language prompt's one image when the data set does not say
+(a file dataset): 256 image tokens at Qwen2-VL's 28-pixel merged patches."""
 DEFAULT_ZERO_VARIANCE_FRAC = 0.5
 """Assumed share of generated groups whose rewards are all equal, for dynamic sampling's extra
 generation rounds, when --zero-variance-frac is not given (a run's ``sampling/zero_variance_frac``
@@ -124,6 +127,16 @@ class Workload:
     """The env role's processes (``roles.env.world_size``): each trajectory's start and steps are
     round trips to one of them; 0: envs run on the inference ranks' threads."""
     turns_assumed: bool = False
+    image_tokens: float = 0.0
+    """Vision-language model: image tokens of a prompt (included in ``prompt_len``)."""
+    image_patches: float = 0.0
+    """Patches the vision tower attends over per prompt (image tokens x merge^2)."""
+    vision_flops: float = 0.0
+    """Forward FLOPs of the vision tower on one prompt's images (it runs per sequence in a pass)."""
+    train_vision: bool = False
+    """``model.train_vision``: the tower gets gradients and optimizer state (else frozen)."""
+    images_assumed: bool = False
+    """The image size is ``DEFAULT_IMAGE_SIDE``'s, not the data set's."""
 
     @property
     def seq_len(self) -> float:
@@ -201,6 +214,8 @@ class Workload:
             "turns": self.turns, "turn_response_mean": self.turn_response_mean,
             "observation_len": self.observation_len, "env_step_s": self.env_step_s, "env_workers": self.env_workers,
             "max_staleness": self.max_staleness,
+            **({"image_tokens": self.image_tokens, "image_patches": self.image_patches, "vision_flops": self.vision_flops,
+                "train_vision": self.train_vision, "images_assumed": self.images_assumed} if self.image_tokens else {}),
         }
 
 
@@ -233,6 +248,9 @@ def workload_from_config(
     cap = algo.max_new_tokens
     synthetic = cfg.data.name == "synthetic"
     p = prompt_len if prompt_len is not None else (SYNTHETIC_PROMPT_LEN if synthetic else DEFAULT_PROMPT_LEN)
+    shapes = cfg.data.name == "vlm_shapes" and not cfg.model.path and prompt_len is None
+    if shapes:  # the built-in visual task with the character tokenizer: known text lengths (images added below)
+        p = shapes_prompt_len()
     if response_mean is None:
         mean = DEFAULT_RESPONSE_MEAN_FRAC * cap
     else:
@@ -253,10 +271,11 @@ def workload_from_config(
         recompute=algo.activation_checkpointing,
         generation_rounds=rounds, zero_variance_frac=frac,
         max_staleness=algo.max_staleness,
-        prompt_len_assumed=prompt_len is None and not synthetic,
+        prompt_len_assumed=prompt_len is None and not synthetic and not shapes,
         response_assumed=response_mean is None,
         lora_rank=lora.rank, lora_targets=tuple(lora.target_modules or ("all-linear",)), lora_sync=lora.sync,
     )
+    w = with_images(w, cfg)
     env = cfg.env
     if not env.name:
         return w
@@ -270,3 +289,42 @@ def workload_from_config(
                    env_workers=workers,
                    response_mean=t * gen + (t - 1) * obs, response_max=int(env.max_turns * cap + (env.max_turns - 1) * obs),
                    turns_assumed=turns is None or observation_len is None)
+
+
+def shapes_prompt_len() -> int:
+    """Text tokens of the longest ``vlm_shapes`` question in the character tokenizer: its characters
+    but the placeholder, plus a BOS and the image's start and end markers (its pads: ``with_images``)."""
+    from rlbatch.data.shapes import COLOUR_QUESTION, COUNT_QUESTION, PLACEHOLDER
+
+    return max(len(q.replace(PLACEHOLDER, "")) for q in (COLOUR_QUESTION, COUNT_QUESTION)) + 3
+
+
+def image_size(cfg: RLBatchConfig) -> tuple[int, int, bool]:
+    """(height, width, assumed) of a prompt's image: the built-in visual task's pictures
+    (``data.name=vlm_shapes``), else ``DEFAULT_IMAGE_SIDE`` square, assumed."""
+    if cfg.data.name == "vlm_shapes":
+        from rlbatch.data.shapes import SIZE
+
+        return SIZE, SIZE, False
+    return DEFAULT_IMAGE_SIDE, DEFAULT_IMAGE_SIDE, True
+
+
+def with_images(w: Workload, cfg: RLBatchConfig) -> Workload:
+    """``w`` with a vision-language model's image per prompt: its tokens (the tower's resize bounds,
+    or ``data.min_pixels`` / ``data.max_pixels`` where the data config has them) added to the prompt,
+    the patches and FLOPs of the vision tower, and whether the tower trains. A text model's ``w`` as is."""
+    from rlbatch.models.shape import shape_from_config
+    from rlbatch.models.spec import vlm_arch
+
+    if vlm_arch(cfg.model) is None:
+        return w
+    tower = shape_from_config(cfg.model).tower
+    if tower is None:
+        return w
+    height, width, assumed = image_size(cfg)
+    lo, hi = getattr(cfg.data, "min_pixels", None), getattr(cfg.data, "max_pixels", None)
+    tokens = tower.tokens(height, width, int(lo) if lo else None, int(hi) if hi else None)
+    patches = tokens * tower.merge_size ** 2
+    return replace(w, prompt_len=w.prompt_len + tokens, image_tokens=float(tokens), image_patches=float(patches),
+                   vision_flops=tower.fwd_flops(patches), train_vision=bool(getattr(cfg.model, "train_vision", False)),
+                   images_assumed=assumed)

@@ -10,6 +10,12 @@ trip costs a few MPI barriers rather than a backoff cycle; a phase of hundreds o
 waiting rank SPIN_S of polling and then at most one sleep (1 ms) of extra latency. The yield
 matters when ranks share cores: a spinning waiter hands its slice to the rank it waits for,
 instead of holding the core until the scheduler preempts it (milliseconds).
+
+Long waits back off further (``Patience``): a rank waiting for its next command (``serve``) and
+the controller waiting for a phase's replies (``Call.wait``) sleep up to a fraction of the time
+they have already waited, up to a cap, so an idle rank polls tens of times a second instead of a
+thousand, and the latency this adds stays that fraction of the wait. (OpenMPI's blocking receive
+and probe spin a core while they wait, which is why no wait here blocks in MPI.)
 """
 
 from __future__ import annotations
@@ -58,24 +64,57 @@ MAX_PAUSE_S = 1e-3
 """The longest sleep between polls: the most a reply to a long phase waits to be noticed."""
 
 
-def wait_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
-    """Poll ``done``: spin for SPIN_S with a yield after each poll, then sleep from 50 us
-    doubling to MAX_PAUSE_S; raise ControlTimeout after timeout_s."""
+@dataclass(frozen=True)
+class Patience:
+    """How a wait sleeps between polls once past its spin: from 50 us doubling to MAX_PAUSE_S, and
+    beyond that up to ``fraction`` of the time waited so far, never more than ``cap_s``. A message
+    is noticed at most max(MAX_PAUSE_S, min(fraction x the time waited, cap_s)) after it arrives.
+    Polls of a wait of T seconds past the spin: about 1 / fraction at MAX_PAUSE_S (until the wait
+    reaches MAX_PAUSE_S / fraction), ln(cap_s / MAX_PAUSE_S) / fraction while the sleep grows,
+    then one per cap_s (the default, fraction 0: one per MAX_PAUSE_S throughout)."""
+
+    fraction: float = 0.0
+    cap_s: float = MAX_PAUSE_S
+
+    def pause(self, doubling: float, waited_s: float) -> float:
+        return min(max(doubling, self.fraction * waited_s), max(self.cap_s, MAX_PAUSE_S))
+
+
+PROMPT = Patience()
+"""At most MAX_PAUSE_S between polls, however long the wait: the default."""
+IDLE = Patience(fraction=0.01, cap_s=0.02)
+"""A rank waiting for its next command: a command is noticed within 1% of the rank's idle time
+(1 ms in the first 0.1 s), and at most 20 ms late; an idle rank polls about 50 times a second."""
+CONTROLLER = Patience(fraction=0.002, cap_s=0.005)
+"""The controller waiting for a phase's replies: the last reply is noticed within 0.2% of the
+phase's time (1 ms in its first half second) and at most 5 ms late, on the step's critical path."""
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], str],
+               patience: Patience = PROMPT) -> int:
+    """Poll ``done``: spin for SPIN_S with a yield after each poll, then sleep as ``patience`` says;
+    raise ControlTimeout after timeout_s. Returns the number of polls."""
     start = time.perf_counter()
     spin_until = start + SPIN_S
+    polls = 0
     while True:
+        polls += 1
         if done():
-            return
+            return polls
         if time.perf_counter() >= spin_until:
             break
         os.sched_yield()
     deadline = start + timeout_s
-    pause = 5e-5
-    while not done():
-        if time.perf_counter() > deadline:
+    doubling = 5e-5
+    while True:
+        polls += 1
+        if done():
+            return polls
+        now = time.perf_counter()
+        if now > deadline:
             raise ControlTimeout(f"timed out after {timeout_s:.0f}s waiting for {what()}")
-        time.sleep(pause)
-        pause = min(pause * 2, MAX_PAUSE_S)
+        time.sleep(min(patience.pause(doubling, now - start), deadline - now + 1e-4))  # never far past the deadline
+        doubling = min(doubling * 2, MAX_PAUSE_S)
 
 
 def timed_barrier(comm: MPI.Comm, timeout_s: float, what: str) -> None:
@@ -92,7 +131,8 @@ def timed_bcast(comm: MPI.Comm, obj: T, root: int, timeout_s: float, what: str) 
     return out
 
 
-def recv_obj(comm: MPI.Comm, source: int, tag: int, timeout_s: float | None, what: str) -> Any:
+def recv_obj(comm: MPI.Comm, source: int, tag: int, timeout_s: float | None, what: str,
+             patience: Patience = PROMPT) -> Any:
     """Receive one pickled message; ``timeout_s=None`` waits for ever (still without spinning).
     The message is whatever the sender pickled, untyped as mpi4py's ``recv`` gives it: the caller
     knows what the protocol of ``tag`` sends."""
@@ -106,7 +146,7 @@ def recv_obj(comm: MPI.Comm, source: int, tag: int, timeout_s: float | None, wha
         box.append(msg.recv())
         return True
 
-    wait_until(arrived, float("inf") if timeout_s is None else timeout_s, lambda: what)
+    wait_until(arrived, float("inf") if timeout_s is None else timeout_s, lambda: what, patience)
     return box[0]
 
 
@@ -272,7 +312,7 @@ class Call:
             return f"{self.label}: {NO_REPLY} " + "; ".join(self.ctl.describe(r) for r in self.ranks if r not in self.replies)
 
         try:
-            wait_until(done, self.timeout_s, silent)
+            wait_until(done, self.timeout_s, silent, CONTROLLER)
         except ControlTimeout as e:
             raise ControlTimeout(str(e), tuple(r for r in self.ranks if r not in self.replies)) from None
         replies = self.replies
@@ -303,7 +343,7 @@ def serve(comm: MPI.Comm, controller_rank: int, handlers: Mapping[str, Callable[
     import traceback
 
     while True:
-        cmd, kwargs = recv_obj(comm, controller_rank, CMD_TAG, None, "the next command")
+        cmd, kwargs = recv_obj(comm, controller_rank, CMD_TAG, None, "the next command", IDLE)
         if cmd == "shutdown":
             if "shutdown" in handlers:
                 handlers["shutdown"]()

@@ -20,9 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 INT_FIELDS = frozenset(("prompt", "response"))
 """Sample fields of token ids (moved as integers); every other field is a float tensor."""
@@ -145,8 +149,16 @@ class Traffic:
                 self.bytes += _size(m, fields) * torch.empty(0, dtype=dtype).element_size()
 
 
-def exchange(store: SampleStore, rank: int, moves: list[Move]) -> dict[str, float]:
-    """Do this rank's part of ``moves``: post every send and receive (CPU buffers), then wait for all."""
+def exchange(store: SampleStore, rank: int, moves: list[Move], comm: MPI.Comm | None = None,
+             timeout_s: float = 600.0) -> dict[str, float]:
+    """Do this rank's part of ``moves``: post every send and receive (CPU buffers), then wait for all.
+    ``comm``: the world's MPI transport (``World.data_comm``) in a run with no torch.distributed
+    world; the same messages go over MPI (``rlbatch.runtime.mpi_dataplane``), waited for at most
+    ``timeout_s``, and arrive as tensors viewing their message's buffer, as here."""
+    if comm is not None:
+        from rlbatch.runtime import mpi_dataplane
+
+        return mpi_dataplane.exchange(store, rank, moves, comm, torch.from_numpy, timeout_s)
     start = time.perf_counter()
     reqs, inbox = [], []
     sent = received = 0

@@ -7,6 +7,14 @@ happens in the same order everywhere. Spare Slurm slots get ``None`` and exit.
     data plane     torch.distributed: the global group, one group per role, a DeviceMesh per GPU
                    role with named axes, and the actor_train -> actor_infer weight-sync group
 
+A run none of whose engines needs torch.distributed (``EngineSpec.needs_torch_world``: False for
+the ``sleep`` engines of ``tools/bench/scale.py``) and whose weight sync stays within each rank
+(actor_infer's ranks among actor_train's) starts no torch.distributed world at all
+(``needs_torch_world``): no groups, no meshes, no rendezvous, no gloo connections (a full mesh of
+sockets per group); its samples move over MPI (``World.data_comm``, ``rlbatch.runtime.mpi_dataplane``).
+Any other run keeps the torch world and its data plane exactly as above: the transport is chosen
+once per run, the same on every rank, from the placement.
+
 Collective timeouts: the global group and the weight-sync group time out after ``timeout_s``
 (``cluster.timeout_s``). The role groups, mesh axes and subgroups start with torch's defaults (30
 minutes on gloo, 10 on NCCL): engines built at start-up run collectives in them while a peer is
@@ -89,6 +97,9 @@ class World:
     """World ranks of every role (and SYNC)."""
     subgroups: dict[str, dict[str, ProcessGroup]] = field(default_factory=dict)
     """This process's groups beyond the mesh axes, per role (``rlbatch.placement.subgroups``)."""
+    data_comm: MPI.Comm | None = None
+    """The data plane's transport: None, torch.distributed (``rlbatch.runtime.dataplane``); an MPI
+    communicator (``comm``), in a run with no torch world (``needs_torch_world``)."""
 
     @property
     def rank(self) -> int:
@@ -216,6 +227,18 @@ def _ffn_mesh(role: RolePlacement) -> tuple[torch.Tensor, tuple[str, ...]] | Non
     return torch.tensor(role.gpu_ranks, dtype=torch.int64).reshape(f.p, f.d, f.e, f.t), ("pp", "dp", "ep", "tp")
 
 
+def needs_torch_world(p: Placement) -> bool:
+    """Whether the run needs torch.distributed (module doc): some role's engine does
+    (``EngineSpec.needs_torch_world``, the registry's word, never the engine's name), or the
+    weights are broadcast from actor_train to actor_infer ranks that do not hold the trainer."""
+    from rlbatch.engines.registry import spec_of
+
+    if any(spec_of(role.engine).needs_torch_world for role in p.roles.values() if role.is_gpu):
+        return True
+    train, infer = p.roles.get("actor_train"), p.roles.get("actor_infer")
+    return train is not None and infer is not None and not set(infer.gpu_ranks) <= set(train.gpu_ranks)
+
+
 def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s: float = 600.0,
                 port_range: tuple[int, int] = (20000, 40000)) -> World | None:
     """Create every communicator, group and mesh. Collective over all processes (spares included)."""
@@ -238,6 +261,9 @@ def build_world(p: Placement, env: SchedulerEnv, device: str = "auto", timeout_s
             role_comms[name] = c
 
     dev = pick_device(p, slot, device, env.cuda_visible_devices)
+    if not needs_torch_world(p):  # the same answer on every rank: the placement decides
+        log.info("rank %d: no torch.distributed world (no role needs one); samples move over MPI", slot.world_rank)
+        return World(p, slot, comm, role_comms, {}, {}, dev, timeout_s, members, data_comm=comm)
     any_cuda = comm.allreduce(1 if dev.type == "cuda" else 0, op=MPI.SUM) > 0
     backend = "cpu:gloo,cuda:nccl" if any_cuda else "gloo"
     addr: str | None = None

@@ -264,7 +264,7 @@ def test_a_riding_reference_splits_each_workers_samples_over_its_shards_with_not
     pipe.produced = lambda ranks, sid, field, length: produced.__setitem__((sid, field), (ranks, length))
     pipe.length = {(sid, "response"): 5 + sid for sid in range(4)}
     ro = Rollouts([0, 1, 2, 3], ["a"] * 4, 2, {}, {})
-    gen = SimpleNamespace(ids_of={(1, 2): [0, 1, 2, 3]}, result=lambda: ro)
+    gen = SimpleNamespace(ids_of={(1, 2): [0, 1, 2, 3]}, result=lambda: ro, kept=None)
     rider = rider_for(r["actor_infer"], r["reference"])
     assert rider is not None
     ahead = Ahead(gen, rider)  # type: ignore[arg-type]
@@ -275,8 +275,9 @@ def test_a_riding_reference_splits_each_workers_samples_over_its_shards_with_not
                         (2, "ref_logprobs"): (2, 7), (3, "ref_logprobs"): (2, 8)}
 
 
-@pytest.mark.parametrize(("correction", "fields"), [("none", ["loss_mask", "prompt", "response"]),
-                                                   ("tis", ["behaviour_logprobs", "loss_mask", "prompt", "response"])])
+@pytest.mark.parametrize(("correction", "fields"), [
+    ("none", ["image_grid_thw", "loss_mask", "pixel_values", "prompt", "response"]),
+    ("tis", ["behaviour_logprobs", "image_grid_thw", "loss_mask", "pixel_values", "prompt", "response"])])
 def test_the_trainer_takes_off_the_inference_ranks_every_field_it_will_read(correction: str, fields: list[str]) -> None:
     """``receive`` moves what the trainer's phases read, its objective's extra reads included (the
     behaviour log-probs of a correction): otherwise its training phase would fetch them from an

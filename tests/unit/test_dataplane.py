@@ -72,7 +72,7 @@ def test_both_ends_of_a_move_post_cpu_buffers_whatever_their_devices(monkeypatch
     runtimes = {}
     for r, dev in devices.items():
         rt = object.__new__(RankRuntime)  # only what a move touches: the store and the world
-        rt.store, rt.world = SampleStore(), SimpleNamespace(rank=r, device=dev, timeout_s=60.0)
+        rt.store, rt.world = SampleStore(), SimpleNamespace(rank=r, device=dev, timeout_s=60.0, data_comm=None)
         runtimes[r] = rt
     sample = {"prompt": torch.tensor([5, 6, 7]), "response": torch.tensor([8, 9]),
               "behaviour_logprobs": torch.tensor([-0.5, -1.5])}

@@ -19,15 +19,18 @@ phase seconds: generation on the inference rank against training on the trainer)
 --out, and ends with one line: ``async speedup: N.NNx`` (staleness 1 against synchronous).
 
 ``--in-flight`` compares three settings in one run: synchronous, asynchronous (staleness 1) and
-asynchronous with weights landing mid-generation (``algo.in_flight_updates=true``, staleness 1),
-all on the same placement, and ends with ``in-flight speedup: N.NNx`` (against synchronous), after
-the same figure against asynchronous.
+asynchronous with weights landing mid-generation and partial rollouts (``algo.in_flight_updates=true
+algo.partial_rollouts=true``, staleness 2: a step's batch is the first groups to finish, long
+samples go on into later steps' batches), all on the same placement, and ends with ``in-flight
+speedup: N.NNx`` (against synchronous), after the same figure against asynchronous.
 
-``--workload long-tail``: the default task with up to ``--long-tail-tokens`` (128) new tokens. The
-random-initialised policy stops at its end-of-sequence token about once in the vocabulary's 18
-tokens, so response lengths are about geometric: most samples end within a few dozen tokens and a
-few run several times longer, and each batch's generation waits for its longest. The table reports
-each setting's median mean and longest response (``len``, ``max``), so the tail is visible.
+``--workload long-tail``: the default task with up to ``--long-tail-tokens`` (256) new tokens and
+a smaller batch (``--prompts 4 --samples 8`` unless given), so that generation, not training, sets
+the pace of a synchronous step. The random-initialised policy stops at its end-of-sequence token
+about once in the vocabulary's 18 tokens, so response lengths are about geometric: most samples
+end within a few dozen tokens and a few run several times longer, and each batch's generation
+waits for its longest. The table reports each setting's median mean and longest response
+(``len``, ``max``), so the tail is visible.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (16; long-tail: 4)")
+    p.add_argument("--samples", type=int, default=None, help="samples per prompt (8)")
     p.add_argument("--threshold", type=float, default=0.8)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / ".bench-runs" / "async")
@@ -68,12 +71,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--workload", choices=("default", "long-tail"), default="default",
                    help="long-tail: up to --long-tail-tokens new tokens, lengths about geometric (a few samples "
                         "much longer than the rest)")
-    p.add_argument("--long-tail-tokens", type=int, default=128)
+    p.add_argument("--long-tail-tokens", type=int, default=256)
     p.add_argument("--in-flight", action="store_true",
                    help="compare synchronous, asynchronous and asynchronous with in-flight weight updates")
     a = p.parse_args()
-    if a.workload == "long-tail":
+    long_tail = a.workload == "long-tail"
+    if long_tail:
         a.max_new_tokens = a.long_tail_tokens
+    a.prompts = a.prompts if a.prompts is not None else 4 if long_tail else 16
+    a.samples = a.samples if a.samples is not None else 8
     return a
 
 
@@ -83,9 +89,11 @@ Setting = tuple[str, int, list[str]]
 
 def settings_of(a: argparse.Namespace) -> list[Setting]:
     """The settings compared: synchronous and each staleness, or with ``--in-flight`` synchronous,
-    asynchronous and asynchronous with in-flight updates (staleness 1)."""
+    asynchronous (staleness 1) and asynchronous with in-flight updates and partial rollouts
+    (staleness 2: one step's generation ahead, and one more step a long sample may stay in flight)."""
     if a.in_flight:
-        return [("sync", 0, []), ("async", 1, []), ("async+in-flight", 1, ["algo.in_flight_updates=true"])]
+        return [("sync", 0, []), ("async", 1, []),
+                ("async+in-flight", 2, ["algo.in_flight_updates=true", "algo.partial_rollouts=true"])]
     return [(f"max_staleness={k}", k, []) for k in [0, *(int(x) for x in a.staleness.split(",") if x)]]
 
 
@@ -118,9 +126,10 @@ def summary(rows: list[dict[str, Any]], warmup: int, threshold: float) -> dict[s
     reached = next((k for k in range(2, len(reward)) if sum(reward[k - 2 : k + 1]) / 3 >= threshold), None)
     med = {k: statistics.median(r.get(k, 0.0) for r in timed)
            for k in ("time/step", "time/generate", "time/ref_logprobs", "time/train", "overlap/generate_train",
-                     "idle/actor_infer", "idle/actor_train", "response_len_mean", "tokens/response_max")}
+                     "idle/actor_infer", "idle/actor_train", "response_len_mean", "tokens/response_max",
+                     "train/mixed_version_frac")}
     return {"samples_per_s": samples / seconds, "median": med, "reward_first": reward[0], "reward_last": reward[-1],
-            "reached_step": reached,
+            "reached_step": reached, "stale_dropped": sum(r.get("train/stale_dropped", 0.0) for r in rows),
             "reached_samples": None if reached is None else sum(r["samples"] for r in rows[: reached + 1]),
             "staleness": sorted({r.get("train/staleness", 0.0) for r in rows})}
 
@@ -172,7 +181,8 @@ def main() -> None:
     print(f"\nworkload ({a.workload}): {' '.join(overrides(a, 0))}  (samples/s over steps {a.warmup}..{a.steps - 1}, "
           f"median of {a.repeats} launch(es) per setting)")
     print(f"{'setting':18} {'samples/s':>9} {'step s':>7} {'gen s':>6} {'ref s':>6} {'train s':>7} {'overlap':>7} "
-          f"{'idle inf':>8} {'idle trn':>8} {'len':>5} {'max':>4} {'reward':>13} {f'>= {a.threshold} at':>14} staleness")
+          f"{'idle inf':>8} {'idle trn':>8} {'len':>5} {'max':>4} {'mixed':>5} {'drop':>4} {'reward':>13} "
+          f"{f'>= {a.threshold} at':>14} staleness")
     for name, res in results.items():
         e = res["runs"][0]
         m = e["median"]
@@ -181,6 +191,7 @@ def main() -> None:
               f"{m['time/ref_logprobs']:6.2f} "
               f"{m['time/train']:7.2f} {m['overlap/generate_train']:7.2f} {m['idle/actor_infer']:8.2f} "
               f"{m['idle/actor_train']:8.2f} {m['response_len_mean']:5.1f} {m['tokens/response_max']:4.0f} "
+              f"{m['train/mixed_version_frac']:5.2f} {e['stale_dropped']:4.0f} "
               f"{e['reward_first']:5.2f} -> {e['reward_last']:4.2f} {at:>14} {e['staleness']}")
     (a.out / "results.json").write_text(json.dumps({"workload": overrides(a, 0), "settings": settings,
                                                     "results": results}, indent=1))

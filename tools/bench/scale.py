@@ -11,6 +11,12 @@ per call, responses of ``--response-tokens`` tokens) on every GPU rank for actor
 actor_infer and the reference, and one CPU reward worker. ``--samples`` is samples per GPU rank
 per step (prompts_per_step x samples_per_prompt = that x ranks, 4 samples a prompt).
 
+The ranks are as light as the runtime allows: the sleep engines need no torch.distributed world
+(``EngineSpec.needs_torch_world``), so none is started and the samples move over MPI
+(``rlbatch.runtime.mpi_dataplane``); and every rank of the node is forked from one process that
+has imported torch already (``RLBATCH_FORKSERVER=1``, ``rlbatch.runtime.zygote``), so the ranks
+share those pages instead of holding ~150 MB each (``--no-forkserver``: every rank on its own).
+
 The controller appends a snapshot at every step's start (``RLBATCH_CONTROL_STATS``:
 ``rlbatch.runtime.control.Controller.mark``): wall and CPU seconds, RSS, the control plane's
 counters (commands and replies, their pickled bytes) and the data plane's (rank-to-rank messages
@@ -24,7 +30,9 @@ per world size and samples per rank:
   ctl msgs, KB    messages and bytes a step through the controller (commands + replies)
   r2r msgs, KB    messages and bytes a step rank to rank (sample moves)
   start s         launch to the first step (mpiexec, imports, world, engines, ready)
-  pss MB/rank     the job's proportional memory (PSS, shared libraries split) per process, peak
+  pss MB/rank     the job's proportional memory (PSS, shared pages split), every process of it (the
+                  ranks, and with the forkserver their stubs and the node's zygote), per rank of the
+                  world (GPU ranks, the reward worker, the controller), at its peak
 
 The last line: ``scale: <N> ranks, control overhead <X> ms a step = <P>% of a 30 s step; predicted
 <Q>% at 4096 ranks`` (the largest size run, the fit of ``rlbatch.plan.control``).
@@ -32,7 +40,7 @@ The last line: ``scale: <N> ranks, control overhead <X> ms a step = <P>% of a 30
 The control overhead is the controller's CPU time a step. The controller is one process on the
 critical path of every step; with a core per rank (a real node) its CPU time plus a round trip per
 phase is what the ranks wait for it. On a machine with fewer cores than processes (2 cores for up
-to 66 processes here) the step's wall time is instead the sum of every process's work shared out
+to 258 processes here) the step's wall time is instead the sum of every process's work shared out
 over the cores: it is printed, and it bounds nothing on a cluster.
 """
 
@@ -54,12 +62,17 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from rlbatch.plan.control import ControlModel, Point, fit  # noqa: E402
+from rlbatch.runtime.zygote import ENV as ZYGOTE_ENV  # noqa: E402
 
 STEP_S = 30.0
 """The step the overhead is judged against."""
 GPUS_PER_NODE = 8
 PSS_MB_PER_PROCESS = 220
-"""A rank of a running job, measured here (190-220 MB PSS: torch's import alone is ~150 MB private)."""
+"""A rank of a running job started on its own, measured here (190-220 MB PSS: torch's import alone is
+~150 MB private); ``--no-forkserver``."""
+PSS_MB_PER_FORKED = 45
+"""A rank forked from its node's zygote (``rlbatch.runtime.zygote``, the default here), with its
+stub: the pages of torch's import shared by all."""
 SAMPLES_PER_PROMPT = 4
 
 
@@ -77,7 +90,7 @@ class Result:
     r2r_msgs: float
     r2r_kb: float
     start_s: float
-    pss_mb_per_process: float
+    pss_mb_per_rank: float
 
 
 def _descendants(pid: int) -> list[int]:
@@ -152,7 +165,7 @@ def per_step(marks: list[dict[str, float]], key: str) -> float:
     return statistics.mean(deltas) if deltas else float("nan")
 
 
-def memory_problem(ranks: int) -> str | None:
+def memory_problem(ranks: int, forked: bool = True) -> str | None:
     """Why ``ranks`` GPU ranks (and the reward worker and the controller) do not fit in this
     machine's available memory, or None."""
     try:
@@ -160,11 +173,24 @@ def memory_problem(ranks: int) -> str | None:
                         if ln.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return None
-    need_mb = (ranks + 2) * PSS_MB_PER_PROCESS
+    each = PSS_MB_PER_FORKED if forked else PSS_MB_PER_PROCESS
+    need_mb = (ranks + 2) * each
     if need_mb > 0.8 * avail_mb:
-        return (f"--ranks {ranks}: {ranks + 2} processes x ~{PSS_MB_PER_PROCESS} MB = {need_mb} MB, more than 80% of "
+        return (f"--ranks {ranks}: {ranks + 2} processes x ~{each} MB = {need_mb} MB, more than 80% of "
                 f"the {avail_mb} MB available here")
     return None
+
+
+def _every_rank_exited(run_dir: Path, world: int) -> bool:
+    """Every rank's status file says it exited with code 0."""
+    for r in range(world):
+        try:
+            st = json.loads((run_dir / "logs" / f"rank{r}.status").read_text())
+        except (OSError, ValueError):
+            return False
+        if st.get("state") != "exited" or st.get("code") != 0:
+            return False
+    return True
 
 
 def run_one(ranks: int, samples_per_rank: int, args: argparse.Namespace, root: Path) -> Result:
@@ -173,6 +199,7 @@ def run_one(ranks: int, samples_per_rank: int, args: argparse.Namespace, root: P
     stats.unlink(missing_ok=True)
     env = dict(os.environ, RLBATCH_CONTROL_STATS=str(stats), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env[ZYGOTE_ENV] = "0" if args.no_forkserver else "1"
     cmd = [sys.executable, "-m", "rlbatch.launch",
            *overrides(ranks, samples_per_rank, args.steps, args.response_tokens, args.layout, run_dir)]
     start = time.time()
@@ -185,7 +212,12 @@ def run_one(ranks: int, samples_per_rank: int, args: argparse.Namespace, root: P
             watch.stop()
             if proc.poll() is None:
                 proc.kill()
-    if rc != 0:
+    if rc != 0 and _every_rank_exited(run_dir, ranks + 2):
+        # Seen with the forkserver: every rank done and exited 0, then mpiexec reports one of its
+        # processes killed (signal 9) as the job ends. The measurement is complete; say so.
+        print(f"warning: {ranks} ranks: mpiexec exited {rc} after every rank had exited 0 (see "
+              f"{root / (run_dir.name + '.out')})", file=sys.stderr, flush=True)
+    elif rc != 0:
         raise RuntimeError(f"{ranks} ranks, {samples_per_rank} samples/rank: the run failed (exit code {rc}); "
                            f"see {root / (run_dir.name + '.out')}")
     marks = [json.loads(line) for line in stats.read_text().splitlines()]
@@ -199,18 +231,18 @@ def run_one(ranks: int, samples_per_rank: int, args: argparse.Namespace, root: P
         ctl_rss_mb=marks[-1]["rss_kb"] / 1024, ctl_msgs=per_step(marks, "commands") + per_step(marks, "replies"),
         ctl_kb=(per_step(marks, "command_bytes") + per_step(marks, "reply_bytes")) / 1024,
         r2r_msgs=per_step(marks, "data_messages"), r2r_kb=per_step(marks, "data_bytes") / 1024,
-        start_s=marks[0]["wall"] - start, pss_mb_per_process=watch.peak_kb / 1024 / max(watch.procs, 1),
+        start_s=marks[0]["wall"] - start, pss_mb_per_rank=watch.peak_kb / 1024 / (ranks + 2),
     )
 
 
 HEADER = ("ranks", "procs", "smp/rank", "samples", "wall ms", "ctl cpu ms", "ctl rss MB", "ctl msgs", "ctl KB",
-          "r2r msgs", "r2r KB", "start s", "pss MB/proc")
+          "r2r msgs", "r2r KB", "start s", "pss MB/rank")
 
 
 def row(r: Result) -> tuple[str, ...]:
     return (str(r.ranks), str(r.processes), str(r.samples_per_rank), str(r.samples), f"{r.wall_ms:.1f}",
             f"{r.ctl_cpu_ms:.1f}", f"{r.ctl_rss_mb:.0f}", f"{r.ctl_msgs:.0f}", f"{r.ctl_kb:.1f}", f"{r.r2r_msgs:.0f}",
-            f"{r.r2r_kb:.1f}", f"{r.start_s:.1f}", f"{r.pss_mb_per_process:.0f}")
+            f"{r.r2r_kb:.1f}", f"{r.start_s:.1f}", f"{r.pss_mb_per_rank:.0f}")
 
 
 def table(results: list[Result]) -> str:
@@ -237,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     ap.add_argument("--out", type=Path, default=None, help="directory of the runs (default: a temporary one)")
     ap.add_argument("--force", action="store_true", help="run sizes that may not fit in the available memory")
+    ap.add_argument("--no-forkserver", action="store_true",
+                    help="start every rank on its own (each imports torch) instead of forking the ranks of a node "
+                         "from one process that has (rlbatch.runtime.zygote)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.steps < 3:
@@ -244,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.ranks.split(",")]
     if any(n < 1 for n in sizes) or (args.layout == "disaggregated" and any(n < 2 for n in sizes)):
         ap.error(f"--ranks: {sizes}: each at least 1 (2 for --layout disaggregated)")
-    if not args.force and (problems := [p for n in sizes if (p := memory_problem(n))]):
+    if not args.force and (problems := [p for n in sizes if (p := memory_problem(n, not args.no_forkserver))]):
         ap.error("; ".join(problems) + " (--force runs it anyway)")
     root = args.out or Path(tempfile.mkdtemp(prefix="rlbatch-scale-"))
     root.mkdir(parents=True, exist_ok=True)

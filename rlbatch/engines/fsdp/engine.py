@@ -32,7 +32,7 @@ from rlbatch.engines import training as common
 from rlbatch.engines import ulysses
 from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, require_mesh
-from rlbatch.engines.batch import Flat, Packed, pack
+from rlbatch.engines.batch import Flat, Packed, pack, vision_of
 from rlbatch.engines.defaults import (
     GPU_MAX_TOKENS_PER_MICRO_BATCH,
     fsdp_single_unit,
@@ -40,7 +40,7 @@ from rlbatch.engines.defaults import (
 )
 from rlbatch.engines.fsdp import FSDPArgs
 from rlbatch.engines.fsdp import tp as fsdp_tp
-from rlbatch.engines.model import engine_skeleton, model_dtype
+from rlbatch.engines.model import engine_skeleton, freeze_vision, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash, grad_tensors, optimizer_tensors
 from rlbatch.engines.train_state import load_module_state, module_state
 from rlbatch.models import lora
@@ -58,8 +58,11 @@ def _gathered(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers (``model.layers``) of a transformers model, inside PEFT's wrapper or not."""
-    return list(lora.base_model(model).get_submodule("model.layers").children())
+    """The decoder layers of a transformers model, inside PEFT's wrapper or not: ``model.layers``, or
+    a vision-language model's ``model.language_model.layers`` (its vision tower stays in the root unit)."""
+    base = lora.base_model(model)
+    name = "model.language_model.layers" if hasattr(base.get_submodule("model"), "language_model") else "model.layers"
+    return list(base.get_submodule(name).children())
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -99,6 +102,7 @@ class FSDPEngine(StashedState):
         held = held_dtype(str(ctx.model.dtype), ctx.device, ctx.trainable)
         skeleton = engine_skeleton(ctx, held)
         model = skeleton.model
+        freeze_vision(model, bool(ctx.model.train_vision))  # a VLM's tower: no gradient, no optimizer state
         recompute = ctx.trainable and bool(algo.activation_checkpointing)
         if recompute:
             model.gradient_checkpointing_enable()
@@ -144,6 +148,7 @@ class FSDPEngine(StashedState):
         fully_shard(model, **root)  # in place: ``model`` becomes an FSDP module (and is returned)
         assert isinstance(model, FSDPModule)
         self.model = model
+        self.vision = vision_of(model)  # a vision-language model: samples' images reach its forward
         if self.tp > 1:  # 2-D shards: each rank's rows, then its columns
             allocate(model, ctx.device)
             fsdp_tp.materialise(model, skeleton.weights)
@@ -177,7 +182,7 @@ class FSDPEngine(StashedState):
 
     def _pack(self, chunk: list[Sample]) -> Packed:
         b = pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts,
-                 flat=self.max_tokens > 0)
+                 flat=self.max_tokens > 0, vision=self.vision)
         if self.cp_group is not None:  # this rank's slice of the row
             assert isinstance(b.inputs, Flat)
             b = dataclasses.replace(b, inputs=ulysses.split(b.inputs, self.cp_group))

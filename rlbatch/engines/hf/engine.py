@@ -8,22 +8,29 @@ behaviour policy's log-probs, for off-policy corrections.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.batch import distinct_prompts, left_padded, prompt_cache
+from rlbatch.engines.batch import distinct_prompts, left_padded, prompt_cache, vision_of
 from rlbatch.engines.defaults import worth_sharing
 from rlbatch.engines.flat import flatten_parameters, span
 from rlbatch.engines.hf import HFArgs
-from rlbatch.engines.model import load_model, model_dtype
+from rlbatch.engines.model import load_model, load_processor, model_dtype
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
     from transformers.generation.logits_process import LogitsProcessor
+
+    from rlbatch.models.vlm import ImageOnly
+
+
+PromptImages = Sequence[bytes]
+"""A prompt's images, encoded (PNG/JPEG) in placeholder order: what samples carry and what the
+vllm engine takes too (its prompt ids already hold each image's tokens: the processor's)."""
 
 
 class SampledLogprobs:
@@ -71,6 +78,10 @@ class HFInferenceEngine(StashedState):
         self.share_prompts = args.share_prompts
         dtype = model_dtype(ctx.model.dtype, ctx.device)
         self.model = load_model(ctx.model, ctx.tokenizer, ctx.seed, dtype)
+        self.dtype, self.model_cfg = dtype, ctx.model
+        self.vision = vision_of(self.model)
+        self.processor: ImageOnly | None = None
+        """A vision-language model's processor, once a prompt brings images."""
         module: torch.nn.Module = self.model  # transformers' ``to`` (a functools.wraps) is untyped to mypy
         module.to(ctx.device).eval()  # in place: both return the model itself
         flatten_parameters(self.model)  # weight sync can then receive straight into the model
@@ -78,22 +89,34 @@ class HFInferenceEngine(StashedState):
         self.state = Stashes({"params": TensorStash("params", self.model.parameters)})
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: Sequence[PromptImages | None] | None = None) -> list[Generation]:
+        """A response to each prompt. ``images`` (a vision-language model): each prompt's encoded
+        images, empty or None for a prompt without; ``prompts`` are the processor's ids (each image's
+        pad expanded to its tokens: ``rlbatch.data.images.prompt_inputs``)."""
         torch.manual_seed(params.seed)
         out: list[Generation] = []
         for i in range(0, len(prompts), self.max_batch):
-            out += self._generate(prompts[i : i + self.max_batch], params)
+            out += self._generate(prompts[i : i + self.max_batch], params,
+                                  images[i : i + self.max_batch] if images is not None else None)
         return out
 
-    def _generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[Generation]:
+    def _generate(self, prompts: list[list[int]], sp: SamplingParams,
+                  images: Sequence[PromptImages | None] | None = None) -> list[Generation]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         ids, attn = left_padded(prompts, pad)
         width = ids.shape[1]
         # top_k=0 samples from the whole distribution: the policy the PPO ratio assumes (the
         # generation config may default to top-k 50). Temperature and top-p are applied by the
         # recorder (SampledLogprobs), so generate's own warpers are off.
-        kwargs: dict[str, object] = {}
-        cache = self._shared_prompt_cache(prompts, ids, attn)
+        kwargs: dict[str, object] = self._image_kwargs(ids, images)
+        if self.vision is not None:
+            # A Qwen2-VL keeps the rope deltas of its last forward as state, which ``generate`` reads
+            # for its decode positions whenever it starts with a cache; a fresh start computes them.
+            self.model.model.rope_deltas = None
+            cache = None  # the shared prompt cache would start generate with a cache: stale deltas
+        else:
+            cache = self._shared_prompt_cache(prompts, ids, attn)
         if cache is not None:
             kwargs["past_key_values"] = cache
         if sp.stop_strings:
@@ -118,6 +141,29 @@ class HFInferenceEngine(StashedState):
                     row.pop()
             out.append(Generation(row, lp[: len(row)], [sp.version] * len(row)))
         return out
+
+    def _image_kwargs(self, ids: torch.Tensor, images: Sequence[PromptImages | None] | None) -> dict[str, object]:
+        """The image arguments of ``generate`` on the left-padded ``ids``: the rows' images in row
+        order (the model takes them in the order of their image tokens), and where those tokens are."""
+        found = [im for im in images or () if im]
+        if not found:
+            return {}
+        if self.vision is None:
+            raise ValueError(f"{type(self.model).__name__} is not a vision-language model: it cannot read "
+                             f"the images of {len(found)} prompt(s)")
+        from rlbatch.data.images import decode_image, images_key
+
+        if self.processor is None:
+            self.processor = load_processor(self.model_cfg, self.tokenizer)
+        processed: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # a group's prompt once
+        for im in found:
+            if (key := images_key(im)) not in processed:
+                out = self.processor.image_processor(images=[decode_image(b) for b in im], return_tensors="pt")
+                processed[key] = (out["pixel_values"], out["image_grid_thw"])
+        rows = [processed[images_key(im)] for im in found]
+        return {"pixel_values": torch.cat([r[0] for r in rows]).to(self.device, self.dtype),
+                "image_grid_thw": torch.cat([r[1] for r in rows]).to(self.device),
+                "mm_token_type_ids": (ids == self.vision.image_token_id).long().to(self.device)}
 
     def _shared_prompt_cache(self, prompts: list[list[int]], ids: torch.Tensor, attn: torch.Tensor) -> Cache | None:
         """The KV cache of every prompt but its last token, computed once per distinct prompt and

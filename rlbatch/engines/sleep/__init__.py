@@ -40,5 +40,8 @@ class SleepTrainArgs:
     """float32 elements of the weights it exports to the inference engines at each sync."""
 
 
-register(EngineSpec("sleep", EngineKind.INFER, SleepArgs, f"{__name__}.engine:SleepInferenceEngine", dims="d"))
-register(EngineSpec("sleep_train", EngineKind.TRAIN, SleepTrainArgs, f"{__name__}.engine:SleepTrainEngine", dims="d"))
+# Neither runs a collective: colocated, a run of them starts no torch.distributed world.
+register(EngineSpec("sleep", EngineKind.INFER, SleepArgs, f"{__name__}.engine:SleepInferenceEngine", dims="d",
+                    needs_torch_world=False))
+register(EngineSpec("sleep_train", EngineKind.TRAIN, SleepTrainArgs, f"{__name__}.engine:SleepTrainEngine", dims="d",
+                    needs_torch_world=False))

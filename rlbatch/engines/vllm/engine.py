@@ -44,7 +44,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, TypedDict, cast
 
@@ -54,6 +54,7 @@ from rlbatch.engines.base import EngineContext, Generation, SamplingParams, Turn
 from rlbatch.engines.inference import hf_parameter_names, meta_model, rng_kept, tp_peers
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
+from rlbatch.engines.vllm import images as vlm_images
 from rlbatch.engines.vllm.limits import CPU_KV_CACHE_MB, LORA_RANKS
 from rlbatch.engines.vllm.world import PrivateWorld, private_shm_names
 from rlbatch.models import lora
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     from vllm.config.model import ModelDType
     from vllm.logprobs import LogprobsOnePosition
     from vllm.lora.request import LoRARequest
-    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.core_client import InprocClient
     from vllm.v1.worker.gpu_worker import Worker
@@ -115,7 +116,8 @@ def check_tp(shape: dict[str, int], t: int) -> None:
 
 
 def _model_shape(cfg: PretrainedConfig) -> dict[str, int]:
-    """What ``check_tp`` reads from a transformers config."""
+    """What ``check_tp`` reads from a transformers config (a vision-language model's: its text model's)."""
+    cfg = cfg.get_text_config()
     heads = int(cfg.num_attention_heads)
     return {"num_attention_heads": heads, "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
             "intermediate_size": int(cfg.intermediate_size)}
@@ -192,6 +194,7 @@ class _LLMArgs(TypedDict, total=False):
     gpu_memory_utilization: float
     enable_sleep_mode: bool
     async_scheduling: bool
+    limit_mm_per_prompt: dict[str, int]
 
 
 class _AdapterArg(TypedDict, total=False):
@@ -205,6 +208,8 @@ class VLLMEngine:
     """The policy version whose adapters vLLM generates with (0: none yet, the base model)."""
     _lora_request: LoRARequest | None = None
     _stale_prefix = False
+    vlm = False
+    """The model is a vision-language model (Qwen2-VL / Qwen2.5-VL): prompts may carry images."""
     """Weights were loaded while requests held the prefix cache, which vLLM could not reset then."""
     between_steps: Callable[[], int | None] | None = None
     """Set while a generation may take weights mid-way (``algo.in_flight_updates``,
@@ -222,6 +227,13 @@ class VLLMEngine:
         """Weights landed mid-generation: the sequences in flight are prefilled again under them
         (vLLM's ``reset_prefix_cache(reset_running_requests=True)``), else their KV cache is kept."""
         self._requests = 0  # serial of the requests of in-flight generations
+        # partial rollouts (``generate_some``): requests kept across calls
+        self._kept: dict[str, tuple[int, list[int]]] = {}  # request id -> (sample id, token versions so far)
+        self._finished: dict[int, tuple[CompletionOutput, list[int]]] = {}  # finished, not returned yet
+        self._group_done: dict[int, int] = {}  # group id -> its samples finished
+        self._ready: list[int] = []  # whole groups finished, in finishing order, not returned yet
+        self._kept_version = 0  # the weights the kept requests last stepped with
+        self._group = 1  # samples per group of the kept requests
         self.world = PrivateWorld()
         self._turns: set[int] = set()  # keys of turn requests in flight (``submit``, ``poll``)
         # this engine loads adapters (its EngineSpec.loads_adapters)
@@ -234,7 +246,7 @@ class VLLMEngine:
 
             path = str(ctx.model.path)
             check_tp(_model_shape(AutoConfig.from_pretrained(path)), t)
-            self.expected = hf_parameter_names(ctx.model)
+            self.expected = vlm_images.parameter_names(ctx.model) or hf_parameter_names(ctx.model)
             if self.lora is not None:
                 self.expected_adapters = lora.adapter_shapes(meta_model(ctx.model), self.lora)
         else:  # random init: the same weights as every other role's (same seed), in a directory for vLLM
@@ -245,6 +257,7 @@ class VLLMEngine:
             with self.world.active():  # transformers saves on torch rank 0 only, when a world exists
                 model.save_pretrained(tmp)
                 ctx.tokenizer.save_pretrained(tmp)
+                vlm_images.save_processor(ctx.model, ctx.tokenizer, tmp)  # a VLM's processor files
             if self.lora is not None:  # wraps the model in place: after it is saved
                 self.expected_adapters = lora.adapter_shapes(model, self.lora)
             del model
@@ -263,6 +276,9 @@ class VLLMEngine:
             kwargs["max_model_len"] = a.max_model_len
         if self.lora is not None:  # one adapter at a time: the current policy version's
             kwargs |= {"enable_lora": True, "max_lora_rank": max_lora_rank(int(self.lora.rank)), "max_loras": 1}
+        self.vlm = vlm_images.is_vlm_dir(path)
+        if self.vlm:  # images per prompt, no video (rlbatch.engines.vllm.images)
+            kwargs["limit_mm_per_prompt"] = vlm_images.MM_LIMITS
         if a.kv_cache_mb or self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = (a.kv_cache_mb or CPU_KV_CACHE_MB) << 20
         if not self.on_cpu:
@@ -310,28 +326,32 @@ class VLLMEngine:
     # -- generation ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        from vllm.inputs import TokensPrompt
-
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: Sequence[Sequence[vlm_images.ImageLike]] | None = None) -> list[Generation]:
+        """``images``: each prompt's images (PIL or encoded bytes; ``prompts`` are the processor's ids,
+        ``rlbatch.engines.vllm.images``), or None for text prompts."""
         self._check_no_partial_sync()
         self._check_awake()
         if self._stale_prefix:  # nothing runs now: the blocks of the previous weights can go
             with self.world.active():
                 self._stale_prefix = self.llm.reset_prefix_cache() is False
         if self.between_steps is not None:
+            if images is not None:
+                raise NotImplementedError("vllm engine: image prompts with weights landing mid-generation")
             return self._generate_in_flight(prompts, params, self.between_steps)
-        groups: dict[tuple[int, ...], list[int]] = {}  # distinct prompt -> positions in ``prompts``
-        for i, p in enumerate(prompts):
-            groups.setdefault(tuple(p), []).append(i)
+        groups = vlm_images.group_prompts(prompts, images)  # distinct prompt (ids, images) -> positions
         greedy = params.temperature <= 0
         # vLLM refuses n>1 when greedy: a greedy group is its prompt's copies as requests of n=1
         # (all the same answer; the prefix cache still shares the prompt).
         units = [[r] for rows in groups.values() for r in rows] if greedy else list(groups.values())
-        requests = [TokensPrompt(prompt_token_ids=list(prompts[rows[0]])) for rows in units]
+        requests = vlm_images.requests(prompts, images, [rows[0] for rows in units],
+                                       self.tokenizer if images is not None else None)
         sampling = [_sampling(params, len(rows)) for rows in units]
         torch.manual_seed(params.seed)  # vLLM's sampler draws from the process RNG
         with self.world.active():
             outputs = self.llm.generate(requests, sampling, use_tqdm=False, **self._adapter())
+        if images is not None:  # vLLM expanded each image's pad to the processor's prompt
+            vlm_images.check_prompts(prompts, images, [rows[0] for rows in units], [o.prompt_token_ids for o in outputs])
         out: list[Generation | None] = [None] * len(prompts)
         for rows, result in zip(units, outputs, strict=True):
             for row, completion in zip(rows, sorted(result.outputs, key=lambda c: c.index), strict=True):
@@ -369,7 +389,9 @@ class VLLMEngine:
                     version = landed
                     if self.recompute_kv:
                         self.llm.reset_prefix_cache(reset_running_requests=True)
-                for result in engine.step():
+                results = engine.step()
+                self._step_kept(results, version)  # partial rollouts' kept requests step along
+                for result in results:
                     if result.request_id not in rows:
                         continue
                     completion = cast("RequestOutput", result).outputs[0]
@@ -378,6 +400,83 @@ class VLLMEngine:
                     if result.finished:
                         done[result.request_id] = completion
         return [_generation(done[rid], stamps[rid]) for rid in sorted(rows, key=rows.__getitem__)]
+
+    @torch.no_grad()
+    def generate_some(self, keys: list[int], prompts: list[list[int]], params: SamplingParams, group: int,
+                      take: int) -> list[tuple[int, Generation]]:
+        """Partial rollouts (``algo.partial_rollouts``): one request per sample (``keys``: the sample
+        ids, ``group`` consecutive ids of one prompt) joins the requests kept from earlier calls, and
+        the engine steps until ``take`` whole groups have finished. Those are returned (the first
+        to finish; on a tie, the lower group id first), sorted by sample id. The rest stay in the
+        engine: unfinished requests are not stepped until the next call goes on with them (under
+        whatever weights landed meanwhile), finished groups past ``take`` wait for the next call.
+        Each token carries the version of the weights that sampled it: a kept sample's tokens may
+        span several versions. Weights land between steps as in ``generate`` (``between_steps``)."""
+        from vllm.inputs import TokensPrompt
+
+        self._check_no_partial_sync()
+        self._check_awake()
+        if take < 0 or group < 1:
+            raise ValueError(f"generate_some: take {take} must be >= 0 and group {group} >= 1")
+        engine = self.llm.llm_engine
+        with self.world.active():
+            if self._stale_prefix:  # resets only once no request holds blocks (no kept request left)
+                self._stale_prefix = self.llm.reset_prefix_cache() is False
+            if self.recompute_kv and self._kept and params.version != self._kept_version:
+                self.llm.reset_prefix_cache(reset_running_requests=True)  # weights loaded between calls
+            sampling = _sampling(params, 1)  # cumulative outputs: the tokens so far after every step
+            torch.manual_seed(params.seed)  # vLLM's sampler draws from the process RNG
+            for key, prompt in zip(keys, prompts, strict=True):
+                rid = f"part-{key}"
+                if rid in self._kept or key in self._finished:
+                    raise ValueError(f"generate_some: sample {key} is already kept by the engine")
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), sampling, **self._adapter())
+                self._kept[rid] = (key, [])
+        version = params.version
+        self._group = group
+        while len(self._ready) < take:
+            if not self._kept:
+                raise RuntimeError(f"generate_some: {len(self._ready)} whole groups of {group} finished and no request "
+                                   f"is left to finish {take}")
+            landed = self.between_steps() if self.between_steps is not None else None
+            with self.world.active():
+                if landed is not None:
+                    version = landed
+                    if self.recompute_kv:
+                        self.llm.reset_prefix_cache(reset_running_requests=True)
+                self._step_kept(engine.step(), version)
+        self._kept_version = version
+        out: list[tuple[int, Generation]] = []
+        for g in self._ready[:take]:
+            del self._group_done[g]
+            for key in sorted(k for k in self._finished if k // group == g):
+                completion, stamps = self._finished.pop(key)
+                out.append((key, _generation(completion, stamps)))
+        self._ready = self._ready[take:]
+        return sorted(out, key=lambda kg: kg[0])
+
+    def _step_kept(self, results: list[RequestOutput | PoolingRequestOutput], version: int) -> None:
+        """Record an engine step's tokens of the kept requests (sampled by ``version``), and the
+        groups it finished whole (``_ready``, lower group id first)."""
+        whole: list[int] = []
+        for result in results:
+            if result.request_id not in self._kept:
+                continue
+            key, stamps = self._kept[result.request_id]
+            completion = cast("RequestOutput", result).outputs[0]
+            stamps += [version] * (len(completion.token_ids) - len(stamps))
+            if result.finished:
+                del self._kept[result.request_id]
+                self._finished[key] = (completion, stamps)
+                g = key // self._group
+                self._group_done[g] = self._group_done.get(g, 0) + 1
+                if self._group_done[g] == self._group:
+                    whole.append(g)
+        self._ready += sorted(whole)
+
+    def kept(self) -> int:
+        """Samples the engine keeps across ``generate_some`` calls: unfinished, or finished and not returned."""
+        return len(self._kept) + len(self._finished)
 
     # -- turns: requests that join and leave the running batch (rlbatch.engines.base.Turns) -------
 
@@ -437,6 +536,8 @@ class VLLMEngine:
                 self._weights_lost = False
                 # refused while requests hold blocks (weights landed mid-generation): done before the next
                 self._stale_prefix = self.llm.reset_prefix_cache() is False
+                if self.vlm:  # vLLM keeps images' vision-tower outputs by image across requests
+                    self.llm.llm_engine.reset_encoder_cache()
         return sum(t.numel() * t.element_size() for _, t in chunk)
 
     def weight_views(self, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
@@ -679,7 +780,9 @@ def _reprocess_cpu_experts(model: torch.nn.Module) -> None:
 def _reprocess_tied_head(model: torch.nn.Module) -> None:
     """A tied lm_head shares the embedding's weight but is a layer of its own, which the reload
     never sees load anything: on CPU it keeps the GEMM kernel packed from the old weight at start-up
-    (``dispatch_cpu_unquantized_gemm``). Re-run its post-load processing from the shared weight."""
+    (``dispatch_cpu_unquantized_gemm``). Re-run its post-load processing from the shared weight.
+    A vision-language model (Qwen2-VL) holds the head in its ``language_model``."""
+    model = getattr(model, "language_model", model)
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
