@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from rlbatch.config.schema import LoraConfig, ModelConfig, RLBatchConfig
 from rlbatch.engines.registry import REGISTRY, spec_of
 from rlbatch.models.lora import ALL_LINEAR, SYNC_FORMS
+from rlbatch.models.spec import vlm_arch
 from rlbatch.placement.backend import RoleEngine
 
 
@@ -38,7 +39,8 @@ def lora_problems(cfg: RLBatchConfig, engines: Sequence[RoleEngine]) -> list[str
         return problems
     linear, tied = layers
     if absent := [t for t in targets if t not in linear]:
-        problems.append(f"model.lora.target_modules: {absent} name no linear layer of the model; its linear layers: "
+        model = "the language model (a vision-language model's tower gets no adapters)" if vlm_arch(cfg.model) else "the model"
+        problems.append(f"model.lora.target_modules: {absent} name no linear layer of {model}; its linear layers: "
                         f"{sorted(linear)}")
     if shared := [t for t in targets if t in tied]:
         untie = ("set model.tie_word_embeddings=false" if not cfg.model.path
@@ -53,17 +55,31 @@ def lora_problems(cfg: RLBatchConfig, engines: Sequence[RoleEngine]) -> list[str
 def _linear_layers(model_cfg: ModelConfig) -> tuple[set[str], dict[str, str]] | None:
     """The last names of the model's linear layers, and those among them whose weight is another
     module's too (an LM head tied to the input embedding) with that module's weight's name; built on
-    meta (no memory). None when the model cannot be built here (its own checks say why)."""
+    meta (no memory). A vision-language model's: its language model's (adapters never go on its
+    vision tower, ``rlbatch.models.lora.VISION_MODULES``). None when the model cannot be built here
+    (its own checks say why)."""
     import torch
 
+    from rlbatch.models.lora import has_vision
+
+    vlm = vlm_arch(model_cfg)
     try:
         from rlbatch.models.spec import char_vocab_size
 
         if model_cfg.path:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+            auto = AutoModelForImageTextToText if vlm is not None else AutoModelForCausalLM
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
+                model = auto.from_config(AutoConfig.from_pretrained(model_cfg.path))
+        elif vlm is not None:
+            from rlbatch.engines.model import load_tokenizer
+            from rlbatch.models.spec import spec_from_model_config
+            from rlbatch.models.vlm import VisionSpec, vlm_skeleton
+
+            tok = load_tokenizer(model_cfg)
+            model = vlm_skeleton(spec_from_model_config(model_cfg, vocab=len(tok)), VisionSpec(), tok,
+                                 "qwen2_5_vl" if vlm == "qwen2_5_vl" else "qwen2_vl")
         else:
             from rlbatch.models.spec import spec_from_model_config
             from rlbatch.models.tiny import tiny_skeleton
@@ -76,8 +92,9 @@ def _linear_layers(model_cfg: ModelConfig) -> tuple[set[str], dict[str, str]] | 
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     linear, tied = set(), {}
+    tower = "model.visual." if has_vision(model) else None
     for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
+        if isinstance(m, torch.nn.Linear) and not (tower and name.startswith(tower)):
             last = name.rsplit(".", 1)[-1]
             linear.add(last)
             if others := [n for n in names.get(id(m.weight), []) if n != f"{name}.weight"]:

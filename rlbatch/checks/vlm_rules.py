@@ -8,11 +8,19 @@ import importlib.util
 from collections.abc import Sequence
 
 from rlbatch.config.schema import ModelConfig, RLBatchConfig
+from rlbatch.engines.registry import spec_of
+from rlbatch.models.lora import sync_form
 from rlbatch.models.spec import vlm_arch
 from rlbatch.placement.backend import RoleEngine
 
-IMAGE_ENGINES = ("hf", "fsdp")
+IMAGE_ENGINES = ("hf", "fsdp", "deepspeed")
 """Engines that run a vision-language model (generate from, or train on, prompts with images)."""
+
+NO_IMAGE_PATH = {
+    "megatron": "its model is Megatron-Core's GPT built from a Hugging Face text decoder's weights: it has no "
+                "Qwen2-VL weight mapping and no vision tower (nor the multimodal rotary positions)",
+}
+"""Why an engine does not run a vision-language model, where there is more to say than that it does not."""
 
 VLLM_IMAGE_PLUGIN = "rlbatch.engines.vllm.vlm_plugin"
 """The module that lets vLLM's CPU build load Qwen2-VL without torchvision: vLLM runs a VLM where it is built."""
@@ -29,7 +37,8 @@ def image_engines() -> tuple[str, ...]:
 
 def vlm_problems(cfg: RLBatchConfig, engines: Sequence[RoleEngine]) -> list[str]:
     """With a vision-language policy: each role whose engine has no image path, context parallelism,
-    LoRA adapters, and a critic or a reward model built from the policy."""
+    what LoRA adapters do not take (``vlm_lora_problems``), and a critic or a reward model built from
+    the policy."""
     arch = vlm_arch(cfg.model)
     if arch is None:
         return []
@@ -41,18 +50,38 @@ def vlm_problems(cfg: RLBatchConfig, engines: Sequence[RoleEngine]) -> list[str]
             problems.append(f"roles.{e.role}: {what}: a {e.role} model built from a vision-language policy is not built "
                             f"in this build (a rule reward, roles.reward.world_size, and critic-free algorithms are)")
         elif e.backend.engine not in ok:
+            why = f" ({NO_IMAGE_PATH[e.backend.engine]})" if e.backend.engine in NO_IMAGE_PATH else ""
             problems.append(f"roles.{e.role}.backend: {e.backend.engine}: {what}, and the {e.backend.engine} engine "
-                            f"does not run vision-language models in this build; use one of {', '.join(ok)}")
+                            f"does not run vision-language models in this build{why}; use one of {', '.join(ok)}")
         elif e.backend.engine == "fsdp" and e.backend.dims.t > 1:
             problems.append(f"roles.{e.role}.backend: tensor parallelism t = {e.backend.dims.t} with {what}: the fsdp "
                             f"engine's tensor-parallel plan for a vision-language model is not built; use t1")
         elif e.backend.dims.c > 1:
             problems.append(f"roles.{e.role}.backend: context parallelism c = {e.backend.dims.c} with {what}: "
                             f"splitting a row would split its images' tokens and multimodal positions, not built; use c1")
-    if cfg.model.lora.rank > 0:
-        problems.append(f"model.lora.rank: {cfg.model.lora.rank}: {what}: adapters on a vision-language model are not "
-                        f"built in this build; use model.lora.rank=0")
-    return problems + vlm_schedule_problems(cfg)
+    return problems + vlm_lora_problems(cfg, engines, what) + vlm_schedule_problems(cfg)
+
+
+def vlm_lora_problems(cfg: RLBatchConfig, engines: Sequence[RoleEngine], what: str) -> list[str]:
+    """``model.lora`` on a vision-language policy: adapters go on the language model only
+    (``rlbatch.models.lora.VISION_MODULES``), trained by fsdp and deepspeed, synced merged. Refused:
+    ``model.train_vision`` (the adapted model's base weights, the tower's included, stay frozen), and an
+    adapter-only sync into an engine that loads adapters (vLLM's LoRA path for a vision-language model
+    is untested here)."""
+    lora = cfg.model.lora
+    if lora.rank <= 0:
+        return []
+    problems = []
+    if cfg.model.train_vision:
+        problems.append(f"model.train_vision: true with model.lora.rank {lora.rank}: {what}; with adapters every base "
+                        f"weight stays frozen and no adapter goes on the vision tower, so the tower would not train; "
+                        f"use model.train_vision=false (adapters on the language model) or model.lora.rank=0")
+    for e in engines:
+        if e.role == "actor_infer" and sync_form(lora, spec_of(e.backend.engine).loads_adapters) == "adapter":
+            problems.append(f"model.lora.sync: {lora.sync}: adapter-only syncs into the {e.backend.engine} engine of "
+                            f"roles.{e.role} with {what} are not built in this build (its LoRA path for a "
+                            f"vision-language model is untested); use model.lora.sync=merged")
+    return problems
 
 
 def image_data_problem(path: str, with_images: int, records: int, model: ModelConfig) -> str | None:

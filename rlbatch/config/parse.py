@@ -56,7 +56,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # the algorithm's names come from rlbat
     "model.arch": ("qwen2", "llama", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"),
     "model.dtype": ("auto", "bf16", "fp16", "fp32"),
     "data.name": ("synthetic", "word_arithmetic", "file", "synthetic_code", "code_file", "none", "vlm_shapes"),
-    "eval.data.name": ("synthetic", "word_arithmetic", "file", "synthetic_code", "code_file", "none"),
+    "eval.data.name": ("synthetic", "word_arithmetic", "vlm_shapes", "file", "synthetic_code", "code_file", "none"),
     "data.prompt_too_long": ("refuse", "drop", "truncate"),
     "eval.data.prompt_too_long": ("refuse", "drop", "truncate"),
     "data.truncation_side": ("left", "right"),

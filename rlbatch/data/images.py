@@ -106,6 +106,14 @@ def images_key(images: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
+def same_prompt(texts: Sequence[str], images: Sequence[Sequence[bytes]] | None = None) -> list[int]:
+    """Per prompt, the index of the first prompt with the same text and images (its own when none
+    before it): prompts of one index are encoded once, and their samples share the image fields."""
+    keys = [(t, images_key(images[i]) if images is not None else b"") for i, t in enumerate(texts)]
+    first: dict[tuple[str, bytes], int] = {}
+    return [first.setdefault(k, i) for i, k in enumerate(keys)]
+
+
 @dataclass(frozen=True)
 class PromptInputs:
     """One prompt with its images as a vision-language model reads it."""
@@ -151,11 +159,12 @@ def prompt_inputs(processor: ImageOnly, text: str, images: Sequence[bytes]) -> P
 
 def model_inputs(sample: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(``pixel_values`` [patches, D], ``image_grid_thw`` [images, 3] int64) of a sample's fields, as
-    ``PromptInputs.fields`` flattened them (the data plane may carry the grid as float); None for a
-    sample without images."""
+    ``PromptInputs.fields`` flattened them (the data plane moves the grid as int64; a float grid is
+    read too); None for a sample without images."""
     if IMAGE_GRID not in sample or not sample[IMAGE_GRID].numel():
         return None
-    grid = sample[IMAGE_GRID].reshape(-1, 3).round().long()
+    grid = sample[IMAGE_GRID].reshape(-1, 3)
+    grid = grid.round().long() if grid.is_floating_point() else grid.long()
     patches = int(grid.prod(dim=1).sum())
     pixels = sample[PIXEL_VALUES].float()
     if patches <= 0 or pixels.numel() % patches:
@@ -181,16 +190,16 @@ class PromptEncoder:
 
     def encode(self, texts: Sequence[str], images: Sequence[Sequence[bytes]] | None = None) -> list[Encoded]:
         """One ``Encoded`` per text (``images[i]``: text i's encoded images, in placeholder order)."""
-        keys = [(t, images_key(images[i]) if images is not None else b"") for i, t in enumerate(texts)]
-        firsts = {k: i for i, k in reversed(list(enumerate(keys)))}
-        plain = [k for k in firsts if not k[1]]
-        ids = dict(zip(plain, self.tokenizer([t for t, _ in plain])["input_ids"], strict=True)) if plain else {}
-        done: dict[tuple[str, bytes], Encoded] = {k: (ids[k], {}) for k in plain}
-        for k, i in firsts.items():
-            if k[1]:
+        first = same_prompt(texts, images)
+        firsts = sorted(set(first))
+        plain = [i for i in firsts if images is None or not images[i]]
+        ids = dict(zip(plain, self.tokenizer([texts[i] for i in plain])["input_ids"], strict=True)) if plain else {}
+        done: dict[int, Encoded] = {i: (ids[i], {}) for i in plain}
+        for i in firsts:
+            if i not in done:
                 assert images is not None
                 if self._processor is None:
                     self._processor = self._make_processor()
-                inputs = prompt_inputs(self._processor, k[0], images[i])
-                done[k] = (inputs.ids, inputs.fields())
-        return [done[k] for k in keys]
+                inputs = prompt_inputs(self._processor, texts[i], images[i])
+                done[i] = (inputs.ids, inputs.fields())
+        return [done[k] for k in first]

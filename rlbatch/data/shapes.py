@@ -2,12 +2,17 @@
 questions about them.
 
 Each picture is a 64x64 PNG on a white background with one to four filled squares or circles, each
-in a cell of a 3x3 grid (so shapes never touch: each is its own connected region of one flat colour,
-no anti-aliasing). A question asks either the colour of a picture's one shape, or how many shapes a
-picture has; the prompt marks the picture with an ``<image>`` placeholder (``rlbatch.models.vlm``).
-Answers are one digit (a colour by the number the question gives it), so the default reward
-(``rlbatch.rewards.rules:exact_match``) checks them and a random-init model with the built-in
-character tokenizer (digits, no letters) can say them in one token::
+in a quadrant of the picture (a 2x2 grid, so shapes never touch: each is its own connected region of
+one flat colour, no anti-aliasing). A quadrant is what one image token of the Qwen2-VL processor sees
+(64x64 resized to 56x56: 2x2 tokens of 28x28 pixels), so a shape lies within one token and fills
+most of it: the features of a random frozen vision tower then separate the four colours and the
+empty quadrants clearly, which a tiny language model can learn to read by RL alone (with shapes
+half as wide, anywhere in a 3x3 grid, it did not: docs/vlm.md). A question asks either the
+colour of a picture's one shape, or how many shapes a picture has; the prompt marks the picture
+with an ``<image>`` placeholder (``rlbatch.models.vlm``). Answers are one digit (a colour by the
+number the question gives it), so the default reward (``rlbatch.rewards.rules:exact_match``)
+checks them and a random-init model with the built-in character tokenizer (digits, no letters) can
+say them in one token::
 
     <image>What colour is the shape? Answer 5 for red, 6 for green, 7 for blue, 8 for yellow.  -> "5"
     <image>How many shapes are there? Answer 1, 2, 3 or 4.                                     -> "3"
@@ -42,11 +47,11 @@ COLOUR_ANSWERS = {"red": "5", "green": "6", "blue": "7", "yellow": "8"}
 """Colour name -> the answer the colour question asks for."""
 COUNTS = (1, 2, 3, 4)
 KINDS = ("square", "circle")
-GRID = 3
-"""Shapes sit in distinct cells of a GRID x GRID grid."""
-SHAPE = 12
-"""Side (square) or diameter (circle) of a shape in pixels. A cell is SIZE // GRID = 21 wide and a
-shape's offset in it at most 21 - 12 - 1 = 8, so neighbours keep at least one background pixel apart."""
+GRID = 2
+"""Shapes sit in distinct cells of a GRID x GRID grid: the picture's quadrants, one image token each."""
+SHAPE = 24
+"""Side (square) or diameter (circle) of a shape in pixels. A cell is SIZE // GRID = 32 wide and a
+shape's offset in it at most 32 - 24 - 1 = 7, so neighbours keep at least one background pixel apart."""
 
 PLACEHOLDER = "<image>"
 """Where the picture goes in a prompt (``rlbatch.models.vlm.IMAGE_PLACEHOLDER``)."""

@@ -106,6 +106,7 @@ def image_placeholders(model: torch.nn.Module, images: Images | None) -> Iterato
     the ids: a sampled response may hold the image token too, which is text there (transformers
     would count it as a placeholder and refuse the call: more tokens than image features)."""
     inner = getattr(model, "model", None)
+    inner = getattr(inner, "model", inner) if not hasattr(inner, "get_placeholder_mask") else inner  # PEFT: one more level
     if images is None or images.token_types is None or not hasattr(inner, "get_placeholder_mask"):
         yield
         return

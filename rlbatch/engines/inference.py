@@ -39,12 +39,17 @@ def hf_parameter_names(model_cfg: ModelConfig) -> set[str]:
 
 
 def meta_model(model_cfg: ModelConfig) -> PreTrainedModel:
-    """A model directory's transformers model on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A model directory's transformers model on the meta device (no memory): a causal LM, or for a
+    vision-language model (Qwen2-VL's model_type, which ``AutoModelForCausalLM`` refuses) the
+    image-text-to-text one, as the engines load it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rlbatch.models.spec import vlm_arch
 
     assert model_cfg.path, "a model directory (model.path)"
+    auto = AutoModelForImageTextToText if vlm_arch(model_cfg) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_cfg.path))
+        return auto.from_config(AutoConfig.from_pretrained(model_cfg.path))
 
 
 def tp_peers(mesh: DeviceMesh | None) -> tuple[tuple[int, ...], int]:

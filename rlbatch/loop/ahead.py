@@ -29,7 +29,10 @@ runs one step ahead, each generate command adds the next step's prompts to the s
 holds and answers with the first ``prompts_per_step`` whole groups to finish, whichever step's
 prompts they are; the longer samples stay in flight, under the weights that land meanwhile, for a
 later step (``max_staleness`` >= 2 bounds how long; docs/async.md, "Partial rollouts"). The samples
-in flight are not part of a checkpoint.
+in flight are part of a checkpoint: each inference worker's engine state (``KeptState``: every kept
+sample's prompt, tokens so far, their log-probs and versions) with the controller's map of them
+(answer, data source) and the next step whose prompts go in; resume puts them back on the same
+workers, and the next generate command goes on with them as the uninterrupted run does.
 
 The reference is frozen, so its log-probs of a generation do not depend on when they are taken.
 Where the reference's ranks are the inference ranks (each of its shards inside one inference
@@ -51,10 +54,13 @@ from rlbatch.checkpoint.store import CheckpointError
 from rlbatch.config.schema import RLBatchConfig
 from rlbatch.data.synthetic import PromptStream
 from rlbatch.loop.controller import Kept, PendingPhase, PendingRollouts, Pipeline, Role, Rollouts, split_even
+from rlbatch.loop.partial import KeptState
 from rlbatch.loop.scoring import Scoring
 from rlbatch.phases import TRAJECTORY_FIELDS, phase_for
 
 ROLLOUTS_FILE = "rollouts.pt"
+KEPT_FILE = "kept.pt"
+"""Partial rollouts: the samples in flight on the inference workers at a checkpoint."""
 
 
 @dataclass
@@ -277,6 +283,7 @@ class GenerationQueue:
         before the checkpoint starts, this keeps any other caller to it): a checkpoint holds only
         what every rank has confirmed."""
         self.infer.pipe.settle()
+        self._save_kept(stage)
         if not self.ahead:
             return {"policy_version": self.version}
         entries = []
@@ -292,6 +299,47 @@ class GenerationQueue:
             entries.append({"step": step, "rollouts": asdict(ro), "samples": samples})
         torch.save({"max_staleness": self.k, "entries": entries}, stage / ROLLOUTS_FILE)
         return {"policy_version": self.version, "generations_ahead": len(entries)}
+
+    def _save_kept(self, stage: Path) -> None:
+        """Partial rollouts: the samples in flight on each inference worker (read from its first
+        rank, after the generation before the checkpoint has answered), the controller's map of them
+        and the next step whose prompts go in, into ``KEPT_FILE``."""
+        if self.kept is None:
+            return
+        for got in self.ahead.values():  # the engines hold still only once the generate commands answered
+            if not isinstance(got, Rollouts):
+                got.result()
+        leaders = [w[0] for w in self.infer.placement.workers]
+        out = self.infer.pipe.run("rollout_buffer", (self.infer.name,), {r: {"op": "read_kept"} for r in leaders})
+        workers: list[KeptState] = [out[r] for r in leaders]
+        held = sorted(s["key"] for w in workers for s in w["samples"])
+        if held != sorted(self.kept) or len(set(held)) != len(held):
+            raise RuntimeError(f"partial rollouts: the inference workers hold samples {held[:8]}... ({len(held)}) and "
+                               f"the controller expects {sorted(self.kept)[:8]}... ({len(self.kept)}): a checkpoint "
+                               f"would lose or duplicate samples in flight")
+        torch.save({"workers": workers, "kept": sorted(self.kept.items()), "submitted": self.submitted},
+                   stage / KEPT_FILE)
+
+    def _load_kept(self, ckpt: Path) -> None:
+        """Put back what ``_save_kept`` wrote: each worker's samples onto the same worker (every rank
+        of it), the map of them, and the next step whose prompts go in."""
+        path = ckpt / KEPT_FILE
+        if self.kept is None or not path.is_file():
+            if path.is_file():
+                raise CheckpointError(f"{path}: this checkpoint holds samples in flight of a run with "
+                                      f"algo.partial_rollouts=true; resume with it (they would otherwise be lost)")
+            return
+        saved = torch.load(path)
+        workers = self.infer.placement.workers
+        if len(saved["workers"]) != len(workers):
+            raise CheckpointError(f"{path}: samples in flight on {len(saved['workers'])} inference workers; this run "
+                                  f"has {len(workers)} (roles.actor_infer): resume on the same placement")
+        work = {r: {"op": "restore_kept", "kept": state} for w, state in zip(workers, saved["workers"], strict=True)
+                for r in w}
+        self.infer.pipe.run("rollout_buffer", (self.infer.name,), work)
+        self.kept.clear()
+        self.kept.update((int(sid), (str(a), str(src))) for sid, (a, src) in saved["kept"])
+        self.submitted = int(saved["submitted"])
 
     def _read(self, ids: list[int], names: list[str]) -> dict[int, dict[str, torch.Tensor]]:
         """The fields ``names`` of the samples ``ids`` that have the first of them, each read from
@@ -309,6 +357,7 @@ class GenerationQueue:
         """Restore what ``save`` wrote: the version, and the buffered generations onto the first
         inference worker (the ranks that train them take them from there, as from any worker)."""
         self.version = int(state.get("policy_version", 0))
+        self._load_kept(ckpt)
         path = ckpt / ROLLOUTS_FILE
         if not path.is_file():
             return

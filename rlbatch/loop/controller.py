@@ -194,6 +194,9 @@ class Pipeline:
         self.ctl = Controller(world.comm, world.timeout_s, lambda r: describe_rank(self.p, r))
         self.where: dict[tuple[int, str], set[int]] = {}
         self.length: dict[tuple[int, str], int] = {}
+        self.shares: dict[int, int] = {}
+        """Sample -> the key of its image fields (``IMAGE_FIELDS``), as the generate rank answered: samples
+        with one key hold equal values (one prompt's images), which a move sends once (``Move.alias``)."""
         self.pending_drop: dict[int, list[int]] = defaultdict(list)
         self.records: list[RecordDict] = []
         self.phase_seconds: dict[str, float] = {}
@@ -253,8 +256,19 @@ class Pipeline:
                         by_src[min(held)].append(f)
                 for src, fs in by_src.items():
                     grouped[(src, dst, tuple(fs))].append(sid)
-        return [Move(src, dst, ids, list(fs), [[self.length[(i, f)] for f in fs] for i in ids])
-                for (src, dst, fs), ids in grouped.items()]
+        return [self._move(src, dst, ids, list(fs)) for (src, dst, fs), ids in grouped.items()]
+
+    def _move(self, src: int, dst: int, ids: list[int], fields: list[str]) -> Move:
+        """A move of ``fields`` of ``ids``; image fields that samples share (``shares``) go once."""
+        lengths = [[self.length[(i, f)] for f in fields] for i in ids]
+        shared = [f for f in fields if f in IMAGE_FIELDS]
+        if shared:
+            first: dict[tuple[bool, int], int] = {}
+            alias = [first.setdefault((True, self.shares[sid]) if sid in self.shares else (False, sid), k)
+                     for k, sid in enumerate(ids)]
+            if len(first) < len(ids):
+                return Move(src, dst, ids, fields, lengths, shared, alias)
+        return Move(src, dst, ids, fields, lengths)
 
     def run(self, phase: str, roles: tuple[str, ...], work: Mapping[int, Work],
             need: dict[int, tuple[list[int], list[str]]] | None = None) -> dict[int, PhaseOutput]:
@@ -311,6 +325,8 @@ class Pipeline:
                 for r in self.where.pop((sid, f)):
                     holders[r].add(sid)
                 self.length.pop((sid, f), None)
+        for sid in ids:
+            self.shares.pop(sid, None)
         for r, sids in holders.items():
             self.pending_drop[r].extend(sorted(sids))
 
@@ -387,6 +403,8 @@ class PendingRollouts:
                 ro.prompt_len[sid], ro.response_len[sid], ro.versions[sid], *rest = out[worker[0]][sid]
                 episode = rest[0] if rest else None  # a trajectory's summary (a run with an environment)
                 extra = rest[1] if len(rest) > 1 else {}  # lengths of the image fields of a prompt with images
+                if len(rest) > 2:  # and the key of those fields: samples of one key hold the same images
+                    self.pipe.shares[sid] = rest[2]
                 if episode is not None:
                     ro.episodes[sid] = episode
                 lengths = {"prompt": ro.prompt_len[sid], **extra}

@@ -28,7 +28,7 @@ from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
 from rlbatch.engines.model import load_tokenizer, model_dtype
 from rlbatch.engines.registry import spec_of
 from rlbatch.loop.controller import PhaseReply, Sampling
-from rlbatch.loop.partial import PartialRollouts
+from rlbatch.loop.partial import KeptState, PartialRollouts
 from rlbatch.loop.residency import Residency
 from rlbatch.loop.scorers import build_scorer
 from rlbatch.loop.weightsync import AdapterSink, InFlightSync, WeightBroadcast, landing, load_in_process
@@ -57,11 +57,12 @@ class Service(Protocol):
 
 
 Generated: TypeAlias = ("tuple[int, int, tuple[int, int]] | tuple[int, int, tuple[int, int], TrajectorySummary]"
-                         " | tuple[int, int, tuple[int, int], None, dict[str, int]]")
+                         " | tuple[int, int, tuple[int, int], None, dict[str, int], int]")
 """A sample generated, for the controller: (prompt length, response length, (oldest, newest) policy
 version of its tokens), and in a run with an environment the trajectory's summary
-(``rlbatch.envs.trajectories.summary``); for a prompt with images, no summary and the lengths of
-its image fields (``rlbatch.phases.IMAGE_FIELDS``)."""
+(``rlbatch.envs.trajectories.summary``); for a prompt with images, no summary, the lengths of
+its image fields (``rlbatch.phases.IMAGE_FIELDS``) and their key: the first sample of the phase with
+the same prompt and images, whose field tensors it shares (the data plane moves them once)."""
 
 
 def token_versions(versions: list[int], length: int, version: int) -> torch.Tensor:
@@ -264,17 +265,18 @@ class RankRuntime:
         """``_generate`` of prompts with images (``rlbatch.data.images``): each distinct prompt, text
         and images, through the model's processor once; every sample holds its prompt's ids and
         image fields (``pixel_values``, ``image_grid_thw``) beside the generated ones."""
-        from rlbatch.data.images import PromptEncoder
+        from rlbatch.data.images import PromptEncoder, same_prompt
         from rlbatch.engines.model import load_processor
 
         encoder = getattr(self, "image_prompts", None) or PromptEncoder(
             self.tokenizer, lambda: load_processor(self.cfg.model, self.tokenizer))
         self.image_prompts = encoder
         encoded = encoder.encode(prompts, images)
+        keys = [ids[k] for k in same_prompt(prompts, images)]  # samples of one key share the fields' tensors
         with landing(self.engines[spec.role], self.in_flight):
             generations = self.engines[spec.role].generate([e[0] for e in encoded], params, images=images)
         out: dict[int, Generated] = {}
-        for sid, (prompt, fields), gen in zip(ids, encoded, generations, strict=True):
+        for sid, key, (prompt, fields), gen in zip(ids, keys, encoded, generations, strict=True):
             versions = token_versions(gen.versions, len(gen.tokens), params.version)
             for name, value in {"prompt": torch.tensor(prompt, dtype=torch.long), **fields}.items():
                 self.store.put(sid, name, value)
@@ -282,7 +284,7 @@ class RankRuntime:
             self.store.put(sid, "behaviour_logprobs", torch.tensor(gen.logprobs, dtype=torch.float32))
             self.store.put(sid, "token_versions", versions)
             out[sid] = (len(prompt), len(gen.tokens), version_span(versions, params.version), None,
-                        {name: len(value) for name, value in fields.items()})
+                        {name: len(value) for name, value in fields.items()}, key)
         return out
 
     def _roll_out(self, spec: PhaseSpec, ids: list[int], prompts: list[list[int]], sampling: Sampling,
@@ -404,9 +406,18 @@ class RankRuntime:
 
     def _buffer(self, spec: PhaseSpec, op: str, ids: list[int] | None = None,
                 samples: dict[int, dict[str, torch.Tensor]] | None = None,
-                fields: list[str] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+                fields: list[str] | None = None, kept: KeptState | None = None,
+                ) -> dict[int, dict[str, torch.Tensor]] | KeptState:
         """Generated samples not yet trained on: ``op=read`` returns their ``fields`` (the phase's
-        by default; for a checkpoint), ``op=restore`` keeps ``samples`` on this rank again."""
+        by default; for a checkpoint), ``op=restore`` keeps ``samples`` on this rank again.
+        ``op=read_kept`` / ``restore_kept``: the samples the engine keeps in flight across generate
+        phases (``algo.partial_rollouts``, ``rlbatch.loop.partial``)."""
+        if op == "read_kept":
+            return self.partial.save(self.engines[spec.role])
+        if op == "restore_kept":
+            assert kept is not None
+            self.partial.restore(self.engines[spec.role], kept)
+            return {}
         if op == "restore":
             for sid, held in (samples or {}).items():
                 for name, value in held.items():

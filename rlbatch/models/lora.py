@@ -9,6 +9,11 @@ model's Hugging Face names (``merged``).
 The adapters start as PEFT starts them (``lora_A`` Kaiming-uniform, ``lora_B`` zero: the adapted
 model is the base model at step 0), drawn from the run's seed by name, so every rank and every run
 of a seed holds the same adapters whatever the sharding.
+
+A vision-language model (Qwen2-VL / Qwen2.5-VL, ``rlbatch.models.vlm``) gets adapters on its
+language model's modules only: its vision tower's are never targeted (``VISION_MODULES``, PEFT's
+``exclude_modules``), whatever ``target_modules`` names (Qwen2.5-VL's tower has ``gate_proj``,
+``up_proj`` and ``down_proj`` too). The tower stays frozen, as every base weight does under LoRA.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ if TYPE_CHECKING:
     from rlbatch.models.weights import TensorSource
 
 ALL_LINEAR = "all-linear"
+VISION_MODULES = r"model\.visual\..*"
+"""PEFT's ``exclude_modules`` for a vision-language model: every module of its vision tower (the
+patch merger included), by its name in the transformers model."""
 _LORA = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 _PREFIX = "base_model.model."
 
@@ -52,14 +60,20 @@ def trained_names(model: torch.nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def peft_config(lora: LoraConfig) -> PeftLoraConfig:
-    """PEFT's LoraConfig of ``model.lora``."""
+def peft_config(lora: LoraConfig, vision: bool = False) -> PeftLoraConfig:
+    """PEFT's LoraConfig of ``model.lora``; ``vision``: for a vision-language model, its vision tower
+    excluded (``VISION_MODULES``)."""
     from peft import LoraConfig
 
     targets = list(lora.target_modules)
     return LoraConfig(r=int(lora.rank), lora_alpha=float(lora.alpha),  # type: ignore[arg-type]  # a float scales as well
                       lora_dropout=float(lora.dropout), target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
-                      task_type="CAUSAL_LM")
+                      task_type="CAUSAL_LM", exclude_modules=VISION_MODULES if vision else None)
+
+
+def has_vision(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a transformers model) has a vision tower where Qwen2-VL keeps it (``model.visual``)."""
+    return hasattr(getattr(model, "model", None), "visual")
 
 
 def base_name(name: str) -> str | None:
@@ -72,16 +86,18 @@ def base_name(name: str) -> str | None:
 
 
 def adapt(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
-    """``model`` with adapters (PEFT's ``get_peft_model``): only the adapters require grad. On a
+    """``model`` with adapters (PEFT's ``get_peft_model``): only the adapters require grad (a vision
+    tower's modules get none: ``VISION_MODULES``). On a
     model whose parameters are on meta (a skeleton), the adapters are built on meta too."""
     from peft import get_peft_model
 
     from rlbatch.models.weights import params_on_meta
 
+    cfg = peft_config(lora, vision=has_vision(model))
     if next(model.parameters()).device.type == "meta":
         with params_on_meta():
-            return get_peft_model(model, peft_config(lora))
-    return get_peft_model(model, peft_config(lora))
+            return get_peft_model(model, cfg)
+    return get_peft_model(model, cfg)
 
 
 @contextlib.contextmanager

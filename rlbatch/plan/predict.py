@@ -17,7 +17,8 @@ hold no other role: generation (of a later step) runs beside every other phase o
 the weight sync waits for it, so the step is max(generation, the rest) + sync. A reference on
 actor_infer's GPUs (each shard inside a worker) takes its log-probs right after the generation,
 there: the step is max(generation + reference, the rest) + sync. On other shared GPUs the run is
-synchronous, and so is the prediction (with a note).
+synchronous, and so is the prediction (with a note). With partial rollouts (``Workload.partial_rollouts``)
+the generation is that of a batch without its longest samples (``rlbatch.plan.inflight``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rlbatch.engines.registry import EngineKind, spec_of
 from rlbatch.models.lora import sync_form
 from rlbatch.models.shape import ModelShape
 from rlbatch.phases import PHASES
-from rlbatch.plan import timing
+from rlbatch.plan import inflight, timing
 from rlbatch.plan.coefficients import Coefficients
 from rlbatch.plan.costs import cost_of
 from rlbatch.plan.layout import Layout, RoleLayout
@@ -307,9 +308,12 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     phases = planned_phases(layout, w)
     gpus = simulate(layout, mems, phases, host_is_device=hw.is_cpu)
     totals, per_phase = _transitions(layout, gpus, mems, hw, coef, phases)
+    rides = w.max_staleness > 0 and _reference_rides(layout)
+    ahead = w.max_staleness > 0 and _infer_alone(layout, ("reference",) if rides else ())
+    tailless = ahead and w.partial_rollouts  # partial rollouts: a batch without its longest samples
     times: list[PhaseTime] = []
     for ph in phases:
-        f = _work(ph, layout, mems, shape, w, e, hw)
+        f = _work(ph, layout, mems, shape, inflight.tail_free(w) if tailless and ph.kind == "generate" else w, e, hw)
         f["workers"] = timing.command(_workers(ph, layout), hw, layout)
         rel, off = per_phase[ph.name]
         work_s = coef.seconds(ph.kind, f)
@@ -317,8 +321,6 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
             work_s *= w.generation_rounds
         times.append(PhaseTime(ph.name, ph.kind, tuple(ph.active) or (PHASES[ph.name].role,), f, work_s, rel, off))
     dynamic = w.zero_variance_frac is not None
-    rides = w.max_staleness > 0 and _reference_rides(layout)
-    ahead = w.max_staleness > 0 and _infer_alone(layout, ("reference",) if rides else ())
     riding = {"ref_logprobs"} if ahead and rides else set()
     for i, (ph, t) in enumerate(zip(phases, times, strict=True)):
         if ph.name in riding:  # right after the generation, on its GPUs
@@ -348,7 +350,8 @@ def predict(layout: Layout, shape: ModelShape, w: Workload, hw: Hardware, model_
     if w.max_staleness > 0:
         pred.notes.append(f"max_staleness={w.max_staleness}: generation runs beside the other phases (step = "
                           f"max(generation, the rest) + sync)" + (", the reference's log-probs right after it on its "
-                          "GPUs" if riding else "") if ahead else
+                          "GPUs" if riding else "") + ("; partial rollouts: the generation of a batch without its "
+                          "longest samples, which go on into later steps" if tailless else "") if ahead else
                           f"max_staleness={w.max_staleness}: actor_infer shares GPUs with another role, so the run "
                           f"is synchronous")
     if w.response_assumed:

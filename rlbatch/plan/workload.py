@@ -105,6 +105,9 @@ class Workload:
     max_staleness: int = 0
     """Asynchronous training (``algo.max_staleness``): a later step's generation runs beside this
     step's other phases when actor_infer has ranks of its own."""
+    partial_rollouts: bool = False
+    """``algo.partial_rollouts`` (with in-flight updates): a step's batch is the first groups to
+    finish, the longest samples carried into later steps (``rlbatch.plan.inflight``)."""
     prompt_len_assumed: bool = False
     response_assumed: bool = False
     lora_rank: int = 0
@@ -214,6 +217,7 @@ class Workload:
             "turns": self.turns, "turn_response_mean": self.turn_response_mean,
             "observation_len": self.observation_len, "env_step_s": self.env_step_s, "env_workers": self.env_workers,
             "max_staleness": self.max_staleness,
+            "partial_rollouts": self.partial_rollouts,
             **({"image_tokens": self.image_tokens, "image_patches": self.image_patches, "vision_flops": self.vision_flops,
                 "train_vision": self.train_vision, "images_assumed": self.images_assumed} if self.image_tokens else {}),
         }
@@ -271,6 +275,7 @@ def workload_from_config(
         recompute=algo.activation_checkpointing,
         generation_rounds=rounds, zero_variance_frac=frac,
         max_staleness=algo.max_staleness,
+        partial_rollouts=bool(algo.partial_rollouts and algo.in_flight_updates and algo.max_staleness > 0),
         prompt_len_assumed=prompt_len is None and not synthetic and not shapes,
         response_assumed=response_mean is None,
         lora_rank=lora.rank, lora_targets=tuple(lora.target_modules or ("all-linear",)), lora_sync=lora.sync,

@@ -5,9 +5,11 @@ sees tokens; it knows only where each (sample, field) lives and how long it is, 
 ranks which fields to ``exchange``. Every (source, destination) pair sends one message per
 dtype (token ids as int64, per-token values as float32), posted non-blocking on both sides so
 the order of pairs cannot deadlock. The receiver sizes its buffers from the lengths the
-controller sent. Message buffers on both sides come from pools (``BufferPool``) that reuse a
-buffer once nothing refers to its memory any more: fresh host memory costs a page fault per page,
-as much as the copy itself.
+controller sent. Samples that share fields (a GRPO group's prompt images) share them on the
+wire too: a move names, per sample, the sample of the same move whose ``shared`` fields it takes
+(``Move.alias``); those go once, and the receiver binds the one tensor to each of them. Message
+buffers on both sides come from pools (``BufferPool``) that reuse a buffer once nothing refers to
+its memory any more: fresh host memory costs a page fault per page, as much as the copy itself.
 
 Messages are CPU tensors on every rank, whatever its device, so both ends of a pair agree on the
 transport: under the "cpu:gloo,cuda:nccl" process group of a GPU job gloo carries them. (Were a
@@ -28,8 +30,9 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-INT_FIELDS = frozenset(("prompt", "response"))
-"""Sample fields of token ids (moved as integers); every other field is a float tensor."""
+INT_FIELDS = frozenset(("prompt", "response", "image_grid_thw"))
+"""Sample fields of integers (token ids, an image's patch grid), moved as int64; every other field
+is a float tensor."""
 CPU = torch.device("cpu")
 
 
@@ -43,10 +46,44 @@ class Move:
     fields: list[str]
     lengths: list[list[int]]
     """lengths[i][j]: length of fields[j] of ids[i]."""
+    shared: list[str] = field(default_factory=list)
+    """The fields of ``fields`` that samples of this move may share (a prompt's images)."""
+    alias: list[int] = field(default_factory=list)
+    """Per sample (empty: every sample sends all its fields), the index in ``ids`` of the sample
+    whose ``shared`` fields it takes: its own index (they are sent), or a smaller one whose values
+    are equal (not sent; the receiver binds that sample's tensors to this one too)."""
+
+    def __post_init__(self) -> None:
+        if self.alias and (len(self.alias) != len(self.ids) or any(not 0 <= a <= i for i, a in enumerate(self.alias))
+                           or any(self.alias[a] != a for a in self.alias)):
+            raise ValueError(f"move {self.src} -> {self.dst}: alias {self.alias} of {len(self.ids)} samples must name, "
+                             f"per sample, itself or an earlier sample that sends its own")
+        if self.shared and not set(self.shared) <= set(self.fields):
+            raise ValueError(f"move {self.src} -> {self.dst}: shared fields {self.shared} not among {self.fields}")
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled (the phase command) without the share fields when no sample shares: a text move's
+        command is what it was before moves could share."""
+        return {k: v for k, v in self.__dict__.items() if v or k not in ("shared", "alias")}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update({"shared": [], "alias": []} | state)
+
+    def sends(self, i: int, f: str) -> bool:
+        """Whether field ``f`` of ``ids[i]`` is on the wire (not taken from an earlier sample)."""
+        return not self.alias or self.alias[i] == i or f not in self.shared
+
+    def size(self, fields: list[str]) -> int:
+        """Values of ``fields`` on the wire."""
+        idx = [self.fields.index(f) for f in fields]
+        if not self.alias:
+            return sum(lens[j] for lens in self.lengths for j in idx)
+        return sum(lens[j] for i, lens in enumerate(self.lengths) for f, j in zip(fields, idx, strict=True)
+                   if self.sends(i, f))
 
     @property
     def numel(self) -> int:
-        return sum(sum(x) for x in self.lengths)
+        return self.size(self.fields)
 
 
 _USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
@@ -109,13 +146,9 @@ def _parts(m: Move) -> list[tuple[torch.dtype, list[str]]]:
     return [(dt, fs) for dt, fs in ((torch.long, ints), (torch.float32, floats)) if fs]
 
 
-def _size(m: Move, fields: list[str]) -> int:
-    idx = [m.fields.index(f) for f in fields]
-    return sum(lens[j] for lens in m.lengths for j in idx)
-
-
 def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str]) -> torch.Tensor:
-    parts = [store.samples[i][f].reshape(-1).to(CPU, dtype) for i in m.ids for f in fields]
+    parts = [store.samples[sid][f].reshape(-1).to(CPU, dtype) for i, sid in enumerate(m.ids) for f in fields
+             if m.sends(i, f)]
     if not parts:
         return torch.empty(0, dtype=dtype)
     if len(parts) == 1:
@@ -126,16 +159,20 @@ def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str]) ->
 def _unpack(store: SampleStore, m: Move, fields: list[str], flat: torch.Tensor) -> None:
     idx = [m.fields.index(f) for f in fields]
     pos = 0
-    for i, lens in zip(m.ids, m.lengths, strict=True):
+    for i, (sid, lens) in enumerate(zip(m.ids, m.lengths, strict=True)):
         for f, j in zip(fields, idx, strict=True):
-            store.put(i, f, flat[pos : pos + lens[j]])  # a view into the received buffer
+            if not m.sends(i, f):  # the earlier sample's tensor, one for all of them
+                store.put(sid, f, store.samples[m.ids[m.alias[i]]][f])
+                continue
+            store.put(sid, f, flat[pos : pos + lens[j]])  # a view into the received buffer
             pos += lens[j]
 
 
 @dataclass
 class Traffic:
     """What ``exchange`` of some moves sends rank to rank, counted where the moves are made: one
-    message per dtype part of a move between two ranks (``_parts``), and its bytes."""
+    message per dtype part of a move between two ranks (``_parts``), and its bytes (shared fields
+    once per move, ``Move.alias``)."""
 
     messages: int = 0
     bytes: int = 0
@@ -146,7 +183,7 @@ class Traffic:
                 continue
             for dtype, fields in _parts(m):
                 self.messages += 1
-                self.bytes += _size(m, fields) * torch.empty(0, dtype=dtype).element_size()
+                self.bytes += m.size(fields) * torch.empty(0, dtype=dtype).element_size()
 
 
 def exchange(store: SampleStore, rank: int, moves: list[Move], comm: MPI.Comm | None = None,
@@ -171,7 +208,7 @@ def exchange(store: SampleStore, rank: int, moves: list[Move], comm: MPI.Comm | 
                 reqs.append(dist.isend(buf, dst=m.dst))
                 sent += buf.numel() * buf.element_size()
             else:
-                buf = store.recv_pool.take(m.src, dtype, CPU, _size(m, fields))
+                buf = store.recv_pool.take(m.src, dtype, CPU, m.size(fields))
                 reqs.append(dist.irecv(buf, src=m.src))
                 inbox.append((m, fields, buf))
     for r in reqs:

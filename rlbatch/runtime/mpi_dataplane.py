@@ -6,8 +6,10 @@ It is the transport of a run with no torch.distributed world (``rlbatch.runtime.
 engine needs one, ``EngineSpec.needs_torch_world``). The messages are the torch plane's, byte for
 byte: per (source, destination) pair one message per dtype part of the move (token ids as int64,
 per-token values as float32, ``dataplane._parts``), the fields of its samples concatenated in
-the move's order; the receiver sizes its buffers from the lengths the controller sent. Sends and
-receives are all posted before any is waited for, so the order of pairs cannot deadlock.
+the move's order, a field a sample shares with an earlier one of the move (``Move.alias``) left out
+and bound to that sample's array on arrival; the receiver sizes its buffers from the lengths the
+controller sent. Sends and receives are all posted before any is waited for, so the order of pairs
+cannot deadlock.
 
 Torch-free: a field may be anything numpy reads as an array (a numpy array, a CPU torch tensor);
 what is received is handed to ``wrap`` (a numpy array, a view into its message's buffer) before it
@@ -30,8 +32,9 @@ if TYPE_CHECKING:
 
 DATA_TAG = 21
 """MPI tag of the sample messages (apart from the control plane's command and reply tags)."""
-INT_FIELDS = frozenset(("prompt", "response"))
-"""Sample fields of token ids (moved as int64); every other field as float32. The torch plane's."""
+INT_FIELDS = frozenset(("prompt", "response", "image_grid_thw"))
+"""Sample fields of integers (token ids, an image's patch grid), moved as int64; every other field
+as float32. The torch plane's."""
 
 
 class Store(Protocol):
@@ -49,13 +52,9 @@ def parts(fields: Sequence[str]) -> list[tuple[type[np.generic], list[str]]]:
     return [(dt, fs) for dt, fs in ((np.int64, ints), (np.float32, floats)) if fs]
 
 
-def _size(m: Move, fields: list[str]) -> int:
-    idx = [m.fields.index(f) for f in fields]
-    return sum(lens[j] for lens in m.lengths for j in idx)
-
-
 def _pack(store: Store, m: Move, dtype: type[np.generic], fields: list[str]) -> np.ndarray:
-    arrays = [np.asarray(store.samples[i][f]).reshape(-1) for i in m.ids for f in fields]
+    arrays = [np.asarray(store.samples[sid][f]).reshape(-1) for i, sid in enumerate(m.ids) for f in fields
+              if m.sends(i, f)]
     if len(arrays) == 1 and arrays[0].dtype == dtype:
         return np.ascontiguousarray(arrays[0])  # one array already of the message's dtype: no copy
     out = np.empty(sum(a.size for a in arrays), dtype=dtype)
@@ -69,9 +68,12 @@ def _pack(store: Store, m: Move, dtype: type[np.generic], fields: list[str]) -> 
 def _unpack(store: Store, m: Move, fields: list[str], flat: np.ndarray, wrap: Callable[[np.ndarray], object]) -> None:
     idx = [m.fields.index(f) for f in fields]
     pos = 0
-    for i, lens in zip(m.ids, m.lengths, strict=True):
+    for i, (sid, lens) in enumerate(zip(m.ids, m.lengths, strict=True)):
         for f, j in zip(fields, idx, strict=True):
-            store.put(i, f, wrap(flat[pos : pos + lens[j]]))  # a view into the received buffer
+            if not m.sends(i, f):  # the earlier sample's array, one for all of them
+                store.put(sid, f, store.samples[m.ids[m.alias[i]]][f])
+                continue
+            store.put(sid, f, wrap(flat[pos : pos + lens[j]]))  # a view into the received buffer
             pos += lens[j]
 
 
@@ -96,7 +98,7 @@ def exchange(store: Store, rank: int, moves: list[Move], comm: MPI.Comm,
                 reqs.append(comm.Isend(buf, dest=m.dst, tag=DATA_TAG))
                 sent += buf.nbytes
             else:
-                buf = np.empty(_size(m, fields), dtype=dtype)
+                buf = np.empty(m.size(fields), dtype=dtype)
                 reqs.append(comm.Irecv(buf, source=m.src, tag=DATA_TAG))
                 inbox.append((m, fields, buf))
     if reqs:

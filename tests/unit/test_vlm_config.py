@@ -87,17 +87,27 @@ def test_what_is_not_built_for_a_vlm_is_refused_by_name(cfg: dict[str, Any]) -> 
     vlm = set_(cfg, model__arch="qwen2_vl")
     check(vlm)
     check(set_(vlm, model__train_vision=True))
-    found = problems(set_(vlm, roles__actor_train__backend="deepspeed:d2"))
-    assert any(p.startswith("roles.actor_train.backend: deepspeed: model model.arch=qwen2_vl is a vision-language "
-                            "model (qwen2_vl), and the deepspeed engine does not run") for p in found), found
+    check(set_(vlm, roles__actor_train__backend="deepspeed:d2"))
+    found = problems(set_(vlm, roles__actor_train__backend="megatron:d2"))
+    assert any(p.startswith("roles.actor_train.backend: megatron: model model.arch=qwen2_vl is a vision-language "
+                            "model (qwen2_vl), and the megatron engine does not run") and "no Qwen2-VL weight mapping" in p
+               for p in found), found
     found = problems(set_(vlm, roles__actor_infer__backend="sglang:d2"))
     assert any(p.startswith("roles.actor_infer.backend: sglang:") for p in found), found
     found = problems(set_(vlm, roles__actor_train__backend="fsdp:d1c2"))
     assert any("context parallelism c = 2" in p for p in found), found
     found = problems(set_(vlm, roles__actor_train__backend="fsdp:d1t2"))
     assert any("tensor parallelism t = 2" in p for p in found), found
-    found = problems(set_(vlm, model__lora__rank=8))
-    assert any(p.startswith("model.lora.rank: 8: model model.arch=qwen2_vl is a vision-language model") for p in found)
+    check(set_(vlm, model__lora__rank=8))  # adapters on the language model, synced merged into hf
+    check(set_(vlm, model__lora__rank=8, roles__actor_train__backend="deepspeed:d2"))
+    found = problems(set_(vlm, model__lora__rank=8, model__train_vision=True))
+    assert any(p.startswith("model.train_vision: true with model.lora.rank 8: model model.arch=qwen2_vl is a "
+                            "vision-language model") for p in found), found
+    vllm = set_(vlm, roles__actor_infer__backend="vllm:d2", model__num_heads=2, model__num_kv_heads=1)
+    check(set_(vllm, model__lora__rank=8, model__lora__sync="merged"))
+    found = problems(set_(vllm, model__lora__rank=8))  # auto: adapters, into vLLM
+    assert any(p.startswith("model.lora.sync: auto: adapter-only syncs into the vllm engine of roles.actor_infer "
+                            "with model model.arch=qwen2_vl") for p in found), found
     assert any("model.arch: 'qwen3_vl' is not one of" in p for p in problems(set_(cfg, model__arch="qwen3_vl")))
 
 

@@ -79,6 +79,24 @@ def test_answers_read_back_from_the_pixels_and_the_task_is_seeded() -> None:
     assert {s.images for s in other} != {s.images for s in every}
 
 
+def test_each_shape_lies_in_one_image_token() -> None:
+    """A picture's quadrants are its 4 image tokens (64x64 resized to 56x56, 2x2 tokens of 28x28):
+    every shape lies in one quadrant and covers most of it, with background before the next quadrant."""
+    from rlbatch.data.shapes import GRID
+
+    cell = SIZE // GRID
+    assert GRID == 2 and cell == 32
+    for s in vlm_shapes(per_answer=16):
+        fg = np.any(np.asarray(Image.open(io.BytesIO(s.images[0])).convert("RGB")) != BACKGROUND, axis=-1)
+        quadrants = [fg[y : y + cell, x : x + cell] for y in (0, cell) for x in (0, cell)]
+        assert sum(q.any() for q in quadrants) == len(regions(s.images[0]))  # one shape per used quadrant
+        for q in quadrants:
+            if q.any():
+                ys, xs = np.nonzero(q)
+                assert ys.max() < cell - 1 and xs.max() < cell - 1  # a background pixel before the next quadrant
+                assert (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1) >= 24 * 24  # most of the token
+
+
 def pixels(s: Sample) -> bytes:
     """A digest of a sample's decoded picture (not its PNG encoding)."""
     return hashlib.sha256(np.asarray(Image.open(io.BytesIO(s.images[0]))).tobytes()).digest()
@@ -103,6 +121,8 @@ def test_chance_level() -> None:
     options = {COLOUR_QUESTION: ["5", "6", "7", "8"], COUNT_QUESTION: ["1", "2", "3", "4"]}
     for q, digits in options.items():  # each prompt names exactly the options of its kind
         assert [c for c in q if c.isdigit()] == digits
+    # the text alone cannot do better: every prompt is one of the two questions, the same for all its answers
+    assert {s.prompt for s in every} == set(options)
     uniform = np.mean([1 / len(options[s.prompt]) for s in every])
     constant = max(answers.values()) / len(every)
     print(f"vlm_shapes chance: uniform guess {uniform:.3f}, best constant answer {constant:.3f}")

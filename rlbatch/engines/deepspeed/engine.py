@@ -25,10 +25,18 @@ adapters require grad, so only they are in the optimizer (and in ZeRO's fp32 mas
 the frozen base stays in the compute dtype (bf16 on GPU, partitioned under ZeRO-3). The weight sync
 is merged (``WeightStream.merged``), the checkpoint holds the adapters and their
 AdamW state only, and ``base_logprobs`` is the base model's (the adapters switched off).
+
+A vision-language policy (``model.arch=qwen2_vl|qwen2_5_vl``, ``rlbatch.models.vlm``) trains with its
+samples' images as the fsdp engine does (``rlbatch.engines.batch.pack`` with the model's ``vision_of``:
+images to the forward, [4, 1, N] multimodal positions in packed rows). Its vision tower is frozen
+unless ``model.train_vision`` (``freeze_vision``): no gradient, no optimizer state, no fp32 master
+copy; ZeRO-3 still partitions it. The checkpoint holds the frozen tower's weights beside the trained
+parameters (as the fsdp engine's), the weight sync streams it as its own units.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
@@ -40,10 +48,10 @@ import torch.distributed as dist
 from rlbatch.engines import training as common
 from rlbatch.engines.attention import prefer_varlen
 from rlbatch.engines.base import CheckpointState, EngineContext, Sample, Unit, WeightStream, layer_units, require_mesh
-from rlbatch.engines.batch import Packed, pack
+from rlbatch.engines.batch import Packed, pack, vision_of
 from rlbatch.engines.deepspeed.world import import_deepspeed, role_world
 from rlbatch.engines.defaults import max_tokens_per_micro_batch
-from rlbatch.engines.model import engine_skeleton, load_engine_model
+from rlbatch.engines.model import VISION_PREFIX, engine_skeleton, freeze_vision, load_engine_model
 from rlbatch.engines.offload import StashedState, Stashes, TensorStash
 from rlbatch.engines.train_state import param_groups_meta
 from rlbatch.models import lora
@@ -135,17 +143,32 @@ def host_model(ctx: EngineContext) -> PreTrainedModel | PeftModel:
     ``engine_skeleton`` (where the adapters are applied, seeded by name as every engine's are),
     filled on the host; any other model from ``load_engine_model`` (the same tensors)."""
     if lora.of(ctx) is None:
-        return load_engine_model(ctx)
-    sk = engine_skeleton(ctx)
-    sk.materialise(torch.device("cpu"))
-    return sk.model
+        model: PreTrainedModel | PeftModel = load_engine_model(ctx)
+    else:
+        sk = engine_skeleton(ctx)
+        sk.materialise(torch.device("cpu"))
+        model = sk.model
+    freeze_vision(model, bool(ctx.model.train_vision))  # a VLM's tower: no gradient, no optimizer state
+    return model
+
+
+VLM_LAYERS = ("model.language_model.layers.", f"{VISION_PREFIX}blocks.")
+"""Where a vision-language model keeps its decoder layers and its vision tower's blocks."""
 
 
 def export_units(names: list[str]) -> list[list[str]]:
     """``layer_units`` of a model's parameter names, PEFT-wrapped or not: an adapter streams in the unit
-    of the layer it adapts, beside the weight it is merged into."""
+    of the layer it adapts, beside the weight it is merged into. A vision-language model's decoder
+    layers and vision blocks are units one by one too (``VLM_LAYERS``)."""
     inner = {lora.unwrapped(n): n for n in names}
-    return [[inner[n] for n in unit] for unit in layer_units(list(inner))]
+
+    def layer(name: str) -> str | None:
+        prefix = next((p for p in VLM_LAYERS if name.startswith(p)), None)
+        return None if prefix is None else prefix + name[len(prefix):].split(".")[0]
+
+    if not any(layer(n) for n in inner):
+        return [[inner[n] for n in unit] for unit in layer_units(list(inner))]
+    return [[inner[n] for n in run] for _, run in itertools.groupby(inner, key=layer)]
 
 
 class DeepSpeedEngine(StashedState):
@@ -207,6 +230,12 @@ class DeepSpeedEngine(StashedState):
         by_id = {id(p): p for _, p in self.trained}
         self.model_keys = [(k, by_id[id(v)]) for k, v in self.module.state_dict(keep_vars=True).items()
                            if id(v) in by_id]
+        # Frozen parameters that are not rebuilt from the model's source (a VLM's frozen vision tower
+        # without model.lora): saved as the fsdp engine saves them, from the compute copy (their only one).
+        frozen = {id(p): p for p in self.params if not p.requires_grad} if self.lora is None else {}
+        self.frozen_keys = [(k, frozen[id(v)]) for k, v in self.module.state_dict(keep_vars=True).items()
+                            if id(v) in frozen]
+        self.vision = vision_of(self.module)  # a vision-language model: samples' images reach its forward
         self.state = Stashes({"params": TensorStash("params", self._param_tensors)})
         if self.optimizer is not None:
             self.state.add("optimizer", TensorStash("optimizer", self._optimizer_tensors))
@@ -234,7 +263,7 @@ class DeepSpeedEngine(StashedState):
     # -- forward and training -----------------------------------------------------------------------
     def _pack(self, chunk: list[Sample]) -> Packed:
         return pack(chunk, self.tokenizer.pad_token_id, self.device, share_prompts=self.share_prompts,
-                    flat=self.max_tokens > 0)
+                    flat=self.max_tokens > 0, vision=self.vision)
 
     def logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         with role_world(self.group):
@@ -353,8 +382,9 @@ class DeepSpeedEngine(StashedState):
     def checkpoint_state(self) -> CheckpointState | None:
         """Full fp32 weights and AdamW state per Hugging Face name (``model.<name>``,
         ``optim.<name>.{exp_avg,exp_avg_sq,step}``) of the trained parameters (with ``model.lora``: the
-        adapters only), gathered on every rank of the role: plain tensors, written once by DCP. None
-        when forward-only."""
+        adapters only), and the weights alone of frozen ones that are not rebuilt from the model's
+        source (a vision-language model's frozen tower without ``model.lora``), gathered on every rank
+        of the role: plain tensors, written once by DCP. None when forward-only."""
         if self.optimizer is None:
             return None
         assert self.scheduler is not None  # built with the optimizer
@@ -366,6 +396,9 @@ class DeepSpeedEngine(StashedState):
             step = self._step()
             for key, p in self.model_keys:
                 tensors[f"model.{key}"] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            zero3 = self.stage == 3 and self.engine is not self.module
+            for key, p in self.frozen_keys:
+                tensors[f"model.{key}"] = self._exported(p, torch.float32, zero3).cpu().clone()
             for name, p in self.trained:
                 for key in ADAM_KEYS:
                     tensors[f"optim.{name}.{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
@@ -387,6 +420,8 @@ class DeepSpeedEngine(StashedState):
                 full = t[f"model.{key}"].to(self.device)
                 safe_set_full_fp32_param(p, full)
                 self._set_compute_weight(p, full)
+            for key, p in self.frozen_keys:
+                self._set_compute_weight(p, t[f"model.{key}"].to(self.device))
             for name, p in self.trained:
                 for key in ADAM_KEYS:
                     safe_set_full_optimizer_state(p, t[f"optim.{name}.{key}"].to(self.device), key)

@@ -46,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, TypedDict, cast
 
 import torch
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
 
     from rlbatch.config.schema import LoraConfig
     from rlbatch.engines.vllm import VLLMArgs
+    from rlbatch.loop.partial import KeptSample, KeptState
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +231,11 @@ class VLLMEngine:
         self._requests = 0  # serial of the requests of in-flight generations
         # partial rollouts (``generate_some``): requests kept across calls
         self._kept: dict[str, tuple[int, list[int]]] = {}  # request id -> (sample id, token versions so far)
-        self._finished: dict[int, tuple[CompletionOutput, list[int]]] = {}  # finished, not returned yet
+        self._finished: dict[int, Generation] = {}  # finished, not returned yet
+        self._prompt: dict[str, list[int]] = {}  # request id -> its sample's prompt (a checkpoint keeps it)
+        self._latest: dict[str, CompletionOutput] = {}  # request id -> its cumulative output after the last step
+        self._before: dict[str, tuple[list[int], list[float]]] = {}  # restored: tokens, log-probs before the resume
+        self._restore: list[KeptSample] = []  # restored (or read by a checkpoint) unfinished, added by the next call
         self._group_done: dict[int, int] = {}  # group id -> its samples finished
         self._ready: list[int] = []  # whole groups finished, in finishing order, not returned yet
         self._kept_version = 0  # the weights the kept requests last stepped with
@@ -426,12 +432,25 @@ class VLLMEngine:
                 self.llm.reset_prefix_cache(reset_running_requests=True)  # weights loaded between calls
             sampling = _sampling(params, 1)  # cumulative outputs: the tokens so far after every step
             torch.manual_seed(params.seed)  # vLLM's sampler draws from the process RNG
+            for kept in self._restore:  # restored from a checkpoint: prompt and tokens so far prefilled
+                rid = f"part-{kept['key']}"
+                left = params.max_new_tokens - len(kept["tokens"])
+                if left < 1:
+                    raise ValueError(f"generate_some: restored sample {kept['key']} has {len(kept['tokens'])} tokens "
+                                     f"and is unfinished, but max_new_tokens is {params.max_new_tokens}")
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=kept["prompt"] + kept["tokens"]),
+                                   _sampling(replace(params, max_new_tokens=left), 1), **self._adapter())
+                self._kept[rid] = (kept["key"], list(kept["versions"]))
+                self._prompt[rid] = list(kept["prompt"])
+                self._before[rid] = (list(kept["tokens"]), list(kept["logprobs"]))
+            self._restore = []
             for key, prompt in zip(keys, prompts, strict=True):
                 rid = f"part-{key}"
                 if rid in self._kept or key in self._finished:
                     raise ValueError(f"generate_some: sample {key} is already kept by the engine")
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), sampling, **self._adapter())
                 self._kept[rid] = (key, [])
+                self._prompt[rid] = list(prompt)
         version = params.version
         self._group = group
         while len(self._ready) < take:
@@ -450,8 +469,8 @@ class VLLMEngine:
         for g in self._ready[:take]:
             del self._group_done[g]
             for key in sorted(k for k in self._finished if k // group == g):
-                completion, stamps = self._finished.pop(key)
-                out.append((key, _generation(completion, stamps)))
+                out.append((key, self._finished.pop(key)))
+                del self._prompt[f"part-{key}"]
         self._ready = self._ready[take:]
         return sorted(out, key=lambda kg: kg[0])
 
@@ -462,12 +481,17 @@ class VLLMEngine:
         for result in results:
             if result.request_id not in self._kept:
                 continue
-            key, stamps = self._kept[result.request_id]
+            rid = result.request_id
+            key, stamps = self._kept[rid]
             completion = cast("RequestOutput", result).outputs[0]
-            stamps += [version] * (len(completion.token_ids) - len(stamps))
+            before, before_lp = self._before.get(rid, ([], []))
+            stamps += [version] * (len(before) + len(completion.token_ids) - len(stamps))
+            self._latest[rid] = completion
             if result.finished:
-                del self._kept[result.request_id]
-                self._finished[key] = (completion, stamps)
+                del self._kept[rid], self._latest[rid]
+                self._before.pop(rid, None)
+                gen = _generation(completion, stamps[len(before):])
+                self._finished[key] = Generation(before + gen.tokens, before_lp + gen.logprobs, stamps)
                 g = key // self._group
                 self._group_done[g] = self._group_done.get(g, 0) + 1
                 if self._group_done[g] == self._group:
@@ -476,7 +500,78 @@ class VLLMEngine:
 
     def kept(self) -> int:
         """Samples the engine keeps across ``generate_some`` calls: unfinished, or finished and not returned."""
-        return len(self._kept) + len(self._finished)
+        return len(self._kept) + len(self._finished) + len(self._restore)
+
+    def kept_state(self) -> KeptState:
+        """What the engine holds between two ``generate_some`` calls, for a checkpoint: each kept
+        sample's prompt, tokens so far with their log-probs and versions; the unfinished ones in
+        the order vLLM's scheduler holds them (running, then waiting).
+
+        The engine then holds them as a restored one does (``restore_kept``): the unfinished requests
+        are aborted and the prefix cache reset, and the next call adds each again, in that order,
+        as a request whose prompt is its prompt and tokens so far. So the run that wrote the
+        checkpoint and the one resumed from it go on from the same state (vLLM's CPU sampler draws
+        from the process RNG for the batch as a whole; preempting the requests instead, with
+        ``reset_prefix_cache(reset_running_requests=True)``, did not sample what new requests of the
+        same tokens do). The cost: the unfinished samples' prompts and tokens are prefilled once more, under
+        the weights then held (with ``in_flight_kv=keep`` their earlier tokens' KV cache is then the
+        current weights', as with ``recompute``)."""
+        if self._kept:
+            parked = [self._kept_sample(rid) for rid in self._scheduled_order()]
+            with self.world.active():
+                self.llm.llm_engine.abort_request(list(self._kept))
+                self._stale_prefix = self.llm.reset_prefix_cache() is False
+            for rid in self._kept:
+                del self._prompt[rid]
+            self._kept, self._latest, self._before = {}, {}, {}
+            self._restore = parked + self._restore
+        samples = list(self._restore)
+        for key, gen in self._finished.items():
+            done: KeptSample = {"key": key, "prompt": list(self._prompt[f"part-{key}"]), "tokens": list(gen.tokens),
+                                "logprobs": list(gen.logprobs), "versions": list(gen.versions), "finished": True}
+            samples.append(done)
+        state: KeptState = {"samples": samples, "group": self._group, "ready": list(self._ready),
+                            "version": self._kept_version}
+        return state
+
+    def restore_kept(self, state: KeptState) -> None:
+        """Hold again what ``kept_state`` read (into an engine that holds nothing): the finished
+        samples as they were, the unfinished ones added by the next ``generate_some`` call before its
+        own, each a request whose prompt is its prompt and tokens so far (its log-probs and versions
+        so far kept beside it), generating the tokens it has left."""
+        if self.kept():
+            raise RuntimeError(f"vllm engine: restoring kept samples into an engine that keeps {self.kept()}")
+        self._group, self._ready, self._kept_version = int(state["group"]), list(state["ready"]), int(state["version"])
+        with self.world.active():
+            self._stale_prefix = self.llm.reset_prefix_cache() is False
+        self._restore = [s for s in state["samples"] if not s["finished"]]
+        self._group_done = {}
+        for s in state["samples"]:
+            if s["finished"]:
+                self._finished[s["key"]] = Generation(list(s["tokens"]), list(s["logprobs"]), list(s["versions"]))
+                self._prompt[f"part-{s['key']}"] = list(s["prompt"])
+                g = s["key"] // self._group
+                self._group_done[g] = self._group_done.get(g, 0) + 1
+
+    def _kept_sample(self, rid: str) -> KeptSample:
+        key, stamps = self._kept[rid]
+        before, before_lp = self._before.get(rid, ([], []))
+        latest = self._latest.get(rid)
+        gen = _generation(latest, stamps[len(before):]) if latest is not None else Generation([], [], [])
+        sample: KeptSample = {"key": key, "prompt": list(self._prompt[rid]), "tokens": before + gen.tokens,
+                              "logprobs": before_lp + gen.logprobs, "versions": list(stamps), "finished": False}
+        return sample
+
+    def _scheduled_order(self) -> list[str]:
+        """The kept unfinished requests in the order vLLM's scheduler holds them: running, then
+        waiting (the order they are prefilled again in after a preemption); the order they were
+        added in where the scheduler cannot be read."""
+        core = getattr(getattr(self.llm.llm_engine, "engine_core", None), "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        if scheduler is None:
+            return list(self._kept)
+        order = [r.request_id for r in (*scheduler.running, *scheduler.waiting) if r.request_id in self._kept]
+        return order + [rid for rid in self._kept if rid not in set(order)]
 
     # -- turns: requests that join and leave the running batch (rlbatch.engines.base.Turns) -------
 
