@@ -157,15 +157,9 @@ def _pack(store: SampleStore, m: Move, dtype: torch.dtype, fields: list[str]) ->
 
 
 def _unpack(store: SampleStore, m: Move, fields: list[str], flat: torch.Tensor) -> None:
-    idx = [m.fields.index(f) for f in fields]
-    pos = 0
-    for i, (sid, lens) in enumerate(zip(m.ids, m.lengths, strict=True)):
-        for f, j in zip(fields, idx, strict=True):
-            if not m.sends(i, f):  # the earlier sample's tensor, one for all of them
-                store.put(sid, f, store.samples[m.ids[m.alias[i]]][f])
-                continue
-            store.put(sid, f, flat[pos : pos + lens[j]])  # a view into the received buffer
-            pos += lens[j]
+    from rlbatch.runtime.mpi_dataplane import unpack
+
+    unpack(store, m, fields, flat, lambda view: view)
 
 
 @dataclass

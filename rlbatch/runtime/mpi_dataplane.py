@@ -66,6 +66,13 @@ def _pack(store: Store, m: Move, dtype: type[np.generic], fields: list[str]) -> 
 
 
 def _unpack(store: Store, m: Move, fields: list[str], flat: np.ndarray, wrap: Callable[[np.ndarray], object]) -> None:
+    unpack(store, m, fields, flat, wrap)
+
+
+def unpack(store: Store, m: Move, fields: list[str], flat: Any, wrap: Callable[[Any], object]) -> None:
+    """Put the samples' ``fields`` of a received move into ``store``, each a view of ``flat`` (an
+    array or a tensor) made a stored value by ``wrap``; a sample that takes an earlier sample's
+    fields (``Move.alias``) is given that sample's value, one for all of them. Both data planes."""
     idx = [m.fields.index(f) for f in fields]
     pos = 0
     for i, (sid, lens) in enumerate(zip(m.ids, m.lengths, strict=True)):

@@ -15,18 +15,9 @@ from rlbatch.algos.objective import PolicyObjective
 from rlbatch.config.schema import AlgoConfig
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_tokenizer
-from tests.unit.test_vlm_engines import _cfg, _fsdp, _generated, _hf, _prompts
+from tests.unit.test_vlm_engines import _cfg, _fsdp, _generated, _hf, _prompts, one_thread  # noqa: F401  (autouse)
 
 TOWER = "model.visual."
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """As tests/unit/test_vlm_engines.py: a tiny VLM's forward at one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

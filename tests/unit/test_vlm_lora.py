@@ -16,20 +16,11 @@ from rlbatch.config.schema import AlgoConfig, LoraConfig, ModelConfig
 from rlbatch.engines.base import EngineContext
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.models import lora
-from tests.unit.test_vlm_engines import _generated, _hf, _prompts
+from tests.unit.test_vlm_engines import _generated, _hf, _prompts, one_thread  # noqa: F401  (autouse)
 
 TOWER = "model.visual."
 TARGETS = ["q_proj", "down_proj", "qkv", "fc1"]
 """Names of the language model's linear layers and of the vision tower's (qkv, fc1): only the first get adapters."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """As tests/unit/test_vlm_engines.py: a tiny VLM's forward at one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _cfg(targets: list[str] | None = None) -> ModelConfig:
