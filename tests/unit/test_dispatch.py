@@ -60,7 +60,7 @@ def test_every_rank_of_an_inference_worker_holds_what_it_generated_and_drops_it_
     from rlbatch.phases import phase_for
 
     pipe = Pipeline.__new__(Pipeline)
-    pipe.where, pipe.length, pipe.pending_drop = {}, {}, defaultdict(list)
+    pipe.where, pipe.length, pipe.shares, pipe.pending_drop = {}, {}, {}, defaultdict(list)
     ro = Rollouts([0, 1], ["a", "a"], 2, {}, {})
     pending = SimpleNamespace(result=lambda: {2: {0: (3, 5, (0, 0)), 1: (3, 4, (0, 0))}})
     PendingRollouts(pipe, phase_for("actor_infer", "generate"), pending, {(2, 3): [0, 1]}, ro).result()  # type: ignore[arg-type]
