@@ -85,8 +85,12 @@ class Plane:
             for r in call.ranks:
                 cmd = per_rank[r]
                 self.drops += cmd.get("drop") or []
-                out = self.keeper.generate(cmd["work"]) if cmd["phase"] == "generate" else {}
+                out = self.answer(cmd["phase"], cmd["work"])
                 call.replies[r] = {"xfer": {"seconds": 0.0}, "out": out, "rec": {"phase": cmd["phase"], "seconds": 0.0}}
+
+    def answer(self, phase: str, work: Any) -> Any:
+        """A rank's output of ``phase``: the keeper's generations; nothing for the other phases."""
+        return self.keeper.generate(work) if phase == "generate" else {}
 
 
 class StandInCall:

@@ -71,17 +71,10 @@ class Holder(Keeper):
 class BufferPlane(Plane):
     """``Plane`` that also answers the rollout buffer's commands."""
 
-    def run_ranks(self) -> None:
-        while self.queue:
-            call, per_rank = self.queue.pop(0)
-            for r in call.ranks:
-                cmd = per_rank[r]
-                self.drops += cmd.get("drop") or []
-                keeper = self.keeper
-                assert isinstance(keeper, Holder)
-                out = (keeper.generate(cmd["work"]) if cmd["phase"] == "generate"
-                       else keeper.buffer(cmd["work"]) if cmd["phase"] == "rollout_buffer" else {})
-                call.replies[r] = {"xfer": {"seconds": 0.0}, "out": out, "rec": {"phase": cmd["phase"], "seconds": 0.0}}
+    def answer(self, phase: str, work: Any) -> Any:
+        keeper = self.keeper
+        assert isinstance(keeper, Holder)
+        return keeper.buffer(work) if phase == "rollout_buffer" else super().answer(phase, work)
 
 
 def _queue_on(keeper: Holder, data: Data) -> tuple[GenerationQueue, BufferPlane]:

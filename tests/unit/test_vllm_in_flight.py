@@ -43,13 +43,20 @@ def test_in_a_process_of_its_own() -> None:
     run_in_a_process_of_its_own(__file__, "in-flight checks passed")
 
 
+def in_flight_engine(tmp: str, *overrides: str) -> tuple[Any, Any, VLLMEngine]:
+    """(config, tokenizer, engine): the tiny model's vLLM engine with in-flight updates and
+    ``overrides``, in a one-rank world (its store in ``tmp``) made first, as on a rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+    cfg = compose([*MODEL, "algo.in_flight_updates=true", *overrides])
+    tok = load_tokenizer(cfg.model)
+    engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, cfg.algo, tok,
+                                      torch.device("cpu"), seed=SEED))
+    return cfg, tok, engine
+
+
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:  # the program's world exists first, as on a rank
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        cfg = compose([*MODEL, "algo.in_flight_updates=true", "algo.max_staleness=1"])
-        tok = load_tokenizer(cfg.model)
-        engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, cfg.algo, tok,
-                                          torch.device("cpu"), seed=SEED))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, tok, engine = in_flight_engine(tmp, "algo.max_staleness=1")
         old = load_model(cfg.model, tok, SEED).eval()
         g = torch.Generator().manual_seed(11)
         new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in old.named_parameters()]

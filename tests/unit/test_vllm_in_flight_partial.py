@@ -14,16 +14,13 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import vllm  # noqa: F401  (installed by make venv: its absence is a broken install, not a skip)
 
-from rlbatch.config.compose import compose
-from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.vllm import VLLMArgs
+from rlbatch.engines.base import Generation, SamplingParams
+from rlbatch.engines.model import load_model
 from rlbatch.engines.vllm.engine import VLLMEngine
 from tests.unit.infer_checks import run_in_a_process_of_its_own
-from tests.unit.test_vllm_in_flight import MODEL, SEED, _forward_logprobs
+from tests.unit.test_vllm_in_flight import SEED, _forward_logprobs, in_flight_engine
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start alone takes minutes on a loaded 2-core machine
 GROUP = 2
@@ -36,13 +33,9 @@ def test_in_a_process_of_its_own() -> None:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:  # the program's world exists first, as on a rank
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        cfg = compose([*MODEL, "algo.in_flight_updates=true", "algo.max_staleness=2", "algo.partial_rollouts=true",
-                       "algo.in_flight_kv=recompute"])
-        tok = load_tokenizer(cfg.model)
-        engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, cfg.algo, tok,
-                                          torch.device("cpu"), seed=SEED))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, tok, engine = in_flight_engine(tmp, "algo.max_staleness=2", "algo.partial_rollouts=true",
+                                            "algo.in_flight_kv=recompute")
         a_long_sample_spans_calls_and_versions_and_no_sample_is_lost_or_duplicated(cfg, tok, engine)
         engine.close()
         print("partial rollout checks passed", flush=True)

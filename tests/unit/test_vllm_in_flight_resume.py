@@ -17,16 +17,13 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import vllm  # noqa: F401  (installed by make venv: its absence is a broken install, not a skip)
 
-from rlbatch.config.compose import compose
-from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.model import load_model, load_tokenizer
-from rlbatch.engines.vllm import VLLMArgs
+from rlbatch.engines.base import Generation, SamplingParams
+from rlbatch.engines.model import load_model
 from rlbatch.engines.vllm.engine import VLLMEngine
 from tests.unit.infer_checks import run_in_a_process_of_its_own
-from tests.unit.test_vllm_in_flight import MODEL, SEED
+from tests.unit.test_vllm_in_flight import SEED, in_flight_engine
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.full]  # vLLM starts slowly; the bookkeeping: test_in_flight_partial_resume.py
 GROUP = 2
@@ -39,12 +36,8 @@ def test_in_a_process_of_its_own() -> None:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:  # the program's world exists first, as on a rank
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        cfg = compose([*MODEL, "algo.in_flight_updates=true", "algo.max_staleness=2", "algo.partial_rollouts=true"])
-        tok = load_tokenizer(cfg.model)
-        engine = VLLMEngine(EngineContext("actor_infer", VLLMArgs(kv_cache_mb=64), cfg.model, cfg.algo, tok,
-                                          torch.device("cpu"), seed=SEED))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, tok, engine = in_flight_engine(tmp, "algo.max_staleness=2", "algo.partial_rollouts=true")
         kept_samples_restored_go_on_bitwise(cfg, tok, engine)
         engine.close()
         print("kept samples resume checks passed", flush=True)
