@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,13 +61,20 @@ class Vision:
     rope_index: RopeIndex
 
 
+def _vlm_core(model: torch.nn.Module, method: str) -> Any:
+    """The module of a transformers vision-language model that has ``method`` (its ``model``, one
+    level deeper inside PEFT's wrapper), or None."""
+    inner = getattr(model, "model", None)
+    inner = getattr(inner, "model", inner) if not hasattr(inner, method) else inner  # PEFT: one more level
+    return inner if hasattr(inner, method) else None
+
+
 def vision_of(model: torch.nn.Module) -> Vision | None:
     """``Vision`` of a transformers vision-language model (inside PEFT's or FSDP's wrapper or not),
     None for a text model."""
-    inner = getattr(model, "model", None)
-    inner = getattr(inner, "model", inner) if not hasattr(inner, "get_rope_index") else inner  # PEFT: one more level
+    inner = _vlm_core(model, "get_rope_index")
     token = getattr(getattr(model, "config", None), "image_token_id", None)
-    if inner is None or token is None or not hasattr(inner, "get_rope_index"):
+    if inner is None or token is None:
         return None
     return Vision(int(token), inner.get_rope_index)
 
@@ -105,9 +112,8 @@ def image_placeholders(model: torch.nn.Module, images: Images | None) -> Iterato
     ``images.token_types`` says, the prompts' image tokens, rather than at every image token of
     the ids: a sampled response may hold the image token too, which is text there (transformers
     would count it as a placeholder and refuse the call: more tokens than image features)."""
-    inner = getattr(model, "model", None)
-    inner = getattr(inner, "model", inner) if not hasattr(inner, "get_placeholder_mask") else inner  # PEFT: one more level
-    if images is None or images.token_types is None or not hasattr(inner, "get_placeholder_mask"):
+    inner = _vlm_core(model, "get_placeholder_mask")
+    if images is None or images.token_types is None or inner is None:
         yield
         return
     types = images.token_types.bool()
@@ -121,11 +127,11 @@ def image_placeholders(model: torch.nn.Module, images: Images | None) -> Iterato
                              f"{image_features.numel() // inputs_embeds.shape[-1]} image features")
         return at, torch.zeros_like(at)
 
-    inner.get_placeholder_mask = placeholders  # type: ignore[union-attr]
+    inner.get_placeholder_mask = placeholders
     try:
         yield
     finally:
-        del inner.get_placeholder_mask  # type: ignore[union-attr]
+        del inner.get_placeholder_mask
 
 
 @dataclass
