@@ -192,8 +192,10 @@ class Pipeline:
     def __init__(self, world: World, cfg: RLBatchConfig) -> None:
         self.world, self.cfg, self.p = world, cfg, world.placement
         self.ctl = Controller(world.comm, world.timeout_s, lambda r: describe_rank(self.p, r))
-        self.where: dict[tuple[int, str], set[int]] = {}
-        self.length: dict[tuple[int, str], int] = {}
+        self.where: dict[int, dict[str, set[int]]] = {}
+        """Sample -> field -> the ranks that hold it."""
+        self.length: dict[int, dict[str, int]] = {}
+        """Sample -> field -> its number of values."""
         self.shares: dict[int, int] = {}
         """Sample -> the key of its image fields (``IMAGE_FIELDS``), as the generate rank answered: samples
         with one key hold equal values (one prompt's images), which a move sends once (``Move.alias``)."""
@@ -242,25 +244,42 @@ class Pipeline:
 
     def _discard_on(self, rank: int, discard: dict[str, list[str]]) -> dict[str, dict[str, list[str]]]:
         """The part of ``discard`` about roles on ``rank``, as a phase command's argument."""
-        here = {r: kinds for r, kinds in discard.items() if rank in self.world.members.get(r, ())}
+        here = {r: kinds for r, kinds in discard.items() if rank in self._member_sets.get(r, ())}
         return {"discard": here} if here else {}
 
+    @cached_property
+    def _member_sets(self) -> dict[str, frozenset[int]]:
+        """Each role's ranks as a set: asked for every rank of a phase, a look-up in the role's
+        tuple of ranks made the phase's commands quadratic in ranks."""
+        return {role: frozenset(ranks) for role, ranks in self.world.members.items()}
+
     def _moves(self, need: dict[int, tuple[list[int], list[str]]]) -> list[Move]:
+        """The moves that bring each rank of ``need`` the fields of the samples it lacks, from the
+        lowest rank holding each, grouped by (source, destination, fields). Nothing is made for a
+        sample the destination holds whole (the common case: a sample read where it was made)."""
         grouped: dict[tuple[int, int, tuple[str, ...]], list[int]] = defaultdict(list)
+        where = self.where
         for dst, (ids, fields) in need.items():
             for sid in ids:
-                by_src: dict[int, list[str]] = defaultdict(list)
+                of = where.get(sid)
+                if of is None:
+                    continue
+                by_src: dict[int, list[str]] | None = None
                 for f in fields:
-                    held = self.where.get((sid, f))
+                    held = of.get(f)
                     if held and dst not in held:
+                        if by_src is None:
+                            by_src = defaultdict(list)
                         by_src[min(held)].append(f)
-                for src, fs in by_src.items():
-                    grouped[(src, dst, tuple(fs))].append(sid)
+                if by_src is not None:
+                    for src, fs in by_src.items():
+                        grouped[(src, dst, tuple(fs))].append(sid)
         return [self._move(src, dst, ids, list(fs)) for (src, dst, fs), ids in grouped.items()]
 
     def _move(self, src: int, dst: int, ids: list[int], fields: list[str]) -> Move:
         """A move of ``fields`` of ``ids``; image fields that samples share (``shares``) go once."""
-        lengths = [[self.length[(i, f)] for f in fields] for i in ids]
+        length = self.length
+        lengths = [[length[i][f] for f in fields] for i in ids]
         shared = [f for f in fields if f in IMAGE_FIELDS]
         if shared:
             first: dict[tuple[bool, int], int] = {}
@@ -313,25 +332,24 @@ class Pipeline:
 
     def produced(self, ranks: int | tuple[int, ...], sid: int, field: str, length: int) -> None:
         """``field`` of sample ``sid`` (``length`` values) is now held by ``ranks``."""
-        self.where[(sid, field)] = {ranks} if isinstance(ranks, int) else set(ranks)
-        self.length[(sid, field)] = length
+        self.where.setdefault(sid, {})[field] = {ranks} if isinstance(ranks, int) else set(ranks)
+        self.length.setdefault(sid, {})[field] = length
 
     def forget(self, ids: list[int]) -> None:
         """Samples of a finished step: every rank holding one drops it with its next command."""
         holders: dict[int, set[int]] = defaultdict(set)
-        gone = set(ids)
-        for (sid, f) in list(self.where):
-            if sid in gone:
-                for r in self.where.pop((sid, f)):
-                    holders[r].add(sid)
-                self.length.pop((sid, f), None)
         for sid in ids:
+            for held in self.where.pop(sid, {}).values():
+                for r in held:
+                    holders[r].add(sid)
+            self.length.pop(sid, None)
             self.shares.pop(sid, None)
         for r, sids in holders.items():
             self.pending_drop[r].extend(sorted(sids))
 
     def holder(self, ids: list[int], field: str = "response") -> dict[int, int]:
-        return {sid: min(self.where[(sid, field)]) for sid in ids if (sid, field) in self.where}
+        where = self.where
+        return {sid: min(of[field]) for sid in ids if (of := where.get(sid)) is not None and field in of}
 
     def begin_step(self) -> None:
         self.records, self.phase_seconds = [], {}
@@ -357,7 +375,7 @@ class PendingPhase:
         for m in self.moves:
             for sid in m.ids:
                 for f in m.fields:
-                    p.where[(sid, f)].add(m.dst)
+                    p.where[sid][f].add(m.dst)
         book = self.ledger or Ledger(p.records, p.phase_seconds)  # the step's, as they are now
         records, phase_seconds = book.records, book.phase_seconds
         for r, rep in replies.items():
@@ -398,9 +416,11 @@ class PendingRollouts:
             self.rollouts = replace(self.rollouts, ids=ids, answers=[a for a, _ in known],
                                     sources=[s for _, s in known] if self.rollouts.sources else [])
         ro = self.rollouts
+        where, length = self.pipe.where, self.pipe.length
         for worker, ids in self.ids_of.items():
+            answers = out[worker[0]]
             for sid in ids:
-                ro.prompt_len[sid], ro.response_len[sid], ro.versions[sid], *rest = out[worker[0]][sid]
+                ro.prompt_len[sid], ro.response_len[sid], ro.versions[sid], *rest = answers[sid]
                 episode = rest[0] if rest else None  # a trajectory's summary (a run with an environment)
                 extra = rest[1] if len(rest) > 1 else {}  # lengths of the image fields of a prompt with images
                 if len(rest) > 2:  # and the key of those fields: samples of one key hold the same images
@@ -408,10 +428,11 @@ class PendingRollouts:
                 if episode is not None:
                     ro.episodes[sid] = episode
                 lengths = {"prompt": ro.prompt_len[sid], **extra}
+                held, sized = where.setdefault(sid, {}), length.setdefault(sid, {})  # ``Pipeline.produced``, inlined
                 for f in self.spec.writes:
                     if (f in TRAJECTORY_FIELDS and episode is None) or (f in IMAGE_FIELDS and f not in lengths):
                         continue
-                    self.pipe.produced(worker, sid, f, lengths.get(f, ro.response_len[sid]))
+                    held[f], sized[f] = set(worker), lengths.get(f, ro.response_len[sid])
         self.done = True
         if (failed := all_failed(ro.episodes)) is not None:
             raise RuntimeError(failed)
@@ -620,7 +641,7 @@ class Role:
         for sh, ids in assign.items():
             for f in spec.writes:
                 for sid in ids:
-                    self.pipe.produced(sh[0], sid, f, self.pipe.length[(sid, "response")])
+                    self.pipe.produced(sh[0], sid, f, self.pipe.length[sid]["response"])
 
     def start_logprobs_held(self, assign: dict[tuple[int, ...], list[int]]) -> PendingPhase:
         """Start this role's log-probs of samples every rank of each shard holds already (no data

@@ -106,6 +106,7 @@ class Loop:
         """The policy version: actor updates so far."""
         self.evaluation = Evaluation(self.pipe, cfg, self.start)  # at_start (start 0): the initial weights, now
         heap.settle()  # the controller's long-lived objects exist now: keep them out of collections
+        heap.fewer_collections()  # and collect its step's short-lived ones rarely
         if self.start > 0:
             self.actor_train.sync_weights(self.actor_infer, self.version)  # inference weights are not checkpointed
             self.sync_check.after_sync(self.start - 1, self.version)

@@ -186,6 +186,13 @@ class Traffic:
     command_bytes: int = 0
     replies: int = 0
     reply_bytes: int = 0
+    idle_cpu_s: float = 0.0
+    """With STATS_ENV set: the controller's CPU seconds spent waiting for replies that had not come
+    (probes that found none, the yields and sleeps between them). How much of it there is follows
+    how long the ranks work, not what the controller does: on a machine with fewer cores than ranks
+    it grows with their number, on a cluster (a core for the controller) it delays nothing."""
+    counting_cpu_s: float = 0.0
+    """With STATS_ENV set: the CPU seconds spent pickling messages a second time to count their bytes."""
 
 
 def _rss_kb() -> int:
@@ -236,6 +243,8 @@ class Controller:
         self.count_bytes = bool(os.environ.get(STATS_ENV))
         self.probes = 0
         """Probes for a reply so far (each poll of a wait makes one, plus one per reply it takes)."""
+        self.taking_cpu_s = 0.0
+        """With STATS_ENV set: CPU seconds of the polls that took replies (``Traffic.idle_cpu_s``)."""
 
     def call(self, ranks: list[int] | tuple[int, ...], cmd: str, timeout_s: float | None = None,
              per_rank: Mapping[int, Kwargs] | None = None, label: str | None = None, **kwargs: object) -> dict[int, Any]:
@@ -255,23 +264,28 @@ class Controller:
             msg = (cmd, {**kwargs, **(per_rank or {}).get(r, {})})
             reqs.append(self.comm.isend(msg, dest=r, tag=CMD_TAG))
             if self.count_bytes:
-                self.traffic.command_bytes += len(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+                self._count(msg, "command_bytes")
         self.traffic.commands += len(reqs)
         call = Call(self, list(ranks), cmd, timeout, reqs, label)
         for r in ranks:
             self.outstanding[r].append(call)
         return call
 
-    def _collect(self) -> None:
+    def _collect(self) -> int:
         """Take every reply that has arrived, from any rank, and hand it to the call it answers
         (its rank's oldest unanswered one: a rank replies in order, and MPI keeps one sender's
-        messages in order)."""
+        messages in order). Returns the number taken."""
         status = MPI.Status()
+        start = time.process_time() if self.count_bytes else 0.0
+        took = 0
         while True:
             self.probes += 1
             msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=REPLY_TAG)
             if msg is None:
-                return
+                if took and self.count_bytes:
+                    self.taking_cpu_s += time.process_time() - start
+                return took
+            took += 1
             value = msg.recv(status=status)
             r = status.Get_source()
             calls = self.outstanding.get(r)
@@ -282,7 +296,14 @@ class Controller:
                 del self.outstanding[r]
             self.traffic.replies += 1
             if self.count_bytes:
-                self.traffic.reply_bytes += len(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+                self._count(value, "reply_bytes")
+
+    def _count(self, msg: object, field: str) -> None:
+        """Add ``msg``'s pickled size to the traffic's ``field``: a second pickling, whose CPU time
+        goes to ``Traffic.counting_cpu_s`` (the measurement's, not the controller's work)."""
+        start = time.process_time()
+        setattr(self.traffic, field, getattr(self.traffic, field) + len(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)))
+        self.traffic.counting_cpu_s += time.process_time() - start
 
     def shutdown(self, ranks: list[int] | tuple[int, ...]) -> None:
         self.call(ranks, "shutdown")
@@ -311,10 +332,14 @@ class Call:
         def silent() -> str:
             return f"{self.label}: {NO_REPLY} " + "; ".join(self.ctl.describe(r) for r in self.ranks if r not in self.replies)
 
+        measure = self.ctl.count_bytes
+        cpu, taking = (time.process_time(), self.ctl.taking_cpu_s) if measure else (0.0, 0.0)
         try:
             wait_until(done, self.timeout_s, silent, CONTROLLER)
         except ControlTimeout as e:
             raise ControlTimeout(str(e), tuple(r for r in self.ranks if r not in self.replies)) from None
+        if measure:  # the wait's CPU but for the polls that took replies: waiting for ranks still at work
+            self.ctl.traffic.idle_cpu_s += time.process_time() - cpu - (self.ctl.taking_cpu_s - taking)
         replies = self.replies
         for req in self.reqs:
             req.wait()

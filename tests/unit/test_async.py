@@ -262,7 +262,7 @@ def test_a_riding_reference_splits_each_workers_samples_over_its_shards_with_not
     pipe.start = lambda phase, roles, work, need=None: started.append((phase, work, need)) or SimpleNamespace(
         result=lambda: {})
     pipe.produced = lambda ranks, sid, field, length: produced.__setitem__((sid, field), (ranks, length))
-    pipe.length = {(sid, "response"): 5 + sid for sid in range(4)}
+    pipe.length = {sid: {"response": 5 + sid} for sid in range(4)}
     ro = Rollouts([0, 1, 2, 3], ["a"] * 4, 2, {}, {})
     gen = SimpleNamespace(ids_of={(1, 2): [0, 1, 2, 3]}, result=lambda: ro, kept=None)
     rider = rider_for(r["actor_infer"], r["reference"])

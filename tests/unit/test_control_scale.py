@@ -164,3 +164,77 @@ def test_token_balancing_takes_the_lightest_shard_with_room_without_scanning_the
     ids = list(range(100, 100 + samples))
     tokens = {i: rng.choice([rng.randint(1, 50), 17]) for i in ids}  # ties included
     assert balance_tokens(ids, tokens, shards, mini_batches) == _balance_by_scanning(ids, tokens, shards, mini_batches)
+
+
+def test_the_controller_counts_the_cpu_it_spends_waiting_apart_from_its_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the stats on, the CPU of polls that found no reply (the ranks still at work) is counted
+    apart (``Traffic.idle_cpu_s``), and so is the second pickling that counts the bytes
+    (``counting_cpu_s``): neither is the controller's work, which is what the scale harness reports."""
+    import time
+
+    monkeypatch.setenv(STATS_ENV, "unused")
+    comm = Comm(silent=300)
+    ctl = Controller(comm, timeout_s=60.0)  # type: ignore[arg-type]
+    cpu = time.process_time()
+    ctl.call(list(range(4)), "phase")
+    spent = time.process_time() - cpu
+    t = ctl.traffic
+    assert comm.probes > 300
+    assert 0 < t.idle_cpu_s <= spent and 0 < t.counting_cpu_s <= spent
+    assert t.idle_cpu_s + t.counting_cpu_s <= spent
+
+
+class CountedRanks(tuple):  # type: ignore[type-arg]
+    """A role's ranks that count how often they are searched."""
+
+    searched = 0
+
+    def __contains__(self, item: object) -> bool:
+        CountedRanks.searched += 1
+        return super().__contains__(item)
+
+
+def test_a_phase_that_may_discard_state_looks_each_rank_up_in_a_set_not_the_roles_tuple() -> None:
+    """Each rank's command says which of its roles' state may be discarded: the rank was looked up
+    in each role's tuple of ranks, a scan of the world per rank (quadratic in ranks)."""
+    comm = Comm()
+    pipe = pipeline(64, comm)
+    pipe.world.members = {"actor_train": CountedRanks(range(64)), "actor_infer": CountedRanks(range(64))}
+    pipe.overwritten_next = {"actor_infer": {"weights"}}
+    work = {r: {"ids": []} for r in range(64)}
+    pipe.start("actor_train.train", ("actor_train",), work).result()
+    sent = {dest: kwargs for dest, (_, kwargs) in comm.commands}
+    assert all(sent[r]["discard"] == {"actor_infer": ["weights"]} for r in range(64))
+    assert CountedRanks.searched == 0
+
+
+def test_the_controller_collects_its_short_lived_objects_rarely() -> None:
+    """A step allocates objects per sample and per rank; with Python's default threshold (700) a
+    full collection, which walks everything alive, ran a few times a step at a few hundred ranks.
+    After ``fewer_collections`` allocating as much as a 1024-rank step does runs none."""
+    import gc
+
+    from rlbatch.runtime.heap import fewer_collections
+
+    full = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    before = gc.get_threshold()
+    gc.callbacks.append(count)
+    try:
+        fewer_collections()
+        gc.collect()
+        full.clear()
+        kept = [{"sid": k, "held": {k % 7}} for k in range(300_000)]  # a step's bookkeeping, alive
+        assert len(kept) == 300_000 and full == []
+        gc.set_threshold(700, before[1], before[2])
+        gc.collect()
+        full.clear()
+        kept = [{"sid": k, "held": {k % 7}} for k in range(300_000)]
+        assert full, "the default threshold runs a full collection over such a step"
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*before)

@@ -65,8 +65,8 @@ def test_every_rank_of_an_inference_worker_holds_what_it_generated_and_drops_it_
     pending = SimpleNamespace(result=lambda: {2: {0: (3, 5, (0, 0)), 1: (3, 4, (0, 0))}})
     PendingRollouts(pipe, phase_for("actor_infer", "generate"), pending, {(2, 3): [0, 1]}, ro).result()  # type: ignore[arg-type]
     assert ro.prompt_len == {0: 3, 1: 3} and ro.response_len == {0: 5, 1: 4}
-    assert pipe.where[(0, "response")] == {2, 3} and pipe.holder([0, 1]) == {0: 2, 1: 2}
-    assert pipe.length[(1, "behaviour_logprobs")] == 4 and pipe.length[(1, "prompt")] == 3
+    assert pipe.where[0]["response"] == {2, 3} and pipe.holder([0, 1]) == {0: 2, 1: 2}
+    assert pipe.length[1]["behaviour_logprobs"] == 4 and pipe.length[1]["prompt"] == 3
     pipe.forget([0, 1])
     assert dict(pipe.pending_drop) == {2: [0, 1], 3: [0, 1]} and pipe.where == {}
 

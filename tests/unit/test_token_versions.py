@@ -87,7 +87,7 @@ def test_the_rank_records_each_tokens_version_and_the_controller_reads_each_samp
     pending = SimpleNamespace(result=lambda: {2: {0: (3, 5, (3, 4)), 1: (3, 4, (3, 3))}})
     PendingRollouts(pipe, phase_for("actor_infer", "generate"), pending, {(2,): [0, 1]}, ro).result()  # type: ignore[arg-type]
     assert ro.versions == {0: (3, 4), 1: (3, 3)} and ro.oldest(0) == 3
-    assert pipe.length[(0, "token_versions")] == 5  # one version per response token, held where generated
+    assert pipe.length[0]["token_versions"] == 5  # one version per response token, held where generated
 
 
 # ------------------------------------------------------------------ the in-flight sync's two sides

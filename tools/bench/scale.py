@@ -25,7 +25,10 @@ per world size and samples per rank:
 
   wall ms         the step's wall time: the engines take no time, so all of it is outside engine
                   work (rlbatch's own: the controller, the ranks' command handling, the data moves)
-  ctl cpu ms      the controller process's CPU time a step: the control overhead (below)
+  ctl cpu ms      the controller process's CPU time a step
+  ctl busy ms     of which its work: less the polls that found no reply yet (the ranks still at
+                  work; ``Traffic.idle_cpu_s``) and the second pickling that counts the bytes
+                  (``counting_cpu_s``): the control overhead (below)
   ctl rss MB      its resident memory at the last step
   ctl msgs, KB    messages and bytes a step through the controller (commands + replies)
   r2r msgs, KB    messages and bytes a step rank to rank (sample moves)
@@ -37,11 +40,18 @@ per world size and samples per rank:
 The last line: ``scale: <N> ranks, control overhead <X> ms a step = <P>% of a 30 s step; predicted
 <Q>% at 4096 ranks`` (the largest size run, the fit of ``rlbatch.plan.control``).
 
-The control overhead is the controller's CPU time a step. The controller is one process on the
-critical path of every step; with a core per rank (a real node) its CPU time plus a round trip per
-phase is what the ranks wait for it. On a machine with fewer cores than processes (2 cores for up
-to 258 processes here) the step's wall time is instead the sum of every process's work shared out
-over the cores: it is printed, and it bounds nothing on a cluster.
+The control overhead is the controller's busy CPU time a step. The controller is one process on
+the critical path of every step; with a core per rank (a real node) its work plus a round trip per
+phase is what the ranks wait for it. The CPU it spends polling while the ranks work delays nothing
+there; here it grows with the ranks (the step's wall time does, below), so it is counted apart. On a
+machine with fewer cores than processes (2 cores for up to 258 processes here) the step's wall time
+is the sum of every process's work shared out over the cores: it is printed, and it bounds nothing
+on a cluster. The controller gets a CPU of its own (the first; the ranks share the others) unless
+``--no-pin``: sharing both with hundreds of ranks, its CPU time also counted being switched out
+hundreds of times a step.
+
+``tools/bench/scale_sim.py`` measures the controller alone at the sizes this machine cannot run as
+processes (its real loop, every rank a stand-in that answers at once).
 """
 
 from __future__ import annotations
@@ -84,6 +94,7 @@ class Result:
     samples: int
     wall_ms: float
     ctl_cpu_ms: float
+    ctl_busy_ms: float
     ctl_rss_mb: float
     ctl_msgs: float
     ctl_kb: float
@@ -117,10 +128,12 @@ def _pss_kb(pid: int) -> int:
 
 
 class MemoryWatch:
-    """The peak of the launched job's summed PSS (every descendant process), sampled each second."""
+    """The peak of the launched job's summed PSS (every descendant process), sampled each second;
+    with ``pin`` (a run directory and the controller's rank) the controller's threads are kept on
+    the first CPU and every other process's on the rest (``pin_controller``)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak_kb, self.procs = pid, 0, 0
+    def __init__(self, pid: int, pin: tuple[Path, int] | None = None) -> None:
+        self.pid, self.peak_kb, self.procs, self.pin = pid, 0, 0, pin
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -128,6 +141,8 @@ class MemoryWatch:
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             pids = [p for p in _descendants(self.pid)]
+            if self.pin is not None:
+                pin_controller(pids, _status_pid(*self.pin))
             total = sum(_pss_kb(p) for p in pids)
             if total > self.peak_kb:
                 self.peak_kb, self.procs = total, len(pids)
@@ -135,6 +150,39 @@ class MemoryWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def _status_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid a rank's status file records (it writes one as it starts), or None before that."""
+    try:
+        return int(json.loads((run_dir / "logs" / f"rank{rank}.status").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def pin_controller(pids: list[int], controller: int | None) -> None:
+    """Give the controller process a CPU of its own: every thread of it on the first CPU this
+    harness may use, every thread of every other process in ``pids`` on the others. On a cluster
+    the controller has a core to itself; on a machine with a few cores for hundreds of ranks it
+    otherwise shares them with every rank, and its CPU time a step then also counts the cache and
+    scheduler misses of being switched out hundreds of times a step (the overhead measured grew
+    faster than the work it does). A process that has exited meanwhile is skipped."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or controller is None:
+        return
+    mine, others = {cpus[0]}, set(cpus[1:])
+    for pid in pids:
+        want = mine if pid == controller else others
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if os.sched_getaffinity(tid) != want:
+                    os.sched_setaffinity(tid, want)
+            except OSError:
+                pass
 
 
 def overrides(ranks: int, samples_per_rank: int, steps: int, tokens: int, layout: str, run_dir: Path) -> list[str]:
@@ -205,7 +253,7 @@ def run_one(ranks: int, samples_per_rank: int, args: argparse.Namespace, root: P
     start = time.time()
     with open(root / f"{run_dir.name}.out", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        watch = MemoryWatch(proc.pid)
+        watch = MemoryWatch(proc.pid, None if args.no_pin else (run_dir, ranks + 1))
         try:
             rc = proc.wait(timeout=args.timeout)
         finally:
@@ -228,6 +276,7 @@ def run_one(ranks: int, samples_per_rank: int, args: argparse.Namespace, root: P
         ranks=ranks, processes=ranks + 2, samples_per_rank=samples_per_rank,
         samples=max(1, ranks * samples_per_rank // SAMPLES_PER_PROMPT) * SAMPLES_PER_PROMPT,
         wall_ms=step_s * 1e3, ctl_cpu_ms=per_step(marks, "cpu_s") * 1e3,
+        ctl_busy_ms=(per_step(marks, "cpu_s") - per_step(marks, "idle_cpu_s") - per_step(marks, "counting_cpu_s")) * 1e3,
         ctl_rss_mb=marks[-1]["rss_kb"] / 1024, ctl_msgs=per_step(marks, "commands") + per_step(marks, "replies"),
         ctl_kb=(per_step(marks, "command_bytes") + per_step(marks, "reply_bytes")) / 1024,
         r2r_msgs=per_step(marks, "data_messages"), r2r_kb=per_step(marks, "data_bytes") / 1024,
@@ -235,13 +284,13 @@ def run_one(ranks: int, samples_per_rank: int, args: argparse.Namespace, root: P
     )
 
 
-HEADER = ("ranks", "procs", "smp/rank", "samples", "wall ms", "ctl cpu ms", "ctl rss MB", "ctl msgs", "ctl KB",
+HEADER = ("ranks", "procs", "smp/rank", "samples", "wall ms", "ctl cpu ms", "ctl busy ms", "ctl rss MB", "ctl msgs", "ctl KB",
           "r2r msgs", "r2r KB", "start s", "pss MB/rank")
 
 
 def row(r: Result) -> tuple[str, ...]:
     return (str(r.ranks), str(r.processes), str(r.samples_per_rank), str(r.samples), f"{r.wall_ms:.1f}",
-            f"{r.ctl_cpu_ms:.1f}", f"{r.ctl_rss_mb:.0f}", f"{r.ctl_msgs:.0f}", f"{r.ctl_kb:.1f}", f"{r.r2r_msgs:.0f}",
+            f"{r.ctl_cpu_ms:.1f}", f"{r.ctl_busy_ms:.1f}", f"{r.ctl_rss_mb:.0f}", f"{r.ctl_msgs:.0f}", f"{r.ctl_kb:.1f}", f"{r.r2r_msgs:.0f}",
             f"{r.r2r_kb:.1f}", f"{r.start_s:.1f}", f"{r.pss_mb_per_rank:.0f}")
 
 
@@ -253,9 +302,9 @@ def table(results: list[Result]) -> str:
 
 def summary(results: list[Result], model: ControlModel) -> str:
     big = max(results, key=lambda r: (r.ranks, r.samples_per_rank))
-    pct = 100 * big.ctl_cpu_ms / 1e3 / STEP_S
+    pct = 100 * big.ctl_busy_ms / 1e3 / STEP_S
     q = 100 * model.overhead_s(4096) / STEP_S
-    return (f"scale: {big.ranks} ranks, control overhead {big.ctl_cpu_ms:.0f} ms a step = {pct:.2f}% of a "
+    return (f"scale: {big.ranks} ranks, control overhead {big.ctl_busy_ms:.0f} ms a step = {pct:.2f}% of a "
             f"{STEP_S:.0f} s step; predicted {q:.2f}% at 4096 ranks")
 
 
@@ -272,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-forkserver", action="store_true",
                     help="start every rank on its own (each imports torch) instead of forking the ranks of a node "
                          "from one process that has (rlbatch.runtime.zygote)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave the controller sharing every CPU with the ranks (default: a CPU of its own)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.steps < 3:
@@ -290,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print(" ".join(f"{h}={v}" for h, v in zip(HEADER, row(r), strict=True)), flush=True)
     print(table(results))
-    points = [Point(r.ranks, r.ctl_cpu_ms / 1e3) for r in results if r.samples_per_rank == max(
+    points = [Point(r.ranks, r.ctl_busy_ms / 1e3) for r in results if r.samples_per_rank == max(
         x.samples_per_rank for x in results if x.ranks == r.ranks)]
     model = fit(points, "tools/bench/scale.py")
     print(f"fit: {model.describe()}")
