@@ -52,6 +52,28 @@ def test_async_bench_runs_each_staleness_and_ends_with_the_speedup(run_root: Pat
     assert (run_root / "bench" / "timeline.png").stat().st_size > 0
 
 
+def test_async_bench_long_tail_workload_learns_by_the_leading_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--workload long-tail: the small model vLLM's CPU attention takes, 8 prompts x 16 samples, up to
+    256 new tokens and the reward that lets long responses score; explicit options still win."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_async", REPO_ROOT / "tools/bench/async.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["async.py", "--in-flight", "--workload", "long-tail", "--samples", "4"])
+    a = bench.parse()
+    ov = bench.overrides(a, 2)
+    for want in ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "algo.max_new_tokens=256",
+                 "algo.prompts_per_step=8", "algo.samples_per_prompt=4",
+                 "data.reward_fn=rlbatch.rewards.rules:leading_number_match", "algo.off_policy=tis"):
+        assert want in ov, (want, ov)
+    assert a.threshold == 0.1
+    monkeypatch.setattr(sys, "argv", ["async.py"])
+    default = bench.overrides(bench.parse(), 0)
+    assert "model.hidden_size=256" in default and not any(o.startswith("data.reward_fn=") for o in default)
+
+
 def test_overheads_prints_every_ratio() -> None:
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools/bench/overheads.py"), "--ranks", "3", "--mb", "1",
                           "--iters", "3"], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
