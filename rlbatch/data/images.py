@@ -10,7 +10,9 @@ On the generate rank (``prompt_inputs``) each placeholder becomes Qwen2-VL's vis
 ``<|vision_start|><|image_pad|><|vision_end|>`` in the rendered text, and the model's processor
 expands the pad to the image's tokens and computes ``pixel_values`` / ``image_grid_thw``. A sample
 carries them as two flattened per-sample fields (``PIXEL_VALUES``, ``IMAGE_GRID``); ``model_inputs``
-gives them back in the model's shapes.
+gives them back in the model's shapes. The inference engine gets each prompt's images as
+``ProcessedImages``: the encoded images with those two tensors beside them, so an engine that runs
+the model itself (hf) does not process the images again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 if TYPE_CHECKING:
     import torch
@@ -171,6 +173,41 @@ def model_inputs(sample: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torc
         raise ValueError(f"{PIXEL_VALUES}: {pixels.numel()} values do not split into the {patches} patches of "
                          f"{IMAGE_GRID} {grid.tolist()}")
     return pixels.reshape(patches, -1), grid
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessedImages(Sequence[bytes]):
+    """A prompt's images as the generate rank hands them to its inference engine: the encoded images
+    in placeholder order (a sequence of bytes, what an engine that processes images itself reads:
+    vLLM), with the ``pixel_values`` / ``image_grid_thw`` the model's processor computed from them
+    for the prompt's ids (what an engine that runs the model on them takes as they are: hf)."""
+
+    encoded: tuple[bytes, ...]
+    pixel_values: torch.Tensor
+    """float32 [patches, C*T*P*P]."""
+    image_grid_thw: torch.Tensor
+    """int64 [images, 3]: one row per image of ``encoded``."""
+
+    @classmethod
+    def of(cls, images: Sequence[bytes], fields: Mapping[str, torch.Tensor]) -> ProcessedImages:
+        """``images`` with their per-sample fields (``PromptInputs.fields``) in the model's shapes."""
+        inputs = model_inputs(fields)
+        grids = 0 if inputs is None else len(inputs[1])
+        if inputs is None or grids != len(images):
+            raise ValueError(f"{len(images)} image(s) but {IMAGE_GRID} holds the grids of {grids}")
+        return cls(tuple(images), *inputs)
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[bytes, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | tuple[bytes, ...]:
+        return self.encoded[index]
 
 
 Encoded = tuple[list[int], dict[str, "torch.Tensor"]]

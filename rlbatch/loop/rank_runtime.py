@@ -24,8 +24,9 @@ from rlbatch.algos.advantages import response_loss_mask
 from rlbatch.algos.objective import objective_for
 from rlbatch.algos.registry import KL_ESTIMATORS
 from rlbatch.config.schema import HEADS, TRAINABLE_ROLES, ModelConfig, RLBatchConfig, role_algo
+from rlbatch.data.images import ProcessedImages, PromptEncoder, same_prompt
 from rlbatch.engines.base import EngineContext, SamplingParams, build_engine
-from rlbatch.engines.model import load_tokenizer, model_dtype
+from rlbatch.engines.model import load_processor, load_tokenizer, model_dtype
 from rlbatch.engines.registry import spec_of
 from rlbatch.loop.controller import PhaseReply, Sampling
 from rlbatch.loop.partial import KeptState, PartialRollouts
@@ -142,6 +143,9 @@ class RankRuntime:
         self.world, self.cfg = world, cfg
         self.store = SampleStore()
         self.tokenizer = load_tokenizer(cfg.model)
+        self.image_prompts = PromptEncoder(self.tokenizer, lambda: load_processor(cfg.model, self.tokenizer))
+        """A vision-language policy's prompts as token ids and image fields (``_generate_images``); its
+        processor is built when the first prompt with images comes."""
         self.engines: dict[str, Any] = {}
         """This rank's engines by role, built by the registry (``build_engine``): each implements the
         contract of its kind (``rlbatch.engines.base``: ``InferenceEngine`` or ``TrainEngine``)."""
@@ -264,17 +268,14 @@ class RankRuntime:
                          params: SamplingParams) -> dict[int, Generated]:
         """``_generate`` of prompts with images (``rlbatch.data.images``): each distinct prompt, text
         and images, through the model's processor once; every sample holds its prompt's ids and
-        image fields (``pixel_values``, ``image_grid_thw``) beside the generated ones."""
-        from rlbatch.data.images import PromptEncoder, same_prompt
-        from rlbatch.engines.model import load_processor
-
-        encoder = getattr(self, "image_prompts", None) or PromptEncoder(
-            self.tokenizer, lambda: load_processor(self.cfg.model, self.tokenizer))
-        self.image_prompts = encoder
-        encoded = encoder.encode(prompts, images)
+        image fields (``pixel_values``, ``image_grid_thw``) beside the generated ones. The engine
+        gets each prompt's images with those fields (``ProcessedImages``): hf runs the model on the
+        fields, vLLM processes the images itself."""
+        encoded = self.image_prompts.encode(prompts, images)
         keys = [ids[k] for k in same_prompt(prompts, images)]  # samples of one key share the fields' tensors
+        inputs = [ProcessedImages.of(im, fields) if im else im for im, (_, fields) in zip(images, encoded, strict=True)]
         with landing(self.engines[spec.role], self.in_flight):
-            generations = self.engines[spec.role].generate([e[0] for e in encoded], params, images=images)
+            generations = self.engines[spec.role].generate([e[0] for e in encoded], params, images=inputs)
         out: dict[int, Generated] = {}
         for sid, key, (prompt, fields), gen in zip(ids, keys, encoded, generations, strict=True):
             versions = token_versions(gen.versions, len(gen.tokens), params.version)

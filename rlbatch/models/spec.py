@@ -54,29 +54,44 @@ _GATED_ACTS = ("silu", "swiglu", "swish")
 
 
 @dataclass(frozen=True)
-class VisionTower:
+class VisionSizes:
+    """A Qwen2-VL / Qwen2.5-VL vision tower's sizes and its image processor's resize bounds: what a
+    random-init model is built with (``rlbatch.models.vlm.VisionSpec``) and what the planner counts
+    (``VisionTower``) alike, one definition for both. The defaults are the tiny tower of a random-init
+    VLM (``model.arch=qwen2_vl`` / ``qwen2_5_vl``)."""
+
+    depth: int = 2
+    hidden: int = 32
+    """Width of the vision blocks (Qwen2-VL's ``embed_dim``, Qwen2.5-VL's ``hidden_size``)."""
+    heads: int = 2
+    ffn: int = 64
+    """Intermediate size of a vision block's MLP (Qwen2-VL: ``mlp_ratio`` x ``hidden``, so a multiple)."""
+    patch_size: int = 14
+    merge_size: int = 2
+    """Patches merged (per side) into one language-model token."""
+    temporal_patch_size: int = 2
+    window_size: int = 112
+    """Qwen2.5-VL: side in pixels of the windows its windowed-attention blocks attend within."""
+    full_attention_blocks: tuple[int, ...] | None = None
+    """Qwen2.5-VL: blocks that attend over the whole image; None: the last one."""
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 64
+    """An image is resized (aspect kept, sides multiples of patch_size x merge_size) to between
+    min_pixels and max_pixels: at most max_pixels / (patch_size x merge_size)^2 tokens."""
+
+
+@dataclass(frozen=True)
+class VisionTower(VisionSizes):
     """A Qwen2-VL / Qwen2.5-VL vision tower and its image processor's resize bounds, for counting
-    (``rlbatch.models.shape.VisionShape``). The defaults are ``rlbatch.models.vlm.VisionSpec``'s:
-    the tower of a random-init VLM."""
+    (``rlbatch.models.shape.VisionShape``). ``VisionTower(arch=...)``: the tower of a random-init VLM
+    (``VisionSizes``' defaults, as ``rlbatch.models.vlm.VisionSpec()`` builds it)."""
 
     arch: str = "qwen2_vl"
     """'qwen2_vl' (LayerNorm, GELU MLP, full attention) or 'qwen2_5_vl' (RMSNorm, SwiGLU MLP,
     windowed attention but in ``full_attention_blocks``)."""
-    depth: int = 2
-    hidden: int = 32
-    heads: int = 2
-    ffn: int = 64
     out_hidden: int = 0
     """Width of the merger's output (the language model's hidden); 0: the language model's."""
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
     in_channels: int = 3
-    window_size: int = 112
-    full_attention_blocks: tuple[int, ...] | None = None
-    """Qwen2.5-VL: blocks attending over the whole image; None: the last one."""
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 64
 
 
 HUB_MIN_PIXELS, HUB_MAX_PIXELS = 56 * 56, 28 * 28 * 16384

@@ -54,7 +54,7 @@ from rlbatch.data.images import (  # noqa: F401 (re-exported: the model's tokens
     VISION_START,
     VISION_TOKENS,
 )
-from rlbatch.models.spec import ModelSpec, hf_config_kwargs
+from rlbatch.models.spec import ModelSpec, VisionSizes, hf_config_kwargs
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -74,27 +74,10 @@ IMAGE_CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class VisionSpec:
-    """The vision tower and the image processor's resize bounds. Defaults: a tiny tower for tests."""
-
-    depth: int = 2
-    hidden: int = 32
-    """Width of the vision blocks (Qwen2-VL's ``embed_dim``, Qwen2.5-VL's ``hidden_size``)."""
-    heads: int = 2
-    ffn: int = 64
-    """Intermediate size of a vision block's MLP (Qwen2-VL: ``mlp_ratio`` x ``hidden``, so a multiple)."""
-    patch_size: int = 14
-    merge_size: int = 2
-    """Patches merged (per side) into one language-model token."""
-    temporal_patch_size: int = 2
-    window_size: int = 112
-    """Qwen2.5-VL: side in pixels of the windows its windowed-attention blocks attend within."""
-    full_attention_blocks: tuple[int, ...] | None = None
-    """Qwen2.5-VL: blocks that attend over the whole image; None: the last one."""
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 64
-    """An image is resized (aspect kept, sides multiples of patch_size x merge_size) to between
-    min_pixels and max_pixels: at most max_pixels / (patch_size x merge_size)^2 tokens."""
+class VisionSpec(VisionSizes):
+    """The vision tower and the image processor's resize bounds a VLM is built with: the fields and
+    defaults (a tiny tower for tests) of ``rlbatch.models.spec.VisionSizes``, which the planner's
+    ``VisionTower`` shares, so the tower built and the tower counted cannot drift apart."""
 
     def tokens(self, height: int, width: int) -> int:
         """Image tokens of an image of height x width pixels after the processor's resize."""

@@ -88,6 +88,34 @@ def test_tiny_vlm_config_counts_exactly_what_transformers_builds(arch: str) -> N
                                                                  if n.startswith("model.visual."))
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_planners_random_init_tower_is_the_one_the_engines_build(arch: str) -> None:
+    """``model.arch`` of a VLM without a path: the tower the planner counts is the one ``load_model``
+    builds (read back from the built model's config) with the resize bounds of ``load_processor``'s
+    image processor, field for field, and counts the built tower's parameters."""
+    from dataclasses import replace
+
+    from rlbatch.config.schema import ModelConfig
+    from rlbatch.engines.model import load_model, load_processor, load_tokenizer
+    from rlbatch.models.shape import VisionShape, shape_from_config
+    from rlbatch.models.spec import VisionTower, vision_from_hf_config
+
+    cfg = ModelConfig(arch=arch)
+    tokenizer = load_tokenizer(cfg)
+    with torch.device("meta"):
+        model = load_model(cfg, tokenizer, seed=0)
+    built = vision_from_hf_config(model.config.to_dict(), load_processor(cfg, tokenizer).image_processor.to_dict())
+    planned = shape_from_config(cfg, vocab=len(tokenizer)).tower
+    assert built is not None and planned is not None
+
+    def resolved(tower: VisionTower) -> VisionShape:  # None: the last block attends over the whole image
+        blocks = tower.full_attention_blocks
+        return VisionShape.of(replace(tower, full_attention_blocks=(tower.depth - 1,) if blocks is None else blocks), 0)
+
+    assert resolved(planned) == resolved(built)
+    assert planned.params == sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
+
+
 def test_image_tokens_as_the_processor_resizes() -> None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_resize
 

@@ -101,6 +101,30 @@ def test_hf_generates_from_images_and_fsdp_scores_them_as_hf_packed_or_not(one_r
     assert not torch.allclose(packed.logprobs([swapped])[0], flat[0], atol=1e-4)
 
 
+def test_hf_takes_the_images_processor_outputs_as_they_are_and_samples_as_from_the_images() -> None:
+    """Prompts whose images come with the processor's outputs (``ProcessedImages``, as the generate
+    rank passes them) are not processed again, and sample the same tokens with the same log-probs
+    as from the encoded images alone; a prompt's bytes alone beside them still work."""
+    from rlbatch.data.images import ProcessedImages
+
+    prompts, hf = _prompts(), _hf()
+    ids = [p["prompt"].tolist() for p in prompts for _ in range(2)]
+    images = [im for im in IMAGES for _ in range(2)]
+    processed = [ProcessedImages.of(im, p) for p, im in zip([p for p in prompts for _ in range(2)], images, strict=True)]
+    sampling = SamplingParams(max_new_tokens=6, seed=3)
+    given = hf.generate(ids, sampling, images=processed)
+    assert hf.processor is None  # the engine ran no image processor of its own
+    mixed = hf.generate(ids, sampling, images=[processed[0], *images[1:]])
+    assert hf.processor is not None
+    alone = hf.generate(ids, sampling, images=images)
+    assert len({tuple(g.tokens) for g in alone}) > 1  # sampled: the rows differ, so equal rows are a real match
+    for a, b, c in zip(given, mixed, alone, strict=True):
+        assert a.tokens == b.tokens == c.tokens and a.logprobs == b.logprobs == c.logprobs
+    assert list(processed[4]) == IMAGES[2] and processed[4][1] == RED  # still the images, for engines that read them
+    with pytest.raises(ValueError, match=r"1 image\(s\) but image_grid_thw holds the grids of 2"):
+        ProcessedImages.of([GREEN], prompts[2])
+
+
 def test_a_response_holding_the_image_token_is_text_there_packed_or_not(one_rank_mesh: Any) -> None:
     """A policy can sample the image token; in a response it is a token like any other: the image
     features go to the prompts' image tokens only, and packed and padded forms agree."""
@@ -192,6 +216,7 @@ def test_the_generate_rank_encodes_each_prompt_and_its_images_once_and_stores_th
     out = RankRuntime._generate_images(rank, PHASES["generate"], [10, 11, 12, 13, 14], texts, images,  # type: ignore[arg-type]
                                        SamplingParams(**sampling))
     assert calls == [["2+2="]] and made == [1]  # the text prompt by the tokenizer; those with images by the processor
+    assert hf.processor is None  # the engine took the rank's image fields: the images were processed once
     s = rank.store.samples
     assert torch.equal(s[10]["prompt"], s[12]["prompt"]) and out[10][0] == len(s[10]["prompt"])
     assert torch.equal(s[10][PIXEL_VALUES], s[11][PIXEL_VALUES])

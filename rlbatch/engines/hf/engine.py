@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 PromptImages = Sequence[bytes]
 """A prompt's images, encoded (PNG/JPEG) in placeholder order: what samples carry and what the
-vllm engine takes too (its prompt ids already hold each image's tokens: the processor's)."""
+vllm engine takes too (its prompt ids already hold each image's tokens: the processor's). The
+generate rank passes ``rlbatch.data.images.ProcessedImages``: the same bytes with the processor's
+``pixel_values`` / ``image_grid_thw``, which this engine then uses instead of processing the images."""
 
 
 class SampledLogprobs:
@@ -92,8 +94,9 @@ class HFInferenceEngine(StashedState):
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  images: Sequence[PromptImages | None] | None = None) -> list[Generation]:
         """A response to each prompt. ``images`` (a vision-language model): each prompt's encoded
-        images, empty or None for a prompt without; ``prompts`` are the processor's ids (each image's
-        pad expanded to its tokens: ``rlbatch.data.images.prompt_inputs``)."""
+        images, empty or None for a prompt without, as ``ProcessedImages`` where the processor has
+        already run on them; ``prompts`` are the processor's ids (each image's pad expanded to its
+        tokens: ``rlbatch.data.images.prompt_inputs``)."""
         torch.manual_seed(params.seed)
         out: list[Generation] = []
         for i in range(0, len(prompts), self.max_batch):
@@ -144,23 +147,29 @@ class HFInferenceEngine(StashedState):
 
     def _image_kwargs(self, ids: torch.Tensor, images: Sequence[PromptImages | None] | None) -> dict[str, object]:
         """The image arguments of ``generate`` on the left-padded ``ids``: the rows' images in row
-        order (the model takes them in the order of their image tokens), and where those tokens are."""
+        order (the model takes them in the order of their image tokens), and where those tokens are.
+        A row's ``ProcessedImages`` (the generate rank's processor outputs) are taken as they are;
+        other images go through the model's image processor here, each distinct prompt's once."""
         found = [im for im in images or () if im]
         if not found:
             return {}
         if self.vision is None:
             raise ValueError(f"{type(self.model).__name__} is not a vision-language model: it cannot read "
                              f"the images of {len(found)} prompt(s)")
-        from rlbatch.data.images import decode_image, images_key
+        from rlbatch.data.images import ProcessedImages, decode_image, images_key
 
-        if self.processor is None:
-            self.processor = load_processor(self.model_cfg, self.tokenizer)
         processed: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # a group's prompt once
+        rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         for im in found:
+            if isinstance(im, ProcessedImages):
+                rows.append((im.pixel_values, im.image_grid_thw))
+                continue
             if (key := images_key(im)) not in processed:
+                if self.processor is None:
+                    self.processor = load_processor(self.model_cfg, self.tokenizer)
                 out = self.processor.image_processor(images=[decode_image(b) for b in im], return_tensors="pt")
                 processed[key] = (out["pixel_values"], out["image_grid_thw"])
-        rows = [processed[images_key(im)] for im in found]
+            rows.append(processed[key])
         return {"pixel_values": torch.cat([r[0] for r in rows]).to(self.device, self.dtype),
                 "image_grid_thw": torch.cat([r[1] for r in rows]).to(self.device),
                 "mm_token_type_ids": (ids == self.vision.image_token_id).long().to(self.device)}
