@@ -39,7 +39,7 @@ from rlbatch.config.schema import (
     ClusterConfig,
     RLBatchConfig,
 )
-from rlbatch.engines.registry import spec_of
+from rlbatch.engines.registry import REGISTRY, spec_of
 from rlbatch.envs.checks import env_problems
 from rlbatch.errors import ConfigError
 from rlbatch.phases import reference_is_actor_base
@@ -185,7 +185,8 @@ def _check_async(algo: AlgoConfig) -> list[str]:
 
 def _check_in_flight(cfg: RLBatchConfig, placement: Placement | None) -> list[str]:
     """``algo.in_flight_updates``: weights land while actor_infer generates, which needs generation
-    ahead of training on ranks of its own and an engine that pauses between decode steps."""
+    ahead of training on ranks of its own and an engine that pauses between decode steps
+    (``EngineSpec.loads_in_flight``: vllm, sglang), one rank per worker."""
     from rlbatch.models.lora import sync_form
 
     algo, problems = cfg.algo, []
@@ -209,14 +210,14 @@ def _check_in_flight(cfg: RLBatchConfig, placement: Placement | None) -> list[st
     infer = placement.roles["actor_infer"]
     spec = spec_of(infer.engine)
     if not spec.loads_in_flight:
+        takers = ", ".join(sorted(n for n, s in REGISTRY.items() if s.loads_in_flight))
         problems.append(f"{why} into an engine that pauses between decode steps; roles.actor_infer's engine "
-                        f"{infer.engine!r} generates each batch in one call (transformers' generate for hf, one "
-                        f"blocking request for sglang) with no point where weights can land: use vllm, or set "
-                        f"algo.in_flight_updates=false")
+                        f"{infer.engine!r} generates each batch in one call with no point where weights can land: "
+                        f"use one that pauses ({takers}), or set algo.in_flight_updates=false")
     elif infer.num_gpus_per_worker > 1:
         problems.append(f"{why} into one-rank workers: the {infer.num_gpus_per_worker} tensor-parallel ranks of a "
-                        f"vllm worker would each have to pause at the same engine step; use vllm:dN (t=1) or set "
-                        f"algo.in_flight_updates=false")
+                        f"{infer.engine} worker would each have to pause at the same engine step; use "
+                        f"{infer.engine}:dN (t=1) or set algo.in_flight_updates=false")
     if sync_form(cfg.model.lora, spec.loads_adapters) == "adapter":
         problems.append(f"{why} with full weights; model.lora syncs adapters alone into {infer.engine!r} (requests "
                         f"in flight hold the previous adapter): set model.lora.sync=merged")

@@ -325,7 +325,7 @@ class AlgoConfig:
     with another GPU role runs synchronously (and says so once)."""
     in_flight_updates: bool = False
     """Weights land mid-generation (needs max_staleness > 0, actor_infer on GPUs of its own, an
-    engine that pauses between decode steps: vllm, one rank per worker): a weight sync no longer
+    engine that pauses between decode steps: vllm or sglang, one rank per worker): a weight sync no longer
     waits for the generation in flight; the engine pauses between two engine steps, loads the new
     weights and goes on with the same sequences, each token recording the policy version that
     sampled it (docs/async.md)."""
@@ -337,7 +337,8 @@ class AlgoConfig:
     in_flight_kv: str = "keep"
     """With in_flight_updates, the KV cache of the sequences in flight when weights land: 'keep'
     (computed under the old weights and reused, as PipelineRL and NeMo-RL do by default) or
-    'recompute' (vLLM preempts them and prefills prompt + tokens so far under the new weights)."""
+    'recompute' (vLLM preempts them, SGLang retracts them, and prompt + tokens so far are prefilled
+    again under the new weights)."""
     off_policy: str = "none"
     """Correction for tokens sampled by an older (or numerically different) policy, from
     ``rlbatch.algos.registry.OFF_POLICY``: 'none', 'tis' (truncated importance sampling with

@@ -229,7 +229,9 @@ class LoadsInFlight(Protocol):
     """An inference engine that takes weights between two of its engine steps
     (``EngineSpec.loads_in_flight``): while ``between_steps`` is set, its ``generate`` calls it before
     every engine step; a call that returns a version has loaded that version's weights (through the
-    engine's ``load_weights``), and the tokens of the steps after it carry that version."""
+    engine's ``load_weights``), and the tokens of the steps after it carry that version. The hook
+    ``landing`` sets (``InFlightHook``) also answers in two parts, for an engine that must pause its
+    generation before it receives: ``pending()`` (has a sync begun?) and ``receive()`` (take it now)."""
 
     between_steps: Callable[[], int | None] | None
 
@@ -248,6 +250,7 @@ class InFlightSync:
     def __init__(self, world: World, broadcast: WeightBroadcast, src: int) -> None:
         self.world, self.broadcast, self.src = world, broadcast, src
         self._notice: MPI.Request | None = None
+        self._pending: SyncNotice | None = None  # found by ``pending``, not received yet
         self._sent: list[MPI.Request] = []
         self.taken: deque[tuple[int, int]] = deque()
         """(version, bytes) of the syncs received mid-generation whose sync phase has not run yet."""
@@ -274,44 +277,75 @@ class InFlightSync:
         assert isinstance(notice, SyncNotice)
         return notice
 
-    def poll(self, infer: WeightSink) -> int | None:
-        """Between two engine steps: when a sync has begun, receive it into ``infer`` now and return
-        its version; else None at once."""
-        notice = self._take()
+    def pending(self) -> bool:
+        """Between two engine steps: whether a sync has begun (its notice arrived), at once. The
+        notice is kept until ``take`` receives the sync."""
+        if self._pending is None:
+            self._pending = self._take()
+        return self._pending is not None
+
+    def take(self, infer: WeightSink) -> int:
+        """Receive the sync ``pending`` found into ``infer`` now; returns its version."""
+        notice, self._pending = self._pending, None
         if notice is None:
-            return None
+            raise RuntimeError("in-flight weight sync: take() without a pending sync (pending() found none)")
         nbytes = self.broadcast(self.world, None, infer, self.src, notice.bucket_bytes)
         self.taken.append((notice.version, nbytes))
         return notice.version
+
+    def poll(self, infer: WeightSink) -> int | None:
+        """Between two engine steps: when a sync has begun, receive it into ``infer`` now and return
+        its version; else None at once."""
+        return self.take(infer) if self.pending() else None
 
     def receive(self, infer: WeightSink) -> tuple[int, int]:
         """In the sync phase on an inference rank: the (version, bytes) of the oldest sync taken
         mid-generation, or, when none was, this one, received now."""
         if self.taken:
             return self.taken.popleft()
-        box: list[SyncNotice] = []
+        notice, self._pending = self._pending, None  # found between two steps of a generation that then ended
+        if notice is None:
+            box: list[SyncNotice] = []
 
-        def arrived() -> bool:
-            notice = self._take()
-            if notice is not None:
-                box.append(notice)
-            return bool(box)
+            def arrived() -> bool:
+                got = self._take()
+                if got is not None:
+                    box.append(got)
+                return bool(box)
 
-        wait_until(arrived, self.world.timeout_s, lambda: f"the notice of a weight sync from rank {self.src}")
-        nbytes = self.broadcast(self.world, None, infer, self.src, box[0].bucket_bytes)
-        return box[0].version, nbytes
+            wait_until(arrived, self.world.timeout_s, lambda: f"the notice of a weight sync from rank {self.src}")
+            notice = box[0]
+        nbytes = self.broadcast(self.world, None, infer, self.src, notice.bucket_bytes)
+        return notice.version, nbytes
+
+
+class InFlightHook:
+    """What ``landing`` gives a generating engine as its ``between_steps``: called, a sync received
+    if one has begun (``InFlightSync.poll``); or in two parts, for an engine that pauses its
+    generation first (sglang): ``pending`` at once, then ``receive``."""
+
+    def __init__(self, sync: InFlightSync, sink: WeightSink) -> None:
+        self.sync, self.sink = sync, sink
+
+    def __call__(self) -> int | None:
+        return self.sync.poll(self.sink)
+
+    def pending(self) -> bool:
+        return self.sync.pending()
+
+    def receive(self) -> int:
+        return self.sync.take(self.sink)
 
 
 @contextmanager
 def landing(engine: object, sync: InFlightSync | None) -> Iterator[None]:
-    """While a generation runs on ``engine``: syncs land between its engine steps (``sync.poll``),
+    """While a generation runs on ``engine``: syncs land between its engine steps (``InFlightHook``),
     when in-flight updates are on (``sync`` given) and the engine takes them; else nothing."""
     if sync is None or not hasattr(engine, "between_steps"):
         yield
         return
     target = cast("LoadsInFlight", engine)
-    sink = cast("WeightSink", engine)
-    target.between_steps = lambda: sync.poll(sink)
+    target.between_steps = InFlightHook(sync, cast("WeightSink", engine))
     try:
         yield
     finally:

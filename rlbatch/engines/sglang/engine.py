@@ -22,6 +22,12 @@
   closes it (``end_weight_update``) and flushes the radix cache. A bucket is cloned before it is
   sent (SGLang moves a CPU tensor's storage into shared memory to pass it to its scheduler, and a
   sync reuses its staging buffer).
+- **weights mid-generation** (``algo.in_flight_updates``, one rank per worker): while
+  ``between_steps`` is set, a generation runs on SGLang's event loop beside a look for a sync every
+  millisecond; a sync that has begun lands with SGLang's scheduler paused (``in_place`` with
+  ``algo.in_flight_kv=keep``, ``retract`` with ``recompute``), received on a thread of its own, and
+  each token's version is the label SGLang recorded for it (``rlbatch.engines.sglang.in_flight``).
+  SGLang's overlap scheduler is off then, so no step runs ahead of a pause.
 - **offload/reload**: on a GPU, ``release_memory_occupation``/``resume_memory_occupation`` by tag
   (``weights``, ``kv_cache``; SGLang's memory saver, with a host copy of the weights so a resume
   brings them back exactly). Untested on a GPU here. On CPU SGLang has no memory saver: the state
@@ -57,7 +63,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Protocol, TypedDict
 
 import torch
 
@@ -66,6 +71,8 @@ from rlbatch.engines.inference import hf_parameter_names, rng_kept, tp_peers
 from rlbatch.engines.model import load_model, model_dtype
 from rlbatch.engines.offload import StaysResident, Transfer, free_device_bytes
 from rlbatch.engines.sglang import SGLangArgs
+from rlbatch.engines.sglang.in_flight import InFlightHook, Landings, span_versions
+from rlbatch.engines.sglang.runtime import SGLangOutput, SGLangRuntime
 from rlbatch.engines.vllm.world import PrivateWorld
 
 log = logging.getLogger(__name__)
@@ -78,44 +85,11 @@ _NO_SAVER = ("sglang engine on CPU: SGLang's memory saver needs CUDA; its weight
              "(offload reports 0 bytes)")
 
 
-class _MetaInfo(TypedDict):
-    output_token_logprobs: list[tuple[float, int, str | None]]
-    """(log-prob, token id, its text: None without SGLang's tokenizer) of each generated token."""
-
-
-class SGLangOutput(TypedDict):
-    """What rlbatch reads of one of ``sglang.Engine.generate``'s outputs (given token ids)."""
-
-    output_ids: list[int]
-    meta_info: _MetaInfo
-
-
-class SGLangRuntime(Protocol):
-    """What rlbatch calls of ``sglang.Engine`` (SGLang is untyped)."""
-
-    def shutdown(self) -> None: ...
-
-    def generate(self, *, input_ids: list[list[int]], sampling_params: list[dict[str, float | int | bool]],
-                 return_logprob: bool) -> list[SGLangOutput]: ...
-
-    def collective_rpc(self, method: str, **kwargs: object) -> None: ...
-
-    def begin_weight_update(self) -> None: ...
-
-    def update_weights_from_tensor(self, *, named_tensors: list[tuple[str, torch.Tensor]],
-                                   flush_cache: bool) -> tuple[bool, str]: ...
-
-    def end_weight_update(self) -> None: ...
-
-    def release_memory_occupation(self, *, tags: list[str]) -> None: ...
-
-    def resume_memory_occupation(self, *, tags: list[str]) -> None: ...
-
-
 def engine_kwargs(args: SGLangArgs, path: str, dtype: torch.dtype, seed: int, device: torch.device,
-                  tp: int = 1) -> dict[str, str | int | float | bool]:
+                  tp: int = 1, in_flight: bool = False) -> dict[str, str | int | float | bool]:
     """``sglang.Engine``'s arguments for a worker's engine (``args``: ``SGLangArgs``) of ``tp``
-    tensor-parallel ranks, on ``device`` and the tp - 1 GPUs after it."""
+    tensor-parallel ranks, on ``device`` and the tp - 1 GPUs after it; ``in_flight``: weights land
+    mid-generation (``algo.in_flight_updates``)."""
     on_cpu = device.type != "cuda"
     kwargs: dict[str, str | int | float | bool] = dict(
         model_path=path, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[dtype], random_seed=seed,
@@ -125,6 +99,8 @@ def engine_kwargs(args: SGLangArgs, path: str, dtype: torch.dtype, seed: int, de
         # every phase the engine sits out (training, log-probs)
         sleep_on_idle=True,
     )
+    if in_flight:  # no batch launched ahead of a pause: the tokens of a step are of the weights it ran with
+        kwargs["disable_overlap_schedule"] = True
     if args.kv_cache_tokens or on_cpu:
         kwargs["max_total_tokens"] = args.kv_cache_tokens or CPU_KV_CACHE_TOKENS
     if args.max_model_len:
@@ -191,9 +167,16 @@ def build(ctx: EngineContext) -> SGLangEngine | SGLangFollower:
 
 
 class SGLangEngine:
+    between_steps: InFlightHook | None = None
+    """Set while a generation may take weights mid-way (``algo.in_flight_updates``,
+    ``rlbatch.loop.weightsync.landing``; module doc)."""
+
     def __init__(self, ctx: EngineContext, ranks: tuple[int, ...] = ()) -> None:
         a: SGLangArgs = ctx.args
         self.device = ctx.device
+        self.recompute_kv = ctx.algo.in_flight_kv == "recompute"
+        """Weights land mid-generation: the requests are retracted and prefilled again under them
+        (SGLang's pause mode ``retract``), else they go on from their KV cache (``in_place``)."""
         self.on_cpu = ctx.device.type != "cuda"
         self.comm, self.followers = ctx.comm, list(ranks[1:])
         tp = max(1, len(ranks))
@@ -219,7 +202,8 @@ class SGLangEngine:
             import sglang
 
             with rng_kept(), _process_kept():
-                self.engine: SGLangRuntime = sglang.Engine(**engine_kwargs(a, path, dtype, ctx.seed, ctx.device, tp))
+                self.engine: SGLangRuntime = sglang.Engine(**engine_kwargs(
+                    a, path, dtype, ctx.seed, ctx.device, tp, in_flight=bool(ctx.algo.in_flight_updates)))
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -228,9 +212,11 @@ class SGLangEngine:
         self._received: set[str] = set()
         self._asleep: set[str] = set()
         self._resident = StaysResident(log, _NO_SAVER)
+        self.landings = Landings(self.engine, self.device)
 
     def close(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes. The engine is unusable afterwards."""
+        self.landings.close()
         self.engine.shutdown()
 
     # -- generation ---------------------------------------------------------------------------
@@ -244,9 +230,13 @@ class SGLangEngine:
             raise ValueError("sglang engine: stop_strings need SGLang's tokenizer, which this engine does not start "
                              "(it works on token ids)")
         self._reseed(params.seed)
-        outputs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=[dict(sampling)] * len(prompts),
-                                       return_logprob=True)
-        generations = [_generation(o, params.version) for o in outputs]
+        ids, per_prompt = [list(p) for p in prompts], [dict(sampling)] * len(prompts)
+        if self.between_steps is not None:
+            outputs = self.landings.generate(ids, per_prompt, params.version, self.between_steps, self.recompute_kv)
+            generations = [_generation(o, params.version, landed=True) for o in outputs]
+        else:
+            outputs = self.engine.generate(input_ids=ids, sampling_params=per_prompt, return_logprob=True)
+            generations = [_generation(o, params.version) for o in outputs]
         if self.followers:
             from rlbatch.runtime.control import send_obj  # MPI: not at import (SGLang's processes import this module)
 
@@ -276,15 +266,23 @@ class SGLangEngine:
         unknown = [n for n, _ in chunk if n not in self.expected]
         if unknown:
             raise KeyError(f"sglang engine: weights {unknown[:5]} are not parameters of the model")
+        mid = self.landings.active  # a sync landing mid-generation: from the receiver's thread
         if not self._received:
-            self.engine.begin_weight_update()
+            if mid:
+                self.landings.begin()
+            else:
+                self.engine.begin_weight_update()
         self._received |= {n for n, _ in chunk}
         last = self._received >= self.expected
-        ok, message = self.engine.update_weights_from_tensor(named_tensors=chunk, flush_cache=last)
+        ok, message = (self.landings.update(chunk, last) if mid
+                       else self.engine.update_weights_from_tensor(named_tensors=chunk, flush_cache=last))
         if not ok:
             raise RuntimeError(f"sglang engine: SGLang refused a weight bucket: {message}")
         if last:
-            self.engine.end_weight_update()
+            if mid:
+                self.landings.end()
+            else:
+                self.engine.end_weight_update()
             self._received = set()
         return sum(t.numel() * t.element_size() for _, t in chunk)
 
@@ -379,11 +377,13 @@ class SGLangFollower:
         return Transfer()
 
 
-def _generation(output: SGLangOutput, version: int) -> Generation:
-    """One SGLang output as a ``Generation``: its tokens, the log-prob of each, and its version (the
-    engine loads weights only between generations: every token is of the version it started with)."""
+def _generation(output: SGLangOutput, version: int, landed: bool = False) -> Generation:
+    """One SGLang output as a ``Generation``: its tokens, the log-prob of each, and each one's
+    version: ``version`` throughout, or, where weights could land (``landed``), the version label of
+    the span SGLang reports it in (``Landings.generate`` labels every load)."""
     tokens = [int(t) for t in output["output_ids"]]
     steps = output["meta_info"]["output_token_logprobs"]
     if [int(s[1]) for s in steps] != tokens:
         raise RuntimeError(f"sglang engine: log-probs for tokens {[s[1] for s in steps][:5]}, generated {tokens[:5]}")
-    return Generation(tokens, [float(s[0]) for s in steps], [version] * len(tokens))
+    versions = span_versions(output["meta_info"].get("weight_versions"), len(tokens)) if landed else [version] * len(tokens)
+    return Generation(tokens, [float(s[0]) for s in steps], versions)

@@ -1,5 +1,7 @@
 """What the sglang engine would fail on once the ranks are up, refused by validation before start.
 
+- ``algo.partial_rollouts`` (anywhere): the engine generates each call's prompts to their end and
+  keeps no request across calls (no ``generate_some``; weights still land mid-generation);
 - the ``sglang`` package missing from this environment (``make venv SGLANG=auto``; docs/sglang.md);
 - on a machine without a GPU, SGLang's CPU engine without ``sgl_kernel``: SGLang imports that
   library's CPU kernels at start-up and no CPU build of it is published; the test suite brings a
@@ -41,11 +43,20 @@ def _kernel_importable() -> bool:
 
 def sglang_problems(cfg: RLBatchConfig, engines: list[RoleEngine], placement: Placement | None,
                     train_run: bool = True) -> list[str]:
-    """The sglang roles' refusals, one line each; nothing unless this machine is to run them."""
+    """The sglang roles' refusals, one line each; those of this machine's environment only where it is
+    to run them."""
     roles = [e for e in engines if e.backend.engine == "sglang" and not e.inherited]
-    if not roles or not train_run:
+    if not roles:
         return []
     field = f"roles.{roles[0].role}.backend"
+    infer = next((e for e in roles if e.role == "actor_infer"), None)
+    if cfg.algo.partial_rollouts and infer is not None:
+        return [f"algo.partial_rollouts: the inference engine keeps unfinished samples across steps, but "
+                f"roles.actor_infer.backend '{infer.backend}' generates each call's prompts to their end and keeps "
+                f"no request across calls (weights still land mid-generation with algo.in_flight_updates): use vllm, "
+                f"or set algo.partial_rollouts=false"]
+    if not train_run:
+        return []
     if importlib.util.find_spec("sglang") is None:
         return [f"{field}: '{roles[0].backend}' needs the sglang package, which is not installed in this "
                 f"environment ({sys.prefix}); install it with `make venv SGLANG=auto` (docs/sglang.md)"]
