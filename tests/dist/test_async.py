@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch
+from tests.conftest import launch, sglang_env
 
 pytestmark = pytest.mark.dist
 ASYNC = ["roles=disaggregated", "algo.max_staleness=1", "algo.off_policy=tis"]
@@ -89,14 +89,17 @@ def test_an_inference_rank_killed_while_generating_ahead_ends_the_job_fast_and_i
 
 @pytest.mark.full
 @pytest.mark.timeout(1200)
-def test_weights_land_mid_generation_with_vllm_on_a_rank_of_its_own(run_root: Path) -> None:
-    """``algo.in_flight_updates`` on vLLM's CPU build: every sync goes through the notice and the
-    inference rank's poll (or its sync phase, when the generation ended first), the run ends, and
-    the staleness bound by each sample's oldest token holds with nothing dropped. The controller
-    does not wait for the inference rank's answer to a sync: it collects it during the next step."""
+@pytest.mark.parametrize(("engine", "kv"), [("vllm", "keep"), ("sglang", "recompute")])
+def test_weights_land_mid_generation_on_a_rank_of_its_own(run_root: Path, engine: str, kv: str) -> None:
+    """``algo.in_flight_updates`` on vLLM's and SGLang's CPU builds: every sync goes through the
+    notice and the inference rank's poll (or its sync phase, when the generation ended first), the
+    run ends, and the staleness bound by each sample's oldest token holds with nothing dropped. The
+    controller does not wait for the inference rank's answer to a sync: it collects it during the
+    next step."""
     run = run_root / "run"
-    out = launch([*ASYNC, "roles.actor_infer.backend=vllm:d1", "model.num_heads=2", "model.num_kv_heads=1",
-                  "algo.in_flight_updates=true", "steps=3", f"run_dir={run}"], run_root, timeout=1100)
+    out = launch([*ASYNC, f"roles.actor_infer.backend={engine}:d1", "model.num_heads=2", "model.num_kv_heads=1",
+                  "algo.in_flight_updates=true", f"algo.in_flight_kv={kv}", "steps=3", f"run_dir={run}"], run_root,
+                 env=sglang_env() if engine == "sglang" else None, timeout=1100)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = rows(run)
     assert [x["step"] for x in r] == [0, 1, 2]
