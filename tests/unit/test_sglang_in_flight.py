@@ -23,12 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from rlbatch import algos
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.batch import pack, response_logits
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.sglang import SGLangArgs
+from tests.unit.in_flight_checks import check_landing
 from tests.unit.infer_checks import run_in_a_process_of_its_own, sync_in_buckets
 
 SEED = 1
@@ -123,8 +122,8 @@ def main() -> None:
     old = load_model(cfg.model, tok, SEED).eval()
     g = torch.Generator().manual_seed(11)
     new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in old.named_parameters()]
-    a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_and_the_kv_is_kept_or_recomputed(
-        SimpleNamespace(cfg=cfg, tok=tok, engine=engine, old=old, new=new))
+    check_landing(SimpleNamespace(cfg=cfg, tok=tok, engine=engine, old=old, new=new),
+                  _generate_with_a_sync_landing, ("recompute", "keep"), SEED)
     engine.close()
     print("sglang in-flight checks passed", flush=True)
 
@@ -141,60 +140,6 @@ def _generate_with_a_sync_landing(engine: Any, prompts: list[list[int]],
     assert hook.received_on is not None, f"the generation ended before the sync could land ({hook.looks} looks)"
     assert hook.received_on is not threading.main_thread()  # the loop went on serving SGLang meanwhile
     return gens
-
-
-def _forward_logprobs(model: torch.nn.Module, tok: Any, prompts: list[list[int]], gens: list[Generation]) -> torch.Tensor:
-    samples = [{"prompt": torch.tensor(p), "response": torch.tensor(g.tokens)} for p, g in zip(prompts, gens, strict=True)]
-    b = pack(samples, tok.pad_token_id, torch.device("cpu"))
-    with torch.no_grad():
-        return algos.token_logprobs(response_logits(model, b).float(), b.targets)
-
-
-def _gap(gens: list[Generation], want: torch.Tensor, version: int) -> float:
-    """The largest |engine - forward| log-prob gap over the tokens of ``version``."""
-    gap = 0.0
-    for i, g in enumerate(gens):
-        for j, (v, lp) in enumerate(zip(g.versions, g.logprobs, strict=True)):
-            if v == version:
-                gap = max(gap, abs(lp - float(want[i, j])))
-    return gap
-
-
-def a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_and_the_kv_is_kept_or_recomputed(
-        setup: Any) -> None:
-    tok, engine, old, new = setup.tok, setup.engine, setup.old, setup.new
-    prompts = [tok.encode(f"{k}+{k}=") for k in range(4)] * 2
-    new_model = load_model(setup.cfg.model, tok, SEED).eval()
-    with torch.no_grad():
-        for (name, p), (n2, t) in zip(new_model.named_parameters(), new, strict=True):
-            assert name == n2
-            p.copy_(t)
-    gaps = {}
-    for mode in ("recompute", "keep"):  # keep last: the generation after it must not reuse its stale cache
-        engine.load_weights(list(old.named_parameters()))  # back to version 3's weights, between generations
-        engine.recompute_kv = mode == "recompute"
-        gens = _generate_with_a_sync_landing(engine, prompts, new)
-        for g in gens:
-            assert len(g.versions) == len(g.tokens) and len(g.logprobs) == len(g.tokens)
-            # the versions of a sample never go back: the tokens before the load, then those after
-            assert g.versions == sorted(g.versions) and set(g.versions) <= {3, 4}
-        mixed = [g for g in gens if set(g.versions) == {3, 4}]
-        assert mixed, f"{mode}: no sample holds tokens of both versions ({[g.versions for g in gens]})"
-        before = _gap(gens, _forward_logprobs(old, tok, prompts, gens), 3)
-        after = _gap(gens, _forward_logprobs(new_model, tok, prompts, gens), 4)
-        assert before < 1e-4, f"{mode}: tokens before the load are the old weights' (gap {before})"
-        gaps[mode] = after
-        print(f"{mode}: {len(mixed)} of {len(gens)} samples mixed, gaps before {before:.2e} after {after:.2e}",
-              flush=True)
-    # Kept: the new weights read the old weights' KV of the earlier positions, so their log-probs are
-    # not a new-weights forward's. Retracted and prefilled again: they are, to fp32 rounding.
-    assert gaps["keep"] > 1e-2, gaps
-    assert gaps["recompute"] < 1e-4, gaps
-    # The radix cache held the old weights' KV while the requests ran; the next generation (the same
-    # prompts) starts from a flushed one, with the new weights throughout.
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=6, version=4))
-    assert all(g.versions == [4] * len(g.tokens) for g in gens)
-    assert _gap(gens, _forward_logprobs(new_model, tok, prompts, gens), 4) < 1e-4
 
 
 if __name__ == "__main__":

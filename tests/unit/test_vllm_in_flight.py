@@ -20,13 +20,12 @@ import torch
 import torch.distributed as dist
 import vllm  # noqa: F401  (installed by make venv: its absence is a broken install, not a skip)
 
-from rlbatch import algos
 from rlbatch.config.compose import compose
 from rlbatch.engines.base import EngineContext, Generation, SamplingParams
-from rlbatch.engines.batch import pack, response_logits
 from rlbatch.engines.model import load_model, load_tokenizer
 from rlbatch.engines.vllm import VLLMArgs
 from rlbatch.engines.vllm.engine import VLLMEngine
+from tests.unit.in_flight_checks import check_landing
 from tests.unit.infer_checks import run_in_a_process_of_its_own  # noqa: E402
 
 SEED = 1
@@ -60,8 +59,8 @@ def main() -> None:
         old = load_model(cfg.model, tok, SEED).eval()
         g = torch.Generator().manual_seed(11)
         new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=g)) for n, p in old.named_parameters()]
-        a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_and_the_kv_is_kept_or_recomputed(
-            SimpleNamespace(cfg=cfg, tok=tok, engine=engine, old=old, new=new))
+        check_landing(SimpleNamespace(cfg=cfg, tok=tok, engine=engine, old=old, new=new),
+                      _generate_with_a_sync_landing, ("keep", "recompute"), SEED)
         engine.close()
         print("in-flight checks passed", flush=True)
     os._exit(0)  # vLLM's one-rank world is left to process exit
@@ -87,64 +86,6 @@ def _generate_with_a_sync_landing(engine: VLLMEngine, prompts: list[list[int]],
         engine.between_steps = None
     assert len(calls) > LAND_AT, "the generation ended before the sync could land"
     return gens
-
-
-def _forward_logprobs(model: torch.nn.Module, tok: Any, prompts: list[list[int]], gens: list[Generation]) -> torch.Tensor:
-    samples = [{"prompt": torch.tensor(p), "response": torch.tensor(g.tokens)} for p, g in zip(prompts, gens, strict=True)]
-    b = pack(samples, tok.pad_token_id, torch.device("cpu"))
-    with torch.no_grad():
-        return algos.token_logprobs(response_logits(model, b).float(), b.targets)
-
-
-def _split_by_version(gens: list[Generation], got: torch.Tensor, want: torch.Tensor, version: int) -> float:
-    """The largest |engine - forward| log-prob gap over the tokens of ``version``."""
-    gap = 0.0
-    for i, g in enumerate(gens):
-        for j, v in enumerate(g.versions):
-            if v == version:
-                gap = max(gap, abs(float(got[i, j]) - float(want[i, j])))
-    return gap
-
-
-def a_sync_landing_mid_generation_changes_the_versions_inside_one_sample_and_the_kv_is_kept_or_recomputed(
-        setup: Any) -> None:
-    tok, engine, old, new = setup.tok, setup.engine, setup.old, setup.new
-    prompts = [tok.encode(f"{k}+{k}=") for k in range(4)] * 2
-    new_model = load_model(setup.cfg.model, tok, SEED).eval()
-    with torch.no_grad():
-        for (name, p), (n2, t) in zip(new_model.named_parameters(), new, strict=True):
-            assert name == n2
-            p.copy_(t)
-    gaps = {}
-    for mode in ("keep", "recompute"):
-        engine.load_weights(list(old.named_parameters()))  # back to version 3's weights
-        engine.recompute_kv = mode == "recompute"
-        gens = _generate_with_a_sync_landing(engine, prompts, new)
-        for g in gens:
-            assert len(g.versions) == len(g.tokens) and len(g.logprobs) == len(g.tokens)
-            # the versions of a sample never go back: the tokens before the load, then those after
-            assert g.versions == sorted(g.versions) and set(g.versions) <= {3, 4}
-        mixed = [g for g in gens if set(g.versions) == {3, 4}]
-        assert mixed, f"no sample holds tokens of both versions ({[g.versions for g in gens]})"
-        got = torch.zeros(len(gens), max(len(g.tokens) for g in gens))
-        for i, g in enumerate(gens):
-            got[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
-        before = _split_by_version(gens, got, _forward_logprobs(old, tok, prompts, gens), 3)
-        after = _split_by_version(gens, got, _forward_logprobs(new_model, tok, prompts, gens), 4)
-        assert before < 1e-4, f"{mode}: tokens before the load are the old weights' (gap {before})"
-        gaps[mode] = after
-    # Kept: the new weights read the old weights' KV of the earlier positions, so their log-probs are
-    # not a new-weights forward's (~0.1 nats here). Recomputed: they are, to fp32 rounding.
-    assert gaps["keep"] > 1e-2, gaps
-    assert gaps["recompute"] < 1e-4, gaps
-    # The prefix cache kept blocks of the old weights while the requests ran; the next generation
-    # starts from a reset one, with the new weights throughout.
-    gens = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, seed=6, version=4))
-    assert all(g.versions == [4] * len(g.tokens) for g in gens)
-    got = torch.zeros(len(gens), max(len(g.tokens) for g in gens))
-    for i, g in enumerate(gens):
-        got[i, : len(g.logprobs)] = torch.tensor(g.logprobs)
-    assert _split_by_version(gens, got, _forward_logprobs(new_model, tok, prompts, gens), 4) < 1e-4
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ import vllm  # noqa: F401  (installed by make venv: its absence is a broken inst
 from rlbatch.engines.base import Generation, SamplingParams
 from rlbatch.engines.model import load_model
 from rlbatch.engines.vllm.engine import VLLMEngine
+from tests.unit.in_flight_checks import forward_logprobs
 from tests.unit.infer_checks import run_in_a_process_of_its_own
-from tests.unit.test_vllm_in_flight import SEED, _forward_logprobs, in_flight_engine
+from tests.unit.test_vllm_in_flight import SEED, in_flight_engine
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start alone takes minutes on a loaded 2-core machine
 GROUP = 2
@@ -116,7 +117,7 @@ def a_long_sample_spans_calls_and_versions_and_no_sample_is_lost_or_duplicated(c
     gens = [returned[sid][1] for sid in ids]
     prompts = [prompt_of[sid] for sid in ids]
     for v, model in models.items():
-        want = _forward_logprobs(model, tok, prompts, gens)
+        want = forward_logprobs(model, tok, prompts, gens)
         for i, g in enumerate(gens):
             for j, tv in enumerate(g.versions):
                 if tv == v:
