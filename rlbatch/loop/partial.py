@@ -45,7 +45,9 @@ class KeptState(TypedDict):
 class KeepsSamples(Protocol):
     """An inference engine that keeps requests across calls (vllm): ``generate_some`` adds one
     request per sample and returns the first ``take`` whole groups of ``group`` consecutive sample
-    ids to finish, as (sample id, generation) sorted by id; ``kept`` counts the samples it holds.
+    ids to finish, as (sample id, generation) sorted by id, and may return with them groups it
+    stopped that can no longer be trained (a token past ``algo.max_staleness`` at the weights it
+    holds: the controller drops them); ``kept`` counts the samples it holds.
     ``kept_state`` reads what it holds for a checkpoint (and the next call goes on from that state
     exactly as a restored engine would: ``restore_kept`` into an engine that holds nothing)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ def main() -> None:
         cfg, tok, engine = in_flight_engine(tmp, "algo.max_staleness=2", "algo.partial_rollouts=true",
                                             "algo.in_flight_kv=recompute")
         a_long_sample_spans_calls_and_versions_and_no_sample_is_lost_or_duplicated(cfg, tok, engine)
+        a_group_that_can_no_longer_be_trained_is_stopped_and_returned_at_once(tok, engine)
         engine.close()
         print("partial rollout checks passed", flush=True)
     os._exit(0)  # vLLM's one-rank world is left to process exit
@@ -122,6 +124,27 @@ def a_long_sample_spans_calls_and_versions_and_no_sample_is_lost_or_duplicated(c
             for j, tv in enumerate(g.versions):
                 if tv == v:
                     assert abs(g.logprobs[j] - float(want[i, j])) < 1e-4, (ids[i], j, v, g.logprobs[j], float(want[i, j]))
+
+
+def a_group_that_can_no_longer_be_trained_is_stopped_and_returned_at_once(tok: object, engine: VLLMEngine) -> None:
+    """max_staleness=2: once the engine holds version 8, a kept group whose tokens are of version 5
+    can never be trained (the controller would drop it): the next call stops its requests and
+    returns it as it is, beside the groups asked for (none here), instead of generating it on."""
+    assert engine.kept() == 0 and engine.bound == 2
+    keys = list(range(1000, 1000 + PROMPTS_PER_CALL * GROUP))
+    prompts = [tok.encode(f"9{i // GROUP}+{i // GROUP}=") for i in range(len(keys))]  # type: ignore[attr-defined]
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=21, version=5)
+    first = engine.generate_some(keys, prompts, params, GROUP, 1)
+    left = {sid for sid in keys if sid not in dict(first)}
+    running = {key for key, _ in engine._kept.values()}
+    assert running, "every group finished in the first call: nothing was left to stop"
+    assert all(stamps and set(stamps) == {5} for _, stamps in engine._kept.values())
+    stopped = engine.generate_some([], [], replace(params, version=8), GROUP, 0)
+    assert {sid for sid, _ in stopped} == left  # the groups still running, and any finished in them
+    for sid, gen in stopped:
+        assert set(gen.versions) == {5} and len(gen.versions) == len(gen.tokens) == len(gen.logprobs) > 0
+        assert len(gen.tokens) < MAX_NEW or sid not in running
+    assert engine.kept() == 0 and not engine.llm.llm_engine.has_unfinished_requests()
 
 
 if __name__ == "__main__":

@@ -240,6 +240,12 @@ class VLLMEngine:
         self._ready: list[int] = []  # whole groups finished, in finishing order, not returned yet
         self._kept_version = 0  # the weights the kept requests last stepped with
         self._group = 1  # samples per group of the kept requests
+        self.bound = int(ctx.algo.max_staleness) if ctx.algo.partial_rollouts else None
+        """Partial rollouts: a kept group one of whose tokens is more than this many versions older than
+        the weights held can no longer be trained (a batch trains at a version no older; the
+        controller drops the group, ``rlbatch.loop.ahead.past_the_bound``). ``generate_some`` stops it
+        (``_stop_stale``) instead of generating it to its end."""
+        self._stopped: list[int] = []  # groups stopped as stale in this call, returned beside those asked for
         self.world = PrivateWorld()
         self._turns: set[int] = set()  # keys of turn requests in flight (``submit``, ``poll``)
         # this engine loads adapters (its EngineSpec.loads_adapters)
@@ -417,7 +423,9 @@ class VLLMEngine:
         engine: unfinished requests are not stepped until the next call goes on with them (under
         whatever weights landed meanwhile), finished groups past ``take`` wait for the next call.
         Each token carries the version of the weights that sampled it: a kept sample's tokens may
-        span several versions. Weights land between steps as in ``generate`` (``between_steps``)."""
+        span several versions. Weights land between steps as in ``generate`` (``between_steps``).
+        Kept groups that can no longer be trained are stopped and returned too, beside the ``take``
+        asked for (``_stop_stale``)."""
         from vllm.inputs import TokensPrompt
 
         self._check_no_partial_sync()
@@ -453,8 +461,11 @@ class VLLMEngine:
                 self._prompt[rid] = list(prompt)
         version = params.version
         self._group = group
+        self._stop_stale(version)
         while len(self._ready) < take:
             if not self._kept:
+                if self._stopped:  # the rest stopped as stale: what finished, and those
+                    break
                 raise RuntimeError(f"generate_some: {len(self._ready)} whole groups of {group} finished and no request "
                                    f"is left to finish {take}")
             landed = self.between_steps() if self.between_steps is not None else None
@@ -464,15 +475,56 @@ class VLLMEngine:
                     if self.recompute_kv:
                         self.llm.reset_prefix_cache(reset_running_requests=True)
                 self._step_kept(engine.step(), version)
+            if landed is not None:
+                self._stop_stale(version)
         self._kept_version = version
         out: list[tuple[int, Generation]] = []
-        for g in self._ready[:take]:
+        for g in [*self._ready[:take], *self._stopped]:
             del self._group_done[g]
             for key in sorted(k for k in self._finished if k // group == g):
                 out.append((key, self._finished.pop(key)))
                 del self._prompt[f"part-{key}"]
-        self._ready = self._ready[take:]
+        self._ready, self._stopped = self._ready[take:], []
         return sorted(out, key=lambda kg: kg[0])
+
+    def _stop_stale(self, version: int) -> None:
+        """Stop the kept groups that can no longer be trained under weights of ``version``: one of
+        their samples holds a token more than ``bound`` versions older. Their unfinished requests are
+        aborted and each such sample kept as it is (its tokens so far); the group goes back with this
+        call's answer beside the whole groups asked for, and the controller drops it, counted
+        (``train/stale_dropped``), as it drops any stale group. A group one of whose samples has no
+        token yet is left to run (a sample's first token decides nothing, and an empty one would
+        reach the phases that read the answer before the drop)."""
+        if self.bound is None or not self._kept:
+            return
+        oldest: dict[int, int] = {}
+        running: dict[int, list[str]] = {}
+        for rid, (key, stamps) in self._kept.items():
+            g = key // self._group
+            running.setdefault(g, []).append(rid)
+            oldest[g] = min(oldest.get(g, version), stamps[0] if stamps else version)
+        for key, gen in self._finished.items():
+            if key // self._group in running and gen.versions:
+                oldest[key // self._group] = min(oldest[key // self._group], gen.versions[0])
+        stale = [g for g, rids in running.items() if version - oldest[g] > self.bound
+                 and all(self._kept[rid][1] for rid in rids)]
+        if not stale:
+            return
+        rids = [rid for g in stale for rid in running[g]]
+        for rid in rids:
+            sample = self._kept_sample(rid)
+            self._finished[sample["key"]] = Generation(sample["tokens"], sample["logprobs"], sample["versions"])
+        with self.world.active():
+            self.llm.llm_engine.abort_request(rids)
+        for rid in rids:
+            del self._kept[rid]
+            self._latest.pop(rid, None)
+            self._before.pop(rid, None)
+        for g in sorted(stale):
+            self._group_done[g] = self._group
+        self._stopped += sorted(stale)
+        log.info("partial rollouts: %d group(s) stopped at version %d, a token of theirs older than %d versions "
+                 "(they cannot be trained)", len(stale), version, self.bound)
 
     def _step_kept(self, results: list[RequestOutput | PoolingRequestOutput], version: int) -> None:
         """Record an engine step's tokens of the kept requests (sampled by ``version``), and the
