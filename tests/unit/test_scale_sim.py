@@ -3,11 +3,30 @@ here can run as processes. Counted, not timed: the messages of a step grow linea
 
 from __future__ import annotations
 
+import gc
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from rlbatch.engines import registry
 from tools.bench import scale_sim
+
+
+@pytest.fixture(autouse=True)
+def sleep_engines_unplugged_after() -> Iterator[None]:
+    """The runs plug in the ``sleep`` engines (``plugins=[rlbatch.engines.sleep]``) in this process
+    and set its collector as the controller's (``rlbatch.runtime.heap``): both undone after each
+    test, so that later tests see the registry as built and the collector as it was."""
+    before, thresholds = set(registry.REGISTRY), gc.get_threshold()
+    yield
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
+    for name in set(registry.REGISTRY) - before:
+        del registry.REGISTRY[name]
+    for module in [m for m in sys.modules if m == "rlbatch.engines.sleep" or m.startswith("rlbatch.engines.sleep.")]:
+        del sys.modules[module]
 
 
 def test_the_simulated_controller_runs_its_loop_and_sends_one_command_a_rank_per_phase(tmp_path: Path,
