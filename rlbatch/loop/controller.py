@@ -416,7 +416,6 @@ class PendingRollouts:
             self.rollouts = replace(self.rollouts, ids=ids, answers=[a for a, _ in known],
                                     sources=[s for _, s in known] if self.rollouts.sources else [])
         ro = self.rollouts
-        where, length = self.pipe.where, self.pipe.length
         for worker, ids in self.ids_of.items():
             answers = out[worker[0]]
             for sid in ids:
@@ -428,11 +427,10 @@ class PendingRollouts:
                 if episode is not None:
                     ro.episodes[sid] = episode
                 lengths = {"prompt": ro.prompt_len[sid], **extra}
-                held, sized = where.setdefault(sid, {}), length.setdefault(sid, {})  # ``Pipeline.produced``, inlined
                 for f in self.spec.writes:
                     if (f in TRAJECTORY_FIELDS and episode is None) or (f in IMAGE_FIELDS and f not in lengths):
                         continue
-                    held[f], sized[f] = set(worker), lengths.get(f, ro.response_len[sid])
+                    self.pipe.produced(worker, sid, f, lengths.get(f, ro.response_len[sid]))
         self.done = True
         if (failed := all_failed(ro.episodes)) is not None:
             raise RuntimeError(failed)

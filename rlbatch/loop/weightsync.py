@@ -303,18 +303,10 @@ class InFlightSync:
         mid-generation, or, when none was, this one, received now."""
         if self.taken:
             return self.taken.popleft()
-        notice, self._pending = self._pending, None  # found between two steps of a generation that then ended
-        if notice is None:
-            box: list[SyncNotice] = []
-
-            def arrived() -> bool:
-                got = self._take()
-                if got is not None:
-                    box.append(got)
-                return bool(box)
-
-            wait_until(arrived, self.world.timeout_s, lambda: f"the notice of a weight sync from rank {self.src}")
-            notice = box[0]
+        if self._pending is None:  # else found between two steps of a generation that then ended
+            wait_until(self.pending, self.world.timeout_s, lambda: f"the notice of a weight sync from rank {self.src}")
+        notice, self._pending = self._pending, None
+        assert notice is not None
         nbytes = self.broadcast(self.world, None, infer, self.src, notice.bucket_bytes)
         return notice.version, nbytes
 

@@ -245,7 +245,6 @@ class VLLMEngine:
         the weights held can no longer be trained (a batch trains at a version no older; the
         controller drops the group, ``rlbatch.loop.ahead.past_the_bound``). ``generate_some`` stops it
         (``_stop_stale``) instead of generating it to its end."""
-        self._stopped: list[int] = []  # groups stopped as stale in this call, returned beside those asked for
         self.world = PrivateWorld()
         self._turns: set[int] = set()  # keys of turn requests in flight (``submit``, ``poll``)
         # this engine loads adapters (its EngineSpec.loads_adapters)
@@ -461,10 +460,10 @@ class VLLMEngine:
                 self._prompt[rid] = list(prompt)
         version = params.version
         self._group = group
-        self._stop_stale(version)
+        stopped = self._stop_stale(version)  # groups that cannot be trained, returned beside those asked for
         while len(self._ready) < take:
             if not self._kept:
-                if self._stopped:  # the rest stopped as stale: what finished, and those
+                if stopped:  # the rest stopped as stale: what finished, and those
                     break
                 raise RuntimeError(f"generate_some: {len(self._ready)} whole groups of {group} finished and no request "
                                    f"is left to finish {take}")
@@ -476,27 +475,27 @@ class VLLMEngine:
                         self.llm.reset_prefix_cache(reset_running_requests=True)
                 self._step_kept(engine.step(), version)
             if landed is not None:
-                self._stop_stale(version)
+                stopped += self._stop_stale(version)
         self._kept_version = version
         out: list[tuple[int, Generation]] = []
-        for g in [*self._ready[:take], *self._stopped]:
+        for g in [*self._ready[:take], *stopped]:
             del self._group_done[g]
             for key in sorted(k for k in self._finished if k // group == g):
                 out.append((key, self._finished.pop(key)))
                 del self._prompt[f"part-{key}"]
-        self._ready, self._stopped = self._ready[take:], []
+        self._ready = self._ready[take:]
         return sorted(out, key=lambda kg: kg[0])
 
-    def _stop_stale(self, version: int) -> None:
+    def _stop_stale(self, version: int) -> list[int]:
         """Stop the kept groups that can no longer be trained under weights of ``version``: one of
         their samples holds a token more than ``bound`` versions older. Their unfinished requests are
         aborted and each such sample kept as it is (its tokens so far); the group goes back with this
         call's answer beside the whole groups asked for, and the controller drops it, counted
         (``train/stale_dropped``), as it drops any stale group. A group one of whose samples has no
         token yet is left to run (a sample's first token decides nothing, and an empty one would
-        reach the phases that read the answer before the drop)."""
+        reach the phases that read the answer before the drop). Returns the groups stopped."""
         if self.bound is None or not self._kept:
-            return
+            return []
         oldest: dict[int, int] = {}
         running: dict[int, list[str]] = {}
         for rid, (key, stamps) in self._kept.items():
@@ -509,7 +508,7 @@ class VLLMEngine:
         stale = [g for g, rids in running.items() if version - oldest[g] > self.bound
                  and all(self._kept[rid][1] for rid in rids)]
         if not stale:
-            return
+            return []
         rids = [rid for g in stale for rid in running[g]]
         for rid in rids:
             sample = self._kept_sample(rid)
@@ -520,11 +519,11 @@ class VLLMEngine:
             del self._kept[rid]
             self._latest.pop(rid, None)
             self._before.pop(rid, None)
-        for g in sorted(stale):
+        for g in stale:
             self._group_done[g] = self._group
-        self._stopped += sorted(stale)
         log.info("partial rollouts: %d group(s) stopped at version %d, a token of theirs older than %d versions "
                  "(they cannot be trained)", len(stale), version, self.bound)
+        return sorted(stale)
 
     def _step_kept(self, results: list[RequestOutput | PoolingRequestOutput], version: int) -> None:
         """Record an engine step's tokens of the kept requests (sampled by ``version``), and the
