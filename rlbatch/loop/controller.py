@@ -1,7 +1,9 @@
 """The controller's view of the pipeline: role handles whose methods are phases.
 
 The controller holds references, not data: for every (sample, field) it knows which ranks hold
-it and how long it is. A phase assigns samples to the ranks that work on them, preferring the
+it and how long it is. Samples whose fields the same ranks hold share one holders map (``Held``), and
+a change makes a new one (copy on write), so that the work per phase goes with the groups of samples
+that were made or moved together rather than with every field of every sample. A phase assigns samples to the ranks that work on them, preferring the
 rank that already holds a sample (colocated roles hand over in memory), and sends each rank one
 command with the moves it takes part in and its work. Replies carry small results (lengths,
 rewards, stats) and a per-rank PhaseRecord for the metrics.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NotRequired, TypeAlias, TypedDict
@@ -102,6 +104,10 @@ class Rollouts:
         return self.versions.get(sid, (self.version, self.version))[0]
 
 
+Held: TypeAlias = "dict[str, frozenset[int]]"
+"""Field -> the ranks that hold it, of one sample; shared by the samples held alike and never
+changed in place (``Pipeline.hold``, ``Pipeline.moved``: a change replaces it)."""
+
 Kept: TypeAlias = "dict[int, tuple[str, str]]"
 """Partial rollouts: the samples started and not yet returned, by id: (answer, data source)."""
 
@@ -170,6 +176,17 @@ class Ledger:
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
+def _lacking(of: Held, dst: int, fields: Sequence[str]) -> list[tuple[int, int, tuple[str, ...]]]:
+    """The moves (source, ``dst``, fields) a sample held as ``of`` needs for ``dst`` to hold
+    ``fields``: each lacking field from the lowest rank holding it, grouped by that rank."""
+    by_src: dict[int, list[str]] = {}
+    for f in fields:
+        held = of.get(f)
+        if held and dst not in held:
+            by_src.setdefault(min(held), []).append(f)
+    return [(src, dst, tuple(fs)) for src, fs in by_src.items()]
+
+
 def phase_label(phase: str, roles: tuple[str, ...]) -> str:
     """How errors name a phase command: "phase 'sync' of actor_train, actor_infer" (a phase that
     only moves data names the roles it moves it to)."""
@@ -192,8 +209,8 @@ class Pipeline:
     def __init__(self, world: World, cfg: RLBatchConfig) -> None:
         self.world, self.cfg, self.p = world, cfg, world.placement
         self.ctl = Controller(world.comm, world.timeout_s, lambda r: describe_rank(self.p, r))
-        self.where: dict[int, dict[str, set[int]]] = {}
-        """Sample -> field -> the ranks that hold it."""
+        self.where: dict[int, Held] = {}
+        """Sample -> field -> the ranks that hold it (a map shared by the samples held alike)."""
         self.length: dict[int, dict[str, int]] = {}
         """Sample -> field -> its number of values."""
         self.shares: dict[int, int] = {}
@@ -256,24 +273,21 @@ class Pipeline:
     def _moves(self, need: dict[int, tuple[list[int], list[str]]]) -> list[Move]:
         """The moves that bring each rank of ``need`` the fields of the samples it lacks, from the
         lowest rank holding each, grouped by (source, destination, fields). Nothing is made for a
-        sample the destination holds whole (the common case: a sample read where it was made)."""
+        sample the destination holds whole (the common case: a sample read where it was made).
+        What a sample lacks is worked out once per holders map (``Held``) and destination."""
         grouped: dict[tuple[int, int, tuple[str, ...]], list[int]] = defaultdict(list)
         where = self.where
         for dst, (ids, fields) in need.items():
+            seen: dict[int, tuple[Held, list[tuple[int, int, tuple[str, ...]]]]] = {}
             for sid in ids:
                 of = where.get(sid)
                 if of is None:
                     continue
-                by_src: dict[int, list[str]] | None = None
-                for f in fields:
-                    held = of.get(f)
-                    if held and dst not in held:
-                        if by_src is None:
-                            by_src = defaultdict(list)
-                        by_src[min(held)].append(f)
-                if by_src is not None:
-                    for src, fs in by_src.items():
-                        grouped[(src, dst, tuple(fs))].append(sid)
+                got = seen.get(id(of))
+                if got is None:
+                    got = seen[id(of)] = (of, _lacking(of, dst, fields))  # ``of`` kept alive: its id stays its own
+                for key in got[1]:
+                    grouped[key].append(sid)
         return [self._move(src, dst, ids, list(fs)) for (src, dst, fs), ids in grouped.items()]
 
     def _move(self, src: int, dst: int, ids: list[int], fields: list[str]) -> Move:
@@ -332,15 +346,45 @@ class Pipeline:
 
     def produced(self, ranks: int | tuple[int, ...], sid: int, field: str, length: int) -> None:
         """``field`` of sample ``sid`` (``length`` values) is now held by ``ranks``."""
-        self.where.setdefault(sid, {})[field] = {ranks} if isinstance(ranks, int) else set(ranks)
+        self.hold(ranks, (sid,), (field,))
         self.length.setdefault(sid, {})[field] = length
+
+    def hold(self, ranks: int | tuple[int, ...], ids: Iterable[int], fields: Sequence[str]) -> None:
+        """``fields`` of each sample of ``ids`` are now held by ``ranks`` (and no longer where they
+        were); the samples that shared a holders map before share the new one."""
+        held = frozenset((ranks,) if isinstance(ranks, int) else ranks)
+        fresh = dict.fromkeys(fields, held)
+        where = self.where
+        made: dict[int, tuple[Held | None, Held]] = {}  # id of the old map -> (it, kept alive; the new one)
+        for sid in ids:
+            of = where.get(sid)
+            got = made.get(id(of))
+            if got is None:
+                got = made[id(of)] = (of, of | fresh if of else fresh)
+            where[sid] = got[1]
+
+    def moved(self, m: Move) -> None:
+        """Move ``m`` is done: its destination holds its fields of its samples too."""
+        where, add = self.where, frozenset((m.dst,))
+        made: dict[int, tuple[Held, Held]] = {}
+        for sid in m.ids:
+            of = where[sid]
+            got = made.get(id(of))
+            if got is None:
+                got = made[id(of)] = (of, of | {f: of[f] | add for f in m.fields})
+            where[sid] = got[1]
 
     def forget(self, ids: list[int]) -> None:
         """Samples of a finished step: every rank holding one drops it with its next command."""
         holders: dict[int, set[int]] = defaultdict(set)
+        ranks_of: dict[int, tuple[Held, frozenset[int]]] = {}  # id of a holders map -> (it, its ranks)
         for sid in ids:
-            for held in self.where.pop(sid, {}).values():
-                for r in held:
+            of = self.where.pop(sid, None)
+            if of is not None:
+                got = ranks_of.get(id(of))
+                if got is None:
+                    got = ranks_of[id(of)] = (of, frozenset().union(*of.values()))
+                for r in got[1]:
                     holders[r].add(sid)
             self.length.pop(sid, None)
             self.shares.pop(sid, None)
@@ -373,14 +417,14 @@ class PendingPhase:
         replies: dict[int, PhaseReply] = self.call.wait()
         p = self.pipe
         for m in self.moves:
-            for sid in m.ids:
-                for f in m.fields:
-                    p.where[sid][f].add(m.dst)
+            p.moved(m)
         book = self.ledger or Ledger(p.records, p.phase_seconds)  # the step's, as they are now
         records, phase_seconds = book.records, book.phase_seconds
         for r, rep in replies.items():
-            if "rec" in rep:
-                records.append(rep["rec"] | {"rank": r})
+            if "rec" in rep:  # the controller's own copy (unpickled): the rank is written into it
+                rec = rep["rec"]
+                rec["rank"] = r
+                records.append(rec)
         if overlapped:
             seconds = max((rep["rec"]["seconds"] + rep["xfer"]["seconds"] for rep in replies.values() if "rec" in rep),
                           default=0.0)
@@ -416,21 +460,29 @@ class PendingRollouts:
             self.rollouts = replace(self.rollouts, ids=ids, answers=[a for a, _ in known],
                                     sources=[s for _, s in known] if self.rollouts.sources else [])
         ro = self.rollouts
+        pipe, writes = self.pipe, self.spec.writes
         for worker, ids in self.ids_of.items():
             answers = out[worker[0]]
+            alike: dict[tuple[str, ...], list[int]] = defaultdict(list)  # the samples of each set of fields
             for sid in ids:
                 ro.prompt_len[sid], ro.response_len[sid], ro.versions[sid], *rest = answers[sid]
                 episode = rest[0] if rest else None  # a trajectory's summary (a run with an environment)
                 extra = rest[1] if len(rest) > 1 else {}  # lengths of the image fields of a prompt with images
                 if len(rest) > 2:  # and the key of those fields: samples of one key hold the same images
-                    self.pipe.shares[sid] = rest[2]
+                    pipe.shares[sid] = rest[2]
                 if episode is not None:
                     ro.episodes[sid] = episode
-                lengths = {"prompt": ro.prompt_len[sid], **extra}
-                for f in self.spec.writes:
-                    if (f in TRAJECTORY_FIELDS and episode is None) or (f in IMAGE_FIELDS and f not in lengths):
-                        continue
-                    self.pipe.produced(worker, sid, f, lengths.get(f, ro.response_len[sid]))
+                fields = tuple(f for f in writes if not ((f in TRAJECTORY_FIELDS and episode is None)
+                                                         or (f in IMAGE_FIELDS and f not in extra)))
+                response = ro.response_len[sid]
+                lengths = pipe.length.setdefault(sid, {})
+                lengths.update(dict.fromkeys(fields, response))
+                lengths.update((f, extra[f]) for f in fields if f in extra)
+                if "prompt" in fields:
+                    lengths["prompt"] = ro.prompt_len[sid]
+                alike[fields].append(sid)
+            for fields, held in alike.items():
+                pipe.hold(worker, held, fields)
         self.done = True
         if (failed := all_failed(ro.episodes)) is not None:
             raise RuntimeError(failed)
@@ -636,10 +688,12 @@ class Role:
 
     def record(self, spec: PhaseSpec, assign: dict[tuple[int, ...], list[int]]) -> None:
         """``spec``'s per-token fields of each shard's samples are held by the shard's first rank."""
+        length = self.pipe.length
         for sh, ids in assign.items():
-            for f in spec.writes:
-                for sid in ids:
-                    self.pipe.produced(sh[0], sid, f, self.pipe.length[sid]["response"])
+            self.pipe.hold(sh[0], ids, spec.writes)
+            for sid in ids:
+                lengths = length[sid]
+                lengths.update(dict.fromkeys(spec.writes, lengths["response"]))
 
     def start_logprobs_held(self, assign: dict[tuple[int, ...], list[int]]) -> PendingPhase:
         """Start this role's log-probs of samples every rank of each shard holds already (no data

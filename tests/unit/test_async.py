@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -171,6 +172,31 @@ def test_idle_and_overlap_by_hand() -> None:
     assert "overlap/generate_train" not in colocated  # the same ranks cannot overlap
 
 
+def test_a_steps_records_reduce_by_hand() -> None:
+    """Offload and reload summed per rank, then the most of any rank; memory and host RSS the most
+    of any record (per role, per phase); each phase's span from its earliest start to its latest end."""
+    from rlbatch.loop.metrics import reduce_records, timeline
+
+    def full(phase: str, roles: tuple[str, ...], rank: int, seconds: float, started: float, off: tuple[int, float],
+             back: tuple[int, float], peak: int, reserved: int, rss: int, rss_peak: int = 0,
+             startup: int = 0) -> dict[str, Any]:
+        return rec(phase, roles, rank, seconds) | {
+            "started": started, "offload": {"bytes": off[0], "seconds": off[1], "tensors": 1},
+            "reload": {"bytes": back[0], "seconds": back[1], "tensors": 1}, "peak_allocated": peak,
+            "mem_reserved_after": reserved, "rss_after": rss, "rss_peak": rss_peak, "rss_peak_startup": startup}
+
+    records = [full("generate", ("actor_infer",), 0, 2.0, 100.0, (10, 0.1), (0, 0.0), 50, 70, 5, 9, 30),
+               full("generate", ("actor_infer",), 1, 3.0, 100.5, (0, 0.0), (4, 0.2), 40, 80, 6, 8),
+               full("train", ("actor_train",), 0, 1.0, 103.0, (0, 0.0), (20, 0.3), 90, 60, 7, 12),
+               full("train", ("actor_train",), 1, 1.5, 103.2, (15, 0.4), (0, 0.0), 0, 0, 4)]
+    assert reduce_records(records) == {
+        "offload/bytes": 15, "reload/bytes": 20, "time/offload": 0.4, "time/reload": 0.3,
+        "mem/actor_infer/peak_allocated": 50.0, "mem/actor_train/peak_allocated": 90.0, "mem/reserved": 80.0,
+        "host/rss": 7.0, "host/peak/generate": 9.0, "host/peak/train": 12.0, "host/peak/startup": 30.0}
+    assert timeline(records, 101.0) == {"at/generate/start": -1.0, "at/generate/end": 2.5,
+                                        "at/train/start": 2.0, "at/train/end": pytest.approx(3.7)}
+
+
 # ------------------------------------------------------------------ validation
 
 
@@ -258,21 +284,24 @@ def test_a_riding_reference_splits_each_workers_samples_over_its_shards_with_not
 
     r = roles_on({"actor_train": ([0], "fsdp:d1"), "actor_infer": ([1, 2], "vllm:d1t2"),
                   "reference": ([1, 2], "fsdp:d2")})
-    pipe, started, produced = r["pipe"], [], {}
+    from rlbatch.loop.controller import Pipeline
+
+    pipe, started = r["pipe"], []
     pipe.start = lambda phase, roles, work, need=None: started.append((phase, work, need)) or SimpleNamespace(
         result=lambda: {})
-    pipe.produced = lambda ranks, sid, field, length: produced.__setitem__((sid, field), (ranks, length))
-    pipe.length = {sid: {"response": 5 + sid} for sid in range(4)}
+    pipe.hold = partial(Pipeline.hold, pipe)
+    pipe.where, pipe.length = {}, {sid: {"response": 5 + sid} for sid in range(4)}
     ro = Rollouts([0, 1, 2, 3], ["a"] * 4, 2, {}, {})
     gen = SimpleNamespace(ids_of={(1, 2): [0, 1, 2, 3]}, result=lambda: ro, kept=None)
     rider = rider_for(r["actor_infer"], r["reference"])
     assert rider is not None
     ahead = Ahead(gen, rider)  # type: ignore[arg-type]
     assert started == [("ref_logprobs", {1: {"ids": [0, 1]}, 2: {"ids": [2, 3]}}, {1: ([0, 1], []), 2: ([2, 3], [])})]
-    assert produced == {}
+    assert pipe.where == {}
     assert ahead.result() is ro
-    assert produced == {(0, "ref_logprobs"): (1, 5), (1, "ref_logprobs"): (1, 6),
-                        (2, "ref_logprobs"): (2, 7), (3, "ref_logprobs"): (2, 8)}
+    assert pipe.where == {0: {"ref_logprobs": {1}}, 1: {"ref_logprobs": {1}}, 2: {"ref_logprobs": {2}},
+                          3: {"ref_logprobs": {2}}}
+    assert [pipe.length[sid]["ref_logprobs"] for sid in range(4)] == [5, 6, 7, 8]
 
 
 @pytest.mark.parametrize(("correction", "fields"), [

@@ -238,3 +238,36 @@ def test_the_controller_collects_its_short_lived_objects_rarely() -> None:
     finally:
         gc.callbacks.remove(count)
         gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("per_worker", [8, 512])
+def test_what_a_sample_lacks_is_worked_out_once_per_group_of_samples_held_alike(
+        per_worker: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples made by one worker share one holders map (``Held``): a phase's moves work out what
+    they lack once per (map, destination), not once per field of every sample; a move makes one new
+    map for the samples it moved, and leaves the others' as they were."""
+    import rlbatch.loop.controller as controller
+
+    pipe = pipeline(4, Comm())
+    calls = []
+    real = controller._lacking
+    monkeypatch.setattr(controller, "_lacking", lambda *a: calls.append(a) or real(*a))
+    fields = ["prompt", "response", "behaviour_logprobs"]
+    ids_of = {w: list(range(w * per_worker, (w + 1) * per_worker)) for w in (0, 1)}  # two workers of 2 ranks
+    for w, ids in ids_of.items():
+        pipe.hold((2 * w, 2 * w + 1), ids, fields)
+        pipe.length.update((sid, {"prompt": 20, "response": 64, "behaviour_logprobs": 64}) for sid in ids)
+    assert len({id(pipe.where[sid]) for sid in pipe.where}) == 2
+    # worker 0's samples are read where they are (rank 1), worker 1's first half moves to rank 0
+    half = ids_of[1][: per_worker // 2]
+    moves = pipe._moves({1: (ids_of[0], fields), 0: (half, fields)})
+    assert len(calls) == 2  # (worker 0's map, rank 1) and (worker 1's map, rank 0), whatever the samples
+    assert [(m.src, m.dst, m.ids, m.fields) for m in moves] == [(2, 0, half, fields)]
+    for m in moves:
+        pipe.moved(m)
+    assert pipe.where[half[0]] == dict.fromkeys(fields, {0, 2, 3})
+    assert pipe.where[ids_of[1][-1]] == dict.fromkeys(fields, {2, 3})
+    assert pipe.where[ids_of[0][0]] == dict.fromkeys(fields, {0, 1})
+    assert len({id(pipe.where[sid]) for sid in pipe.where}) == 3
+    pipe.forget(ids_of[1])
+    assert pipe.pending_drop == {0: half, 2: ids_of[1], 3: ids_of[1]} and set(pipe.where) == set(ids_of[0])
