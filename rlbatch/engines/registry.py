@@ -66,6 +66,10 @@ class EngineSpec:
     loads_in_flight: bool = False
     """Weights can land while it generates (``algo.in_flight_updates``): it pauses between engine
     steps, loads them and goes on with the same sequences, recording each token's policy version."""
+    loads_in_flight_tp: bool = False
+    """And on a worker of several tensor-parallel ranks: each rank's engine steps in lockstep in the
+    rank's own process, so the ranks agree on the step a sync lands at
+    (``rlbatch.loop.weightsync.InFlightSync.agreed``)."""
     trains_adapters: bool = False
     """It trains low-rank adapters of the model (``model.lora``) and exports them merged
     (``export_weights``) or alone (``export_adapters``, for an engine that ``loads_adapters``)."""

@@ -245,10 +245,19 @@ class InFlightSync:
     two engine steps and joins the broadcast there, so the sync never waits for the generation; the
     sync phase, which reaches the rank after the generation, then answers with what was received
     (``taken``, in order: with max_staleness >= 2 several syncs may land during one generation). A
-    rank that is not generating waits for the notice in the sync phase and joins as before."""
+    rank that is not generating waits for the notice in the sync phase and joins as before.
 
-    def __init__(self, world: World, broadcast: WeightBroadcast, src: int) -> None:
+    ``peers``: the ranks of this rank's inference worker, when it has several (tensor-parallel
+    ranks whose engines step in lockstep, vLLM's ``external_launcher``): a sync then lands on all of
+    them at the same engine step (``agreed``), though their notices arrive apart."""
+
+    def __init__(self, world: World, broadcast: WeightBroadcast, src: int, peers: tuple[int, ...] = ()) -> None:
         self.world, self.broadcast, self.src = world, broadcast, src
+        self.peers: MPI.Comm | None = None
+        """The worker's ranks, when it has several: where they agree on the step a sync lands at."""
+        if len(peers) > 1:
+            comm = cast("MPI.Intracomm", world.comm)  # the world's communicator
+            self.peers = comm.Create_group(comm.group.Incl(sorted(peers)))
         self._notice: MPI.Request | None = None
         self._pending: SyncNotice | None = None  # found by ``pending``, not received yet
         self._sent: list[MPI.Request] = []
@@ -284,6 +293,19 @@ class InFlightSync:
             self._pending = self._take()
         return self._pending is not None
 
+    def agreed(self) -> bool:
+        """Between two engine steps: whether a sync lands now, the same answer on every rank of the
+        worker (``peers``): one that has found its notice is enough, and a rank whose notice is still
+        on its way waits for it (the sender sends every rank of the sync group one before it
+        broadcasts). Without peers, ``pending``."""
+        mine = self.pending()
+        if self.peers is None or not self.peers.allreduce(mine, op=MPI.LOR):
+            return mine
+        if not mine:
+            wait_until(self.pending, self.world.timeout_s,
+                       lambda: f"the notice of a weight sync from rank {self.src}, which a peer of this worker has")
+        return True
+
     def take(self, infer: WeightSink) -> int:
         """Receive the sync ``pending`` found into ``infer`` now; returns its version."""
         notice, self._pending = self._pending, None
@@ -294,9 +316,9 @@ class InFlightSync:
         return notice.version
 
     def poll(self, infer: WeightSink) -> int | None:
-        """Between two engine steps: when a sync has begun, receive it into ``infer`` now and return
-        its version; else None at once."""
-        return self.take(infer) if self.pending() else None
+        """Between two engine steps: when a sync has begun (on every rank of the worker: ``agreed``),
+        receive it into ``infer`` now and return its version; else None at once."""
+        return self.take(infer) if self.agreed() else None
 
     def receive(self, infer: WeightSink) -> tuple[int, int]:
         """In the sync phase on an inference rank: the (version, bytes) of the oldest sync taken

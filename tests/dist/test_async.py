@@ -89,15 +89,20 @@ def test_an_inference_rank_killed_while_generating_ahead_ends_the_job_fast_and_i
 
 @pytest.mark.full
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize(("engine", "kv"), [("vllm", "keep"), ("sglang", "recompute")])
-def test_weights_land_mid_generation_on_a_rank_of_its_own(run_root: Path, engine: str, kv: str) -> None:
+@pytest.mark.parametrize(("backend", "kv"), [("vllm:d1", "keep"), ("sglang:d1", "recompute"), ("vllm:d1t2", "keep")],
+                         ids=["vllm-keep", "sglang-recompute", "vllm-t2-keep"])
+def test_weights_land_mid_generation_on_a_rank_of_its_own(run_root: Path, backend: str, kv: str) -> None:
     """``algo.in_flight_updates`` on vLLM's and SGLang's CPU builds: every sync goes through the
     notice and the inference rank's poll (or its sync phase, when the generation ended first), the
     run ends, and the staleness bound by each sample's oldest token holds with nothing dropped. The
     controller does not wait for the inference rank's answer to a sync: it collects it during the
-    next step."""
+    next step. ``vllm:d1t2``: a worker of two tensor-parallel ranks, which agree on the engine step
+    each sync lands at (a disagreement would hang their tensor-parallel collectives or load the
+    broadcast into one rank alone)."""
     run = run_root / "run"
-    out = launch([*ASYNC, f"roles.actor_infer.backend={engine}:d1", "model.num_heads=2", "model.num_kv_heads=1",
+    engine, _, dims = backend.partition(":")
+    ranks = ["roles.actor_infer.device_mapping=[1,2]"] if dims == "d1t2" else []
+    out = launch([*ASYNC, f"roles.actor_infer.backend={backend}", *ranks, "model.num_heads=2", "model.num_kv_heads=1",
                   "algo.in_flight_updates=true", f"algo.in_flight_kv={kv}", "steps=3", f"run_dir={run}"], run_root,
                  env=sglang_env() if engine == "sglang" else None, timeout=1100)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -116,13 +121,19 @@ def test_weights_land_mid_generation_on_a_rank_of_its_own(run_root: Path, engine
 
 @pytest.mark.full
 @pytest.mark.timeout(1200)
-def test_partial_rollouts_carry_unfinished_samples_into_later_steps_with_vllm(run_root: Path) -> None:
+@pytest.mark.parametrize("infer", [["roles.actor_infer.backend=vllm:d1"],
+                                   ["roles.actor_infer.backend=vllm:d1t2", "roles.actor_infer.device_mapping=[1,2]"]],
+                         ids=["d1", "d1t2"])
+def test_partial_rollouts_carry_unfinished_samples_into_later_steps_with_vllm(run_root: Path, infer: list[str]) -> None:
     """``algo.partial_rollouts`` on vLLM's CPU build: each step trains a full batch of the first
     groups to finish, samples left in flight end in a later step's batch with tokens of several
-    policy versions (staleness up to 2, mixed versions), and the bound on the oldest token holds."""
+    policy versions (staleness up to 2, mixed versions), and the bound on the oldest token holds.
+    Also on a worker of two tensor-parallel ranks, which keep the same requests and agree on the
+    step each sync lands at (a disagreement hangs their collectives): there the run and the bound
+    are checked, not how far its slower generation carries samples over (timing)."""
     run = run_root / "run"
     out = launch(["roles=disaggregated", "algo.max_staleness=2", "algo.off_policy=tis",
-                  "roles.actor_infer.backend=vllm:d1", "model.num_heads=2", "model.num_kv_heads=1",
+                  *infer, "model.num_heads=2", "model.num_kv_heads=1",
                   "algo.in_flight_updates=true", "algo.partial_rollouts=true", "steps=4", f"run_dir={run}"],
                  run_root, timeout=1100)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -130,8 +141,9 @@ def test_partial_rollouts_carry_unfinished_samples_into_later_steps_with_vllm(ru
     assert [x["step"] for x in r] == [0, 1, 2, 3]
     assert all(x["samples"] + x["train/stale_dropped"] == r[0]["samples"] for x in r)
     assert all(0.0 <= x["train/staleness_min"] <= x["train/staleness_max"] <= 2.0 for x in r)
-    assert max(x["train/staleness_max"] for x in r) == 2.0, "no sample stayed in flight past its step"
-    assert any(x["train/mixed_version_frac"] > 0 for x in r[1:]), [x["train/mixed_version_frac"] for x in r]
+    if len(infer) == 1:
+        assert max(x["train/staleness_max"] for x in r) == 2.0, "no sample stayed in flight past its step"
+        assert any(x["train/mixed_version_frac"] > 0 for x in r[1:]), [x["train/mixed_version_frac"] for x in r]
 
 
 @pytest.mark.full

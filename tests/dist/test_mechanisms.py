@@ -44,6 +44,8 @@ SCRIPT_CASES = {
     "weight_sync_is_bit_exact_across_two_syncs": ("weightsync.py", 3, "weightsync ok", 3),
     "weight_sync_streams_one_unit_at_a_time_in_the_wire_dtype": ("weight_stream.py", 2, "weight stream ok", 2),
     "calls_in_flight_get_their_own_replies_in_any_wait_order": ("control_order.py", 3, "control order ok", 1),
+    "in_flight_syncs_land_on_a_tensor_parallel_workers_ranks_at_the_same_step": ("in_flight_peers.py", 3,
+                                                                                  "in-flight peers ok", 1),
     "ulysses_context_parallelism_gives_the_unsplit_models_logprobs_and_gradients": ("ulysses.py", 4, "ulysses ok", 4),
 }
 

@@ -72,9 +72,10 @@ def test_validation_takes_sglang_one_rank_workers_and_refuses_tensor_parallel_on
         check(set_(apart, algo__in_flight_kv=kv), runnable=False)
     got = problems(set_(apart, roles__actor_infer__device_mapping=[1, 2], roles__actor_infer__backend="sglang:d1t2"),
                    runnable=False)
-    assert got == ["algo.in_flight_updates: weights land mid-generation only into one-rank workers: the 2 "
-                   "tensor-parallel ranks of a sglang worker would each have to pause at the same engine step; use "
-                   "sglang:dN (t=1) or set algo.in_flight_updates=false"], got
+    assert got == ["algo.in_flight_updates: weights land mid-generation only into one-rank sglang workers: the 2 "
+                   "tensor-parallel ranks of a sglang worker run its scheduler apart from the rank, with no engine "
+                   "step they could agree to pause at; use sglang:dN (t=1), an engine whose tensor-parallel ranks "
+                   "step in lockstep (vllm), or set algo.in_flight_updates=false"], got
     got = problems(set_(apart, algo__max_staleness=2, algo__partial_rollouts=True), runnable=False)
     assert any(p.startswith("algo.partial_rollouts: the inference engine keeps unfinished samples across steps, but "
                             "roles.actor_infer.backend 'sglang:d1' generates each call's prompts to their end")
