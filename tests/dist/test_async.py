@@ -148,21 +148,24 @@ def test_partial_rollouts_carry_unfinished_samples_into_later_steps_with_vllm(ru
 
 @pytest.mark.full
 @pytest.mark.timeout(1800)
+@pytest.mark.parametrize("infer", [["roles.actor_infer.backend=vllm:d1"],
+                                   ["roles.actor_infer.backend=vllm:d1t2", "roles.actor_infer.device_mapping=[1,2]"]],
+                         ids=["d1", "d1t2"])
 def test_partial_rollouts_keep_the_samples_in_flight_in_a_checkpoint_and_train_them_after_resume(
-        run_root: Path) -> None:
+        run_root: Path, infer: list[str]) -> None:
     """A partial-rollouts run on vLLM stopped after 2 steps and resumed to 4: the checkpoint holds the
     samples still generating (each one's prompt, tokens so far, their log-probs and versions), the
     controller's map of them and the next prompts' step; the resumed run puts them back into the
     engine and trains full batches. (Where an in-flight sync lands depends on timing, so two runs
     of partial rollouts with in-flight updates are not the same bit for bit, interrupted or not;
     tests/unit/test_vllm_in_flight_resume.py checks that the engine goes on bitwise from the
-    restored state.)"""
+    restored state.) ``d1t2``: a worker of two tensor-parallel ranks, each of which takes the
+    worker's kept samples back."""
     import torch
 
     run = run_root / "run"
-    args = ["roles=disaggregated", "algo.max_staleness=2", "algo.off_policy=tis", "roles.actor_infer.backend=vllm:d1",
-            "model.num_heads=2", "model.num_kv_heads=1", "algo.in_flight_updates=true", "algo.partial_rollouts=true",
-            f"run_dir={run}"]
+    args = ["roles=disaggregated", "algo.max_staleness=2", "algo.off_policy=tis", *infer, "model.num_heads=2",
+            "model.num_kv_heads=1", "algo.in_flight_updates=true", "algo.partial_rollouts=true", f"run_dir={run}"]
     first = launch([*args, "steps=2"], run_root, timeout=1100)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     saved = torch.load(run / "checkpoints" / "step_000001" / "kept.pt")
