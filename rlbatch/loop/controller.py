@@ -1,11 +1,11 @@
 """The controller's view of the pipeline: role handles whose methods are phases.
 
 The controller holds references, not data: for every (sample, field) it knows which ranks hold
-it and how long it is. Samples whose fields the same ranks hold share one holders map (``Held``), and
-a change makes a new one (copy on write), so that the work per phase goes with the groups of samples
-that were made or moved together rather than with every field of every sample. A phase assigns samples to the ranks that work on them, preferring the
-rank that already holds a sample (colocated roles hand over in memory), and sends each rank one
-command with the moves it takes part in and its work. Replies carry small results (lengths,
+it and how long it is. Samples whose fields the same ranks hold share one holders map (``Held``,
+copy on write), so the work of a phase goes with the groups of samples made or moved together
+rather than with every field of every sample. A phase assigns samples to the ranks that work on
+them, preferring the rank that already holds a sample (colocated roles hand over in memory), and
+sends each rank one command with the moves it takes part in and its work. Replies carry small results (lengths,
 rewards, stats) and a per-rank PhaseRecord for the metrics.
 """
 

@@ -175,7 +175,8 @@ class RankRuntime:
         self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
-        self.in_flight = (InFlightSync(world, self.broadcast, min(world.members["actor_train"]), self._worker("actor_infer"))
+        self.in_flight = (InFlightSync(world, self.broadcast, min(world.members["actor_train"]),
+                                       self._worker("actor_infer"))
                           if cfg.algo.in_flight_updates and world.rank in world.members.get(SYNC, ()) else None)
         """``algo.in_flight_updates``: syncs land between the engine steps of a generation."""
         self.ops: dict[str, Callable[..., object]] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
