@@ -214,12 +214,11 @@ def _check_in_flight(cfg: RLBatchConfig, placement: Placement | None) -> list[st
         problems.append(f"{why} into an engine that pauses between decode steps; roles.actor_infer's engine "
                         f"{infer.engine!r} generates each batch in one call with no point where weights can land: "
                         f"use one that pauses ({takers}), or set algo.in_flight_updates=false")
-    elif infer.num_gpus_per_worker > 1 and not spec.loads_in_flight_tp:
-        takers = ", ".join(sorted(n for n, s in REGISTRY.items() if s.loads_in_flight_tp))
-        problems.append(f"{why} into one-rank {infer.engine} workers: the {infer.num_gpus_per_worker} tensor-parallel "
-                        f"ranks of a {infer.engine} worker run its scheduler apart from the rank, with no engine step "
-                        f"they could agree to pause at; use {infer.engine}:dN (t=1), an engine whose tensor-parallel "
-                        f"ranks step in lockstep ({takers}), or set algo.in_flight_updates=false")
+    elif infer.num_gpus_per_worker > 1 and not spec.in_flight_tp:
+        takers = ", ".join(sorted(n for n, s in REGISTRY.items() if s.in_flight_tp))
+        problems.append(f"{why} into one-rank {infer.engine} workers: its {infer.num_gpus_per_worker} tensor-parallel "
+                        f"ranks have no engine step at which all of them can take a sync; use {infer.engine}:dN "
+                        f"(t=1), an engine that can ({takers}), or set algo.in_flight_updates=false")
     if sync_form(cfg.model.lora, spec.loads_adapters) == "adapter":
         problems.append(f"{why} with full weights; model.lora syncs adapters alone into {infer.engine!r} (requests "
                         f"in flight hold the previous adapter): set model.lora.sync=merged")

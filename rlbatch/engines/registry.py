@@ -66,10 +66,12 @@ class EngineSpec:
     loads_in_flight: bool = False
     """Weights can land while it generates (``algo.in_flight_updates``): it pauses between engine
     steps, loads them and goes on with the same sequences, recording each token's policy version."""
-    loads_in_flight_tp: bool = False
-    """And on a worker of several tensor-parallel ranks: each rank's engine steps in lockstep in the
-    rank's own process, so the ranks agree on the step a sync lands at
-    (``rlbatch.loop.weightsync.InFlightSync.agreed``)."""
+    in_flight_tp: str = ""
+    """How it takes weights mid-generation on a worker of several tensor-parallel ranks: "lockstep"
+    (each rank's engine steps in lockstep in the rank's own process, so the ranks agree before each
+    step whether a sync lands: ``rlbatch.loop.weightsync.InFlightSync.agreed``), "leader" (the
+    worker's first rank runs the engine, the others hold no model and join each sync as it begins
+    while they wait for its generations); "" where it cannot (refused before start)."""
     trains_adapters: bool = False
     """It trains low-rank adapters of the model (``model.lora``) and exports them merged
     (``export_weights``) or alone (``export_adapters``, for an engine that ``loads_adapters``)."""

@@ -175,19 +175,21 @@ class RankRuntime:
         self.objectives = {r: objective_for(r, cfg.algo) for r in self.engines if r in TRAINABLE_ROLES}
         # Weights travel in the inference engine's dtype: every rank of the sync group derives it alike.
         self.broadcast = WeightBroadcast(model_dtype(str(cfg.model.dtype), world.device))
-        self.in_flight = (InFlightSync(world, self.broadcast, min(world.members["actor_train"]),
-                                       self._worker("actor_infer"))
+        self.in_flight = (InFlightSync(world, self.broadcast, min(world.members["actor_train"]), self._lockstep())
                           if cfg.algo.in_flight_updates and world.rank in world.members.get(SYNC, ()) else None)
         """``algo.in_flight_updates``: syncs land between the engine steps of a generation."""
         self.ops: dict[str, Callable[..., object]] = {"generate": self._generate, "score": self._score, "logprobs": self._logprobs,
                                     "base_logprobs": self._logprobs, "values": self._values, "train": self._train,
                                     "sync": self._sync, "checkpoint": self._checkpoint, "buffer": self._buffer}
 
-    def _worker(self, role: str) -> tuple[int, ...]:
-        """The ranks of this rank's worker of ``role`` (its tensor-parallel peers and itself); none
-        where it has no part in the role."""
-        rp = self.world.placement.roles.get(role)
-        return next((tuple(w) for w in rp.workers if self.world.rank in w), ()) if rp is not None else ()
+    def _lockstep(self) -> tuple[int, ...]:
+        """The ranks of this rank's inference worker (its tensor-parallel peers and itself) where
+        their engines step in lockstep (``EngineSpec.in_flight_tp``) and must agree on the step an
+        in-flight sync lands at; none elsewhere."""
+        rp = self.world.placement.roles.get("actor_infer")
+        if rp is None or spec_of(rp.engine).in_flight_tp != "lockstep":
+            return ()
+        return next((tuple(w) for w in rp.workers if self.world.rank in w), ())
 
     def handlers(self) -> dict[str, Callable[..., object]]:
         return {"phase": self.phase, "ready": self.ready, "shutdown": self.close}

@@ -89,8 +89,9 @@ def test_an_inference_rank_killed_while_generating_ahead_ends_the_job_fast_and_i
 
 @pytest.mark.full
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize(("backend", "kv"), [("vllm:d1", "keep"), ("sglang:d1", "recompute"), ("vllm:d1t2", "keep")],
-                         ids=["vllm-keep", "sglang-recompute", "vllm-t2-keep"])
+@pytest.mark.parametrize(("backend", "kv"), [("vllm:d1", "keep"), ("sglang:d1", "recompute"), ("vllm:d1t2", "keep"),
+                                             ("sglang:d1t2", "keep")],
+                         ids=["vllm-keep", "sglang-recompute", "vllm-t2-keep", "sglang-t2-keep"])
 def test_weights_land_mid_generation_on_a_rank_of_its_own(run_root: Path, backend: str, kv: str) -> None:
     """``algo.in_flight_updates`` on vLLM's and SGLang's CPU builds: every sync goes through the
     notice and the inference rank's poll (or its sync phase, when the generation ended first), the
@@ -98,7 +99,9 @@ def test_weights_land_mid_generation_on_a_rank_of_its_own(run_root: Path, backen
     controller does not wait for the inference rank's answer to a sync: it collects it during the
     next step. ``vllm:d1t2``: a worker of two tensor-parallel ranks, which agree on the engine step
     each sync lands at (a disagreement would hang their tensor-parallel collectives or load the
-    broadcast into one rank alone)."""
+    broadcast into one rank alone). ``sglang:d1t2``: the follower joins each sync while it waits for
+    the leader's generations (else the broadcast would wait for it until the generation ends, and
+    the leader, paused in it, would never end it)."""
     run = run_root / "run"
     engine, _, dims = backend.partition(":")
     ranks = ["roles.actor_infer.device_mapping=[1,2]"] if dims == "d1t2" else []

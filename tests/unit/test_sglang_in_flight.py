@@ -13,6 +13,7 @@ tokens so far (``SGLANG_FORCE_STREAM_INTERVAL``), which its processes read as th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -58,8 +59,8 @@ def test_a_notice_found_between_steps_is_received_by_the_sync_phase_when_the_gen
         infer.take(engine)
 
 
-def test_validation_takes_sglang_one_rank_workers_and_refuses_tensor_parallel_ones_and_partial_rollouts(
-        tmp_path: Path) -> None:
+def test_validation_takes_sglang_workers_and_refuses_partial_rollouts(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from rlbatch.checks.validate import check
     from tests.unit.configs import default_config, problems, set_
 
@@ -70,12 +71,17 @@ def test_validation_takes_sglang_one_rank_workers_and_refuses_tensor_parallel_on
     check(apart, runnable=False)
     for kv in ("keep", "recompute"):
         check(set_(apart, algo__in_flight_kv=kv), runnable=False)
-    got = problems(set_(apart, roles__actor_infer__device_mapping=[1, 2], roles__actor_infer__backend="sglang:d1t2"),
-                   runnable=False)
-    assert got == ["algo.in_flight_updates: weights land mid-generation only into one-rank sglang workers: the 2 "
-                   "tensor-parallel ranks of a sglang worker run its scheduler apart from the rank, with no engine "
-                   "step they could agree to pause at; use sglang:dN (t=1), an engine whose tensor-parallel ranks "
-                   "step in lockstep (vllm), or set algo.in_flight_updates=false"], got
+    tensor_parallel = set_(apart, roles__actor_infer__device_mapping=[1, 2], roles__actor_infer__backend="sglang:d1t2")
+    check(tensor_parallel, runnable=False)  # the followers join each sync as it begins (SGLangFollower)
+    # an engine that pauses between steps but whose tensor-parallel ranks could not all take a sync
+    from rlbatch.engines import registry
+
+    monkeypatch.setitem(registry.REGISTRY, "sglang", dataclasses.replace(registry.REGISTRY["sglang"], in_flight_tp=""))
+    got = problems(tensor_parallel, runnable=False)
+    assert got == ["algo.in_flight_updates: weights land mid-generation only into one-rank sglang workers: its 2 "
+                   "tensor-parallel ranks have no engine step at which all of them can take a sync; use sglang:dN "
+                   "(t=1), an engine that can (vllm), or set algo.in_flight_updates=false"], got
+    monkeypatch.undo()
     got = problems(set_(apart, algo__max_staleness=2, algo__partial_rollouts=True), runnable=False)
     assert any(p.startswith("algo.partial_rollouts: the inference engine keeps unfinished samples across steps, but "
                             "roles.actor_infer.backend 'sglang:d1' generates each call's prompts to their end")

@@ -61,7 +61,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -212,7 +212,7 @@ class SGLangEngine:
         self._received: set[str] = set()
         self._asleep: set[str] = set()
         self._resident = StaysResident(log, _NO_SAVER)
-        self.landings = Landings(self.engine, self.device)
+        self.landings = Landings(self.engine, self.device, tp)
 
     def close(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes. The engine is unusable afterwards."""
@@ -340,6 +340,11 @@ class SGLangFollower:
     generate call returns the generations the leader sends for the same call (module doc)."""
 
     state_kinds: tuple[str, ...] = ()
+    between_steps: Callable[[], int | None] | None = None
+    """Set while a generation may take weights mid-way (``algo.in_flight_updates``,
+    ``rlbatch.loop.weightsync.landing``). The follower is in the sync group, so while it waits for
+    the leader's generations it joins each sync that begins (this call receives it, and the leader's
+    engine loads it), as the leader takes it between two of its engine's steps."""
 
     def __init__(self, ctx: EngineContext, leader: int) -> None:
         if ctx.comm is None:
@@ -352,10 +357,21 @@ class SGLangFollower:
         pass
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        from rlbatch.runtime.control import recv_obj
+        from rlbatch.runtime.control import PROMPT, wait_until
 
-        generations: list[Generation] = recv_obj(self.comm, self.leader, RESULT_TAG, None,
-                                                 f"the generations of rank {self.leader}'s sglang engine")
+        joins = self.between_steps
+        box: list[list[Generation]] = []
+
+        def arrived() -> bool:
+            if joins is not None:
+                joins()  # a sync that has begun: received now, with the leader
+            msg = self.comm.improbe(source=self.leader, tag=RESULT_TAG)
+            if msg is not None:
+                box.append(msg.recv())
+            return bool(box)
+
+        wait_until(arrived, float("inf"), lambda: f"the generations of rank {self.leader}'s sglang engine", PROMPT)
+        generations = box[0]
         if len(generations) != len(prompts):
             raise RuntimeError(f"sglang engine: rank {self.leader} generated for {len(generations)} prompts, this "
                                f"follower was asked for {len(prompts)}")

@@ -55,8 +55,9 @@ class InFlightHook(Protocol):
 class Landings:
     """One engine's generations with weights landing in them (module doc)."""
 
-    def __init__(self, engine: SGLangRuntime, device: torch.device) -> None:
-        self.engine, self.device = engine, device
+    def __init__(self, engine: SGLangRuntime, device: torch.device, tp: int = 1) -> None:
+        self.engine, self.device, self.tp = engine, device, tp
+        """``tp``: the engine's tensor-parallel schedulers, each of which takes a bucket's own copy."""
         self.recompute_kv = False
         """The generation running retracts its requests for a sync (``recompute``), else pauses in place."""
         self.active = False
@@ -147,14 +148,16 @@ class Landings:
         self._on_loop(self.engine.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None))
 
     def update(self, chunk: list[tuple[str, torch.Tensor]], last: bool) -> tuple[bool, str]:
-        """One bucket: the request SGLang's ``Engine.update_weights_from_tensor`` builds (one tensor-
-        parallel rank). After the last, the cache is flushed when the requests were retracted; kept,
-        they hold it (``_generate`` flushes it after them)."""
+        """One bucket: the request SGLang's ``Engine.update_weights_from_tensor`` builds (the bucket
+        serialized once per tensor-parallel scheduler, each of which takes its own). After the last,
+        the cache is flushed when the requests were retracted; kept, they hold it (``_generate``
+        flushes it after them)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
-        request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=[MultiprocessingSerializer.serialize(chunk)],
-                                                  flush_cache=last and self.recompute_kv)
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(chunk) for _ in range(self.tp)],
+            flush_cache=last and self.recompute_kv)
         return self._on_loop(self.engine.tokenizer_manager.update_weights_from_tensor(request, None))
 
     def end(self) -> None:

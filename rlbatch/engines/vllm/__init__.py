@@ -48,7 +48,7 @@ register(EngineSpec("vllm", EngineKind.INFER, VLLMArgs, "rlbatch.engines.vllm.en
                          "external launcher, which vLLM builds for tensor parallelism (every rank one engine over "
                          "the same requests); its pipeline stages run under vLLM's own multiprocessing or Ray "
                          "executors; use vllm:dXtY", reserves_device_share=True,
-                    loads_adapters=True, loads_in_flight=True, loads_in_flight_tp=True,
+                    loads_adapters=True, loads_in_flight=True, in_flight_tp="lockstep",
                     cost="rlbatch.engines.vllm.cost:VLLMCost",
                     rules="rlbatch.engines.vllm.rules:vllm_problems",
                     # its own kernels, bf16 on a GPU: a broad floor; the baseline measured before training
