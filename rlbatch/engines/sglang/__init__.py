@@ -38,8 +38,10 @@ class SGLangArgs:
 
 # dims "dt": data-parallel SGLang workers of t tensor-parallel ranks each, one engine per worker on
 # its first rank (SGLang spawns the t scheduler processes itself). Weights land mid-generation by
-# pausing SGLang's scheduler (one-rank workers: validation refuses t > 1 with in-flight updates).
+# pausing SGLang's scheduler; on a worker of t > 1 the followers join each sync while they wait for
+# the leader's generations (in_flight_tp "leader").
 register(EngineSpec("sglang", EngineKind.INFER, SGLangArgs, "rlbatch.engines.sglang.engine:build", dims="dt",
-                    reserves_device_share=True, loads_in_flight=True, in_flight_tp="leader", cost="rlbatch.engines.sglang.cost:SGLangCost",
+                    reserves_device_share=True, loads_in_flight=True, in_flight_tp="leader",
+                    cost="rlbatch.engines.sglang.cost:SGLangCost",
                     rules="rlbatch.engines.sglang.rules:sglang_problems",
                     sync_check_floor=1e-2))  # its own kernels, as vllm's

@@ -46,7 +46,8 @@
   ranks (followers, ``SGLangFollower``) hold no model: each generate call receives the leader's
   generations over MPI (the leader sends them as it returns its own), so every rank of the worker
   holds the samples, as a vLLM worker's do; weight buckets and offloads are the leader's alone.
-  On CPU each scheduler process is given the rank's cores (``SGLANG_CPU_OMP_THREADS_BIND``; SGLang
+  With in-flight updates a follower joins each sync as it begins, while it waits (it is in the sync
+  group), and the leader's buckets go to each of its t schedulers. On CPU each scheduler process is given the rank's cores (``SGLANG_CPU_OMP_THREADS_BIND``; SGLang
   otherwise wants a NUMA node per tp rank) and reduces over gloo.
 """
 
