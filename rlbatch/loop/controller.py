@@ -5,8 +5,8 @@ it and how long it is. Samples whose fields the same ranks hold share one holder
 copy on write), so the work of a phase goes with the groups of samples made or moved together
 rather than with every field of every sample. A phase assigns samples to the ranks that work on
 them, preferring the rank that already holds a sample (colocated roles hand over in memory), and
-sends each rank one command with the moves it takes part in and its work. Replies carry small results (lengths,
-rewards, stats) and a per-rank PhaseRecord for the metrics.
+sends each rank one command with the moves it takes part in and its work. Replies carry small
+results (lengths, rewards, stats) and a per-rank PhaseRecord for the metrics.
 """
 
 from __future__ import annotations

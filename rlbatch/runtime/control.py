@@ -132,14 +132,17 @@ def timed_bcast(comm: MPI.Comm, obj: T, root: int, timeout_s: float, what: str) 
 
 
 def recv_obj(comm: MPI.Comm, source: int, tag: int, timeout_s: float | None, what: str,
-             patience: Patience = PROMPT) -> Any:
+             patience: Patience = PROMPT, meanwhile: Callable[[], object] | None = None) -> Any:
     """Receive one pickled message; ``timeout_s=None`` waits for ever (still without spinning).
     The message is whatever the sender pickled, untyped as mpi4py's ``recv`` gives it: the caller
-    knows what the protocol of ``tag`` sends."""
+    knows what the protocol of ``tag`` sends. ``meanwhile``: called before each look for the
+    message, for work the wait must not hold up."""
     status = MPI.Status()
     box: list[object] = []
 
     def arrived() -> bool:
+        if meanwhile is not None:
+            meanwhile()
         msg = comm.improbe(source=source, tag=tag, status=status)
         if msg is None:
             return False

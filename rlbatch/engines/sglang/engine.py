@@ -47,8 +47,9 @@
   generations over MPI (the leader sends them as it returns its own), so every rank of the worker
   holds the samples, as a vLLM worker's do; weight buckets and offloads are the leader's alone.
   With in-flight updates a follower joins each sync as it begins, while it waits (it is in the sync
-  group), and the leader's buckets go to each of its t schedulers. On CPU each scheduler process is given the rank's cores (``SGLANG_CPU_OMP_THREADS_BIND``; SGLang
-  otherwise wants a NUMA node per tp rank) and reduces over gloo.
+  group), and the leader's buckets go to each of its t schedulers. On CPU each scheduler process
+  is given the rank's cores (``SGLANG_CPU_OMP_THREADS_BIND``; SGLang otherwise wants a NUMA node
+  per tp rank) and reduces over gloo.
 """
 
 from __future__ import annotations
@@ -358,21 +359,12 @@ class SGLangFollower:
         pass
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        from rlbatch.runtime.control import PROMPT, wait_until
+        from rlbatch.runtime.control import recv_obj
 
-        joins = self.between_steps
-        box: list[list[Generation]] = []
-
-        def arrived() -> bool:
-            if joins is not None:
-                joins()  # a sync that has begun: received now, with the leader
-            msg = self.comm.improbe(source=self.leader, tag=RESULT_TAG)
-            if msg is not None:
-                box.append(msg.recv())
-            return bool(box)
-
-        wait_until(arrived, float("inf"), lambda: f"the generations of rank {self.leader}'s sglang engine", PROMPT)
-        generations = box[0]
+        # With in-flight updates, a sync that begins meanwhile is joined (received with the leader).
+        generations: list[Generation] = recv_obj(self.comm, self.leader, RESULT_TAG, None,
+                                                 f"the generations of rank {self.leader}'s sglang engine",
+                                                 meanwhile=self.between_steps)
         if len(generations) != len(prompts):
             raise RuntimeError(f"sglang engine: rank {self.leader} generated for {len(generations)} prompts, this "
                                f"follower was asked for {len(prompts)}")
